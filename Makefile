@@ -1,0 +1,24 @@
+# Two entry points (README "Quick start"): `make demo` and `make test`.
+# Both build the virtualenvs they need (cached outside the clone, keyed by requirements hash).
+SHELL := /bin/bash
+LEARNER_VENV = $(shell tools/env/make_venv.sh learner)
+SGLANG_VENV = $(shell tools/env/make_venv.sh sglang)
+PYTEST_ARGS ?=
+
+.PHONY: demo test envs learner-env sglang-env
+
+learner-env:
+	@tools/env/make_venv.sh learner
+
+sglang-env:
+	@tools/env/make_venv.sh sglang
+
+envs: learner-env sglang-env
+
+demo:
+	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
+	  $$L/bin/python -m areal_mega.cli demo --learner-python $$L/bin/python --sglang-python $$S/bin/python
+
+test:
+	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
+	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -x $(PYTEST_ARGS)

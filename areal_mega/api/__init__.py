@@ -1,0 +1,16 @@
+"""Small contracts between the components. Implementations live elsewhere."""
+
+from areal_mega.api.engine import InferenceEngine, TrainEngine, WeightUpdateMeta
+from areal_mega.api.io import GenerationRequest, GenerationResult, SamplingParams
+from areal_mega.api.workflow import RolloutWorkflow, Trajectory
+
+__all__ = [
+    "GenerationRequest",
+    "GenerationResult",
+    "InferenceEngine",
+    "RolloutWorkflow",
+    "SamplingParams",
+    "TrainEngine",
+    "Trajectory",
+    "WeightUpdateMeta",
+]

@@ -1,0 +1,79 @@
+"""Engine contracts: the learner side (``TrainEngine``) and the generation side
+(``InferenceEngine``). Rollout methods stay off the train engine and vice versa; the two meet
+only in weight sync, described by ``WeightUpdateMeta``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from areal_mega.api.io import GenerationRequest, GenerationResult
+
+
+@dataclass
+class WeightUpdateMeta:
+    """How new weights reach the inference servers."""
+
+    kind: str  # "distributed" (NCCL/gloo broadcast) or "disk"
+    version: int
+    """Policy version the servers report after this update."""
+    path: str | None = None
+    """HF checkpoint directory, for kind == "disk"."""
+
+
+class TrainEngine(ABC):
+    """A (possibly model-parallel) trainable policy or critic.
+
+    Batches are dicts of flat token tensors holding several packed sequences:
+    ``input_ids`` [T], ``cu_seqlens`` [B+1] and any per-token fields the loss needs.
+    Every rank of the learner calls each method collectively.
+    """
+
+    @abstractmethod
+    def forward_logprobs(self, batch: dict[str, Any], temperature: float = 1.0) -> Any:
+        """Per-token log-prob of each next token (aligned to input_ids, last of each seq = 0)."""
+
+    @abstractmethod
+    def train_batch(self, batch: dict[str, Any], loss_fn: Callable[..., Any]) -> dict[str, float]:
+        """One optimizer step over ``batch`` split into token-budget micro-batches."""
+
+    @abstractmethod
+    def save(self, path: str) -> None:
+        """Save a distributed checkpoint (loadable in another parallel layout)."""
+
+    @abstractmethod
+    def load(self, path: str) -> None:
+        ...
+
+    @abstractmethod
+    def get_version(self) -> int:
+        ...
+
+    @abstractmethod
+    def set_version(self, version: int) -> None:
+        ...
+
+
+class InferenceEngine(ABC):
+    """A pool of generation servers seen as one engine."""
+
+    @abstractmethod
+    async def agenerate(self, req: GenerationRequest) -> GenerationResult:
+        ...
+
+    @abstractmethod
+    async def pause(self) -> None:
+        """Stop scheduling new tokens (in-flight requests are aborted or held, per config)."""
+
+    @abstractmethod
+    async def resume(self) -> None:
+        ...
+
+    @abstractmethod
+    def get_version(self) -> int:
+        ...
+
+    @abstractmethod
+    def set_version(self, version: int) -> None:
+        ...

@@ -1,0 +1,51 @@
+"""Data that crosses the inference boundary: requests, results, sampling settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 256
+    """Upper bound on generated tokens for one request."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k cutoff; -1 disables it."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation (the tokenizer's EOS is added by the caller)."""
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerationRequest:
+    input_ids: list[int]
+    sampling: SamplingParams
+    rid: str | None = None
+    """Request id; the client fills a unique one when None."""
+
+
+@dataclass
+class GenerationResult:
+    """One finished generation. ``output_versions[i]`` is the policy version that sampled
+    ``output_ids[i]``: an interrupted request resumed after a weight update has mixed versions."""
+
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: str
+    """"stop" or "length" (aborts are resumed by the client, never returned)."""
+    rid: str = ""
+    num_interruptions: int = 0
+    latency_s: float = 0.0

@@ -1,0 +1,191 @@
+"""Typed configuration: nested dataclasses loaded from YAML, with dotted command-line overrides.
+
+    cfg = load_config(ExperimentConfig, "configs/grpo_tiny.yaml", ["actor.optimizer.lr=1e-6"])
+
+Each component owns the dataclass of the settings it reads (one docstring per field, written as
+a string literal right under the field, the convention torchtitan uses). This module only knows
+how to turn YAML into those dataclasses:
+
+* an unknown key, a value of the wrong type, or a value a dataclass's ``validate()`` rejects
+  raises :class:`ConfigError` naming the dotted key and the file it came from;
+* overrides are ``dotted.key=value`` where ``value`` is parsed as YAML (so ``1e-6``, ``true``,
+  ``[1, 2]`` and ``null`` mean what they look like).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error; the message names the key (and file)."""
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and convert where lossless (int -> float)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}{key}: {value!r} is not a valid {_type_name(tp)}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{where}{key}: {value!r} is not one of {list(allowed)}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}{key}: expected a list, got {value!r}")
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        items = [_coerce(v, item_tp, f"{key}[{i}]", where) for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}{key}: expected a mapping, got {value!r}")
+        _, val_tp = typing.get_args(tp) or (Any, Any)
+        return {k: _coerce(v, val_tp, f"{key}.{k}", where) for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}{key}: expected a mapping for {tp.__name__}, got {value!r}")
+        return _build(tp, value, key + ".", where)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}{key}: expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}{key}: expected true/false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}{key}: expected a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{where}{key}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls: type[T], data: dict, prefix: str, where: str) -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for k in data:
+        if k not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"{where}unknown key '{prefix}{k}' (known keys here: {known})")
+    kwargs = {k: _coerce(v, hints[k], prefix + k, where) for k, v in data.items()}
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:  # a required field without a default is missing
+        raise ConfigError(f"{where}{prefix.rstrip('.') or cls.__name__}: {e}") from None
+    return obj
+
+
+def validate_tree(obj: Any, prefix: str = "", where: str = "") -> None:
+    """Call ``validate()`` on every nested dataclass, turning ValueError into ConfigError."""
+    for f in dataclasses.fields(obj):
+        child = getattr(obj, f.name)
+        if dataclasses.is_dataclass(child):
+            validate_tree(child, f"{prefix}{f.name}.", where)
+    check = getattr(obj, "validate", None)
+    if check is not None:
+        try:
+            check()
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(f"{where}{prefix}{e}") from None
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    node = data
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: '{p}' is not a section")
+    node[leaf] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    data: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+    return data
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def from_dict(cls: type[T], data: dict, where: str = "") -> T:
+    """Build and validate ``cls`` from a plain dict (``where`` prefixes error messages)."""
+    obj = _build(cls, data or {}, "", where)
+    validate_tree(obj, "", where)
+    return obj
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """YAML file (optional) + dotted overrides -> validated ``cls`` instance."""
+    data: dict = {}
+    where = ""
+    if path is not None:
+        where = f"{path}: "
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        data = loaded or {}
+    if overrides:
+        data = _merge(data, parse_overrides(overrides))
+        where = f"{path or 'command line'} (with overrides): "
+    return from_dict(cls, data, where)
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def dump_yaml(obj: Any) -> str:
+    return yaml.safe_dump(to_dict(obj), sort_keys=False)
