@@ -1,0 +1,337 @@
+"""Sequence packing and token-budget micro-batching (pure logic; no process groups).
+
+A *packed batch* is a dict of flat tensors holding B variable-length sequences back to back,
+never padded to the longest one::
+
+    input_ids   [T]      int64, T = sum of the sequence lengths
+    cu_seqlens  [B + 1]  int64 (int32 accepted), cu_seqlens[0] = 0, cu_seqlens[-1] = T
+    <field>     [T]      any per-token field (loss_mask, logprobs, advantages, versions, ...)
+    <field>     [B]      per-sequence fields are allowed too (e.g. rewards); they follow
+                         their sequences into micro-batches
+
+Planning splits the batch in two steps, both deterministic functions of the sequence lengths
+only, so every rank computes the same plan from the same batch without communicating:
+
+1. data-parallel split: sequences are dealt to the ``dp`` ranks, longest first, each to the
+   rank with the fewest tokens so far (LPT), which balances tokens per rank;
+2. micro-batches per rank under a token budget (``max_tokens_per_microbatch``): the count
+   comes from first-fit-decreasing bin packing, the assignment from "worst-fit decreasing"
+   into that many bins (longest first, into the least filled one with room) for balance. Then the micro-batch count is raised to
+   the maximum over DP ranks (megatron's schedules run the same number of micro-batches on
+   every DP rank, or the gradient all-reduce deadlocks) and each rank re-packs into exactly
+   that many (more bins only ever make room, so this terminates at once).
+
+A sequence longer than the budget gets a micro-batch of its own (it is never split: the
+model needs all of a sequence's tokens in one forward). A DP rank that has fewer sequences
+than the common micro-batch count gets *filler* micro-batches: one pad token (id 0, every
+per-token field 0, so a 0 loss mask) that contributes nothing to losses or outputs.
+
+Original order stays recoverable: every :class:`MicroBatch` keeps ``seq_indices`` (positions
+in the input batch); :func:`scatter_to_batch` writes per-micro-batch outputs back to the
+batch's flat layout.
+
+Alignment convention (TrainEngine contract): per-token model outputs are "next-token" aligned:
+``out[i]`` is the log-prob of ``input_ids[i + 1]`` given tokens ``<= i``, and the last token of
+each sequence has 0. Trajectory fields are "this-token" aligned (``logprobs[i]`` is the
+behaviour log-prob *of* token i). :func:`shift_to_next_token` converts the latter to the former.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+PAD_TOKEN_ID = 0
+
+
+def seqlens_of(cu_seqlens: torch.Tensor | Sequence[int]) -> list[int]:
+    cu = [int(x) for x in cu_seqlens]
+    return [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+
+
+def cu_seqlens_of(lens: Sequence[int]) -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    if len(lens):
+        out[1:] = torch.cumsum(torch.as_tensor(list(lens), dtype=torch.int64), 0)
+    return out
+
+
+def pack_sequences(seqs: Sequence[dict[str, Sequence[Any]]]) -> dict[str, torch.Tensor]:
+    """List of per-sequence dicts of equal-length lists -> packed batch dict.
+
+    Every sequence must have the same keys, including ``input_ids``. Integer lists become int64,
+    float lists float32.
+    """
+    if not seqs:
+        raise ValueError("pack_sequences: empty list of sequences")
+    keys = list(seqs[0].keys())
+    if "input_ids" not in keys:
+        raise ValueError("pack_sequences: each sequence needs 'input_ids'")
+    lens = []
+    for i, s in enumerate(seqs):
+        if set(s.keys()) != set(keys):
+            raise ValueError(f"pack_sequences: sequence {i} has keys {sorted(s)} != {sorted(keys)}")
+        n = len(s["input_ids"])
+        if n < 1:
+            raise ValueError(f"pack_sequences: sequence {i} has empty input_ids")
+        for k in keys:
+            if len(s[k]) != n:
+                raise ValueError(f"pack_sequences: sequence {i} field '{k}' has {len(s[k])} != {n} tokens")
+        lens.append(n)
+    out: dict[str, torch.Tensor] = {}
+    for k in keys:
+        flat = [v for s in seqs for v in s[k]]
+        is_float = any(isinstance(v, float) for v in flat)
+        out[k] = torch.tensor(flat, dtype=torch.float32 if is_float else torch.int64)
+    out["cu_seqlens"] = cu_seqlens_of(lens)
+    return out
+
+
+def validate_batch(batch: dict[str, torch.Tensor]) -> list[int]:
+    """Check a packed batch's shapes; return its sequence lengths. Errors name the tensor."""
+    for k in ("input_ids", "cu_seqlens"):
+        if k not in batch:
+            raise ValueError(f"packed batch: missing '{k}'")
+    ids, cu = batch["input_ids"], batch["cu_seqlens"]
+    if ids.dim() != 1:
+        raise ValueError(f"packed batch: 'input_ids' must be flat [T], got shape {tuple(ids.shape)}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"packed batch: 'cu_seqlens' must be [B+1] with B >= 1, got {tuple(cu.shape)}")
+    lens = seqlens_of(cu)
+    if int(cu[0]) != 0 or int(cu[-1]) != ids.numel() or min(lens) < 1:
+        raise ValueError(
+            f"packed batch: 'cu_seqlens' must start at 0, increase strictly and end at "
+            f"len(input_ids)={ids.numel()}; got {cu.tolist()[:8]}..."
+        )
+    num_seqs = len(lens)
+    for k, v in batch.items():
+        if k == "cu_seqlens" or not isinstance(v, torch.Tensor):
+            continue
+        if v.dim() == 0 or v.shape[0] not in (ids.numel(), num_seqs):
+            raise ValueError(
+                f"packed batch: field '{k}' has leading dim {tuple(v.shape)[:1]}, expected "
+                f"T={ids.numel()} (per token) or B={num_seqs} (per sequence)"
+            )
+    return lens
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch: which input sequences it holds, in packing order."""
+
+    seq_indices: list[int]
+    """Indices into the input batch's sequences (empty for a filler micro-batch)."""
+    num_tokens: int
+    """Real tokens (sum of the sequences' lengths); 0 for a filler."""
+
+    @property
+    def is_filler(self) -> bool:
+        return not self.seq_indices
+
+
+@dataclass
+class MicroBatchPlan:
+    """Per-DP-rank micro-batches; every rank has the same number (``num_microbatches``)."""
+
+    per_rank: list[list[MicroBatch]]
+    max_tokens_per_microbatch: int
+    seq_lens: list[int] = field(default_factory=list)
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.per_rank[0])
+
+    def tokens_per_rank(self) -> list[int]:
+        return [sum(mb.num_tokens for mb in mbs) for mbs in self.per_rank]
+
+    def packing_efficiency(self) -> float:
+        """Real tokens / (micro-batch slots * budget): how full fixed-budget micro-batches are."""
+        slots = sum(len(m) for m in self.per_rank) * self.max_tokens_per_microbatch
+        return sum(self.seq_lens) / slots if slots else 1.0
+
+
+def split_for_dp(seq_lens: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Deal sequences to ``dp_size`` ranks, longest first to the least-loaded rank (LPT).
+
+    Returns, per rank, sequence indices in ascending order. Ties go to the lowest rank, so the
+    result depends only on ``seq_lens`` and ``dp_size``. A rank may get no sequence when there
+    are fewer sequences than ranks (it then runs filler micro-batches only).
+    """
+    if dp_size < 1:
+        raise ValueError(f"dp_size: must be >= 1, got {dp_size}")
+    order = sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
+    loads = [0] * dp_size
+    ranks: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in order:
+        r = min(range(dp_size), key=lambda j: (loads[j], j))
+        ranks[r].append(i)
+        loads[r] += seq_lens[i]
+    return [sorted(r) for r in ranks]
+
+
+def _fit_bins(
+    seq_lens: Sequence[int], indices: Sequence[int], max_tokens: int, num_bins: int, worst_fit: bool
+) -> list[list[int]]:
+    """Longest first; into the first (or least-filled, ``worst_fit``) bin with room, else a new
+    bin. An empty bin takes anything, so a sequence over the budget sits alone."""
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    loads = [0] * num_bins
+    for i in sorted(indices, key=lambda i: (-seq_lens[i], i)):
+        n = seq_lens[i]
+        fits = [b for b in range(len(bins)) if loads[b] + n <= max_tokens or loads[b] == 0]
+        if not fits:
+            bins.append([])
+            loads.append(0)
+            fits = [len(bins) - 1]
+        b = min(fits, key=lambda b: (loads[b], b)) if worst_fit else fits[0]
+        bins[b].append(i)
+        loads[b] += n
+    return bins
+
+
+def pack_into_bins(
+    seq_lens: Sequence[int], indices: Sequence[int], max_tokens: int, min_bins: int = 1
+) -> list[MicroBatch]:
+    """Pack ``indices`` into as few micro-batches as first-fit-decreasing finds (but at least
+    ``min_bins``), then balance them.
+
+    FFD fixes the count k (FFD is within 11/9 of the optimum); "worst-fit decreasing" into k
+    pre-opened bins (longest first, into the least-filled bin with room) then evens out the
+    loads, which shortens pipeline bubbles and DP stragglers. If WFD cannot fit into k bins
+    the FFD assignment is kept. Bins left empty (fewer sequences than ``min_bins``) become
+    fillers, placed last. Inside a bin sequences keep their input order.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens_per_microbatch: must be >= 1, got {max_tokens}")
+    k = max(len(_fit_bins(seq_lens, indices, max_tokens, 0, worst_fit=False)), min_bins, 1)
+    bins = _fit_bins(seq_lens, indices, max_tokens, k, worst_fit=True)
+    if len(bins) > k:
+        bins = _fit_bins(seq_lens, indices, max_tokens, k, worst_fit=False)
+    order = sorted(range(len(bins)), key=lambda b: (not bins[b], b))
+    return [MicroBatch(sorted(bins[b]), sum(seq_lens[i] for i in bins[b])) for b in order]
+
+
+def plan_microbatches(
+    seq_lens: Sequence[int], max_tokens: int, dp_size: int = 1, min_microbatches: int = 1
+) -> MicroBatchPlan:
+    """Split a batch over ``dp_size`` ranks, then into the same number of micro-batches per rank.
+
+    Invariants (tested): every sequence appears in exactly one micro-batch of exactly one
+    rank; all ranks have ``num_microbatches`` micro-batches; a micro-batch exceeds
+    ``max_tokens`` only if it holds a single sequence longer than the budget.
+    """
+    lens = [int(n) for n in seq_lens]
+    if any(n < 1 for n in lens):
+        raise ValueError("seq_lens: every sequence needs >= 1 token")
+    shards = split_for_dp(lens, dp_size)
+    target = max(min_microbatches, 1)
+    while True:
+        per_rank = [pack_into_bins(lens, s, max_tokens, min_bins=target) for s in shards]
+        most = max(len(m) for m in per_rank)
+        if all(len(m) == most for m in per_rank):
+            return MicroBatchPlan(per_rank, max_tokens, lens)
+        target = most
+
+
+def slice_microbatch(batch: dict[str, torch.Tensor], mb: MicroBatch) -> dict[str, torch.Tensor]:
+    """Gather ``mb``'s sequences from ``batch`` into a packed micro-batch dict.
+
+    Per-token fields ([T]) are concatenated, per-sequence fields ([B]) indexed; the result has
+    its own ``cu_seqlens`` and ``seq_indices``. A filler is one pad token with all fields 0.
+    """
+    cu = batch["cu_seqlens"].tolist()
+    total, num_seqs = int(cu[-1]), len(cu) - 1
+    out: dict[str, torch.Tensor] = {}
+    if mb.is_filler:
+        for k, v in batch.items():
+            if k == "cu_seqlens" or not isinstance(v, torch.Tensor):
+                continue
+            out[k] = torch.zeros((1, *v.shape[1:]), dtype=v.dtype)
+        out["input_ids"].fill_(PAD_TOKEN_ID)
+        out["cu_seqlens"] = torch.tensor([0, 1], dtype=torch.int64)
+        out["seq_indices"] = torch.zeros(0, dtype=torch.int64)
+        return out
+    tok_idx = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in mb.seq_indices])
+    seq_idx = torch.as_tensor(mb.seq_indices, dtype=torch.int64)
+    for k, v in batch.items():
+        if k == "cu_seqlens" or not isinstance(v, torch.Tensor):
+            continue
+        if v.shape[0] == total:  # per-token wins if T == B (only ambiguous for 1-token seqs)
+            out[k] = v[tok_idx]
+        elif v.shape[0] == num_seqs:
+            out[k] = v[seq_idx]
+    out["cu_seqlens"] = cu_seqlens_of([cu[i + 1] - cu[i] for i in mb.seq_indices])
+    out["seq_indices"] = seq_idx
+    return out
+
+
+def scatter_to_batch(
+    cu_seqlens: torch.Tensor, pieces: Sequence[tuple[Sequence[int], torch.Tensor]], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Write per-micro-batch flat outputs back into the batch's flat [T] layout.
+
+    ``pieces`` holds (seq_indices, values) where values is the micro-batch's flat output, its
+    sequences in ``seq_indices`` order. Positions not covered stay 0 (so partial results from
+    several ranks can be combined by summation).
+    """
+    cu = cu_seqlens.tolist()
+    if out is None:
+        dtype = pieces[0][1].dtype if pieces else torch.float32
+        out = torch.zeros(int(cu[-1]), dtype=dtype)
+    for seq_indices, values in pieces:
+        off = 0
+        for i in seq_indices:
+            n = cu[i + 1] - cu[i]
+            out[cu[i] : cu[i + 1]] = values[off : off + n]
+            off += n
+        assert off == values.shape[0], f"micro-batch output has {values.shape[0]} tokens, expected {off}"
+    return out
+
+
+def shift_to_next_token(x: torch.Tensor, cu_seqlens: torch.Tensor, fill: float = 0) -> torch.Tensor:
+    """``out[i] = x[i + 1]`` inside each sequence; the last token of each sequence gets ``fill``.
+
+    Converts "this-token" trajectory fields (loss_mask, behaviour logprobs, versions) to the
+    engine's next-token alignment: e.g. ``shift_to_next_token(loss_mask)[i] == 1`` iff the
+    prediction made at position i is trained on.
+    """
+    out = torch.full_like(x, fill)
+    out[:-1] = x[1:]
+    ends = cu_seqlens[1:].long() - 1
+    out[ends] = fill
+    return out
+
+
+def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Labels for next-token prediction: ``input_ids`` shifted left per sequence, 0 at ends."""
+    return shift_to_next_token(input_ids, cu_seqlens, fill=0)
+
+
+def last_token_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Bool [T], True at each sequence's last token (which predicts nothing)."""
+    m = torch.zeros(total, dtype=torch.bool)
+    m[cu_seqlens[1:].long() - 1] = True
+    return m
+
+
+def pad_to_longest_efficiency(seq_lens: Sequence[int], max_tokens: int) -> tuple[float, int]:
+    """Baseline: micro-batches of consecutive sequences padded to their longest member.
+
+    Sequences are taken in arrival order while ``count * longest <= max_tokens`` (a longer
+    sequence goes alone). Returns (real tokens / computed tokens, number of micro-batches).
+    """
+    computed = 0
+    num_mb = 0
+    cur: list[int] = []
+    for n in seq_lens:
+        if cur and (len(cur) + 1) * max(max(cur), n) > max_tokens:
+            computed += len(cur) * max(cur)
+            num_mb += 1
+            cur = []
+        cur.append(n)
+    if cur:
+        computed += len(cur) * max(cur)
+        num_mb += 1
+    return sum(seq_lens) / computed, num_mb
