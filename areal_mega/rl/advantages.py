@@ -1,0 +1,221 @@
+"""Advantage estimators over packed batches.
+
+Layout (same as ``areal_mega.megatron.packing``): B sequences back to back in flat per-token
+tensors of length T, delimited by ``cu_seqlens`` [B + 1]; per-sequence scalars are [B].
+``loss_mask`` [T] marks the *action* positions (tokens the policy generated and is trained on).
+All per-token inputs of one call must share one alignment (this-token or next-token); the
+estimators only look at the order of the masked positions inside each sequence, so either
+works as long as rewards, values and masks agree.
+
+Time steps of the per-token estimators (REINFORCE++, GAE) are the masked positions only:
+prompt, feedback and tool-output tokens (mask 0) are not actions, so a multi-turn trajectory
+is one episode whose steps skip over the environment's tokens.
+
+Group estimators (GRPO, Dr.GRPO, RLOO) take ``group_index`` [B]: sequences sampled from the
+same prompt share an index. Groups may have different sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from areal_mega.rl.config import AlgorithmConfig
+
+
+def segment_ids(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """[T] index of the sequence each token belongs to."""
+    cu = cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    out = torch.repeat_interleave(torch.arange(len(lens), device=cu.device), lens)
+    assert total is None or out.numel() == total, (out.numel(), total)
+    return out
+
+
+def broadcast_to_tokens(per_seq: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[B] -> [T]: every token gets its sequence's value."""
+    cu = cu_seqlens.long()
+    return torch.repeat_interleave(per_seq, cu[1:] - cu[:-1])
+
+
+def group_index_of(group_ids: Sequence[str]) -> torch.Tensor:
+    """Strings naming groups -> dense int64 indices in order of first appearance."""
+    seen: dict[str, int] = {}
+    return torch.tensor([seen.setdefault(g, len(seen)) for g in group_ids], dtype=torch.int64)
+
+
+def shape_rewards(rewards: torch.Tensor, cfg: AlgorithmConfig) -> torch.Tensor:
+    """clip(scale * (r + bias), -clip, clip)."""
+    return ((rewards + cfg.reward_bias) * cfg.reward_scale).clamp(-cfg.reward_clip, cfg.reward_clip)
+
+
+def _group_mean_and_count(values: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    num_groups = int(group_index.max()) + 1 if group_index.numel() else 0
+    sums = torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, group_index, values)
+    counts = torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(
+        0, group_index, torch.ones_like(values)
+    )
+    return sums / counts.clamp(min=1), counts
+
+
+def grpo_advantages(
+    rewards: torch.Tensor, group_index: torch.Tensor, *, std_normalize: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO: A_i = (r_i - mean_g) / (std_g + eps), std over the group with unbiased=False
+    (DeepSeekMath). ``std_normalize=False`` gives Dr.GRPO's A_i = r_i - mean_g. [B] -> [B]."""
+    rewards = rewards.float()
+    mean, _ = _group_mean_and_count(rewards, group_index)
+    centered = rewards - mean[group_index]
+    if not std_normalize:
+        return centered
+    var, _ = _group_mean_and_count(centered**2, group_index)
+    return centered / (var.sqrt()[group_index] + eps)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """RLOO: A_i = r_i - mean of the other samples of i's group = (n / (n - 1)) (r_i - mean_g).
+    A group of one sample has no baseline and gets advantage 0. [B] -> [B]."""
+    rewards = rewards.float()
+    mean, counts = _group_mean_and_count(rewards, group_index)
+    n = counts[group_index]
+    sums = mean[group_index] * n
+    baseline = (sums - rewards) / (n - 1).clamp(min=1)
+    return torch.where(n > 1, rewards - baseline, torch.zeros_like(rewards))
+
+
+def last_action_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[B] sequence rewards -> [T] token rewards placed at each sequence's last masked position
+    (a sequence without masked tokens drops its reward: it has no action to credit)."""
+    mask = loss_mask.bool()
+    seg = segment_ids(cu_seqlens, mask.numel())
+    pos = torch.arange(mask.numel(), device=mask.device)
+    last = torch.full((len(cu_seqlens) - 1,), -1, dtype=torch.long, device=mask.device)
+    last = last.scatter_reduce(0, seg[mask], pos[mask], reduce="amax")
+    out = torch.zeros(mask.numel(), dtype=torch.float32, device=mask.device)
+    has = last >= 0
+    out[last[has]] = rewards.float()[has]
+    return out
+
+
+def _to_action_grid(
+    x: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Gather the masked positions of each sequence into a right-padded [B, L] grid so the
+    backward recursions run vectorised over sequences (L = most actions in one sequence)."""
+    mask = loss_mask.bool()
+    idx = mask.nonzero(as_tuple=True)[0]
+    seq = segment_ids(cu_seqlens, mask.numel())[idx]
+    num_seqs = len(cu_seqlens) - 1
+    counts = torch.bincount(seq, minlength=num_seqs)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(idx.numel(), device=idx.device) - starts[seq]
+    width = int(counts.max()) if num_seqs and idx.numel() else 0
+    grid = torch.zeros(num_seqs, width, dtype=torch.float32, device=x.device)
+    valid = torch.zeros(num_seqs, width, dtype=torch.bool, device=x.device)
+    grid[seq, rank] = x.float()[idx]
+    valid[seq, rank] = True
+    return grid, valid, (idx, seq, rank)
+
+
+def _discounted_backward(
+    rewards: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, gamma: float, lam: float
+) -> torch.Tensor:
+    """GAE on a [B, L] grid: delta_t = r_t + gamma V_{t+1} - V_t (V after the last action = 0),
+    A_t = delta_t + gamma lam A_{t+1}; padded cells stay 0 and never propagate."""
+    num_seqs, width = rewards.shape
+    adv = torch.zeros_like(rewards)
+    carry = torch.zeros(num_seqs, dtype=rewards.dtype, device=rewards.device)
+    for t in range(width - 1, -1, -1):
+        next_v = values[:, t + 1] if t + 1 < width else torch.zeros_like(carry)
+        delta = rewards[:, t] + gamma * next_v - values[:, t]
+        carry = torch.where(valid[:, t], delta + gamma * lam * carry, torch.zeros_like(carry))
+        adv[:, t] = carry
+    return adv
+
+
+def _scatter_back(grid: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor, torch.Tensor], total: int) -> torch.Tensor:
+    idx, seq, rank = where
+    out = torch.zeros(total, dtype=grid.dtype, device=grid.device)
+    out[idx] = grid[seq, rank]
+    return out
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE per sequence over its masked positions. Returns (advantages [T], returns [T]) with
+    returns = advantages + values (the critic's target); 0 outside the mask."""
+    r, valid, where = _to_action_grid(token_rewards, loss_mask, cu_seqlens)
+    v, _, _ = _to_action_grid(values, loss_mask, cu_seqlens)
+    adv = _discounted_backward(r, v, valid, gamma, lam)
+    total = loss_mask.numel()
+    return _scatter_back(adv, where, total), _scatter_back(adv + v, where, total)
+
+
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: per-token discounted returns G_t = r_t + gamma G_{t+1} within each sequence,
+    then normalised over all masked tokens of the batch: A = (G - mean) / (std + eps), std
+    unbiased=False. Returns (advantages [T], returns [T]); 0 outside the mask. Pass the whole
+    batch (the normalisation is global)."""
+    r, valid, where = _to_action_grid(token_rewards, loss_mask, cu_seqlens)
+    ret = _discounted_backward(r, torch.zeros_like(r), valid, gamma, 1.0)
+    returns = _scatter_back(ret, where, loss_mask.numel())
+    mask = loss_mask.bool()
+    sel = returns[mask]
+    if sel.numel() == 0:
+        return torch.zeros_like(returns), returns
+    adv = (returns - sel.mean()) / (sel.std(unbiased=False) + eps)
+    return torch.where(mask, adv, torch.zeros_like(adv)), returns
+
+
+def compute_advantages(batch: dict[str, torch.Tensor], cfg: AlgorithmConfig) -> dict[str, torch.Tensor]:
+    """Dispatch on ``cfg.adv_estimator`` over a whole packed batch.
+
+    Reads ``rewards`` [B], ``cu_seqlens`` [B+1], ``loss_mask`` [T]; ``group_index`` [B] for
+    grpo/dr_grpo/rloo; ``values`` [T] for gae; ``kl`` [T] (the per-token KL estimate against the
+    reference model, see ``losses.kl_estimate``) when ``cfg.kl_in_reward``.
+    Returns {"advantages": [T]} plus "returns" [T] for reinforce_pp and gae; all 0 outside the mask.
+    """
+    for key in ("rewards", "cu_seqlens", "loss_mask"):
+        if key not in batch:
+            raise ValueError(f"compute_advantages: batch has no '{key}' (keys: {sorted(batch)})")
+    cu, mask = batch["cu_seqlens"], batch["loss_mask"]
+    rewards = shape_rewards(batch["rewards"].float(), cfg)
+    est = cfg.adv_estimator
+    if est in ("grpo", "dr_grpo", "rloo"):
+        if "group_index" not in batch:
+            raise ValueError(f"compute_advantages: adv_estimator {est} needs 'group_index' [B] in the batch")
+        gi = batch["group_index"].long()
+        if est == "rloo":
+            per_seq = rloo_advantages(rewards, gi)
+        else:
+            per_seq = grpo_advantages(rewards, gi, std_normalize=cfg.std_normalize and est == "grpo", eps=cfg.adv_eps)
+        return {"advantages": broadcast_to_tokens(per_seq, cu) * mask.float()}
+    if est not in ("reinforce_pp", "gae"):
+        raise ValueError(f"adv_estimator: unknown estimator {est!r}")
+    token_rewards = last_action_rewards(rewards, mask, cu)
+    if cfg.kl_in_reward and cfg.kl_coef > 0:
+        if "kl" not in batch:
+            raise ValueError("compute_advantages: kl_in_reward needs the per-token 'kl' [T] in the batch")
+        token_rewards = token_rewards - cfg.kl_coef * batch["kl"].float() * mask.float()
+    if est == "reinforce_pp":
+        adv, ret = reinforce_pp_advantages(token_rewards, mask, cu, gamma=cfg.gamma, eps=cfg.adv_eps)
+    else:
+        if "values" not in batch:
+            raise ValueError("compute_advantages: adv_estimator gae needs the critic's 'values' [T] in the batch")
+        adv, ret = gae_advantages(token_rewards, batch["values"], mask, cu, gamma=cfg.gamma, lam=cfg.lam)
+    return {"advantages": adv, "returns": ret}

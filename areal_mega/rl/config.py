@@ -1,0 +1,134 @@
+"""Settings of the RL algorithm layer (advantages, losses) and of the rollout side (staleness,
+controller). The trainer's top-level config nests :class:`AlgorithmConfig` and
+:class:`RolloutConfig`; datasets, rewards and workflows own their configs next to their code
+(``areal_mega.data.DatasetConfig``, ``areal_mega.reward.RewardConfig``,
+``areal_mega.workflows.WorkflowConfig``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
+Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: AdvantageEstimator = "grpo"
+    """How advantages are computed from rewards. "grpo": (r - group mean) / (group std + eps);
+    "dr_grpo": r - group mean (no std, pair with aggregation "seq_mean_token_sum_norm");
+    "rloo": r - mean of the *other* samples of the group; "reinforce_pp": per-token discounted
+    returns (optionally with the KL penalty in the reward) normalised over the whole batch;
+    "gae": generalised advantage estimation with a critic (PPO)."""
+    std_normalize: bool = True
+    """GRPO only: divide by the group's reward std (unbiased=False). Off = Dr.GRPO-style."""
+    adv_eps: float = 1e-6
+    """Added to the std before dividing (group std for GRPO, batch std for REINFORCE++)."""
+    gamma: float = 1.0
+    """Discount for "reinforce_pp" and "gae" (per generated token)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    reward_scale: float = 1.0
+    """Rewards are mapped to clip(reward_scale * (r + reward_bias), -reward_clip, reward_clip)
+    before advantages are computed."""
+    reward_bias: float = 0.0
+    """See ``reward_scale``."""
+    reward_clip: float = 20.0
+    """See ``reward_scale``."""
+
+    eps_clip_low: float = 0.2
+    """PPO clip: the ratio is clipped to [1 - eps_clip_low, 1 + eps_clip_high]."""
+    eps_clip_high: float = 0.2
+    """Upper clip; > eps_clip_low is DAPO's clip-higher (e.g. 0.28)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1: for negative advantages the loss is capped at -c * A.
+    None disables it."""
+    decoupled: bool = True
+    """Decoupled PPO (AReaL): clip pi_theta / pi_prox where pi_prox is recomputed by the learner
+    before the update, and weight each token's term by pi_prox / pi_behav (pi_behav = the
+    inference engine's log-probs). False: standard PPO with pi_old = pi_behav."""
+    behav_imp_weight_cap: float | None = 5.0
+    """Cap C on pi_prox / pi_behav (decoupled only). None = no cap."""
+    behav_imp_weight_mode: Literal["truncate", "mask"] = "mask"
+    """"truncate": weight = min(w, C) (truncated importance sampling); "mask": tokens whose
+    weight exceeds C are dropped from the loss (weight 0), as AReaL does."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL to a reference model; 0 disables the reference model entirely."""
+    kl_estimator: KLEstimator = "k3"
+    """Estimator of KL(pi_theta || pi_ref) per token: k1 = log r, k2 = (log r)^2 / 2,
+    k3 = exp(-log r) - 1 + log r (Schulman's unbiased, non-negative one), with
+    log r = logp_theta - logp_ref."""
+    kl_in_reward: bool = False
+    """Put the KL penalty into the per-token reward (REINFORCE++ / GAE) instead of the loss."""
+    aggregation: Aggregation = "token_mean"
+    """How per-token losses become one number. "token_mean": sum / total masked tokens of the
+    global batch; "seq_mean_token_sum": mean over sequences of per-sequence sums;
+    "seq_mean_token_mean": mean over sequences of per-sequence means;
+    "seq_mean_token_sum_norm": Dr.GRPO, sum / (num sequences * ``loss_norm_const``)."""
+    loss_norm_const: float = 1024.0
+    """Dr.GRPO's constant normaliser (usually max_new_tokens)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (the loss subtracts entropy_coef * entropy)."""
+    value_eps_clip: float = 0.2
+    """PPO critic: values are clipped to old_values +- value_eps_clip."""
+
+    def validate(self) -> None:
+        if self.eps_clip_low <= 0 or self.eps_clip_low >= 1:
+            raise ValueError(f"eps_clip_low: must be in (0, 1), got {self.eps_clip_low}")
+        if self.eps_clip_high <= 0:
+            raise ValueError(f"eps_clip_high: must be > 0, got {self.eps_clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip: must be > 1 (or null), got {self.dual_clip}")
+        if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
+            raise ValueError(f"behav_imp_weight_cap: must be > 1 (or null), got {self.behav_imp_weight_cap}")
+        if not 0 <= self.gamma <= 1:
+            raise ValueError(f"gamma: must be in [0, 1], got {self.gamma}")
+        if not 0 <= self.lam <= 1:
+            raise ValueError(f"lam: must be in [0, 1], got {self.lam}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef: must be >= 0, got {self.kl_coef}")
+        if self.loss_norm_const <= 0:
+            raise ValueError(f"loss_norm_const: must be > 0, got {self.loss_norm_const}")
+        if self.reward_clip <= 0:
+            raise ValueError(f"reward_clip: must be > 0, got {self.reward_clip}")
+        if self.kl_in_reward and self.adv_estimator not in ("reinforce_pp", "gae"):
+            raise ValueError(
+                f"kl_in_reward: only meaningful with adv_estimator reinforce_pp or gae, got {self.adv_estimator}"
+            )
+
+
+@dataclass
+class RolloutConfig:
+    batch_size: int = 8
+    """Episodes (prompts; each yields a group of trajectories) per training batch. The
+    staleness bound is counted in these units."""
+    max_staleness: int = 1
+    """eta: every generated token of a batch trained at version v was sampled by a policy of
+    version >= v - eta. 0 = synchronous RL (generation never overlaps training)."""
+    max_concurrent: int = 64
+    """Most episodes in flight at once (on top of the staleness limit)."""
+    filter_zero_variance: bool = False
+    """Dynamic filtering (DAPO): reject groups whose rewards are all equal (they carry no GRPO
+    signal); the freed capacity is refilled by new episodes so the batch still fills."""
+    max_consecutive_rejects: int = 1000
+    """Raise after this many rejected episodes in a row (e.g. every reward is 0 forever)."""
+    show_progress: bool = True
+    """Print a one-line progress display, only when stderr is an interactive terminal."""
+    batch_timeout_s: float = 0.0
+    """get_batch raises TimeoutError after this many seconds without a full batch; 0 = wait
+    forever."""
+
+    def validate(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {self.batch_size}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.max_concurrent < 1:
+            raise ValueError(f"max_concurrent: must be >= 1, got {self.max_concurrent}")
+        if self.max_consecutive_rejects < 1:
+            raise ValueError(f"max_consecutive_rejects: must be >= 1, got {self.max_consecutive_rejects}")
+        if self.batch_timeout_s < 0:
+            raise ValueError(f"batch_timeout_s: must be >= 0, got {self.batch_timeout_s}")
