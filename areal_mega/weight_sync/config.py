@@ -1,0 +1,57 @@
+"""Settings read by weight sync (owned here; the trainer's config nests :class:`WeightSyncConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MiB = 1 << 20
+
+
+@dataclass
+class WeightSyncConfig:
+    mode: Literal["distributed", "disk"] = "distributed"
+    """"distributed": broadcast over a torch.distributed group shared with the servers (SGLang's
+    /update_weights_from_distributed). "disk": save HF safetensors to ``disk_dir`` and call
+    /update_weights_from_disk (for clusters where learners and servers cannot share a group)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend of the learner<->server groups; "auto" = nccl when CUDA is available,
+    else gloo. The servers must support the same backend (CPU SGLang: gloo)."""
+    bucket_mib: float = 512.0
+    """Bucket size in MiB: tensors are packed into buckets of at most this many bytes, one
+    broadcast per bucket (a tensor larger than a bucket gets a bucket of its own)."""
+    load_format: Literal["flattened_bucket", "per_tensor"] = "flattened_bucket"
+    """"flattened_bucket": one uint8 buffer per bucket (one collective per bucket);
+    "per_tensor": one broadcast per tensor (older servers)."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "retract"
+    """How the servers pause generation during a sync: "abort" returns in-flight requests at once
+    (the client resubmits them), "retract" holds them and recomputes their KV cache after the
+    update, "in_place" holds them with their old KV cache (no cache flush)."""
+    master_address: str = "127.0.0.1"
+    """Address the servers use to reach the learner's stage senders (their TCP rendezvous)."""
+    master_port_base: int = 0
+    """First rendezvous port; stage s uses master_port_base + s. 0 = pick free ports."""
+    group_name_prefix: str = "areal_wsync"
+    """Prefix of the per-stage group names registered on the servers ("<prefix>_s<stage>")."""
+    disk_dir: str = ""
+    """Shared directory (visible to learners and servers) for mode == "disk"."""
+    check_model: bool = True
+    """Check the plan (names, shapes, dtypes) against each server's model config before sending."""
+    http_timeout_s: float = 600.0
+    """Timeout of one HTTP call to a server (a bucket update includes its broadcast)."""
+    group_timeout_s: float = 300.0
+    """Timeout of the learner<->server group rendezvous."""
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mib * MiB))
+
+    def validate(self) -> None:
+        if self.bucket_mib <= 0:
+            raise ValueError(f"bucket_mib: must be > 0, got {self.bucket_mib}")
+        if self.mode == "disk" and not self.disk_dir:
+            raise ValueError("disk_dir: required when mode is 'disk'")
+        if not 0 <= self.master_port_base < 65536:
+            raise ValueError(f"master_port_base: must be in [0, 65535], got {self.master_port_base}")
+        if self.http_timeout_s <= 0 or self.group_timeout_s <= 0:
+            raise ValueError("http_timeout_s / group_timeout_s: must be > 0")
