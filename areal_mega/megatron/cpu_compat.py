@@ -1,0 +1,152 @@
+"""Make megatron-core 0.16.1 run on a CPU-only machine (CI, laptops). On GPU it does nothing.
+
+megatron-core hard-codes CUDA in a handful of places that the CPU tests and the CPU demo reach.
+:func:`apply` patches exactly those, once per process, and only when
+``torch.cuda.is_available()`` is False. Patched call sites (megatron-core 0.16.1):
+
+1. ``tensor_parallel/random.py`` -- ``CudaRNGStatesTracker.add/fork`` read and write the CUDA RNG
+   (``torch.cuda.get_rng_state``). We pre-install :class:`CpuRNGStatesTracker`, which keeps the
+   named states (data-parallel / model-parallel / expert) as CPU generator states, so
+   ``model_parallel_cuda_manual_seed`` and dropout under ``get_cuda_rng_tracker().fork()``
+   work unchanged.
+2. ``torch.cuda.current_device()`` -- called by utils.py (GlobalMemoryBuffer),
+   rotary_pos_embedding.py, p2p_communication.py, param_and_grad_buffer.py,
+   distrib_optimizer.py to pick a device: returns ``"cpu"``.
+3. ``torch.cuda.synchronize()`` -- p2p_communication.py, dist_checkpointing
+   filesystem_async.py: a no-op (CPU ops are synchronous).
+4. ``device="cuda"`` tensor creation (pipeline schedules' token counters, optimizer found_inf /
+   scale tensors, grad_scaler, clip_grads), ``tensor.cuda()`` (tied embeddings under PP,
+   optimizer state reload) and ``tensor.type() == "torch.cuda.FloatTensor"`` asserts
+   (optimizer.py, distrib_optimizer.py): a :class:`torch.overrides.TorchFunctionMode` that maps
+   every CUDA device argument to CPU, turns ``.cuda()`` into identity, and reports CPU tensor
+   types with their CUDA names. It costs roughly 2x step time on tiny models -- acceptable for
+   tests; production runs on GPU where none of this is installed.
+
+Invariant: :func:`apply` is idempotent and must run on the thread that later calls megatron
+(torch function modes are thread-local); ``areal_mega.megatron.parallel_state.init_model_parallel``
+calls it for you.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied_threads: set[int] = set()
+_lock = threading.Lock()
+_global_patched = False
+
+
+def needed() -> bool:
+    """True when the compatibility layer applies (no usable CUDA device)."""
+    return not torch.cuda.is_available()
+
+
+def _to_cpu_device(dev):
+    if isinstance(dev, torch.device):
+        return torch.device("cpu") if dev.type == "cuda" else dev
+    if isinstance(dev, str) and dev.startswith("cuda"):
+        return "cpu"
+    if isinstance(dev, int) and not isinstance(dev, bool):
+        return "cpu"  # a CUDA ordinal, e.g. from a cached torch.cuda.current_device()
+    return dev
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps CUDA device arguments to CPU for every torch call made under it (call site 4)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            # megatron asserts param.type() == "torch.cuda.FloatTensor" for fp32 master params.
+            return name.replace("torch.", "torch.cuda.", 1) if name.startswith("torch.") and ".cuda." not in name else name
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _to_cpu_device(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+class CpuRNGStatesTracker:
+    """CPU stand-in for megatron's CudaRNGStatesTracker (call site 1).
+
+    Same interface (reset/get_states/set_states/add/fork/is_initialized); each named state is a
+    CPU generator state. ``fork(name)`` swaps the global CPU RNG to ``name``'s state for the block
+    and stores the advanced state back, exactly as the CUDA tracker does with the CUDA RNG.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def install_rng_tracker() -> None:
+    """Install a fresh :class:`CpuRNGStatesTracker` as megatron's global tracker."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def apply() -> bool:
+    """Install the CPU patches on this thread if CUDA is unavailable. Returns True if active."""
+    global _global_patched
+    if not needed():
+        return False
+    with _lock:
+        if not _global_patched:
+            torch.cuda.current_device = lambda: "cpu"  # call site 2
+            torch.cuda.synchronize = lambda *a, **k: None  # call site 3
+            install_rng_tracker()  # call site 1
+            _global_patched = True
+        tid = threading.get_ident()
+        if tid not in _applied_threads:
+            # Entered for the rest of the thread's life on purpose: megatron creates CUDA
+            # tensors from deep inside its schedules/optimizer, not from one call we could wrap.
+            _CudaToCpuMode().__enter__()
+            _applied_threads.add(tid)
+    return True

@@ -1,0 +1,316 @@
+"""Build megatron-core GPT models from an HF config, load HF weights, run a packed forward.
+
+    groups = init_model_parallel(layout, backend="gloo")
+    model = build_model(hf_config, groups, MegatronModelConfig(dtype="bfloat16"))
+    load_hf_weights(model, hf_dir)                      # any TP/PP layout
+    logits = forward_logits(model, groups, input_ids, cu_seqlens)   # last stage; None elsewhere
+
+A *packed* batch is several variable-length sequences concatenated into one row of length T.
+:func:`packed_causal_mask` builds the block-diagonal causal mask (megatron convention:
+True = masked). Positions do not restart per sequence: GPTModel derives RoPE from the row length
+and RoPE only encodes relative offsets in q.k, so with the mask each sequence sees exactly what
+it would see alone (checked against per-sequence HF logits in tests/test_megatron_model.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from areal_mega.megatron.parallel_state import ModelParallelGroups, tp_all_gather
+from areal_mega.models import get_adapter
+from areal_mega.models.base import ModelAdapter, ModelArch, StagePlan, padded_vocab_size, torch_dtype
+
+
+@dataclass
+class MegatronModelConfig:
+    """How to instantiate the megatron model (the HF config fixes the architecture)."""
+
+    layer_spec: Literal["auto", "local", "te"] = "auto"
+    """Transformer layer implementation: "te" = transformer-engine spec, "local" = megatron's
+    torch modules (get_gpt_layer_local_spec; the only one that works on CPU), "auto" = "te" when
+    transformer_engine imports, else "local"."""
+    dtype: str | None = None
+    """Parameter dtype: "float32", "bfloat16" or "float16"; None = the HF checkpoint's dtype."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of lcm(this, tp) (padding rows are zero, logits past
+    vocab_size must be ignored). Keep it a multiple of every tp you will load the checkpoint at."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention/MLP (HF Llama/Qwen2 use 0)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    recompute_activations: bool = False
+    """Full activation recomputation of every layer (saves memory, costs one extra forward)."""
+
+    def validate(self) -> None:
+        if self.layer_spec not in ("auto", "local", "te"):
+            raise ValueError(f"layer_spec: {self.layer_spec!r} is not one of auto, local, te")
+        if self.dtype is not None:
+            torch_dtype(self.dtype)
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"make_vocab_size_divisible_by: must be >= 1, got {self.make_vocab_size_divisible_by}")
+
+
+@dataclass
+class MegatronModel:
+    """The model chunks of this rank plus what is needed to map them to HF names."""
+
+    chunks: list[torch.nn.Module]
+    """GPTModel per virtual pipeline chunk on this rank (one without interleaving)."""
+    adapter: ModelAdapter
+    arch: ModelArch
+    groups: ModelParallelGroups = field(repr=False)
+    layer_spec: Literal["local", "te"]
+    dtype: str
+    padded_vocab_size: int
+    plans: list[StagePlan] = field(repr=False)
+    """adapter.plan(layout) for every stage (pure metadata, identical on all ranks)."""
+
+    @property
+    def stage_plan(self) -> StagePlan:
+        return self.plans[self.groups.coords.pp]
+
+    @property
+    def config(self):
+        return self.chunks[0].config
+
+
+def te_available() -> bool:
+    try:
+        importlib.import_module("transformer_engine")
+        return True
+    except Exception:  # a broken TE install raises RuntimeError, not ImportError
+        return False
+
+
+def resolve_layer_spec(spec: str) -> Literal["local", "te"]:
+    if spec == "auto":
+        return "te" if (torch.cuda.is_available() and te_available()) else "local"
+    if spec == "te" and not te_available():
+        raise ValueError("layer_spec: 'te' needs transformer_engine, which does not import here")
+    return spec  # type: ignore[return-value]
+
+
+def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: MegatronModelConfig, dtype: str):
+    """megatron TransformerConfig for a Llama-style ``arch`` under ``groups.layout``."""
+    from megatron.core.transformer import TransformerConfig
+
+    lay = groups.layout
+    dt = torch_dtype(dtype)
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        init_method_std=arch.init_std,
+        tensor_model_parallel_size=lay.tp,
+        pipeline_model_parallel_size=lay.pp,
+        virtual_pipeline_model_parallel_size=lay.vpp,
+        context_parallel_size=lay.cp,
+        sequence_parallel=False,
+        params_dtype=dt,
+        pipeline_dtype=dt,
+        bf16=dt == torch.bfloat16,
+        fp16=dt == torch.float16,
+        attention_softmax_in_fp32=True,
+        # Fused kernels are CUDA-only; the torch paths are exact and fine for our sizes on CPU.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=groups.cpu_compat,
+        variable_seq_lengths=True,  # packed rows differ in length between micro-batches
+        moe_token_dispatcher_type="alltoall",  # no MoE here; 0.16.1 rejects variable lengths + allgather
+        recompute_granularity="full" if cfg.recompute_activations else None,
+        recompute_method="uniform" if cfg.recompute_activations else None,
+        recompute_num_layers=1 if cfg.recompute_activations else None,
+    )
+
+
+def build_model(
+    hf_config: Any, groups: ModelParallelGroups, cfg: MegatronModelConfig | None = None, *, adapter: ModelAdapter | None = None
+) -> MegatronModel:
+    """Instantiate this rank's GPTModel chunks for ``hf_config`` (dict / transformers config /
+    model dir) under ``groups.layout``. Weights are randomly initialised; see load_hf_weights.
+    ``adapter`` overrides the registry lookup (tests inject deliberately broken mappings)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    cfg = cfg or MegatronModelConfig()
+    cfg.validate()
+    adapter = adapter or get_adapter(hf_config)
+    arch = adapter.arch
+    lay = groups.layout
+    lay.check_model(arch.num_layers, arch.num_heads, arch.num_kv_heads)
+    spec_name = resolve_layer_spec(cfg.layer_spec)
+    dtype = cfg.dtype or arch.dtype
+    tcfg = transformer_config(arch, groups, cfg, dtype)
+    if spec_name == "te":
+        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    vocab = padded_vocab_size(arch.vocab_size, lay.tp, cfg.make_vocab_size_divisible_by)
+    vpp = lay.vpp or 1
+    pp_rank = groups.coords.pp
+    chunks = []
+    for c in range(vpp):
+        pre = pp_rank == 0 and c == 0
+        post = pp_rank == lay.pp - 1 and c == vpp - 1
+        m = GPTModel(
+            config=tcfg,
+            transformer_layer_spec=layer_spec,
+            vocab_size=vocab,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=arch.rope_theta,
+            rope_scaling=arch.rope_scaling_factor is not None,
+            rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+            pg_collection=groups.pg_collection,
+            vp_stage=c if lay.vpp else None,
+        )
+        if torch.cuda.is_available():
+            m = m.cuda(torch.cuda.current_device())
+        chunks.append(m)
+    plans = adapter.plan(lay, spec=spec_name, dtype=dtype, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by)
+    return MegatronModel(chunks, adapter, arch, groups, spec_name, dtype, vocab, plans)
+
+
+class HFCheckpointReader:
+    """Lazy reader over an HF model directory's safetensors (single file or sharded + index)."""
+
+    def __init__(self, hf_dir: str | Path):
+        from safetensors import safe_open
+
+        d = Path(hf_dir)
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"hf_dir: no *.safetensors files in {d}")
+        self._handles = {f: safe_open(str(f), framework="pt") for f in files}
+        self._where = {k: f for f, h in self._handles.items() for k in h.keys()}
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def _handle(self, name: str):
+        if name not in self._where:
+            raise ValueError(f"{name}: missing from the HF checkpoint")
+        return self._handles[self._where[name]]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+
+def load_hf_weights(model: MegatronModel, hf_dir: str | Path) -> int:
+    """Load an HF checkpoint into this rank's chunks (any layout); returns #params written.
+
+    All shapes are validated before any parameter is touched (ValueError naming the tensor and
+    both shapes). Each rank reads only the tensors its stage needs.
+    """
+    reader = HFCheckpointReader(hf_dir)
+    return model.adapter.load_hf(
+        model.chunks, model.stage_plan, model.groups.layout.tp, model.groups.coords.tp, reader.read, reader.shape
+    )
+
+
+def export_hf_weights(model: MegatronModel, names=None):
+    """``(hf_name, tensor)`` for this rank's stage (collective over the TP group); see
+    ModelAdapter.export_hf. Same code path as live weight sync and tools/convert_mcore_to_hf.py."""
+    return model.adapter.export_hf(model.chunks, model.stage_plan, model.groups.tp, names)
+
+
+def packed_causal_mask(cu_seqlens: torch.Tensor, total_len: int | None = None) -> torch.Tensor:
+    """Block-diagonal causal mask [1, 1, T, T] for packed sequences; True = masked (megatron).
+
+    ``cu_seqlens`` = [0, l0, l0+l1, ...]. Token i may attend to token j iff both lie in the same
+    sequence and j <= i. Positions past ``cu_seqlens[-1]`` (padding up to ``total_len``) attend
+    only to themselves, so they stay finite and never leak into real tokens.
+    """
+    cu = cu_seqlens.to("cpu", torch.long)
+    total = int(cu[-1]) if total_len is None else int(total_len)
+    if total < int(cu[-1]):
+        raise ValueError(f"total_len: {total} < cu_seqlens[-1] = {int(cu[-1])}")
+    seq_id = torch.full((total,), -1, dtype=torch.long)
+    for i in range(len(cu) - 1):
+        seq_id[cu[i] : cu[i + 1]] = i
+    pad = seq_id < 0
+    seq_id[pad] = -1 - torch.arange(int(pad.sum()))  # each padding token is its own "sequence"
+    idx = torch.arange(total)
+    allowed = (seq_id[:, None] == seq_id[None, :]) & (idx[None, :] <= idx[:, None])
+    return (~allowed).view(1, 1, total, total)
+
+
+def forward_logits(
+    model: MegatronModel, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, *, gather_vocab: bool = True
+) -> torch.Tensor | None:
+    """Forward-only pass of one packed row through all pipeline stages.
+
+    ``input_ids`` [T] (several sequences concatenated, boundaries in ``cu_seqlens``). Returns
+    logits [T, vocab_size] (fp32; TP-gathered and padding removed when ``gather_vocab``, else the
+    local vocab shard [T, padded_vocab / tp]) on the LAST pipeline stage, None on the others.
+    Collective over the model-parallel ranks of this data-parallel replica.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    g = model.groups
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    T = int(input_ids.numel())
+    tokens = input_ids.view(1, T).to(dev)
+    positions = torch.arange(T, device=dev).view(1, T)
+    mask = packed_causal_mask(cu_seqlens, T).to(dev)
+    out: list[torch.Tensor] = []
+
+    def step(data_iterator, chunk):
+        logits = chunk(tokens, positions, mask)
+
+        def loss_func(output):
+            out.append(output.detach())
+            # The schedule divides the returned loss in place: give it a fresh tensor.
+            return torch.zeros((), device=output.device), {}
+
+        return logits, loss_func
+
+    fb = get_forward_backward_func()
+    with torch.no_grad():
+        fb(
+            forward_step_func=step,
+            data_iterator=[iter([None])] * len(model.chunks) if len(model.chunks) > 1 else iter([None]),
+            model=model.chunks if len(model.chunks) > 1 else model.chunks[0],
+            num_microbatches=1,
+            seq_length=T,
+            micro_batch_size=1,
+            forward_only=True,
+        )
+    if not g.is_last_stage:
+        return None
+    logits = out[0][0].float()  # [T, vocab/tp]
+    if not gather_vocab:
+        return logits
+    full = tp_all_gather(logits, g.tp, dim=-1)
+    return full[:, : model.arch.vocab_size]

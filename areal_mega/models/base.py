@@ -1,0 +1,475 @@
+"""HF <-> megatron-core weight mapping, one adapter per model family, for ANY TP/PP(/VPP) layout.
+
+The same adapter serves three callers, through the same code path:
+
+* the weight-sync planner -- :meth:`ModelAdapter.plan` is a pure function of the HF config and a
+  :class:`~areal_mega.parallel.ParallelLayout` (no process groups, no tensors): for each pipeline
+  stage, the ordered list of HF tensors it produces (name, full shape, dtype) and the megatron
+  parameter each comes from;
+* live weight sync and ``tools/convert_mcore_to_hf.py`` -- :meth:`ModelAdapter.export_hf`, run by
+  every rank of one stage, all-gathers TP shards on the TP group passed in and yields
+  ``(hf_name, tensor)`` in exactly the plan's order (optionally only some names, for buckets);
+* model loading and ``tools/convert_hf_to_mcore.py`` -- :meth:`ModelAdapter.load_hf`, which fills
+  the local TP shard of every megatron parameter from HF tensors (validating all shapes first).
+
+Megatron layouts handled here (megatron-core 0.16.1, pinned by the equality tests):
+
+* ``linear_qkv`` rows are grouped per query group ``[q x heads_per_group, k, v]`` (each block
+  ``head_dim`` rows); TP splits whole groups, so TP-gathering is a plain concat along dim 0;
+* SwiGLU ``linear_fc1`` on each TP rank is ``[gate_r; up_r]``: gathering must split every shard
+  before concatenating (the TP=1 layout is ``[gate; up]``);
+* the vocabulary is padded with zero rows to a multiple of ``lcm(make_vocab_size_divisible_by,
+  tp)``; with the default 128 the padded size is the same for every TP <= 128 (power of two), so
+  distributed checkpoints load across layouts. Logits ``[..., vocab_size:]`` are padding.
+* the embedding lives on the first PP stage (chunk 0), final norm and output layer on the last
+  stage (last chunk); with tied embeddings and PP > 1 the last stage holds a copy of the
+  embedding as ``output_layer.weight`` (loaded from ``embed_tokens``, never exported).
+
+The "canonical" form of a megatron tensor below is its TP=1 layout (vocab padded).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Literal, Mapping
+
+import torch
+
+from areal_mega.parallel import ParallelLayout
+
+Fusion = Literal["none", "qkv", "gate_up", "vocab"]
+LayerSpec = Literal["local", "te"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: {name!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron vocab size: ``vocab_size`` rounded up to a multiple of lcm(divisible_by, tp)."""
+    m = math.lcm(divisible_by, tp)
+    return ((vocab_size + m - 1) // m) * m
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The HF config fields the megatron model depends on, normalised across families."""
+
+    model_type: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+    init_std: float
+    dtype: str
+    """Storage dtype of the HF checkpoint ("float32" / "bfloat16" / "float16")."""
+    rope_scaling_factor: float | None = None
+    """Llama-3.1 style RoPE scaling factor (megatron's rope_scaling), None = plain RoPE."""
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class McoreParam:
+    """One megatron parameter of a stage, described without touching it."""
+
+    chunk: int
+    """Virtual pipeline chunk on its stage (0 without interleaving)."""
+    name: str
+    """Name inside that chunk's GPTModel (layer index local to the chunk)."""
+    shape: tuple[int, ...]
+    """Full shape: TP-gathered and vocab-padded."""
+    tp_dim: int | None
+    """Dimension split across TP ranks; None = replicated."""
+    fusion: Fusion
+    hf_names: tuple[str, ...]
+    """HF tensors this parameter holds, in order (several for fused qkv / gate_up)."""
+    exported: bool = True
+    """False for the tied output-layer copy on the last stage (its HF tensor comes from stage 0)."""
+
+
+@dataclass(frozen=True)
+class HFTensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    stage: int
+    source: McoreParam
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What pipeline stage ``stage`` holds: its megatron params and the HF tensors it exports."""
+
+    stage: int
+    params: tuple[McoreParam, ...]
+    tensors: tuple[HFTensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class _Rule:
+    mcore: str
+    hf: tuple[str, ...]
+    tp_dim: int | None
+    fusion: Fusion
+
+
+def layer_chunks(num_layers: int, layout: ParallelLayout) -> list[list[list[int]]]:
+    """Global layer ids per [stage][chunk], megatron's interleaved assignment.
+
+    With ``vpp`` chunks per stage, chunk ``c`` of stage ``p`` holds layers starting at
+    ``c * num_layers / vpp + p * num_layers / (pp * vpp)`` (``get_transformer_layer_offset``).
+    """
+    vpp = layout.vpp or 1
+    per = num_layers // (layout.pp * vpp)
+    assert per * layout.pp * vpp == num_layers, (num_layers, layout)
+    return [
+        [list(range(c * num_layers // vpp + p * per, c * num_layers // vpp + (p + 1) * per)) for c in range(vpp)]
+        for p in range(layout.pp)
+    ]
+
+
+def _config_dict(hf_config: Any) -> dict:
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    raise ValueError(f"hf_config: expected a mapping or a transformers config, got {type(hf_config).__name__}")
+
+
+class ModelAdapter:
+    """Llama-style decoder mapping (RMSNorm, RoPE, GQA, SwiGLU). Families subclass this."""
+
+    model_type: ClassVar[str] = ""
+    architecture: ClassVar[str] = ""
+    qkv_bias: ClassVar[bool] = False
+
+    def __init__(self, hf_config: Any):
+        self.hf_config = _config_dict(hf_config)
+        self.arch = self.parse_config(self.hf_config)
+
+    # ---- config -------------------------------------------------------------------------------
+    def parse_config(self, c: dict) -> ModelArch:
+        if c.get("model_type") != self.model_type:
+            raise ValueError(f"model_type: {c.get('model_type')!r} is not {self.model_type!r}")
+        for key in ("hidden_act",):
+            if c.get(key, "silu") != "silu":
+                raise ValueError(f"{key}: only 'silu' is supported, got {c[key]!r}")
+        if c.get("attention_bias", False) != self.qkv_bias:
+            raise ValueError(f"attention_bias: {c['attention_bias']!r} is not supported for {self.model_type}")
+        if c.get("mlp_bias", False):
+            raise ValueError("mlp_bias: true is not supported")
+        if c.get("use_sliding_window", False):
+            raise ValueError("use_sliding_window: true is not supported")
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+        rtype = rope.get("rope_type", rope.get("type", "default"))
+        factor = None
+        if rtype == "llama3":
+            # megatron's rope_scaling hard-codes low=1, high=4, original=8192 (Llama 3.1).
+            want = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+            for k, v in want.items():
+                if float(rope.get(k, v)) != v:
+                    raise ValueError(f"rope_parameters.{k}: megatron supports only {v}, got {rope[k]}")
+            factor = float(rope["factor"])
+        elif rtype != "default":
+            raise ValueError(f"rope_parameters.rope_type: {rtype!r} is not supported (default, llama3)")
+        heads = int(c["num_attention_heads"])
+        hidden = int(c["hidden_size"])
+        dtype = c.get("dtype") or c.get("torch_dtype") or "float32"
+        return ModelArch(
+            model_type=self.model_type,
+            architecture=self.architecture,
+            num_layers=int(c["num_hidden_layers"]),
+            hidden_size=hidden,
+            ffn_hidden_size=int(c["intermediate_size"]),
+            num_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or hidden // heads),
+            vocab_size=int(c["vocab_size"]),
+            rope_theta=theta,
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=self.qkv_bias,
+            max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
+            init_std=float(c.get("initializer_range", 0.02)),
+            dtype=str(dtype).replace("torch.", ""),
+            rope_scaling_factor=factor,
+        )
+
+    # ---- naming -------------------------------------------------------------------------------
+    def layer_rules(self, spec: LayerSpec = "local") -> list[_Rule]:
+        """Per-layer rules, names relative to ``decoder.layers.{i}.`` / ``model.layers.{j}.``."""
+        ln_in = "self_attention.linear_qkv.layer_norm_weight" if spec == "te" else "input_layernorm.weight"
+        ln_mlp = "mlp.linear_fc1.layer_norm_weight" if spec == "te" else "pre_mlp_layernorm.weight"
+        rules = [
+            _Rule(ln_in, ("input_layernorm.weight",), None, "none"),
+            _Rule(
+                "self_attention.linear_qkv.weight",
+                ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                0,
+                "qkv",
+            ),
+        ]
+        if self.arch.qkv_bias:
+            rules.append(
+                _Rule(
+                    "self_attention.linear_qkv.bias",
+                    ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+                    0,
+                    "qkv",
+                )
+            )
+        rules += [
+            _Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), 1, "none"),
+            _Rule(ln_mlp, ("post_attention_layernorm.weight",), None, "none"),
+            _Rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0, "gate_up"),
+            _Rule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), 1, "none"),
+        ]
+        return rules
+
+    def hf_shape(self, hf_name: str) -> tuple[int, ...]:
+        a = self.arch
+        h, d = a.hidden_size, a.head_dim
+        leaf = hf_name.split("layers.")[-1].split(".", 1)[-1] if ".layers." in hf_name else hf_name
+        table = {
+            "model.embed_tokens.weight": (a.vocab_size, h),
+            "lm_head.weight": (a.vocab_size, h),
+            "model.norm.weight": (h,),
+            "input_layernorm.weight": (h,),
+            "post_attention_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (a.num_heads * d, h),
+            "self_attn.k_proj.weight": (a.num_kv_heads * d, h),
+            "self_attn.v_proj.weight": (a.num_kv_heads * d, h),
+            "self_attn.q_proj.bias": (a.num_heads * d,),
+            "self_attn.k_proj.bias": (a.num_kv_heads * d,),
+            "self_attn.v_proj.bias": (a.num_kv_heads * d,),
+            "self_attn.o_proj.weight": (h, a.num_heads * d),
+            "mlp.gate_proj.weight": (a.ffn_hidden_size, h),
+            "mlp.up_proj.weight": (a.ffn_hidden_size, h),
+            "mlp.down_proj.weight": (h, a.ffn_hidden_size),
+        }
+        return table[leaf]
+
+    def hf_names(self) -> list[str]:
+        """Every tensor of the HF checkpoint, in plan order for a single stage."""
+        return [t.name for t in self.plan(ParallelLayout(world_size=1))[0].tensors]
+
+    # ---- the pure planner -----------------------------------------------------------------------
+    def plan(
+        self,
+        layout: ParallelLayout,
+        *,
+        spec: LayerSpec = "local",
+        dtype: str | None = None,
+        make_vocab_size_divisible_by: int = 128,
+    ) -> list[StagePlan]:
+        """Per PP stage: megatron params (chunk order) and the HF tensors they export, in order.
+
+        Pure function of the HF config and ``layout`` (no process groups, no tensors). Every HF
+        tensor appears in exactly one stage's ``tensors``; with tied embeddings the last stage's
+        ``output_layer.weight`` is listed in ``params`` with ``exported=False``.
+        """
+        a = self.arch
+        layout.check_model(a.num_layers, a.num_heads, a.num_kv_heads)
+        dtype = dtype or a.dtype
+        vocab = padded_vocab_size(a.vocab_size, layout.tp, make_vocab_size_divisible_by)
+        h = a.hidden_size
+        qkv_rows = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+        full = {
+            "self_attention.linear_qkv.weight": (qkv_rows, h),
+            "self_attention.linear_qkv.bias": (qkv_rows,),
+            "self_attention.linear_proj.weight": (h, a.num_heads * a.head_dim),
+            "mlp.linear_fc1.weight": (2 * a.ffn_hidden_size, h),
+            "mlp.linear_fc2.weight": (h, a.ffn_hidden_size),
+        }
+        rules = self.layer_rules(spec)
+        stages = []
+        chunks = layer_chunks(a.num_layers, layout)
+        for p, stage_chunks in enumerate(chunks):
+            params: list[McoreParam] = []
+            last_chunk = len(stage_chunks) - 1
+            for c, layer_ids in enumerate(stage_chunks):
+                if p == 0 and c == 0:
+                    params.append(
+                        McoreParam(c, "embedding.word_embeddings.weight", (vocab, h), 0, "vocab", ("model.embed_tokens.weight",))
+                    )
+                for local, gid in enumerate(layer_ids):
+                    for r in rules:
+                        params.append(
+                            McoreParam(
+                                c,
+                                f"decoder.layers.{local}.{r.mcore}",
+                                full.get(r.mcore, (h,)),
+                                r.tp_dim,
+                                r.fusion,
+                                tuple(f"model.layers.{gid}.{n}" for n in r.hf),
+                            )
+                        )
+                if p == layout.pp - 1 and c == last_chunk:
+                    params.append(McoreParam(c, "decoder.final_layernorm.weight", (h,), None, "none", ("model.norm.weight",)))
+                    if not a.tie_word_embeddings:
+                        params.append(McoreParam(c, "output_layer.weight", (vocab, h), 0, "vocab", ("lm_head.weight",)))
+                    elif layout.pp > 1:
+                        params.append(
+                            McoreParam(
+                                c, "output_layer.weight", (vocab, h), 0, "vocab", ("model.embed_tokens.weight",), exported=False
+                            )
+                        )
+            tensors = tuple(
+                HFTensorSpec(n, self.hf_shape(n), dtype, p, prm) for prm in params if prm.exported for n in prm.hf_names
+            )
+            stages.append(StagePlan(p, tuple(params), tensors))
+        return stages
+
+    # ---- tensor transforms (canonical = TP=1 megatron layout) ---------------------------------
+    def to_hf(self, prm: McoreParam, canon: torch.Tensor) -> list[torch.Tensor]:
+        """Canonical megatron tensor -> its HF tensors (``prm.hf_names`` order)."""
+        a = self.arch
+        if prm.fusion == "none":
+            return [canon]
+        if prm.fusion == "vocab":
+            return [canon[: a.vocab_size]]
+        if prm.fusion == "gate_up":
+            return list(canon.chunk(2, dim=0))
+        hpg, d = a.heads_per_group, a.head_dim
+        g = canon.view(a.num_kv_heads, (hpg + 2) * d, *canon.shape[1:])
+        q = g[:, : hpg * d].reshape(a.num_heads * d, *canon.shape[1:])
+        k = g[:, hpg * d : (hpg + 1) * d].reshape(a.num_kv_heads * d, *canon.shape[1:])
+        v = g[:, (hpg + 1) * d :].reshape(a.num_kv_heads * d, *canon.shape[1:])
+        return [q, k, v]
+
+    def from_hf(self, prm: McoreParam, hf: list[torch.Tensor]) -> torch.Tensor:
+        """HF tensors (``prm.hf_names`` order) -> canonical megatron tensor of ``prm.shape``."""
+        a = self.arch
+        if prm.fusion == "none":
+            return hf[0]
+        if prm.fusion == "vocab":
+            out = hf[0].new_zeros(prm.shape)
+            out[: a.vocab_size] = hf[0]
+            return out
+        if prm.fusion == "gate_up":
+            return torch.cat(hf, dim=0)
+        hpg, d = a.heads_per_group, a.head_dim
+        rest = hf[0].shape[1:]
+        q = hf[0].reshape(a.num_kv_heads, hpg * d, *rest)
+        k = hf[1].reshape(a.num_kv_heads, d, *rest)
+        v = hf[2].reshape(a.num_kv_heads, d, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(prm.shape)
+
+    @staticmethod
+    def merge_tp(prm: McoreParam, shards: list[torch.Tensor]) -> torch.Tensor:
+        """TP shards (rank order) -> canonical tensor."""
+        if prm.tp_dim is None or len(shards) == 1:
+            return shards[0]
+        if prm.fusion == "gate_up":  # each shard is [gate_r; up_r]
+            halves = [s.chunk(2, dim=0) for s in shards]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        return torch.cat(shards, dim=prm.tp_dim)
+
+    @staticmethod
+    def split_tp(prm: McoreParam, canon: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+        """Canonical tensor -> the shard TP rank ``tp_rank`` of ``tp`` holds."""
+        if prm.tp_dim is None or tp == 1:
+            return canon
+        if prm.fusion == "gate_up":
+            gate, up = canon.chunk(2, dim=0)
+            return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
+        return canon.chunk(tp, dim=prm.tp_dim)[tp_rank]
+
+    # ---- runtime: megatron -> HF (weight sync, mcore->HF conversion) ---------------------------
+    def export_hf(
+        self,
+        chunks: list[torch.nn.Module],
+        stage_plan: StagePlan,
+        tp_group: Any,
+        names: Iterable[str] | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full tensor)`` for this stage, in ``stage_plan.tensors`` order.
+
+        Collective over ``tp_group``: every TP rank of the stage must call it with the same
+        ``names`` (None = all). Each needed megatron parameter is all-gathered once; the yielded
+        tensors are new (safe to keep) and in the parameter dtype.
+        """
+        import torch.distributed as dist
+
+        wanted = None if names is None else set(names)
+        if wanted is not None:
+            unknown = wanted - {t.name for t in stage_plan.tensors}
+            if unknown:
+                raise ValueError(f"names: {sorted(unknown)[:5]} are not exported by stage {stage_plan.stage}")
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        local = [dict(unwrap(m).named_parameters()) for m in chunks]
+        for prm in stage_plan.params:
+            if not prm.exported or (wanted is not None and not wanted.intersection(prm.hf_names)):
+                continue
+            shard = local[prm.chunk][prm.name].detach()
+            if tp > 1 and prm.tp_dim is not None:
+                parts = [torch.empty_like(shard) for _ in range(tp)]
+                dist.all_gather(parts, shard.contiguous(), group=tp_group)
+            else:
+                parts = [shard]
+            canon = self.merge_tp(prm, parts)
+            assert tuple(canon.shape) == prm.shape, (prm.name, tuple(canon.shape), prm.shape)
+            for n, t in zip(prm.hf_names, self.to_hf(prm, canon)):
+                if wanted is None or n in wanted:
+                    yield n, t.clone()
+
+    # ---- runtime: HF -> megatron (model loading, HF->mcore conversion) -------------------------
+    def load_hf(
+        self,
+        chunks: list[torch.nn.Module],
+        stage_plan: StagePlan,
+        tp: int,
+        tp_rank: int,
+        read: Callable[[str], torch.Tensor],
+        shape_of: Callable[[str], tuple[int, ...]],
+    ) -> int:
+        """Copy HF tensors into the local shards of this stage's parameters; returns the count.
+
+        ``shape_of(name)`` is checked for every needed tensor BEFORE anything is read or written,
+        so a mismatched checkpoint fails with a ValueError naming the tensor and both shapes.
+        """
+        local = [dict(unwrap(m).named_parameters()) for m in chunks]
+        for prm in stage_plan.params:
+            if prm.name not in local[prm.chunk]:
+                raise ValueError(f"model chunk {prm.chunk} has no parameter {prm.name} (layer spec mismatch?)")
+            for n in prm.hf_names:
+                got, want = tuple(shape_of(n)), self.hf_shape(n)
+                if got != want:
+                    raise ValueError(f"{n}: checkpoint shape {got} != model shape {want}")
+            shard_shape = tuple(local[prm.chunk][prm.name].shape)
+            expect = list(prm.shape)
+            if prm.tp_dim is not None:
+                expect[prm.tp_dim] //= tp
+            if shard_shape != tuple(expect):
+                raise ValueError(f"{prm.name}: model shard shape {shard_shape} != expected {tuple(expect)}")
+        with torch.no_grad():
+            for prm in stage_plan.params:
+                canon = self.from_hf(prm, [read(n) for n in prm.hf_names])
+                dst = local[prm.chunk][prm.name]
+                dst.copy_(self.split_tp(prm, canon, tp, tp_rank).to(dst.dtype))
+        return len(stage_plan.params)
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / Float16Module wrappers (each keeps the wrapped model in ``.module``)."""
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module
