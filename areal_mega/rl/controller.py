@@ -1,0 +1,415 @@
+"""Asynchronous rollout controller: runs a workflow over a dataset and feeds the trainer.
+
+Dataflow (one asyncio loop, in a background thread or the caller's loop)::
+
+    dataset ──> producer ──admit?──> episode tasks ──> workflow.arun_episode(engine, data)
+                   ^   (StalenessManager +                 │
+                   │    max_concurrent)                    v
+                   │                          accept / reject (filter, None)
+                   │                                       │
+    trainer: get_batch() <── oldest-admitted first <── ready pool
+             set_version(v) after each weight sync (wakes the producer: capacity grows)
+
+Staleness bound, as an invariant: a batch formed at version v contains only trajectories
+whose every generated token has version >= v - max_staleness; ``get_batch`` checks each token
+and raises :class:`StalenessViolation` otherwise. Two rules make it hold (see
+``areal_mega.rl.staleness`` for the counting argument): admission by the staleness manager,
+and batch formation that takes ready episodes oldest-admitted first and waits while taking
+them would leave older episodes (ready or still running) that no longer fit in the batches
+left before they would become too stale (``_can_form``; episodes admitted at version
+<= v - max_staleness are "due": this batch must hold all of them).
+The guarantee assumes the trainer takes ``batch_size`` episodes once per version, which is
+what the RL loop does; other usage is still checked.
+
+Per-token versions come from the engine (``GenerationResult.output_versions``); an
+interrupted request resumed after a weight update carries mixed versions, and the check uses
+the oldest generated token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, TextIO
+
+from areal_mega.api.engine import InferenceEngine
+from areal_mega.api.workflow import RolloutWorkflow, Trajectory
+from areal_mega.rl.config import RolloutConfig
+from areal_mega.rl.staleness import StalenessManager
+
+
+class StalenessViolation(RuntimeError):
+    """A batch would contain a token older than max_staleness versions (a bug, never expected)."""
+
+
+@dataclass
+class RolloutBatch:
+    groups: list[list[Trajectory]]
+    """One list per episode (a GRPO group), oldest admission first."""
+    version: int
+    """The policy version this batch is trained at."""
+    stats: dict[str, float]
+    """Scalars for TensorBoard: rewards, rejections, staleness (mean / max / fraction stale)."""
+    staleness_counts: dict[int, int] = field(default_factory=dict)
+    """Histogram over generated tokens: staleness (version - token version) -> token count."""
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g]
+
+    def token_staleness(self) -> list[int]:
+        """The histogram expanded to one value per generated token (for add_histogram)."""
+        return [s for s, n in sorted(self.staleness_counts.items()) for _ in range(n)]
+
+
+@dataclass
+class _Ready:
+    seq: int
+    admit_version: int
+    group: list[Trajectory]
+
+
+def zero_variance(group: list[Trajectory]) -> bool:
+    """True when every trajectory of the group has the same reward (no GRPO signal)."""
+    return len({t.reward for t in group}) <= 1
+
+
+class RolloutController:
+    """Runs ``workflow`` over ``dataset`` (cycled forever, epoch after epoch) on ``engine``.
+
+    Synchronous callers (the trainer): ``start()``, then ``get_batch()`` / ``set_version(v)`` /
+    ``pause()`` / ``resume()`` / ``close()`` from any thread. Async callers: ``await astart()``
+    and ``await aget_batch()`` in their own loop.
+    """
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        workflow: RolloutWorkflow,
+        dataset: Iterable[dict[str, Any]],
+        config: RolloutConfig,
+        *,
+        staleness: StalenessManager | None = None,
+        version: int = 0,
+        accept: Callable[[list[Trajectory]], bool] | None = None,
+        progress_stream: TextIO | None = None,
+    ) -> None:
+        config.validate()
+        self.engine = engine
+        self.workflow = workflow
+        self.dataset = dataset
+        self.config = config
+        self.staleness = staleness or StalenessManager(
+            config.batch_size, config.max_staleness, config.max_concurrent, version=version
+        )
+        if accept is None and config.filter_zero_variance:
+            accept = lambda g: not zero_variance(g)  # noqa: E731
+        self._accept = accept
+        self._progress = progress_stream if progress_stream is not None else sys.stderr
+        self._data_iter: Iterator[dict[str, Any]] | None = None
+        self.epoch = 0
+        self._seq = 0
+        self._running: dict[int, int] = {}  # seq -> admit version
+        self._ready: list[_Ready] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._waiters: list[asyncio.Future] = []
+        self._paused = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._consecutive_rejects = 0
+        self._rejected_since_batch = 0
+        self._accepted_since_batch = 0
+        self._last_progress = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._producer: asyncio.Task | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def astart(self) -> None:
+        """Start the producer in the running loop."""
+        assert self._producer is None, "controller already started"
+        self._loop = asyncio.get_running_loop()
+        self._producer = asyncio.create_task(self._produce())
+
+    def start(self) -> None:
+        """Start a background thread running its own event loop with the producer."""
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            loop.run_until_complete(self.astart())
+            ready.set()
+            loop.run_forever()
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="rollout-controller", daemon=True)
+        self._thread.start()
+        ready.wait(timeout=30)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for t in [self._producer, *self._tasks]:
+            if t is not None:
+                t.cancel()
+        await asyncio.gather(*[t for t in [self._producer, *self._tasks] if t is not None], return_exceptions=True)
+        self._notify()
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self._thread is None:
+            raise RuntimeError("close() is for controllers started with start(); use aclose()")
+        loop = self._loop
+        assert loop is not None
+        asyncio.run_coroutine_threadsafe(self.aclose(), loop).result(timeout)
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(timeout)
+        self._thread = None
+
+    # ---- trainer-facing --------------------------------------------------------------
+
+    def set_version(self, version: int) -> None:
+        """Call after each weight sync: new episodes are admitted at this version."""
+        self.staleness.set_version(version)
+        self._notify_threadsafe()
+
+    def pause(self) -> None:
+        """Stop admitting new episodes (in-flight ones continue; the engine pauses those)."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._notify_threadsafe()
+
+    def get_batch(self, num_episodes: int | None = None, timeout: float | None = None) -> RolloutBatch:
+        """Blocking ``aget_batch`` for a controller started with ``start()``."""
+        if self._thread is None or self._loop is None:
+            raise RuntimeError("get_batch() needs start(); in async code use await aget_batch()")
+        fut = asyncio.run_coroutine_threadsafe(self.aget_batch(num_episodes), self._loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"no rollout batch within {timeout} s") from None
+
+    def run_coroutine(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run a coroutine (e.g. ``engine.pause()``) on the controller's loop and wait for it:
+        the engine's HTTP sessions belong to that loop."""
+        assert self._loop is not None, "controller not started"
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def aget_batch(self, num_episodes: int | None = None) -> RolloutBatch:
+        """Wait for ``num_episodes`` (default batch_size) accepted episodes and form a batch."""
+        n = num_episodes or self.config.batch_size
+        timeout = self.config.batch_timeout_s or None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._raise_if_failed()
+            version = self.staleness.version
+            if self._can_form(n, version):
+                break
+            await self._wait(None if deadline is None else deadline - time.monotonic())
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"rollout.batch_timeout_s: no batch of {n} episodes after {timeout} s "
+                    f"({len(self._ready)} ready, {len(self._running)} running)"
+                )
+        self._ready.sort(key=lambda r: r.seq)
+        taken, self._ready = self._ready[:n], self._ready[n:]
+        batch = self._form_batch(taken, version)
+        self._notify()
+        return batch
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _can_form(self, n: int, version: int) -> bool:
+        """True when taking the ``n`` oldest-admitted ready episodes keeps the bound reachable.
+
+        With eta = max_staleness, B = batch_size, c = version: the episodes still pending
+        afterwards (ready but not taken, or running: a running one may yet be accepted) that
+        were admitted at version <= w must fit in the batches c+1 .. w+eta, i.e.
+        pending(<= w) <= (w + eta - c) * B for every past admission version w in
+        [c - eta, c - 1] (for w = c - eta that is 0: those episodes are due now). Later versions
+        need no check: the admission rule caps them. Taking oldest first minimises every
+        pending(<= w) at once, and by induction over batches the condition becomes true as
+        soon as the running episodes it counts have finished, so this never deadlocks.
+        """
+        if len(self._ready) < n:
+            return False
+        eta, batch = self.config.max_staleness, self.staleness.batch_size
+        self._ready.sort(key=lambda r: r.seq)
+        pending = [r.admit_version for r in self._ready[n:]] + list(self._running.values())
+        if not pending:
+            return True
+        for w in range(version - eta, max(version - eta, version - 1) + 1):
+            limit = max(0, (w + eta - version) * batch)
+            if sum(1 for v in pending if v <= w) > limit:
+                return False
+        return True
+
+    def _form_batch(self, taken: list[_Ready], version: int) -> RolloutBatch:
+        oldest_allowed = version - self.config.max_staleness
+        counts: collections.Counter[int] = collections.Counter()
+        rewards = []
+        for r in taken:
+            for t in r.group:
+                rewards.append(t.reward)
+                for tv, m in zip(t.versions, t.loss_mask):
+                    if not m:
+                        continue
+                    if tv < oldest_allowed:
+                        raise StalenessViolation(
+                            f"episode #{r.seq} (admitted at version {r.admit_version}) has a token of "
+                            f"version {tv} in a batch trained at version {version}: older than "
+                            f"max_staleness={self.config.max_staleness}"
+                        )
+                    counts[version - tv] += 1
+        num_tokens = sum(counts.values())
+        stats = {
+            "rollout/reward_mean": sum(rewards) / max(len(rewards), 1),
+            "rollout/num_trajectories": float(len(rewards)),
+            "rollout/num_generated_tokens": float(num_tokens),
+            "rollout/rejected_episodes": float(self._rejected_since_batch),
+            "rollout/accepted_episodes": float(self._accepted_since_batch),
+            "rollout/epoch": float(self.epoch),
+            "staleness/mean": sum(s * c for s, c in counts.items()) / max(num_tokens, 1),
+            "staleness/max": float(max(counts, default=0)),
+            "staleness/frac_stale_tokens": sum(c for s, c in counts.items() if s > 0) / max(num_tokens, 1),
+        }
+        self._rejected_since_batch = 0
+        self._accepted_since_batch = 0
+        return RolloutBatch([r.group for r in taken], version, stats, dict(counts))
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"a rollout episode failed: {self._error!r}") from self._error
+        if self._consecutive_rejects >= self.config.max_consecutive_rejects:
+            raise RuntimeError(
+                f"rollout.max_consecutive_rejects: {self._consecutive_rejects} episodes in a row were "
+                "rejected (all rewards equal under filter_zero_variance, or the workflow returns None)"
+            )
+        if self._closed:
+            raise RuntimeError("rollout controller is closed")
+
+    def _next_data(self) -> dict[str, Any]:
+        for _ in range(2):
+            if self._data_iter is None:
+                self._data_iter = iter(self.dataset)
+            try:
+                return next(self._data_iter)
+            except StopIteration:
+                self._data_iter = None
+                self.epoch += 1
+        raise ValueError("rollout dataset is empty")
+
+    async def _produce(self) -> None:
+        try:
+            while not self._closed:
+                if self._paused or self._error is not None:
+                    await self._wait(None)
+                    continue
+                admit_version = self.staleness.try_admit()
+                if admit_version is None:
+                    await self._wait(None)
+                    continue
+                try:
+                    data = self._next_data()
+                except BaseException:
+                    self.staleness.on_rejected()
+                    raise
+                seq = self._seq
+                self._seq += 1
+                self._running[seq] = admit_version
+                task = asyncio.create_task(self._run_episode(seq, admit_version, data))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                self._show_progress()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # surfaced to the trainer by get_batch
+            self._error = e
+            self._notify()
+
+    async def _run_episode(self, seq: int, admit_version: int, data: dict[str, Any]) -> None:
+        try:
+            group = await self.workflow.arun_episode(self.engine, data)
+            keep = bool(group) and (self._accept is None or self._accept(group))
+        except asyncio.CancelledError:
+            self._running.pop(seq, None)
+            raise
+        except BaseException as e:
+            self._running.pop(seq, None)
+            self.staleness.on_rejected()
+            self._error = e
+            self._notify()
+            return
+        self._running.pop(seq, None)
+        if keep:
+            assert group is not None
+            self.staleness.on_accepted()
+            self._ready.append(_Ready(seq, admit_version, group))
+            self._consecutive_rejects = 0
+            self._accepted_since_batch += 1
+        else:
+            self.staleness.on_rejected()
+            self._consecutive_rejects += 1
+            self._rejected_since_batch += 1
+        self._show_progress()
+        self._notify()
+
+    async def _wait(self, timeout: float | None) -> None:
+        """Sleep until ``_notify`` (any state change) or ``timeout``. Loop thread only: the
+        caller checks its condition and registers the waiter with no await in between."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            if timeout is None:
+                await fut
+            else:
+                await asyncio.wait_for(fut, max(timeout, 0.0))
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
+    def _notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _notify_threadsafe(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            loop.call_soon_threadsafe(self._notify)
+        else:
+            self._notify()
+
+    def _show_progress(self) -> None:
+        """One status line, rewritten in place, only on interactive terminals (throttled)."""
+        if not self.config.show_progress:
+            return
+        isatty = getattr(self._progress, "isatty", None)
+        if isatty is None or not isatty():
+            return
+        now = time.monotonic()
+        if now - self._last_progress < 0.5:
+            return
+        self._last_progress = now
+        s = self.staleness.snapshot()
+        self._progress.write(
+            f"\r[rollout] version {s['version']} running {s['running']} ready {len(self._ready)} "
+            f"accepted {s['accepted']} rejected {s['rejected']} epoch {self.epoch}   "
+        )
+        self._progress.flush()
+
+    def snapshot(self) -> dict[str, int]:
+        return {**self.staleness.snapshot(), "ready": len(self._ready), "epoch": self.epoch}

@@ -1,0 +1,97 @@
+"""Bounded-staleness admission control (AReaL's rule), as a small thread-safe class.
+
+Let B = batch_size (episodes per training batch), eta = max_staleness, v = the current policy
+version relative to the start of the run, ``accepted`` = episodes finished and kept so far,
+``running`` = episodes in flight. A new episode is admitted only while
+
+    capacity = min(max_concurrent - running, (eta + v + 1) * B - (accepted + running)) > 0
+
+Why this bounds staleness: an episode admitted at version v is at most the
+((eta + v + 1) * B)-th kept episode, so if the trainer consumes exactly B episodes per
+version, oldest admission first, it lands in a batch trained at version <= v + eta; every
+token it carries was sampled at a version >= v (versions only grow), hence is at most eta
+versions old. With eta = 0 no episode is admitted until the previous batch has been trained
+on: synchronous RL. Rejected episodes (filtered, failed) give their slot back. The controller
+(``areal_mega.rl.controller``) keeps the "oldest admission first" half of the argument and
+checks the bound on every batch it forms.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class StalenessManager:
+    """Counts admitted / running / accepted episodes and says how many more may start.
+
+    Thread-safe: the rollout loop admits and finishes episodes while the trainer thread
+    bumps the version.
+    """
+
+    def __init__(self, batch_size: int, max_staleness: int, max_concurrent: int, version: int = 0) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent: must be >= 1, got {max_concurrent}")
+        self.batch_size = batch_size
+        self.max_staleness = max_staleness
+        self.max_concurrent = max_concurrent
+        self._lock = threading.Lock()
+        self._base_version = version
+        self._version = version
+        self._running = 0
+        self._accepted = 0
+        self._rejected = 0
+
+    # The formula lives here and only here.
+    def _capacity_locked(self) -> int:
+        steps = self._version - self._base_version
+        by_staleness = (self.max_staleness + steps + 1) * self.batch_size - (self._accepted + self._running)
+        return min(self.max_concurrent - self._running, by_staleness)
+
+    def capacity(self) -> int:
+        with self._lock:
+            return self._capacity_locked()
+
+    def try_admit(self) -> int | None:
+        """Admit one episode if capacity allows: returns the version it is admitted at, else None."""
+        with self._lock:
+            if self._capacity_locked() <= 0:
+                return None
+            self._running += 1
+            return self._version
+
+    def on_accepted(self) -> None:
+        with self._lock:
+            assert self._running > 0, "on_accepted without a running episode"
+            self._running -= 1
+            self._accepted += 1
+
+    def on_rejected(self) -> None:
+        with self._lock:
+            assert self._running > 0, "on_rejected without a running episode"
+            self._running -= 1
+            self._rejected += 1
+
+    def set_version(self, version: int) -> None:
+        with self._lock:
+            if version < self._version:
+                raise ValueError(f"version: must not decrease ({self._version} -> {version})")
+            self._version = version
+
+    @property
+    def version(self) -> int:
+        with self._lock:
+            return self._version
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "version": self._version,
+                "running": self._running,
+                "accepted": self._accepted,
+                "rejected": self._rejected,
+                "capacity": self._capacity_locked(),
+            }
