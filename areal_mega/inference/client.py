@@ -1,0 +1,596 @@
+"""Async client for a pool of SGLang servers: the ``InferenceEngine`` the rollout side uses.
+
+Dataflow (one asyncio event loop; every rollout coroutine calls ``agenerate``)::
+
+    workflows --agenerate(req)--> InferencePool --POST /generate--> server with least in-flight
+        ^                              |   finish_reason "abort" (pause / weight update):
+        |                              |     wait while paused, resubmit prompt + tokens so far
+        |                              |     with max_new_tokens reduced; keep their versions
+        |                              |   connection error / 5xx / timeout: mark server down,
+        |                              |     retry elsewhere from the tokens already returned
+        +------ GenerationResult <-----+
+                                   health monitor --> restart (managed) --> resync(server) --> rotation
+
+Invariants:
+* every ``agenerate`` call returns exactly one result (or raises after ``max_retries`` failures);
+  ``output_ids``, ``output_logprobs`` and ``output_versions`` always have equal length;
+* ``output_versions[i]`` is the ``weight_version`` the server reported for token i (SGLang's
+  per-token ``weight_versions`` spans), so a request interrupted by a weight update has mixed
+  versions and never claims a newer policy than the one that sampled a token;
+* a server takes traffic only while ``handle.healthy``; a restarted server becomes healthy only
+  after ``resync`` brought it to the pool's current version.
+
+Weight-update calls (init group, distributed/disk updates, begin/end session) live on
+``ServerHandle`` -- not on the ``InferenceEngine`` contract; the weight-sync layer iterates
+``pool.servers`` and checks ``handle.capabilities``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence
+
+import aiohttp
+
+from areal_mega.api.engine import InferenceEngine
+from areal_mega.api.io import GenerationRequest, GenerationResult, SamplingParams
+from areal_mega.inference.config import InferenceConfig
+from areal_mega.inference.server import SGLangServer, launch_servers
+
+logger = logging.getLogger(__name__)
+
+# SGLang version in which we verified /begin_weight_update + /end_weight_update; used only when
+# the server hides its route list (/openapi.json disabled).
+_WEIGHT_UPDATE_SESSION_SINCE = (0, 5, 23)
+
+
+class InferenceError(RuntimeError):
+    """A request could not be completed (all retries failed, or no server is healthy)."""
+
+
+class InferenceServerError(RuntimeError):
+    """A server answered a call with a non-2xx status. ``status`` is the HTTP code."""
+
+    def __init__(self, address: str, path: str, status: int, body: str) -> None:
+        super().__init__(f"{address}{path}: HTTP {status}: {body[:500]}")
+        self.status = status
+        self.body = body
+
+
+class _ServerFailure(Exception):
+    """Internal: the server itself failed (unreachable, 5xx, timeout) -- retry elsewhere."""
+
+
+@dataclass(frozen=True)
+class ServerCapabilities:
+    """What one server supports, detected at connect time.
+
+    ``routes`` comes from the server's /openapi.json (the authoritative list of endpoints);
+    when that is disabled, from the version (``sglang_version``).
+    """
+
+    sglang_version: str
+    routes: frozenset[str]
+
+    @property
+    def weight_update_session(self) -> bool:
+        """True if distributed/tensor updates must be wrapped in /begin_weight_update and
+        /end_weight_update (SGLang 0.5.23 answers 400 otherwise; 0.5.9/0.5.15 lack both)."""
+        return "/begin_weight_update" in self.routes and "/end_weight_update" in self.routes
+
+    def has(self, path: str) -> bool:
+        return path in self.routes
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+class ServerHandle:
+    """One SGLang server as the pool sees it: address, state, and thin wrappers of the control
+    endpoints (request bodies as in SGLang 0.5.23's io_struct; each returns the JSON answer and
+    raises ``InferenceServerError`` on a non-2xx status).
+
+    ``process`` is the managed ``SGLangServer`` (None for servers started by someone else, which
+    the pool can route around but not restart).
+    """
+
+    def __init__(self, index: int, address: str, process: SGLangServer | None = None) -> None:
+        self.index = index
+        self.address = address
+        self.url = f"http://{address}"
+        self.process = process
+        self.healthy = False
+        self.in_flight = 0
+        self.num_restarts = 0
+        self.num_failures = 0
+        self.capabilities: ServerCapabilities | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._headers: dict[str, str] = {}
+        self._control_timeout = aiohttp.ClientTimeout(total=600)
+        self._health_timeout = aiohttp.ClientTimeout(total=5)
+        self._recovery: asyncio.Task | None = None
+
+    def __repr__(self) -> str:
+        return f"ServerHandle({self.index}, {self.address}, healthy={self.healthy}, in_flight={self.in_flight})"
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _bind(self, session: aiohttp.ClientSession, headers: dict[str, str],
+              control_timeout_s: float, health_timeout_s: float) -> None:
+        self._session = session
+        self._headers = headers
+        self._control_timeout = aiohttp.ClientTimeout(total=control_timeout_s)
+        self._health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
+
+    async def call(self, method: str, path: str, body: dict | None = None,
+                   timeout: aiohttp.ClientTimeout | None = None) -> Any:
+        """One HTTP call; JSON in, JSON (or text) out."""
+        assert self._session is not None, "pool not started"
+        data = None if body is None else json.dumps(body)
+        headers = dict(self._headers)
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        async with self._session.request(method, self.url + path, data=data, headers=headers,
+                                         timeout=timeout or self._control_timeout) as resp:
+            text = await resp.text()
+            if resp.status >= 300:
+                raise InferenceServerError(self.address, path, resp.status, text)
+        try:
+            return json.loads(text) if text else None
+        except json.JSONDecodeError:
+            return text
+
+    async def health_ok(self, paused: bool = False) -> bool:
+        """True if the server answers. SGLang's /health runs a one-token generation, which cannot
+        finish while the server is paused, so a paused server is only asked for /model_info."""
+        try:
+            await self.call("GET", "/model_info" if paused else "/health", timeout=self._health_timeout)
+            return True
+        except (aiohttp.ClientError, asyncio.TimeoutError, InferenceServerError, OSError):
+            return False
+
+    async def detect_capabilities(self) -> ServerCapabilities:
+        info = await self.call("GET", "/server_info")
+        version = str(info.get("version", "")) if isinstance(info, dict) else ""
+        try:
+            spec = await self.call("GET", "/openapi.json")
+            routes = frozenset(spec.get("paths", {}))
+        except InferenceServerError as e:
+            if e.status != 404:
+                raise
+            # Route list hidden (DISABLE_OPENAPI_DOC): fall back to what this version is known to have.
+            routes = frozenset({"/generate", "/model_info", "/pause_generation", "/continue_generation",
+                                "/update_weights_from_disk", "/init_weights_update_group",
+                                "/update_weights_from_distributed", "/destroy_weights_update_group"})
+            if _version_tuple(version) >= _WEIGHT_UPDATE_SESSION_SINCE:
+                routes |= {"/begin_weight_update", "/end_weight_update"}
+        self.capabilities = ServerCapabilities(sglang_version=version, routes=routes)
+        return self.capabilities
+
+    # -- generation control ---------------------------------------------------------------------
+    async def pause_generation(self, mode: str = "abort") -> Any:
+        """POST /pause_generation {mode: "abort" | "retract" | "in_place"}."""
+        return await self.call("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> Any:
+        """POST /continue_generation {}."""
+        return await self.call("POST", "/continue_generation", {})
+
+    async def abort_all(self) -> Any:
+        """POST /abort_request {abort_all: true}."""
+        return await self.call("POST", "/abort_request", {"abort_all": True})
+
+    async def flush_cache(self) -> Any:
+        """POST /flush_cache (400 while paused in in_place mode)."""
+        return await self.call("POST", "/flush_cache")
+
+    async def model_info(self) -> dict:
+        """GET /model_info: model_path, weight_version, ..."""
+        return await self.call("GET", "/model_info")
+
+    async def get_weight_version(self) -> str:
+        """The server's current weight_version string (0.5.23 has no /get_weight_version)."""
+        return str((await self.model_info())["weight_version"])
+
+    # -- weight updates (used by the weight-sync layer) -------------------------------------------
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> Any:
+        """POST /init_weights_update_group. The trainer joins the same group at rank 0 at the same
+        time; the server's TP ranks join at ``rank_offset + tp_rank``."""
+        return await self.call("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+        })
+
+    async def begin_weight_update(self) -> Any:
+        """POST /begin_weight_update {} (only if ``capabilities.weight_update_session``)."""
+        return await self.call("POST", "/begin_weight_update", {})
+
+    async def end_weight_update(self) -> Any:
+        """POST /end_weight_update {}."""
+        return await self.call("POST", "/end_weight_update", {})
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+        group_name: str = "weight_update_group", flush_cache: bool = True,
+        weight_version: int | str | None = None, load_format: str | None = None,
+    ) -> Any:
+        """POST /update_weights_from_distributed: the server receives ``names`` (dtype strings like
+        "bfloat16", shapes) by broadcast from group rank 0, in this order. ``load_format
+        "flattened_bucket"`` = one uint8 buffer holding the tensors' bytes back to back."""
+        body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes,
+                                "group_name": group_name, "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        if load_format is not None:
+            body["load_format"] = load_format
+        return await self.call("POST", "/update_weights_from_distributed", body)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
+                                       flush_cache: bool = True) -> Any:
+        """POST /update_weights_from_disk {model_path, weight_version, flush_cache} (no begin/end)."""
+        body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self.call("POST", "/update_weights_from_disk", body)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Any:
+        """POST /destroy_weights_update_group {group_name}."""
+        return await self.call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+
+ResyncHook = Callable[[ServerHandle], Awaitable[None]]
+
+
+class InferencePool(InferenceEngine):
+    """N SGLang servers behind one ``agenerate``. See the module docstring for the dataflow.
+
+    Use ``pool = await InferencePool.launch(cfg)`` (starts servers; ``close()`` stops them) or
+    ``InferencePool(cfg, servers_or_addresses)`` + ``await pool.start()``.
+
+    ``resync`` is the hook that brings a restarted server to the current weights before it takes
+    traffic again; the weight-sync layer sets it. The default reloads the last
+    ``update_weights_from_disk`` checkpoint, if any (a restart already loads the initial model
+    under ``client.initial_version``).
+    """
+
+    def __init__(self, cfg: InferenceConfig, servers: Sequence[SGLangServer | str] = (),
+                 *, own_servers: bool = False) -> None:
+        self.cfg = cfg
+        ccfg = cfg.client
+        if not servers:
+            servers = list(cfg.addresses)
+        if not servers:
+            raise ValueError("addresses: no servers given (launch them with InferencePool.launch)")
+        self.servers: list[ServerHandle] = [
+            ServerHandle(i, s.address, s) if isinstance(s, SGLangServer) else ServerHandle(i, s)
+            for i, s in enumerate(servers)
+        ]
+        self.resync: ResyncHook | None = None
+        self._own_servers = own_servers
+        self._version = ccfg.initial_version
+        self._last_disk_update: tuple[str, int] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._monitor_task: asyncio.Task | None = None
+        self._resumed = asyncio.Event()   # set <=> not paused; agenerate waits on it
+        self._resumed.set()
+        self._membership = asyncio.Event()  # pulsed when a server (re)joins the rotation
+        self._generate_timeout = aiohttp.ClientTimeout(total=ccfg.request_timeout_s,
+                                                       sock_connect=ccfg.connect_timeout_s)
+        # Counters for benchmarks and tests.
+        self.num_submitted = 0
+        self.num_completed = 0
+        self.num_interruptions = 0
+        self.num_failovers = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    @classmethod
+    async def launch(cls, cfg: InferenceConfig) -> "InferencePool":
+        """Start ``cfg.num_servers`` SGLang servers (in parallel) and a pool that owns them, or
+        connect to ``cfg.addresses`` when set."""
+        if cfg.addresses:
+            pool = cls(cfg, cfg.addresses)
+        else:
+            servers = await asyncio.to_thread(launch_servers, cfg)
+            pool = cls(cfg, servers, own_servers=True)
+        try:
+            await pool.start()
+        except BaseException:
+            await pool.close()
+            raise
+        return pool
+
+    async def start(self) -> None:
+        """Open the HTTP session, check every server once, detect capabilities, start the monitor."""
+        ccfg = self.cfg.client
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=ccfg.max_connections_per_server,
+                                         force_close=False)
+        self._session = aiohttp.ClientSession(connector=connector)
+        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        for h in self.servers:
+            h._bind(self._session, headers, ccfg.control_timeout_s, ccfg.health_check_timeout_s)
+
+        async def first_contact(h: ServerHandle) -> None:
+            if not await h.health_ok():
+                raise InferenceError(f"server {h.address} is not healthy at pool start")
+            await h.detect_capabilities()
+            h.healthy = True
+
+        await asyncio.gather(*(first_contact(h) for h in self.servers))
+        self._monitor_task = asyncio.create_task(self._monitor(), name="inference-pool-monitor")
+
+    async def close(self) -> None:
+        """Stop the monitor and recoveries, close the session, stop servers the pool launched."""
+        tasks = [t for t in [self._monitor_task] + [h._recovery for h in self.servers] if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._own_servers:
+            await asyncio.gather(*(asyncio.to_thread(h.process.stop) for h in self.servers if h.process))
+
+    async def __aenter__(self) -> "InferencePool":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # -- InferenceEngine ------------------------------------------------------------------------
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        """Record the policy version the servers now hold (the weight-sync layer calls this after
+        pushing weights tagged with ``version``). Restarted servers are resynced to it."""
+        self._version = version
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    async def pause(self) -> None:
+        """Stop generation on every server, per ``client.pause_mode``. In abort mode the servers
+        return in-flight requests at once; ``agenerate`` holds them (and new ones) until resume()."""
+        self._resumed.clear()  # first, so that aborted requests see the pause and wait
+        await self._on_all(lambda h: h.pause_generation(self.cfg.client.pause_mode))
+
+    async def resume(self) -> None:
+        await self._on_all(lambda h: h.continue_generation())
+        self._resumed.set()
+
+    async def update_weights_from_disk(self, model_path: str, version: int) -> None:
+        """Load an HF checkpoint on every healthy server, tagged ``version``; remembered for the
+        default resync of restarted servers."""
+        await self._on_all(lambda h: h.update_weights_from_disk(model_path, weight_version=version))
+        self._last_disk_update = (model_path, version)
+        self._version = version
+
+    @property
+    def capabilities(self) -> ServerCapabilities:
+        """Capabilities of the pool's servers (all run the same SGLang)."""
+        caps = [h.capabilities for h in self.servers if h.capabilities is not None]
+        assert caps, "pool not started"
+        return caps[0]
+
+    async def agenerate(self, req: GenerationRequest) -> GenerationResult:
+        req.sampling.validate()
+        if not req.input_ids:
+            raise ValueError("input_ids: empty prompt")
+        if req.rid is None:
+            req.rid = uuid.uuid4().hex
+        ccfg = self.cfg.client
+        t0 = time.monotonic()
+        sampling = _sampling_dict(req.sampling)
+        max_new = req.sampling.max_new_tokens
+        out_ids: list[int] = []
+        out_lps: list[float] = []
+        out_vers: list[int] = []
+        num_interruptions = num_failures = attempt = 0
+        self.num_submitted += 1
+        while True:
+            await self._resumed.wait()
+            handle = await self._pick()
+            sampling["max_new_tokens"] = max_new - len(out_ids)
+            body = {"input_ids": req.input_ids + out_ids, "sampling_params": sampling,
+                    "return_logprob": True, "rid": f"{req.rid}-{attempt}"}
+            attempt += 1
+            handle.in_flight += 1
+            try:
+                data = await self._post_generate(handle, body)
+            except _ServerFailure as e:
+                num_failures += 1
+                self.num_failovers += 1
+                self._mark_down(handle, str(e))
+                if num_failures > ccfg.max_retries:
+                    raise InferenceError(
+                        f"request {req.rid}: {num_failures} server failures (client.max_retries="
+                        f"{ccfg.max_retries}); last: {e}") from None
+                await asyncio.sleep(ccfg.retry_backoff_s * 2 ** (num_failures - 1))
+                continue
+            finally:
+                handle.in_flight -= 1
+            ids, lps, vers, finish = self._parse(data)
+            out_ids += ids
+            out_lps += lps
+            out_vers += vers
+            if finish != "abort":
+                break
+            num_interruptions += 1
+            if len(out_ids) >= max_new:
+                finish = "length"
+                break
+            if not ids and not self.paused:
+                # Aborted before producing anything and not by our pause: a server-side abort
+                # (e.g. a weight update with abort_all_requests). Bounded like a failure.
+                num_failures += 1
+                if num_failures > ccfg.max_retries:
+                    raise InferenceError(f"request {req.rid}: aborted {num_failures} times without progress")
+        self.num_completed += 1
+        self.num_interruptions += num_interruptions
+        return GenerationResult(
+            input_ids=req.input_ids, output_ids=out_ids, output_logprobs=out_lps,
+            output_versions=out_vers, finish_reason=finish, rid=req.rid,
+            num_interruptions=num_interruptions, latency_s=time.monotonic() - t0,
+        )
+
+    # -- internals ------------------------------------------------------------------------------
+    async def _post_generate(self, h: ServerHandle, body: dict) -> dict:
+        assert self._session is not None, "pool not started (call start() or use launch())"
+        try:
+            async with self._session.post(h.url + "/generate", data=json.dumps(body),
+                                          headers={**h._headers, "Content-Type": "application/json"},
+                                          timeout=self._generate_timeout) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, OSError) as e:
+            raise _ServerFailure(f"{h.address}: {type(e).__name__}: {e}") from None
+        if status >= 500:
+            raise _ServerFailure(f"{h.address}: HTTP {status}: {raw[:300]!r}")
+        if status >= 300:
+            # 4xx is our request's fault (bad sampling key, prompt too long, missing API key):
+            # retrying elsewhere would fail the same way.
+            raise InferenceServerError(h.address, "/generate", status, raw.decode(errors="replace"))
+        return json.loads(raw)
+
+    def _parse(self, data: dict) -> tuple[list[int], list[float], list[int], str]:
+        ids = list(data["output_ids"])
+        meta = data["meta_info"]
+        n = len(ids)
+        lp_triples = meta.get("output_token_logprobs") or []
+        lps = [float(t[0]) for t in lp_triples[:n]]
+        lps += [0.0] * (n - len(lps))
+        fallback = self._parse_version(meta.get("weight_version"))
+        vers = [fallback] * n
+        for span in meta.get("weight_versions") or []:
+            v = self._parse_version(span["version"])
+            for i in range(span["start"], min(span["end"], n)):
+                vers[i] = v
+        finish = meta["finish_reason"]["type"] if isinstance(meta.get("finish_reason"), dict) else "stop"
+        return ids, lps, vers, finish
+
+    def _parse_version(self, v: Any) -> int:
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            # An external server launched without --weight-version reports "default".
+            return self.cfg.client.initial_version
+
+    async def _pick(self) -> ServerHandle:
+        """The healthy server with the fewest requests in flight (waits if none is healthy)."""
+        deadline = time.monotonic() + self.cfg.client.request_timeout_s
+        while True:
+            best = None
+            for h in self.servers:
+                if h.healthy and (best is None or h.in_flight < best.in_flight):
+                    best = h
+            if best is not None:
+                return best
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise InferenceError("no healthy inference server (all down or restarting)")
+            self._membership.clear()
+            try:
+                await asyncio.wait_for(self._membership.wait(), timeout=min(remaining, 1.0))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _on_all(self, fn: Callable[[ServerHandle], Awaitable[Any]]) -> None:
+        """Run a control call on every healthy server concurrently. A server that fails at the
+        transport level is marked down (its recovery resyncs it); HTTP errors propagate."""
+        healthy = [h for h in self.servers if h.healthy]
+        results = await asyncio.gather(*(fn(h) for h in healthy), return_exceptions=True)
+        for h, r in zip(healthy, results):
+            if isinstance(r, (aiohttp.ClientError, asyncio.TimeoutError, OSError)):
+                self._mark_down(h, f"{type(r).__name__}: {r}")
+            elif isinstance(r, BaseException):
+                raise r
+
+    def _mark_down(self, h: ServerHandle, reason: str) -> None:
+        if h.healthy:
+            logger.warning("inference server %s marked down: %s", h.address, reason)
+            h.healthy = False
+            h.num_failures += 1
+        if h._recovery is None:
+            h._recovery = asyncio.create_task(self._recover(h), name=f"recover-{h.address}")
+
+    async def _recover(self, h: ServerHandle) -> None:
+        """Bring ``h`` back: it may have been a transient failure (it answers again), else restart
+        it if the pool manages it. Either way it rejoins only after ``_rejoin`` (resync)."""
+        ccfg = self.cfg.client
+        try:
+            alive = h.process is None or h.process.is_running()
+            if alive:
+                # Give a loaded-but-alive server a few chances before restarting it.
+                for _ in range(3):
+                    if await h.health_ok(paused=self.paused):
+                        await self._rejoin(h)
+                        return
+                    await asyncio.sleep(ccfg.health_check_interval_s)
+            if h.process is None or not ccfg.restart_dead_servers or h.num_restarts >= ccfg.max_restarts:
+                return  # stays out; the monitor retries the health check
+            h.num_restarts += 1
+            logger.warning("restarting inference server %s (restart #%d)", h.address, h.num_restarts)
+            await asyncio.to_thread(h.process.restart, ccfg.initial_version)
+            await self._rejoin(h)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("recovery of inference server %s failed", h.address)
+        finally:
+            h._recovery = None
+
+    async def _rejoin(self, h: ServerHandle) -> None:
+        await h.detect_capabilities()
+        if self._parse_version(await h.get_weight_version()) != self._version:
+            await (self.resync or self._default_resync)(h)
+        if self.paused:
+            await h.pause_generation(self.cfg.client.pause_mode)
+        h.healthy = True
+        self._membership.set()
+        logger.warning("inference server %s back in rotation", h.address)
+
+    async def _default_resync(self, h: ServerHandle) -> None:
+        if self._last_disk_update is not None:
+            path, version = self._last_disk_update
+            await h.update_weights_from_disk(path, weight_version=version)
+        else:
+            logger.warning(
+                "server %s restarted with the initial weights (version %d) while the pool is at "
+                "version %d and no resync hook is set: its tokens carry the old version",
+                h.address, self.cfg.client.initial_version, self._version)
+
+    async def _monitor(self) -> None:
+        interval = self.cfg.client.health_check_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            candidates = [h for h in self.servers if h._recovery is None]
+            for h in candidates:
+                if h.process is not None and not h.process.is_running() and h.healthy:
+                    self._mark_down(h, "server process exited")
+            candidates = [h for h in candidates if h._recovery is None]
+            oks = await asyncio.gather(*(h.health_ok(paused=self.paused) for h in candidates))
+            for h, ok in zip(candidates, oks):
+                if not ok or not h.healthy:
+                    # A healthy server that stopped answering, or a down one worth another try.
+                    self._mark_down(h, "health check failed")
+
+
+def _sampling_dict(sp: SamplingParams) -> dict[str, Any]:
+    """SamplingParams -> SGLang sampling_params (unknown keys make SGLang answer 400)."""
+    d: dict[str, Any] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
+                         "max_new_tokens": sp.max_new_tokens}
+    if sp.stop_token_ids:
+        d["stop_token_ids"] = list(sp.stop_token_ids)
+    return d

@@ -1,0 +1,149 @@
+"""Configuration of the inference pool: how SGLang servers are launched and how the client
+talks to them. Owned by ``areal_mega.inference``; the experiment config nests ``InferenceConfig``
+under ``inference``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class SGLangServerConfig:
+    """Launch settings of ONE SGLang server (every server of the pool gets the same ones)."""
+
+    python: str = "python"
+    """Python interpreter that has SGLang installed (its own venv or container; the learner env
+    does not need SGLang). On CPU dev machines: the output of ``tools/env/make_venv.sh sglang``
+    + ``/bin/python``."""
+    model_path: str = ""
+    """HF model directory the server loads at start (and again on restart after a crash)."""
+    host: str = "127.0.0.1"
+    """Address the server binds and the client connects to. Keep loopback unless the learner
+    runs on another node; on multi-node Slurm use the node's own address."""
+    port: int = 0
+    """First port; server i uses ``port + i``. 0 picks free ports at launch."""
+    tp_size: int = 1
+    """Tensor-parallel size of one server (GPUs per server)."""
+    dtype: str = "bfloat16"
+    """Weight/activation dtype (SGLang ``--dtype``)."""
+    device: str = "cuda"
+    """``cuda`` on clusters, ``cpu`` on CPU-only machines (torch_native attention backend)."""
+    max_total_tokens: int | None = None
+    """KV-cache capacity in tokens (``--max-total-tokens``). Set it on CPU: without it SGLang
+    reserves ~15 GB. None lets SGLang size the cache from ``mem_fraction_static``."""
+    mem_fraction_static: float | None = None
+    """Fraction of accelerator memory for weights + KV cache (``--mem-fraction-static``)."""
+    random_seed: int | None = 1
+    """Sampling seed of the server (``--random-seed``); server i gets ``random_seed + i``."""
+    skip_tokenizer_init: bool = True
+    """The client sends token ids and reads token ids, so the server needs no tokenizer
+    (``--skip-tokenizer-init``); turn it off only for text-based endpoints."""
+    extra_args: list[str] = field(default_factory=list)
+    """More SGLang command-line arguments, appended verbatim (e.g. ``["--attention-backend",
+    "torch_native"]``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the server process (e.g. ``OMP_NUM_THREADS: "1"`` on CPU,
+    ``CUDA_VISIBLE_DEVICES`` on a shared node)."""
+    startup_timeout_s: float = 300.0
+    """How long to wait for a started server to answer its health check before failing with the
+    tail of its log."""
+    stop_grace_s: float = 10.0
+    """Seconds between SIGTERM and SIGKILL when stopping a server's process group."""
+    log_dir: str = ""
+    """Directory for the server logs (``sglang-<port>.log``); empty means a fresh temp dir."""
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens: must be >= 1, got {self.max_total_tokens}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static: must be in (0, 1), got {self.mem_fraction_static}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s: must be > 0, got {self.startup_timeout_s}")
+        if self.stop_grace_s < 0:
+            raise ValueError(f"stop_grace_s: must be >= 0, got {self.stop_grace_s}")
+
+
+@dataclass
+class InferenceClientConfig:
+    """Behaviour of the async client (``InferencePool``) towards the servers."""
+
+    request_timeout_s: float = 3600.0
+    """Wall-clock limit for one /generate call. A call that exceeds it counts as a failure of
+    that server and the request is retried elsewhere."""
+    connect_timeout_s: float = 10.0
+    """Limit for opening a TCP connection to a server."""
+    control_timeout_s: float = 600.0
+    """Limit for control calls (pause, weight updates, model info)."""
+    max_retries: int = 3
+    """How many times one request may fail on a server (connection error, 5xx, timeout) before
+    agenerate raises. Interruptions by pause/weight updates are not failures and not counted."""
+    retry_backoff_s: float = 0.5
+    """Sleep before a retry after a failure, doubled after each failure of the same request."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """How ``pause()`` treats in-flight requests: ``abort`` returns them at once with their partial
+    tokens (the client resubmits prompt + partial tokens after ``resume()``); ``retract`` and
+    ``in_place`` hold them on the server (KV freed / kept) and continue after ``resume()``."""
+    health_check_interval_s: float = 2.0
+    """Period of the background health check; a server that fails it is taken out of rotation
+    and, if the pool manages it, restarted."""
+    health_check_timeout_s: float = 5.0
+    """Limit for one health-check call."""
+    max_connections_per_server: int = 0
+    """Cap on concurrent HTTP connections to one server; 0 means unlimited (SGLang batches
+    everything it receives, so the cap is only useful to protect a small server)."""
+    restart_dead_servers: bool = True
+    """Restart a managed server that died (its process exits or it fails the health check)."""
+    max_restarts: int = 3
+    """How many restarts of one server are attempted before it is left out for good."""
+    initial_version: int = 0
+    """Policy version of the weights the servers start with (passed as ``--weight-version``)."""
+
+    def validate(self) -> None:
+        for key in ("request_timeout_s", "connect_timeout_s", "control_timeout_s",
+                    "health_check_interval_s", "health_check_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key}: must be > 0, got {getattr(self, key)}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries: must be >= 0, got {self.max_retries}")
+        if self.retry_backoff_s < 0:
+            raise ValueError(f"retry_backoff_s: must be >= 0, got {self.retry_backoff_s}")
+        if self.max_connections_per_server < 0:
+            raise ValueError(f"max_connections_per_server: must be >= 0, got {self.max_connections_per_server}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts: must be >= 0, got {self.max_restarts}")
+
+
+@dataclass
+class InferenceConfig:
+    """The inference pool: ``num_servers`` managed SGLang servers, or existing ones at
+    ``addresses``."""
+
+    server: SGLangServerConfig = field(default_factory=SGLangServerConfig)
+    """Launch settings, used when the pool starts its own servers."""
+    client: InferenceClientConfig = field(default_factory=InferenceClientConfig)
+    """Client behaviour (timeouts, retries, pause mode, failover)."""
+    num_servers: int = 1
+    """How many servers to launch (ignored when ``addresses`` is set)."""
+    addresses: list[str] = field(default_factory=list)
+    """``host:port`` of servers started by someone else (e.g. a Slurm het-job component); when
+    set, the pool launches nothing and cannot restart them."""
+    api_key: str | None = None
+    """If set, servers are launched with ``--api-key`` and the client sends
+    ``Authorization: Bearer <key>`` on every call."""
+
+    def validate(self) -> None:
+        if self.num_servers < 1 and not self.addresses:
+            raise ValueError(f"num_servers: must be >= 1, got {self.num_servers}")
+        if not self.addresses and not self.server.model_path:
+            raise ValueError("server.model_path: must name an HF model directory (or set addresses)")
+        for a in self.addresses:
+            host, _, port = a.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"addresses: {a!r} is not host:port")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key: must be non-empty when set (use null to disable)")

@@ -1,0 +1,157 @@
+"""A fake SGLang server (aiohttp) speaking the subset of the 0.5.23 HTTP API the pool uses.
+
+For fast tests of client logic (and of rollout code) without SGLang, and for the client-overhead
+benchmark. It is deterministic: for prompt ``p`` the k-th generated token is
+``(sum(p) + 7 * k) % vocab_size`` with log-prob ``-0.01 * (k + 1)``, where k counts from the
+start of the original prompt -- so a request resubmitted with ``prompt + tokens so far`` continues
+the very same sequence, which is what makes interruption tests exact. Tokens are produced one per
+``token_delay_s`` (0 = answer at once), and ``/pause_generation`` in abort mode returns in-flight
+requests with their partial tokens, like SGLang.
+
+The fake knows where the original prompt ends because every resubmission carries the same rid
+prefix ``<rid>-<attempt>``; the first attempt registers the prompt length.
+
+    python -m areal_mega.inference.fake --port 30000      # stand-alone, for benchmarks
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from aiohttp import web
+
+
+class FakeSGLang:
+    def __init__(self, *, vocab_size: int = 512, token_delay_s: float = 0.0, api_key: str | None = None,
+                 weight_version: str = "0", prompt_lengths: dict[str, int] | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.token_delay_s = token_delay_s
+        self.api_key = api_key
+        self.weight_version = weight_version
+        self.paused = False
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._abort = asyncio.Event()  # pulsed by pause(abort) to cut in-flight requests
+        # Shared between fakes that stand for one pool, so a request failed over to another
+        # fake still knows where its prompt ended.
+        self._prompt_len: dict[str, int] = {} if prompt_lengths is None else prompt_lengths
+        self.requests: list[dict] = []  # every /generate body received (tests inspect them)
+        self.num_generate = 0
+        self.fail_next = 0  # tests: answer the next N /generate calls with HTTP 503
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth])
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/model_info", self._model_info)
+        app.router.add_get("/server_info", self._server_info)
+        app.router.add_get("/openapi.json", self._openapi)
+        app.router.add_post("/generate", self._generate)
+        app.router.add_post("/pause_generation", self._pause)
+        app.router.add_post("/continue_generation", self._continue)
+        app.router.add_post("/update_weights_from_disk", self._update_from_disk)
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.api_key and not request.path.startswith("/health"):
+            if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.paused else 200)
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "fake", "weight_version": self.weight_version})
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.5.23-fake"})
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        paths = {r.resource.canonical: {} for r in request.app.router.routes()}
+        paths.update({"/begin_weight_update": {}, "/end_weight_update": {}})
+        return web.json_response({"paths": paths})
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        mode = (await request.json()).get("mode", "abort")
+        self.paused = True
+        self._resumed.clear()
+        if mode == "abort":
+            self._abort.set()
+            self._abort = asyncio.Event()
+        return web.json_response({"status": "ok"})
+
+    async def _continue(self, request: web.Request) -> web.Response:
+        self.paused = False
+        self._resumed.set()
+        return web.json_response({"status": "ok"})
+
+    async def _update_from_disk(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        self.requests.append(body)
+        self.num_generate += 1
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            return web.Response(status=503, text="injected failure")
+        await self._resumed.wait()  # SGLang holds new requests while paused
+        ids = body["input_ids"]
+        sp = body["sampling_params"]
+        base, _, _ = body.get("rid", "x-0").rpartition("-")
+        plen = self._prompt_len.setdefault(base, len(ids))
+        k0 = len(ids) - plen
+        seed = sum(ids[:plen])
+        stop = set(sp.get("stop_token_ids") or [])
+        out, spans, finish = [], [], {"type": "length", "length": sp["max_new_tokens"]}
+        abort = self._abort
+        for j in range(sp["max_new_tokens"]):
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+                if abort.is_set():
+                    finish = {"type": "abort", "message": "Aborted"}
+                    break
+                await self._resumed.wait()  # retract / in_place: hold, then continue
+            tok = (seed + 7 * (k0 + j)) % self.vocab_size
+            v = self.weight_version
+            if spans and spans[-1]["version"] == v:
+                spans[-1]["end"] += 1
+            else:
+                spans.append({"version": v, "start": len(out), "end": len(out) + 1})
+            out.append(tok)
+            if tok in stop:
+                finish = {"type": "stop", "matched": tok}
+                break
+        lps = [[-0.01 * (k0 + i + 1), t, None] for i, t in enumerate(out)]
+        meta = {"id": body.get("rid"), "finish_reason": finish, "weight_version": self.weight_version,
+                "output_token_logprobs": lps, "weight_versions": spans or None}
+        return web.json_response({"output_ids": out, "meta_info": meta})
+
+
+async def serve(fake: FakeSGLang, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
+    """Start ``fake`` on the running loop; returns the runner (``await runner.cleanup()``) and port."""
+    runner = web.AppRunner(fake.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=16384)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--token-delay-s", type=float, default=0.0)
+    args = ap.parse_args()
+    web.run_app(FakeSGLang(token_delay_s=args.token_delay_s).app(), host=args.host, port=args.port,
+                access_log=None, backlog=16384, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""SGLang server processes: command line from config, start, wait for health, stop, restart.
+
+Each server runs in its own session (process group): SGLang forks a scheduler and a detokenizer
+(and one scheduler per TP rank), and the only reliable way to stop the whole tree -- including
+after the main process was SIGKILLed and its children were orphaned -- is to signal the group.
+We never signal processes by name: only the group whose id we recorded at start.
+
+    servers = launch_servers(cfg)          # all start in parallel, then all are awaited
+    ...
+    for s in servers: s.stop()
+
+This module is synchronous on purpose (subprocess + urllib): the async pool calls ``restart()``
+through ``asyncio.to_thread`` so a restart never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from areal_mega.inference.config import InferenceConfig, SGLangServerConfig
+
+
+class ServerStartError(RuntimeError):
+    """A server did not become healthy; the message carries the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the usual bind-to-0 trick; racy but fine for tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def build_launch_command(
+    cfg: SGLangServerConfig,
+    port: int,
+    *,
+    api_key: str | None = None,
+    weight_version: int | str = 0,
+    random_seed: int | None = None,
+) -> list[str]:
+    """The ``python -m sglang.launch_server ...`` argv for one server (pure; unit-tested)."""
+    cmd = [
+        cfg.python, "-m", "sglang.launch_server",
+        "--model-path", cfg.model_path,
+        "--host", cfg.host,
+        "--port", str(port),
+        "--tp-size", str(cfg.tp_size),
+        "--dtype", cfg.dtype,
+        "--device", cfg.device,
+        # The version every token sampled by these weights reports (meta_info weight_versions).
+        "--weight-version", str(weight_version),
+    ]
+    if cfg.max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
+    if cfg.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+    if random_seed is not None:
+        cmd += ["--random-seed", str(random_seed)]
+    if cfg.skip_tokenizer_init:
+        cmd += ["--skip-tokenizer-init"]
+    if api_key is not None:
+        cmd += ["--api-key", api_key]
+    return cmd + list(cfg.extra_args)
+
+
+class SGLangServer:
+    """One SGLang server process tree at ``host:port``.
+
+    Invariants: ``self._proc`` is None or the Popen of the current (last started) launch; the
+    process group id equals that Popen's pid (``start_new_session=True``); ``stop()`` returns only
+    once the group is gone or was SIGKILLed.
+    """
+
+    def __init__(
+        self,
+        cfg: SGLangServerConfig,
+        port: int,
+        *,
+        api_key: str | None = None,
+        random_seed: int | None = None,
+        log_dir: str | Path | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.host = cfg.host
+        self.port = port
+        self.api_key = api_key
+        self.random_seed = random_seed
+        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="sglang-logs-")) / f"sglang-{port}.log"
+        self.num_starts = 0
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def command(self, weight_version: int | str = 0) -> list[str]:
+        return build_launch_command(
+            self.cfg, self.port, api_key=self.api_key, weight_version=weight_version,
+            random_seed=self.random_seed,
+        )
+
+    def start(self, weight_version: int | str = 0) -> None:
+        """Spawn the server (returns at once; see ``wait_ready``)."""
+        assert self._proc is None or self._proc.poll() is not None, "server already running"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.cfg.env}
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== start #{self.num_starts}: {' '.join(self.command(weight_version))}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self.command(weight_version), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            )
+        self.num_starts += 1
+
+    def is_running(self) -> bool:
+        """True while the main server process lives (it does not prove the server is healthy)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def health_ok(self, timeout_s: float = 5.0) -> bool:
+        """GET /health == 200. SGLang answers 503 while starting/warming up; /health is exempt
+        from the API key, so this works on key-protected servers too."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout_s) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, TimeoutError):
+            return False
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Block until /health answers 200; raise ServerStartError (with the log tail) if the
+        process exits or ``timeout_s`` (default ``cfg.startup_timeout_s``) passes."""
+        deadline = time.monotonic() + (timeout_s or self.cfg.startup_timeout_s)
+        while time.monotonic() < deadline:
+            if not self.is_running():
+                raise ServerStartError(
+                    f"SGLang server {self.address} exited with code "
+                    f"{self._proc.returncode if self._proc else None} during startup; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.health_ok(timeout_s=2.0):
+                return
+            time.sleep(0.5)
+        raise ServerStartError(
+            f"SGLang server {self.address} not healthy after {timeout_s or self.cfg.startup_timeout_s:.0f}s "
+            f"(inference.server.startup_timeout_s); log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGTERM the whole process group, SIGKILL it after ``cfg.stop_grace_s``."""
+        if self._proc is None:
+            return
+        pgid = self._proc.pid  # == the group id, because of start_new_session=True
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + self.cfg.stop_grace_s
+            while time.monotonic() < deadline and _group_alive(pgid):
+                self._proc.poll()  # reap the leader so it stops counting as alive
+                time.sleep(0.1)
+            if _group_alive(pgid):
+                _signal_group(pgid, signal.SIGKILL)
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # unkillable (D state); nothing more we can do
+            pass
+        self._proc = None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the main server process only (tests use it to simulate a crash)."""
+        assert self._proc is not None
+        os.kill(self._proc.pid, sig)
+
+    def restart(self, weight_version: int | str = 0) -> None:
+        """Stop what is left of this server, start it again on the same port, wait until healthy."""
+        self.stop()
+        self.start(weight_version)
+        self.wait_ready()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """True if some non-zombie process is still in group ``pgid`` (zombies are harmless: they hold
+    no port or memory, and orphaned ones are reaped by init, not by us)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command: state, ppid, pgrp, ...
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def launch_servers(cfg: InferenceConfig) -> list[SGLangServer]:
+    """Start ``cfg.num_servers`` servers in parallel and wait until all are healthy.
+
+    Server i listens on ``server.port + i`` (or a free port when ``server.port == 0``) and samples
+    with seed ``server.random_seed + i``. If any server fails to come up, all are stopped and the
+    first error (with its log tail) is raised.
+    """
+    scfg = cfg.server
+    log_dir = scfg.log_dir or tempfile.mkdtemp(prefix="sglang-logs-")
+    servers = []
+    for i in range(cfg.num_servers):
+        port = scfg.port + i if scfg.port else free_port(scfg.host)
+        seed = None if scfg.random_seed is None else scfg.random_seed + i
+        servers.append(SGLangServer(scfg, port, api_key=cfg.api_key, random_seed=seed, log_dir=log_dir))
+    try:
+        for s in servers:
+            s.start(weight_version=cfg.client.initial_version)
+        for s in servers:  # they boot concurrently; waiting in order costs nothing extra
+            s.wait_ready()
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers

@@ -1,0 +1,148 @@
+"""Client logic against in-process fake SGLang servers (areal_mega/inference/fake.py): launch
+command, config errors, interruptible generation, failover, API key, load balancing.
+No SGLang needed; runtime ~3 s. The same features are tested on real SGLang in
+tests/test_inference_sglang.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from areal_mega.api.io import GenerationRequest, SamplingParams
+from areal_mega.config import ConfigError, from_dict
+from areal_mega.inference import InferenceConfig, InferencePool, InferenceServerError, SGLangServerConfig
+from areal_mega.inference.fake import FakeSGLang, serve
+from areal_mega.inference.server import build_launch_command
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def expected(prompt: list[int], n: int, vocab: int = 512) -> list[int]:
+    """What FakeSGLang generates: token k = (sum(prompt) + 7k) % vocab."""
+    return [(sum(prompt) + 7 * k) % vocab for k in range(n)]
+
+
+def test_launch_command_from_config():
+    cfg = SGLangServerConfig(python="/v/bin/python", model_path="/m", device="cpu", dtype="float32",
+                             max_total_tokens=4096, extra_args=["--attention-backend", "torch_native"])
+    cmd = build_launch_command(cfg, 30001, api_key="k", weight_version=3, random_seed=7)
+    assert cmd[:3] == ["/v/bin/python", "-m", "sglang.launch_server"]
+    assert "--skip-tokenizer-init" in cmd and cmd[-2:] == ["--attention-backend", "torch_native"]
+    rest = [a for a in cmd[3:-2] if a != "--skip-tokenizer-init"]
+    flags = dict(zip(rest[::2], rest[1::2]))
+    assert flags["--model-path"] == "/m" and flags["--port"] == "30001" and flags["--host"] == "127.0.0.1"
+    assert flags["--device"] == "cpu" and flags["--dtype"] == "float32" and flags["--tp-size"] == "1"
+    assert flags["--max-total-tokens"] == "4096" and flags["--weight-version"] == "3"
+    assert flags["--random-seed"] == "7" and flags["--api-key"] == "k"
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="server.model_path"):
+        from_dict(InferenceConfig, {})
+    with pytest.raises(ConfigError, match="client.pause_mode"):
+        from_dict(InferenceConfig, {"server": {"model_path": "m"}, "client": {"pause_mode": "stop"}})
+    with pytest.raises(ConfigError, match="client.max_retries"):
+        from_dict(InferenceConfig, {"server": {"model_path": "m"}, "client": {"max_retries": -1}})
+    with pytest.raises(ConfigError, match="addresses"):
+        from_dict(InferenceConfig, {"addresses": ["nohost"]})
+    cfg = from_dict(InferenceConfig, {"addresses": ["127.0.0.1:1"], "client": {"pause_mode": "retract"}})
+    assert cfg.client.pause_mode == "retract"
+
+
+async def _with_fakes(n, body, *, api_key=None, token_delay_s=0.0, client=None):
+    lengths: dict[str, int] = {}
+    fakes = [FakeSGLang(token_delay_s=token_delay_s, api_key=api_key, prompt_lengths=lengths) for _ in range(n)]
+    runners, addrs = [], []
+    for f in fakes:
+        r, port = await serve(f)
+        runners.append(r)
+        addrs.append(f"127.0.0.1:{port}")
+    cfg = from_dict(InferenceConfig, {"addresses": addrs, "api_key": api_key,
+                                      "client": {"health_check_interval_s": 0.2, "retry_backoff_s": 0.01,
+                                                 **(client or {})}})
+    pool = InferencePool(cfg)
+    try:
+        await pool.start()
+        return await body(pool, fakes)
+    finally:
+        await pool.close()
+        for r in runners:
+            await r.cleanup()
+
+
+def test_generate_balances_and_reports_versions():
+    async def body(pool, fakes):
+        reqs = [GenerationRequest([i, 1, 2], SamplingParams(max_new_tokens=5)) for i in range(40)]
+        res = await asyncio.gather(*(pool.agenerate(r) for r in reqs))
+        for r, out in zip(reqs, res):
+            assert out.output_ids == expected(r.input_ids, 5)
+            assert out.output_logprobs == pytest.approx([-0.01, -0.02, -0.03, -0.04, -0.05])
+            assert out.output_versions == [0] * 5 and out.finish_reason == "length"
+            assert out.rid == r.rid and out.num_interruptions == 0
+        assert len({o.rid for o in res}) == 40
+        # least-in-flight over two servers: both get a fair share
+        assert sorted(f.num_generate for f in fakes) == [20, 20]
+        assert pool.capabilities.weight_update_session
+        # stop tokens end generation and are kept in the output
+        stop_tok = expected([3, 4], 3)[2]
+        out = await pool.agenerate(GenerationRequest([3, 4], SamplingParams(max_new_tokens=9, stop_token_ids=[stop_tok])))
+        assert out.output_ids == expected([3, 4], 3) and out.finish_reason == "stop"
+
+    asyncio.run(_with_fakes(2, body))
+
+
+def test_abort_pause_resubmits_with_prefix_and_keeps_versions():
+    async def body(pool, fakes):
+        req = GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=40))
+        task = asyncio.create_task(pool.agenerate(req))
+        await asyncio.sleep(0.15)  # ~15 tokens in
+        await pool.pause()
+        await asyncio.sleep(0.1)
+        assert not task.done()  # aborted on the server, held by the client while paused
+        await pool.update_weights_from_disk("/same/weights", version=1)
+        await pool.resume()
+        out = await task
+        assert out.output_ids == expected([5, 6, 7], 40)
+        assert out.output_logprobs == pytest.approx([-0.01 * (k + 1) for k in range(40)])
+        k = out.output_versions.index(1)
+        assert 0 < k < 40 and out.output_versions == [0] * k + [1] * (40 - k)
+        assert out.num_interruptions == 1 and out.finish_reason == "length"
+        first, second = fakes[0].requests
+        assert second["input_ids"] == [5, 6, 7] + out.output_ids[:k]
+        assert second["sampling_params"]["max_new_tokens"] == 40 - k
+
+    asyncio.run(_with_fakes(1, body, token_delay_s=0.01, client={"pause_mode": "abort"}))
+
+
+def test_failover_retries_elsewhere_exactly_once():
+    async def body(pool, fakes):
+        fakes[0].fail_next = 3  # three 503s from server 0: marked down, requests move to server 1
+        reqs = [GenerationRequest([i, 9], SamplingParams(max_new_tokens=4)) for i in range(16)]
+        res = await asyncio.gather(*(pool.agenerate(r) for r in reqs))
+        assert [o.output_ids for o in res] == [expected(r.input_ids, 4) for r in reqs]
+        assert pool.num_completed == 16 and pool.num_failovers == 3
+        # server 0 answers its health check again, so the monitor puts it back in rotation
+        for _ in range(50):
+            if pool.servers[0].healthy:
+                break
+            await asyncio.sleep(0.1)
+        assert pool.servers[0].healthy
+        before = fakes[0].num_generate
+        await asyncio.gather(*(pool.agenerate(GenerationRequest([1], SamplingParams(max_new_tokens=2)))
+                               for _ in range(8)))
+        assert fakes[0].num_generate > before
+
+    asyncio.run(_with_fakes(2, body))
+
+
+def test_api_key_sent_and_required():
+    async def body(pool, fakes):
+        out = await pool.agenerate(GenerationRequest([1, 2], SamplingParams(max_new_tokens=3)))
+        assert out.output_ids == expected([1, 2], 3)
+        pool.servers[0]._headers = {}
+        with pytest.raises(InferenceServerError) as e:
+            await pool.servers[0].model_info()
+        assert e.value.status == 401
+
+    asyncio.run(_with_fakes(1, body, api_key="s3cret"))
