@@ -155,10 +155,11 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def from_dict(cls: type[T], data: dict, where: str = "") -> T:
-    """Build and validate ``cls`` from a plain dict (``where`` prefixes error messages)."""
-    obj = _build(cls, data or {}, "", where)
-    validate_tree(obj, "", where)
+def from_dict(cls: type[T], data: dict, where: str = "", prefix: str = "") -> T:
+    """Build and validate ``cls`` from a plain dict (``where`` prefixes error messages;
+    ``prefix`` is the dotted key of ``data`` in a larger file, e.g. ``"launch."``)."""
+    obj = _build(cls, data or {}, prefix, where)
+    validate_tree(obj, prefix, where)
     return obj
 
 

@@ -1,0 +1,103 @@
+"""Launch learners and inference engines from one experiment YAML.
+
+    python -m areal_mega.launcher slurm --config configs/grpo_llama70b.yaml [--dry-run] [key=value ...]
+    python -m areal_mega.launcher local --config configs/grpo_tiny.yaml [--dry-run] [key=value ...]
+    python -m areal_mega.launcher slurm --config X --dry-run --nodelist 'n[1-16]' --gpus-per-node 8
+
+``slurm`` runs inside an allocation (launch/*.sh call it from sbatch); ``local`` runs the same
+plan on this machine. ``--dry-run`` prints the plan and the per-GPU memory estimate and exits
+0, or 2 when the plan does not fit the GPUs -- a real launch refuses such a plan the same way.
+Overrides ``launch.*`` configure the launcher; all others are passed to learners and engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from areal_mega.config import ConfigError, from_dict, parse_overrides
+from areal_mega.launcher.config import LaunchConfig
+from areal_mega.launcher.plan import LaunchPlan, build_plan
+from areal_mega.launcher.supervisor import supervise
+
+EXIT_DOES_NOT_FIT = 2
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_launch_config(path: str, overrides: list[str]) -> tuple[LaunchConfig, dict, list[str]]:
+    """(launch section, whole YAML with overrides applied, overrides for the other components)."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    where = f"{path}: "
+    if overrides:
+        raw = _merge(raw, parse_overrides(overrides))
+        where = f"{path} (with overrides): "
+    cfg = from_dict(LaunchConfig, raw.get("launch") or {}, where, prefix="launch.")
+    passthrough = [o for o in overrides if not o.split("=", 1)[0].strip().startswith("launch.")]
+    return cfg, raw, passthrough
+
+
+def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
+        engine_python: str | None = None, nodelist: str | None = None,
+        gpus_per_node: int | None = None) -> int:
+    """Plan, check memory, then (unless ``dry_run``) supervise; returns the exit code."""
+    try:
+        cfg, raw, passthrough = load_launch_config(config, overrides)
+        gpus = gpus_per_node if gpus_per_node is not None else cfg.gpus_per_node
+        if mode == "slurm":
+            from areal_mega.launcher.slurm import SrunRunner, slurm_allocation
+
+            alloc = slurm_allocation(nodelist=nodelist, gpus_per_node=gpus)
+            runner = SrunRunner(alloc.job_id, cfg.srun_args)
+        else:
+            from areal_mega.launcher.local import LocalRunner, local_allocation
+
+            alloc = local_allocation(gpus or 0)
+            runner = LocalRunner()
+        plan: LaunchPlan = build_plan(cfg, alloc, raw=raw, config_path=config, overrides=passthrough,
+                                      engine_python=engine_python)
+    except ValueError as e:  # ConfigError included: the message names the key
+        print(f"launcher: {e}", file=sys.stderr, flush=True)
+        return 1
+
+    print(plan.describe(), flush=True)
+    if not plan.fits:
+        print("launcher: refusing this plan: the per-GPU memory estimate above exceeds "
+              f"launch.gpu_memory_gib = {cfg.gpu_memory_gib} GiB (engines: their mem_fraction_static share)",
+              file=sys.stderr, flush=True)
+        return EXIT_DOES_NOT_FIT
+    if dry_run:
+        print("dry run: nothing started", flush=True)
+        return 0
+    return supervise(plan, runner, poll_s=cfg.poll_interval_s, grace_s=cfg.stop_grace_s,
+                     tail_lines=cfg.log_tail_lines,
+                     engine_timeout_s=cfg.engine.startup_timeout_s + 60, min_ready=cfg.engine.min_ready)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m areal_mega.launcher", description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", choices=["slurm", "local"])
+    p.add_argument("--config", required=True, help="experiment YAML (its launch: section configures this)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and memory estimate, start nothing")
+    p.add_argument("--engine-python", help="interpreter for engines (default inference.server.python)")
+    p.add_argument("--nodelist", help="slurm mode: plan for these nodes instead of SLURM_JOB_NODELIST")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: launch.gpus_per_node, then "
+                   "SLURM_GPUS_ON_NODE; local: 0)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    args = p.parse_intermixed_args(argv)
+    return run(args.mode, args.config, args.overrides, dry_run=args.dry_run, engine_python=args.engine_python,
+               nodelist=args.nodelist, gpus_per_node=args.gpus_per_node)
+

@@ -1,0 +1,180 @@
+"""Settings the launcher reads: the ``launch:`` section of an experiment YAML.
+
+The launcher parses only this section (plus ``{cfg:dotted.key}`` lookups that command
+templates make into the rest of the file); every other section belongs to the trainer and the
+inference servers, which receive the same YAML path and the non-``launch.`` overrides.
+
+Command templates are lists of strings. ``{name}`` placeholders are filled from the plan
+(see :data:`areal_mega.launcher.plan.PLACEHOLDERS`); ``{cfg:a.b}`` reads key ``a.b`` of the
+YAML; an element that is exactly ``{overrides}`` expands to the overrides given to the launcher
+(minus the ``launch.`` ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from areal_mega.parallel import ParallelConfig
+
+
+@dataclass
+class ModelShape:
+    """Transformer shape for the memory estimate, named as in a HF ``config.json`` (Llama/Qwen2)."""
+
+    num_hidden_layers: int = 2
+    """Decoder layers (L)."""
+    hidden_size: int = 128
+    """Model width (h)."""
+    intermediate_size: int = 512
+    """MLP inner width (f); the MLP is gated (SwiGLU: gate, up, down = 3*h*f weights)."""
+    num_attention_heads: int = 4
+    """Query heads (a)."""
+    num_key_value_heads: int = 2
+    """KV heads (g, GQA groups); equal to num_attention_heads for MHA."""
+    vocab_size: int = 128
+    """Vocabulary (V); input embedding V*h, output layer V*h unless tied."""
+    head_dim: int | None = None
+    """Per-head width (d); None = hidden_size // num_attention_heads."""
+    tie_word_embeddings: bool = False
+    """Output layer shares the input embedding (one V*h matrix; under PP the last stage keeps a copy)."""
+    attention_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2: true; Llama: false)."""
+
+    @property
+    def d(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def validate(self) -> None:
+        for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads: {self.num_key_value_heads} must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"head_dim: hidden_size ({self.hidden_size}) % num_attention_heads "
+                f"({self.num_attention_heads}) != 0; set head_dim explicitly"
+            )
+
+
+@dataclass
+class LearnerLaunchConfig:
+    """Where and how the megatron learner ranks run (one torchrun per learner node)."""
+
+    num_nodes: int = 1
+    """Nodes given to learners (the first nodes of the allocation)."""
+    nproc_per_node: int | None = None
+    """Ranks per learner node; None = the node's GPUs, or on CPU nodes the model-parallel size
+    (tp*pp*cp*dp) divided by num_nodes."""
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())
+    """Learner layout used for placement and the memory estimate; must match the trainer's."""
+    master_port: int = 29500
+    """torchrun static-rendezvous port on the first learner node."""
+    command: list[str] = field(default_factory=lambda: [
+        "-m", "areal_mega.cli", "train", "--config", "{config}",
+        "inference.addresses={engine_addresses}", "{overrides}",
+    ])
+    """What torchrun runs on every rank (after torchrun's own options: a script or ``-m mod``).
+    The default hands the trainer the planned engines through its ``inference.addresses``."""
+    micro_batch_tokens: int = 4096
+    """Tokens in one micro-batch (s*b in the activation formula)."""
+    recompute: Literal["none", "selective", "full"] = "selective"
+    """Activation recompute: selective = core attention only; full = every layer's input only."""
+    sequence_parallel: bool = True
+    """Megatron sequence parallelism (activations outside attention/MLP split over TP)."""
+    flash_attention: bool = True
+    """Fused attention (no s^2 score matrix kept); False adds 2*a*s^2*b bytes per layer."""
+    reserved_gib: float = 6.0
+    """Per-GPU headroom: CUDA context, NCCL buffers, allocator fragmentation, weight-sync bucket."""
+
+    def validate(self) -> None:
+        if self.num_nodes < 1:
+            raise ValueError(f"num_nodes: must be >= 1, got {self.num_nodes}")
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node: must be >= 1, got {self.nproc_per_node}")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens: must be >= 1, got {self.micro_batch_tokens}")
+        if not self.command:
+            raise ValueError("command: must not be empty")
+
+
+@dataclass
+class EngineLaunchConfig:
+    """Where the inference servers run (one srun step per server). What a server is -- model,
+    TP size, dtype, KV-cache size -- is the ``inference.server`` section's (SGLangServerConfig);
+    the launcher reads it for placement and the memory estimate and overrides only host/port."""
+
+    num_nodes: int | None = None
+    """Nodes for engines; None = every node the learners do not use (local mode: ignored)."""
+    num_engines: int | None = None
+    """Servers in total; None = fill the engine nodes (GPUs // tp_size each, 1 per CPU node)."""
+    command: list[str] | None = None
+    """Server command template; None = SGLang's, built by areal_mega.inference.server from
+    ``inference.server`` with the plan's host and port. It must serve HTTP on {host}:{port}."""
+    base_port: int = 30000
+    """Port of a node's first server; the k-th server on a node uses base_port + k."""
+    health_path: str = "/health"
+    """HTTP path answering 200 once the server is ready; "" = ready when the port accepts."""
+    startup_timeout_s: float = 1800.0
+    """Give up on a server that is not ready after this long (70B weights load for minutes)."""
+    min_ready: int | None = None
+    """Start learners once this many servers are ready and the rest are dead; None = all of them."""
+    default_mem_fraction_static: float = 0.85
+    """Memory share assumed for the estimate when inference.server.mem_fraction_static is null."""
+    kv_cache_dtype_bytes: int = 2
+    """Bytes per KV element (2 = bf16, 1 = fp8)."""
+
+    def validate(self) -> None:
+        if self.num_nodes is not None and self.num_nodes < 0:
+            raise ValueError(f"num_nodes: must be >= 0, got {self.num_nodes}")
+        if self.num_engines is not None and self.num_engines < 0:
+            raise ValueError(f"num_engines: must be >= 0, got {self.num_engines}")
+        if self.command is not None and not self.command:
+            raise ValueError("command: must be null or a non-empty list")
+        if self.min_ready is not None and self.min_ready < 0:
+            raise ValueError(f"min_ready: must be >= 0, got {self.min_ready}")
+
+
+@dataclass
+class LaunchConfig:
+    """The ``launch:`` section: placement of learners and engines, their commands, memory limits."""
+
+    model: ModelShape = field(default_factory=ModelShape)
+    """Model shape for the memory estimate (copy it from the model's config.json)."""
+    learner: LearnerLaunchConfig = field(default_factory=LearnerLaunchConfig)
+    """Learner placement, command and activation settings."""
+    engine: EngineLaunchConfig = field(default_factory=EngineLaunchConfig)
+    """Inference-server placement and command."""
+    gpus_per_node: int | None = None
+    """GPUs per node; None = from Slurm (SLURM_GPUS_ON_NODE) or 0 for the local launcher."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU; plans whose estimate exceeds it are refused."""
+    run_dir: str = "runs/launch-{job_id}"
+    """Job directory on the shared filesystem (logs, engine rendezvous files); {job_id} is filled."""
+    env: dict[str, str] = field(default_factory=lambda: {"OMP_NUM_THREADS": "1"})
+    """Extra environment for every learner and engine process."""
+    nccl_env: dict[str, str] = field(default_factory=dict)
+    """NCCL's own settings for weight sync and learner collectives (e.g. NCCL_SOCKET_IFNAME,
+    NCCL_IB_HCA); exported to learners and engines alike."""
+    srun_args: list[str] = field(default_factory=list)
+    """Extra srun options for every step (site specifics: --mpi, --container-image, ...)."""
+    poll_interval_s: float = 0.5
+    """How often the supervisor checks its processes."""
+    stop_grace_s: float = 15.0
+    """After SIGTERM, wait this long before SIGKILL."""
+    log_tail_lines: int = 40
+    """Lines of a failed process's log printed by the launcher."""
+
+    def validate(self) -> None:
+        if self.gpus_per_node is not None and self.gpus_per_node < 0:
+            raise ValueError(f"gpus_per_node: must be >= 0, got {self.gpus_per_node}")
+        if self.gpu_memory_gib <= 0:
+            raise ValueError(f"gpu_memory_gib: must be > 0, got {self.gpu_memory_gib}")
+        for key in list(self.env) + list(self.nccl_env):
+            if not key or "=" in key:
+                raise ValueError(f"env: invalid variable name {key!r}")

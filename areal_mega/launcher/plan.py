@@ -1,0 +1,354 @@
+"""Placement: which node runs which learner / engine process, with which command and environment.
+
+A pure function of the config and an :class:`Allocation` (the nodes Slurm gave us, or this one
+machine), so placement, commands and the memory verdict are unit-testable without a cluster:
+
+    allocation (nodes n1..nN, G GPUs each)
+      n1..nL      learners: one torchrun per node, static rendezvous at n1:master_port,
+                  --node-rank = position in the learner nodes (not SLURM_NODEID, which counts
+                  the whole job), G ranks per node
+      nL+1..      engines: floor(G / engine_tp) servers per node (one per CPU node), each
+                  bound to its node's own address, port base_port + k for its k-th server
+
+Learners start only once every engine has written its address file (engine_proc.py); the
+launcher then writes them all to ``engines_file``, which the learner command receives.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from areal_mega.config import from_dict
+from areal_mega.inference.config import SGLangServerConfig
+from areal_mega.inference.server import build_launch_command
+from areal_mega.launcher.config import LaunchConfig
+from areal_mega.launcher.memory import EngineMemory, LearnerMemory, estimate_engine, estimate_learner
+from areal_mega.parallel import ParallelLayout
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+PLACEHOLDERS = {
+    "python": "the launcher's interpreter (learner virtualenv)",
+    "engine_python": "launch.engine.python (or --engine-python)",
+    "config": "the experiment YAML path",
+    "overrides": "(whole element) the non-launch. overrides, one per argument",
+    "run_dir": "the job directory",
+    "job_id": "Slurm job id ('local' for the local launcher)",
+    "engines_file": "JSON list of ready engines, written before learners start",
+    "engine_addresses": "YAML list [host:port, ...] of all planned engines (for inference.addresses)",
+    "num_engines": "number of engines",
+    "host": "engine: its node's address", "port": "engine: its port", "tp": "engine: TP size",
+    "engine_index": "engine: its index",
+}
+_PLACEHOLDER = re.compile(r"\{(cfg:[A-Za-z0-9_.\-]+|[a-z_]+)\}")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The nodes a launch may use: a Slurm allocation, or this machine (``local``)."""
+
+    job_id: str
+    nodes: tuple[str, ...]
+    addresses: tuple[str, ...]
+    """Address each node's servers bind to (the node name resolved; 127.0.0.1 locally)."""
+    gpus_per_node: int
+    cpus_per_node: int | None = None
+    local: bool = False
+    """One machine: every process runs on nodes[0]; GPUs are split by CUDA_VISIBLE_DEVICES."""
+
+    def __post_init__(self) -> None:
+        assert len(self.nodes) == len(self.addresses) and self.nodes, (self.nodes, self.addresses)
+
+
+@dataclass(frozen=True)
+class ProcSpec:
+    """One process to start on one node (under srun, or locally)."""
+
+    name: str
+    role: str
+    """"engine" or "learner"."""
+    node: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    """Variables added to the launcher's environment."""
+    num_gpus: int
+    """GPUs the srun step asks for (--gres=gpu:N)."""
+    log_path: str
+    cpus: int | None = None
+    """CPUs the srun step asks for (--exact --cpus-per-task), when the node runs several steps."""
+    gpu_ids: tuple[int, ...] | None = None
+    """Local launcher only: the GPUs this process sees."""
+    address_file: str | None = None
+    """Engines: where engine_proc writes {host, port, url} once the server answers."""
+    url: str | None = None
+    node_rank: int | None = None
+    """Learners: torchrun --node-rank."""
+    nproc: int = 0
+    """Learners: ranks on this node."""
+
+    def shell(self) -> str:
+        return shlex.join(self.argv)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    job_id: str
+    run_dir: Path
+    allocation: Allocation
+    layout: ParallelLayout
+    learner_nodes: tuple[str, ...]
+    engine_nodes: tuple[str, ...]
+    master_addr: str
+    engines: tuple[ProcSpec, ...]
+    learners: tuple[ProcSpec, ...]
+    engines_file: Path
+    env: dict[str, str]
+    learner_memory: LearnerMemory
+    engine_memory: EngineMemory | None
+    checks_gpu_memory: bool
+    """False on CPU nodes: the estimate is printed, not enforced."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def fits(self) -> bool:
+        if not self.checks_gpu_memory:
+            return True
+        return self.learner_memory.fits and (self.engine_memory is None or self.engine_memory.fits)
+
+    def describe(self) -> str:
+        a = self.allocation
+        gpus = f"{a.gpus_per_node} GPUs" if a.gpus_per_node else "no GPUs (gloo)"
+        where = "this machine" if a.local else f"{len(a.nodes)} nodes"
+        lines = [
+            f"launch plan: job {self.job_id}, run dir {self.run_dir}",
+            f"  allocation: {where} x {gpus}: {' '.join(a.nodes)}",
+            f"  learners: {len(self.learner_nodes)} node(s) {' '.join(self.learner_nodes)}; "
+            f"{self.layout.world_size} ranks, layout {self.layout}; rendezvous {self.master_addr}",
+            f"  engines: {len(self.engines)} server(s) x TP{self._engine_tp()} on "
+            f"{len(self.engine_nodes)} node(s) {' '.join(self.engine_nodes)}",
+            "  environment (added to every process): "
+            + (" ".join(f"{k}={v}" for k, v in sorted(self.env.items())) or "(none)"),
+            "  commands:",
+        ]
+        for p in self.engines + self.learners:
+            res = f"{p.num_gpus} GPU" + ("s" if p.num_gpus != 1 else "")
+            if p.gpu_ids is not None:
+                res += f" [{','.join(map(str, p.gpu_ids))}]"
+            lines.append(f"    {p.name} @ {p.node} ({res}; log {p.log_path}): {p.shell()}")
+        lines.append("memory estimate per GPU:")
+        lines.append("  " + self.learner_memory.describe())
+        if self.engine_memory is not None:
+            lines.append("  " + self.engine_memory.describe())
+        if not self.checks_gpu_memory:
+            lines.append("  (no GPUs: estimates shown, not enforced)")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _engine_tp(self) -> int:
+        return self.engine_memory.tp if self.engine_memory is not None else 0
+
+
+def render(template: list[str], values: dict[str, Any], raw: dict, overrides: list[str], key: str) -> list[str]:
+    """Fill ``{name}`` / ``{cfg:dotted.key}`` placeholders; ``{overrides}`` expands in place."""
+    out: list[str] = []
+    for item in template:
+        if item == "{overrides}":
+            out.extend(overrides)
+            continue
+
+        def sub(m: re.Match) -> str:
+            name = m.group(1)
+            if name.startswith("cfg:"):
+                node: Any = raw
+                for part in name[4:].split("."):
+                    if not isinstance(node, dict) or part not in node:
+                        raise ValueError(f"{key}: placeholder {{{name}}} names a key missing from the config")
+                    node = node[part]
+                return str(node)
+            if name not in values:
+                raise ValueError(
+                    f"{key}: unknown placeholder {{{name}}} (known: {', '.join(sorted(values))}, cfg:<key>)"
+                )
+            return str(values[name])
+
+        out.append(_PLACEHOLDER.sub(sub, item))
+    return out
+
+
+def server_config(raw: dict) -> SGLangServerConfig:
+    """The ``inference.server`` section (owned by areal_mega.inference), defaults if absent."""
+    section = ((raw.get("inference") or {}).get("server")) or {}
+    return from_dict(SGLangServerConfig, section, prefix="inference.server.")
+
+
+def _learner_world(cfg: LaunchConfig, gpus: int) -> tuple[int, int]:
+    """(ranks per learner node, world size)."""
+    lc = cfg.learner
+    if lc.nproc_per_node is not None:
+        nproc = lc.nproc_per_node
+    elif gpus:
+        nproc = gpus
+    else:  # CPU: just the model-parallel size (times an explicit dp), spread over the nodes
+        par = lc.parallel
+        world = par.tensor_parallel * par.pipeline_parallel * par.context_parallel * (par.data_parallel or 1)
+        if world % lc.num_nodes:
+            raise ValueError(
+                f"launch.learner.nproc_per_node: on CPU nodes it defaults to tp*pp*cp*dp({world}) / "
+                f"num_nodes({lc.num_nodes}), which does not divide; set it explicitly"
+            )
+        nproc = world // lc.num_nodes
+    if gpus and nproc > gpus:
+        raise ValueError(f"launch.learner.nproc_per_node: {nproc} ranks > {gpus} GPUs per node")
+    return nproc, nproc * lc.num_nodes
+
+
+def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: str,
+               overrides: list[str], python: str = sys.executable,
+               engine_python: str | None = None) -> LaunchPlan:
+    """Place learners and engines on ``alloc`` (raises ValueError naming the key on a bad fit)."""
+    lc, ec = cfg.learner, cfg.engine
+    srv = server_config(raw)
+    tp = srv.tp_size
+    gpus = alloc.gpus_per_node
+    job = alloc.job_id
+    run_dir = Path(cfg.run_dir.replace("{job_id}", job))
+    logs = run_dir / "logs"
+    engines_file = run_dir / "engines.json"
+    nproc, world = _learner_world(cfg, gpus)
+    layout = ParallelLayout.build(lc.parallel, world)
+    notes: list[str] = []
+
+    # Nodes per role.
+    if alloc.local:
+        learner_nodes = (alloc.nodes[0],)
+        engine_nodes = (alloc.nodes[0],)
+        master_addr = alloc.addresses[0]
+        per_node = max(1, gpus // tp) if gpus else 1
+        num_engines = ec.num_engines if ec.num_engines is not None else (ec.num_nodes or 1) * per_node
+        engine_slots = [(alloc.nodes[0], alloc.addresses[0], i) for i in range(num_engines)]
+        if gpus and world + num_engines * tp > gpus:
+            raise ValueError(
+                f"launch: learners ({world} GPUs) + engines ({num_engines} x TP{tp}) "
+                f"> {gpus} local GPUs"
+            )
+    else:
+        n_learn = lc.num_nodes
+        n_eng = ec.num_nodes if ec.num_nodes is not None else len(alloc.nodes) - n_learn
+        if n_learn + n_eng > len(alloc.nodes) or n_eng < 0:
+            raise ValueError(
+                f"launch.engine.num_nodes: learner.num_nodes({n_learn}) + engine.num_nodes({n_eng}) "
+                f"> {len(alloc.nodes)} allocated nodes"
+            )
+        learner_nodes = alloc.nodes[:n_learn]
+        engine_nodes = alloc.nodes[n_learn:n_learn + n_eng]
+        master_addr = alloc.addresses[0]
+        if gpus:
+            if tp > gpus:
+                raise ValueError(
+                    f"inference.server.tp_size: {tp} > {gpus} GPUs per node "
+                    "(a server never spans nodes)"
+                )
+            per_node = gpus // tp
+        else:
+            per_node = 1
+        capacity = per_node * n_eng
+        num_engines = ec.num_engines if ec.num_engines is not None else capacity
+        if num_engines > capacity:
+            raise ValueError(
+                f"launch.engine.num_engines: {num_engines} > {n_eng} engine nodes x {per_node} per node"
+            )
+        # Round-robin over nodes: k-th server of a node gets base_port + k.
+        engine_slots = []
+        for i in range(num_engines):
+            node_idx, k = i % n_eng, i // n_eng
+            engine_slots.append((engine_nodes[node_idx], alloc.addresses[n_learn + node_idx], k))
+        if len(alloc.nodes) > n_learn + n_eng:
+            notes.append(f"{len(alloc.nodes) - n_learn - n_eng} allocated node(s) left idle")
+
+    env = {**cfg.env, **cfg.nccl_env}
+    # The package is used from the source tree: make `-m areal_mega...` importable on every node.
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    engine_python = engine_python or srv.python
+    ports = [ec.base_port + (i if alloc.local else k) for i, (_, _, k) in enumerate(engine_slots)]
+    addresses = [f"{addr}:{port}" for (_, addr, _), port in zip(engine_slots, ports)]
+    base = {"python": python, "engine_python": engine_python, "config": config_path,
+            "run_dir": str(run_dir), "job_id": job, "engines_file": str(engines_file),
+            "engine_addresses": "[" + ",".join(addresses) + "]", "num_engines": num_engines}
+
+    # Steps sharing a node split its CPUs (srun --exact), else one step takes the whole node.
+    steps_on: dict[str, int] = {}
+    for node, _, _ in engine_slots:
+        steps_on[node] = steps_on.get(node, 0) + 1
+    for node in learner_nodes:
+        steps_on[node] = steps_on.get(node, 0) + 1
+
+    def cpus_for(node: str) -> int | None:
+        if alloc.local or not alloc.cpus_per_node or steps_on.get(node, 1) < 2:
+            return None
+        return max(1, alloc.cpus_per_node // steps_on[node])
+
+    engines = []
+    next_gpu = world if alloc.local else 0
+    for i, (node, addr, k) in enumerate(engine_slots):
+        port = ports[i]
+        if ec.command is None:
+            seed = None if srv.random_seed is None else srv.random_seed + i
+            cmd = build_launch_command(replace(srv, host=addr, python=engine_python), port, random_seed=seed,
+                                       api_key=(raw.get("inference") or {}).get("api_key"))
+        else:
+            vals = dict(base, host=addr, port=port, tp=tp, engine_index=i)
+            cmd = render(ec.command, vals, raw, overrides, "launch.engine.command")
+        addr_file = run_dir / "engines" / f"engine{i}.json"
+        argv = [python, "-m", "areal_mega.launcher.engine_proc", "--address-file", str(addr_file),
+                "--host", addr, "--port", str(port), "--health-path", ec.health_path,
+                "--timeout", str(ec.startup_timeout_s), "--", *cmd]
+        gpu_ids = None
+        if alloc.local and gpus:
+            gpu_ids = tuple(range(next_gpu, next_gpu + tp))
+            next_gpu += tp
+        engines.append(ProcSpec(
+            name=f"engine{i}", role="engine", node=node, argv=tuple(argv), env=env,
+            num_gpus=tp if gpus else 0, log_path=str(logs / f"engine{i}.log"),
+            cpus=cpus_for(node), gpu_ids=gpu_ids, address_file=str(addr_file),
+            url=f"http://{addr}:{port}",
+        ))
+
+    learners = []
+    cmd = render(lc.command, base, raw, overrides, "launch.learner.command")
+    n_nodes = len(learner_nodes)
+    local_nproc = world if alloc.local else nproc
+    for r, node in enumerate(learner_nodes):
+        name = f"learner{r}"
+        argv = [python, "-m", "torch.distributed.run", "--nnodes", str(n_nodes), "--node-rank", str(r),
+                "--nproc-per-node", str(local_nproc), "--master-addr", master_addr,
+                "--master-port", str(lc.master_port),
+                # Per-rank logs (<dir>/<run>/attempt_0/<local_rank>/std{out,err}.log) let the
+                # launcher print the failed rank's own tail; --tee keeps them in the node log too.
+                "--log-dir", str(logs / f"{name}.ranks"), "--redirects", "3", "--tee", "3", *cmd]
+        learners.append(ProcSpec(
+            name=name, role="learner", node=node, argv=tuple(argv), env=env,
+            num_gpus=local_nproc if gpus else 0, log_path=str(logs / f"{name}.log"),
+            cpus=cpus_for(node), gpu_ids=tuple(range(world)) if (alloc.local and gpus) else None,
+            node_rank=r, nproc=local_nproc,
+        ))
+
+    m = cfg.model
+    learner_mem = estimate_learner(m, lc, layout, cfg.gpu_memory_gib)
+    engine_mem = None
+    if engines:
+        engine_mem = estimate_engine(
+            m, tp=tp, max_total_tokens=srv.max_total_tokens,
+            mem_fraction_static=srv.mem_fraction_static or ec.default_mem_fraction_static,
+            kv_dtype_bytes=ec.kv_cache_dtype_bytes, gpu_memory_gib=cfg.gpu_memory_gib)
+    return LaunchPlan(
+        job_id=job, run_dir=run_dir, allocation=alloc, layout=layout, learner_nodes=learner_nodes,
+        engine_nodes=tuple(dict.fromkeys(n for n, _, _ in engine_slots)),
+        master_addr=f"{master_addr}:{lc.master_port}", engines=tuple(engines), learners=tuple(learners),
+        engines_file=engines_file, env=env, learner_memory=learner_mem, engine_memory=engine_mem,
+        checks_gpu_memory=gpus > 0, notes=tuple(notes),
+    )

@@ -1,0 +1,199 @@
+"""Run a :class:`LaunchPlan`: engines first, learners once engines are up, then watch.
+
+    start engines ──> wait for every address file (or the engine's death) ──> engines.json
+         │                                                                        │
+         │                               start learners (torchrun per node) <─────┘
+         ▼
+    poll every poll_interval_s:
+      a learner node exits != 0  -> print that rank's log tail, stop everything, exit non-zero
+      all learner nodes exit 0   -> stop engines, exit 0
+      an engine exits            -> log it and keep going (the inference pool fails over)
+
+Where processes run is the :class:`Runner`'s business (srun steps or local process groups);
+this loop is the same for both. Whatever happens -- including SIGTERM from ``scancel`` or
+Ctrl-C -- every started process is stopped through the runner before ``supervise`` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Callable
+
+from areal_mega.launcher.plan import LaunchPlan, ProcSpec
+
+
+class Runner(ABC):
+    """Starts a :class:`ProcSpec` somewhere and stops what it started."""
+
+    @abstractmethod
+    def start(self, spec: ProcSpec, log) -> subprocess.Popen:
+        """Start ``spec`` with stdout/stderr going to the open file ``log``."""
+
+    @abstractmethod
+    def stop(self, procs: list[subprocess.Popen], grace_s: float) -> None:
+        """Stop every process in ``procs`` (and everything it started): TERM, grace, KILL."""
+
+    def cleanup(self) -> None:
+        """Last resort after stop(), e.g. cancel job steps whose srun could not be stopped."""
+
+
+class _Stop(Exception):
+    """Raised from the signal handler so that the finally-block stops everything."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def tail(path: str | Path, n: int) -> str:
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(lines[-n:])
+
+
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
+                         re.S)
+
+
+def failed_rank_report(spec: ProcSpec, rc: int, lines: int) -> str:
+    """The failed rank's identity and log tail, from torchrun's "Root Cause" summary.
+
+    torchrun (2.x) prints "rank : R (local_rank: r)" for the first failed worker and keeps that
+    worker's output in <log-dir>/<run>/attempt_*/<r>/std{err,out}.log. Falls back to the node log.
+    """
+    log_text = tail(spec.log_path, 10**6)
+    m = _ROOT_CAUSE.search(log_text)
+    head = f"learner node {spec.node_rank} ({spec.name} on {spec.node}) exited with {rc}"
+    if not m:
+        return f"{head}; last {lines} lines of {spec.log_path}:\n{tail(spec.log_path, lines)}"
+    rank, local_rank, code = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    rank_dir = Path(spec.log_path).with_suffix(".ranks")
+    parts = [f"{head}: learner rank {rank} (local rank {local_rank}) failed with exit code {code}"]
+    found = False
+    for stream in ("stderr", "stdout"):
+        candidates = sorted(rank_dir.glob(f"*/attempt_*/{local_rank}/{stream}.log"),
+                            key=lambda p: p.stat().st_mtime)
+        if candidates:
+            found = True
+            parts.append(f"--- rank {rank} {stream}, last {lines} lines ({candidates[-1]}):")
+            parts.append(tail(candidates[-1], lines))
+    if not found:
+        parts.append(f"--- last {lines} lines of {spec.log_path}:\n{tail(spec.log_path, lines)}")
+    return "\n".join(parts)
+
+
+def supervise(plan: LaunchPlan, runner: Runner, *, poll_s: float, grace_s: float, tail_lines: int,
+              engine_timeout_s: float, min_ready: int | None = None,
+              say: Callable[[str], None] = lambda s: print(s, flush=True)) -> int:
+    """Run the plan to completion; returns the exit code the launcher should exit with."""
+    (plan.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    procs: dict[str, subprocess.Popen] = {}
+
+    def on_signal(signum, _frame):
+        raise _Stop(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    t0 = time.monotonic()
+    try:
+        for spec in plan.engines:
+            Path(spec.address_file).unlink(missing_ok=True)
+            with open(spec.log_path, "ab") as log:
+                procs[spec.name] = runner.start(spec, log)
+        ready = _wait_engines(plan, procs, engine_timeout_s, poll_s, min_ready, tail_lines, say)
+        if ready is None:
+            return 1
+        plan.engines_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = plan.engines_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"engines": ready}, indent=1))
+        tmp.replace(plan.engines_file)
+        if plan.engines:
+            say(f"launcher: {len(ready)}/{len(plan.engines)} engines ready after "
+                f"{time.monotonic() - t0:.1f} s -> {plan.engines_file}")
+        for spec in plan.learners:
+            with open(spec.log_path, "ab") as log:
+                procs[spec.name] = runner.start(spec, log)
+        say(f"launcher: started {len(plan.learners)} learner node(s), {plan.layout.world_size} ranks")
+
+        dead_engines: set[str] = set()
+        done: set[str] = set()
+        while True:
+            failed = []
+            for spec in plan.learners:
+                rc = procs[spec.name].poll()
+                if rc is None or spec.name in done:
+                    continue
+                if rc == 0:
+                    done.add(spec.name)
+                else:
+                    failed.append((spec, rc))
+            if failed:
+                for spec, rc in failed:
+                    say("launcher: " + failed_rank_report(spec, rc, tail_lines))
+                say("launcher: a learner failed; stopping every process of this launch")
+                return failed[0][1] if 0 < failed[0][1] < 256 else 1
+            if len(done) == len(plan.learners):
+                say(f"launcher: all learners finished after {time.monotonic() - t0:.1f} s; stopping engines")
+                return 0
+            for spec in plan.engines:
+                rc = procs[spec.name].poll()
+                if rc is not None and spec.name not in dead_engines:
+                    dead_engines.add(spec.name)
+                    say(f"launcher: {spec.name} on {spec.node} ({spec.url}) exited with {rc}; the inference "
+                        f"pool fails over to the others ({len(plan.engines) - len(dead_engines)} left). "
+                        f"Last lines of {spec.log_path}:\n{tail(spec.log_path, min(tail_lines, 10))}")
+            time.sleep(poll_s)
+    except _Stop as e:
+        say(f"launcher: received signal {e.signum}; stopping every process of this launch")
+        return 128 + e.signum
+    finally:
+        # Ignore further TERM/INT while stopping, so cleanup itself is not interrupted.
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
+        live = [p for p in procs.values() if p.poll() is None]
+        runner.stop(live, grace_s)
+        runner.cleanup()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _wait_engines(plan: LaunchPlan, procs: dict[str, subprocess.Popen], timeout_s: float, poll_s: float,
+                  min_ready: int | None, tail_lines: int, say) -> list[dict] | None:
+    """Engines' addresses once all are ready (or dead, if ``min_ready`` allows); None = give up."""
+    need = len(plan.engines) if min_ready is None else min_ready
+    deadline = time.monotonic() + timeout_s
+    ready: dict[str, dict] = {}
+    dead: dict[str, int] = {}
+    while True:
+        for spec in plan.engines:
+            if spec.name in ready or spec.name in dead:
+                continue
+            path = Path(spec.address_file)
+            if path.exists():
+                info = json.loads(path.read_text())
+                ready[spec.name] = dict(info, name=spec.name, node=spec.node)
+                continue
+            rc = procs[spec.name].poll()
+            if rc is not None:
+                dead[spec.name] = rc
+                say(f"launcher: {spec.name} on {spec.node} exited with {rc} before it was ready; "
+                    f"last lines of {spec.log_path}:\n{tail(spec.log_path, tail_lines)}")
+        if len(ready) + len(dead) == len(plan.engines):
+            if len(ready) >= need:
+                return [ready[s.name] for s in plan.engines if s.name in ready]
+            say(f"launcher: only {len(ready)} of {len(plan.engines)} engines started "
+                f"(launch.engine.min_ready = {need}); stopping")
+            return None
+        if time.monotonic() > deadline:
+            missing = [s.name for s in plan.engines if s.name not in ready and s.name not in dead]
+            say(f"launcher: engines {missing} not ready after {timeout_s} s "
+                "(launch.engine.startup_timeout_s); stopping")
+            return None
+        time.sleep(poll_s)
