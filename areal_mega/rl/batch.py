@@ -1,0 +1,33 @@
+"""Trajectories -> one packed batch of flat tensors (this-token aligned, like Trajectory).
+
+    batch = trajectories_to_batch(rollout_batch.trajectories)
+    batch.update(compute_advantages(batch, cfg.algorithm))     # advantages [T]
+    # then shift per-token fields to the engine's next-token alignment
+    # (areal_mega.megatron.packing.shift_to_next_token) before train_batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from areal_mega.api.workflow import Trajectory
+from areal_mega.rl.advantages import group_index_of
+
+
+def trajectories_to_batch(trajs: list[Trajectory]) -> dict[str, torch.Tensor]:
+    """input_ids / loss_mask / versions int64 [T], logprobs float32 [T] (behaviour),
+    cu_seqlens [B + 1], rewards float32 [B], group_index int64 [B] (dense, first appearance)."""
+    if not trajs:
+        raise ValueError("trajectories_to_batch: no trajectories")
+    lens = torch.tensor([len(t.input_ids) for t in trajs], dtype=torch.int64)
+    cu = torch.zeros(len(trajs) + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lens, 0)
+    return {
+        "input_ids": torch.tensor([x for t in trajs for x in t.input_ids], dtype=torch.int64),
+        "loss_mask": torch.tensor([x for t in trajs for x in t.loss_mask], dtype=torch.int64),
+        "logprobs": torch.tensor([x for t in trajs for x in t.logprobs], dtype=torch.float32),
+        "versions": torch.tensor([x for t in trajs for x in t.versions], dtype=torch.int64),
+        "cu_seqlens": cu,
+        "rewards": torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+        "group_index": group_index_of([t.group_id for t in trajs]),
+    }

@@ -1,0 +1,27 @@
+"""Rollout workflows (``RolloutWorkflow.arun_episode(engine, data) -> list[Trajectory]``).
+
+    wf = build_workflow(WorkflowConfig(kind="single_turn", group_size=8), tokenizer, reward_fn)
+
+single_turn: one answer per sample; multi_turn: retry with feedback; tool: calculator calls.
+Prompt / feedback / tool-output tokens have loss_mask 0; generated tokens carry the engine's
+behaviour log-probs and per-token policy versions.
+"""
+
+from __future__ import annotations
+
+from areal_mega.reward import RewardFn
+from areal_mega.workflows.base import Tokenizer, WorkflowConfig
+from areal_mega.workflows.multi_turn import MultiTurnWorkflow
+from areal_mega.workflows.single_turn import SingleTurnWorkflow
+from areal_mega.workflows.tool import ToolWorkflow, calculator
+
+_KINDS = {"single_turn": SingleTurnWorkflow, "multi_turn": MultiTurnWorkflow, "tool": ToolWorkflow}
+
+
+def build_workflow(cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn):
+    if cfg.kind not in _KINDS:
+        raise ValueError(f"kind: unknown workflow {cfg.kind!r} (known: {sorted(_KINDS)})")
+    return _KINDS[cfg.kind](cfg, tokenizer, reward_fn)
+
+
+__all__ = ["MultiTurnWorkflow", "SingleTurnWorkflow", "ToolWorkflow", "WorkflowConfig", "build_workflow", "calculator"]

@@ -1,0 +1,103 @@
+"""Shared pieces of the workflows: the tokenizer contract, the config, trajectory assembly."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from areal_mega.api.io import GenerationResult, SamplingParams
+from areal_mega.api.workflow import Trajectory
+
+
+class Tokenizer(Protocol):
+    """The subset of a Hugging Face tokenizer the workflows use."""
+
+    eos_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass
+class WorkflowConfig:
+    kind: Literal["single_turn", "multi_turn", "tool"] = "single_turn"
+    """"single_turn": prompt -> group of samples -> reward. "multi_turn": on a wrong answer the
+    environment appends ``feedback`` and the model tries again. "tool": the model may call the
+    calculator tool (``<calc>expr</calc>``; see ``areal_mega.workflows.tool``)."""
+    group_size: int = 4
+    """Samples per prompt (a GRPO group)."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """Per-generation-call sampling settings (max_new_tokens is per turn)."""
+    max_turns: int = 3
+    """multi_turn: attempts per sample; tool: generation calls per sample (tool calls + 1)."""
+    turn_discount: float = 0.9
+    """multi_turn: a correct answer at attempt k (0-based) earns reward * turn_discount**k."""
+    feedback: str = "\nThat is not correct. Try again.\nAnswer:"
+    """multi_turn: text appended after a wrong answer (loss_mask 0)."""
+    max_context_tokens: int = 4096
+    """multi_turn / tool: stop when another turn could exceed this many tokens in total."""
+
+    def validate(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"group_size: must be >= 1, got {self.group_size}")
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns: must be >= 1, got {self.max_turns}")
+        if not 0 < self.turn_discount <= 1:
+            raise ValueError(f"turn_discount: must be in (0, 1], got {self.turn_discount}")
+        self.sampling.validate()
+
+
+def encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def decode(tokenizer: Tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def with_eos(sampling: SamplingParams, tokenizer: Tokenizer) -> SamplingParams:
+    """Sampling params whose stop ids include the tokenizer's EOS."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    stops = list(sampling.stop_token_ids)
+    if eos is not None and eos not in stops:
+        stops.append(eos)
+    return SamplingParams(sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k, stops)
+
+
+def new_group_id(data: dict[str, Any]) -> str:
+    """Unique per episode (the same prompt in two epochs must not merge into one group)."""
+    return f"{data.get('id', '')}#{uuid.uuid4().hex[:12]}"
+
+
+class TrajectoryBuilder:
+    """Appends prompt / environment tokens (loss_mask 0) and generated tokens (loss_mask 1,
+    with their behaviour log-probs and versions) into one aligned sequence."""
+
+    def __init__(self, prompt_ids: list[int]) -> None:
+        self.input_ids = list(prompt_ids)
+        self.loss_mask = [0] * len(prompt_ids)
+        self.logprobs = [0.0] * len(prompt_ids)
+        self.versions = [-1] * len(prompt_ids)
+        self.num_interruptions = 0
+
+    def add_env(self, ids: list[int]) -> None:
+        self.input_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def add_generated(self, res: GenerationResult, keep: int | None = None) -> None:
+        """Append the first ``keep`` generated tokens (all by default): truncating a sample
+        keeps it on-policy, its prefix is exactly what was sampled."""
+        n = len(res.output_ids) if keep is None else keep
+        self.input_ids += res.output_ids[:n]
+        self.loss_mask += [1] * n
+        self.logprobs += list(res.output_logprobs[:n])
+        self.versions += list(res.output_versions[:n])
+        self.num_interruptions += res.num_interruptions
+
+    def build(self, reward: float, group_id: str, info: dict[str, Any]) -> Trajectory:
+        info = {"num_interruptions": self.num_interruptions, **info}
+        return Trajectory(self.input_ids, self.loss_mask, self.logprobs, self.versions, reward, group_id, info)

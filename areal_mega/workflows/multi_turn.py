@@ -1,0 +1,49 @@
+"""Multi-turn workflow with feedback: answer; if wrong, the environment says so and the model
+tries again, up to ``max_turns`` attempts. Each of the G samples is one whole conversation::
+
+    [prompt]0 [attempt 1]1 [feedback]0 [attempt 2]1 ...      (loss_mask per span)
+
+reward = r(last attempt) * turn_discount ** (attempts - 1): later success is worth less.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from areal_mega.api.engine import InferenceEngine
+from areal_mega.api.io import GenerationRequest
+from areal_mega.api.workflow import RolloutWorkflow, Trajectory
+from areal_mega.reward import RewardFn
+from areal_mega.workflows.base import Tokenizer, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id, with_eos
+
+
+class MultiTurnWorkflow(RolloutWorkflow):
+    def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.sampling = with_eos(cfg.sampling, tokenizer)
+        self.feedback_ids = encode(tokenizer, cfg.feedback)
+
+    async def _conversation(self, engine: InferenceEngine, data: dict[str, Any], gid: str) -> Trajectory:
+        b = TrajectoryBuilder(encode(self.tokenizer, data["prompt"]))
+        reward, turns, texts = 0.0, 0, []
+        for turn in range(self.cfg.max_turns):
+            if turn and len(b.input_ids) + len(self.feedback_ids) + self.sampling.max_new_tokens > self.cfg.max_context_tokens:
+                break
+            if turn:
+                b.add_env(self.feedback_ids)
+            res = await engine.agenerate(GenerationRequest(list(b.input_ids), self.sampling))
+            b.add_generated(res)
+            turns = turn + 1
+            texts.append(decode(self.tokenizer, res.output_ids))
+            reward = float(await self.reward_fn(data["prompt"], texts[-1], data))
+            if reward > 0:
+                break
+        return b.build(reward * self.cfg.turn_discount ** (turns - 1), gid, {"num_turns": turns, "completions": texts})
+
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> list[Trajectory]:
+        gid = new_group_id(data)
+        return list(await asyncio.gather(*[self._conversation(engine, data, gid) for _ in range(self.cfg.group_size)]))

@@ -1,0 +1,38 @@
+"""Single-turn workflow: prompt -> G samples -> rewards -> G trajectories (one GRPO group)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from areal_mega.api.engine import InferenceEngine
+from areal_mega.api.io import GenerationRequest
+from areal_mega.api.workflow import RolloutWorkflow, Trajectory
+from areal_mega.reward import RewardFn
+from areal_mega.workflows.base import Tokenizer, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id, with_eos
+
+
+class SingleTurnWorkflow(RolloutWorkflow):
+    """``data`` needs "prompt" (text, already templated) and whatever the reward reads."""
+
+    def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.sampling = with_eos(cfg.sampling, tokenizer)
+
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> list[Trajectory]:
+        prompt_ids = encode(self.tokenizer, data["prompt"])
+        results = await asyncio.gather(
+            *[engine.agenerate(GenerationRequest(list(prompt_ids), self.sampling)) for _ in range(self.cfg.group_size)]
+        )
+        texts = [decode(self.tokenizer, r.output_ids) for r in results]
+        rewards = await asyncio.gather(*[self.reward_fn(data["prompt"], t, data) for t in texts])
+        gid = new_group_id(data)
+        out = []
+        for res, text, reward in zip(results, texts, rewards):
+            b = TrajectoryBuilder(prompt_ids)
+            b.add_generated(res)
+            out.append(b.build(float(reward), gid, {"completion": text, "finish_reason": res.finish_reason}))
+        return out

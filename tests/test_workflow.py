@@ -1,0 +1,156 @@
+"""Workflows with a scripted in-process engine and a character tokenizer (< 2 s), plus one
+pass through controller -> batch -> advantages -> decoupled PPO loss."""
+
+import asyncio
+
+import pytest
+import torch
+
+from areal_mega.api.engine import InferenceEngine
+from areal_mega.api.io import GenerationResult, SamplingParams
+from areal_mega.reward.math import extract_answer
+from areal_mega.rl.advantages import compute_advantages
+from areal_mega.rl.batch import trajectories_to_batch
+from areal_mega.rl.config import AlgorithmConfig, RolloutConfig
+from areal_mega.rl.controller import RolloutController
+from areal_mega.rl.losses import PPOActorLoss, global_counts
+from areal_mega.workflows import WorkflowConfig, build_workflow, calculator
+from areal_mega.workflows.tool import cut_after_tool_call
+
+EOS = 3
+
+
+class CharTok:
+    """id = code point + 10 (0..9 reserved; 3 = EOS)."""
+
+    eos_token_id = EOS
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) + 10 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i - 10) for i in ids if i >= 10)
+
+
+class ScriptedEngine(InferenceEngine):
+    """Replies with script(prompt_text, call_no) + EOS; logprob of token j = -(j+1)/100."""
+
+    def __init__(self, script):
+        self.script, self.tok, self.version, self.calls = script, CharTok(), 0, 0
+        self.requests = []
+
+    async def agenerate(self, req):
+        text = self.tok.decode(req.input_ids)
+        self.requests.append((text, req.sampling))
+        out = self.tok.encode(self.script(text, self.calls)) + [EOS]
+        self.calls += 1
+        await asyncio.sleep(0)
+        return GenerationResult(list(req.input_ids), out, [-(j + 1) / 100 for j in range(len(out))],
+                                [self.version] * len(out), "stop")
+
+    async def pause(self): ...
+    async def resume(self): ...
+    def get_version(self): return self.version
+    def set_version(self, v): self.version = v
+
+
+async def exact_reward(prompt, completion, data):
+    return float(extract_answer(completion) == data["answer"])
+
+
+SAMPLE = {"id": "s1", "prompt": "Q: 3+4?\nA:", "answer": "7"}
+
+
+def test_single_turn_group():
+    eng = ScriptedEngine(lambda text, n: "The answer is 7." if n % 2 == 0 else "It is 8")
+    wf = build_workflow(WorkflowConfig(group_size=4, sampling=SamplingParams(max_new_tokens=32)), CharTok(), exact_reward)
+    trajs = asyncio.run(wf.arun_episode(eng, SAMPLE))
+    assert [t.reward for t in trajs] == [1.0, 0.0, 1.0, 0.0]
+    assert len({t.group_id for t in trajs}) == 1 and trajs[0].group_id.startswith("s1#")
+    p = len(SAMPLE["prompt"])
+    t = trajs[0]
+    assert t.loss_mask == [0] * p + [1] * (len("The answer is 7.") + 1)
+    assert t.input_ids[-1] == EOS and t.logprobs[p] == -0.01 and t.versions[:p] == [-1] * p
+    assert eng.requests[0][1].stop_token_ids == [EOS]  # EOS added to the stop ids
+
+
+def test_multi_turn_feedback_masked_and_discounted():
+    eng = ScriptedEngine(lambda text, n: "The answer is 4." if "not correct" in text else "The answer is 5.")
+    cfg = WorkflowConfig(kind="multi_turn", group_size=1, max_turns=3, turn_discount=0.5, feedback=" No, not correct. A:")
+    (t,) = asyncio.run(build_workflow(cfg, CharTok(), exact_reward).arun_episode(eng, {**SAMPLE, "answer": "4"}))
+    a1, fb, a2 = "The answer is 5.", " No, not correct. A:", "The answer is 4."
+    tok = CharTok()
+    assert tok.decode(t.input_ids) == SAMPLE["prompt"] + a1 + fb + a2
+    p = len(SAMPLE["prompt"])
+    assert t.loss_mask == [0] * p + [1] * (len(a1) + 1) + [0] * len(fb) + [1] * (len(a2) + 1)
+    assert t.reward == 0.5 and t.info["num_turns"] == 2
+    # never right: max_turns attempts, reward 0
+    eng = ScriptedEngine(lambda text, n: "The answer is 5.")
+    (t,) = asyncio.run(build_workflow(cfg, CharTok(), exact_reward).arun_episode(eng, {**SAMPLE, "answer": "4"}))
+    assert t.reward == 0.0 and t.info["num_turns"] == 3
+
+
+def test_tool_call_cut_and_result_masked():
+    def script(text, n):
+        if "<result>" not in text:
+            return "Compute <calc>12 * (3 + 4)</calc> junk after the call"
+        return "So the answer is 84."
+
+    eng = ScriptedEngine(script)
+    cfg = WorkflowConfig(kind="tool", group_size=1, max_turns=3)
+    (t,) = asyncio.run(build_workflow(cfg, CharTok(), exact_reward).arun_episode(eng, {**SAMPLE, "answer": "84"}))
+    tok = CharTok()
+    call, result, final = "Compute <calc>12 * (3 + 4)</calc>", "<result>84</result>", "So the answer is 84."
+    assert tok.decode(t.input_ids) == SAMPLE["prompt"] + call + result + final
+    p = len(SAMPLE["prompt"])
+    assert t.loss_mask == [0] * p + [1] * len(call) + [0] * len(result) + [1] * (len(final) + 1)
+    # kept tokens keep their own behaviour log-probs (the cut drops the tail, not the head)
+    assert t.logprobs[p : p + len(call)] == [-(j + 1) / 100 for j in range(len(call))]
+    assert t.reward == 1.0 and t.info["num_tool_calls"] == 1
+    assert cut_after_tool_call(tok, tok.encode("no call here")) is None
+
+
+@pytest.mark.parametrize(
+    "expr,out",
+    [("12*(3+4)", "84"), ("7/2", "3.5"), ("2**10", "1024"), ("-3 + 10 // 3", "0"), ("1/0", "error: division by zero")],
+)
+def test_calculator(expr, out):
+    assert calculator(expr) == out
+
+
+@pytest.mark.parametrize("expr", ["2**100000", "__import__('os')", "x + 1", "[1, 2]"])
+def test_calculator_rejects(expr):
+    assert calculator(expr).startswith("error")
+
+
+def test_controller_to_loss_end_to_end():
+    eng = ScriptedEngine(lambda text, n: "The answer is 7." if n % 4 in (0, 3) else "Hmm 2")
+    wf = build_workflow(WorkflowConfig(group_size=2, sampling=SamplingParams(max_new_tokens=32)), CharTok(), exact_reward)
+    data = [{"id": f"s{i}", "prompt": f"Q{i}:", "answer": "7"} for i in range(4)]
+
+    async def run():
+        ctrl = RolloutController(eng, wf, data, RolloutConfig(batch_size=2, max_staleness=0, show_progress=False))
+        await ctrl.astart()
+        try:
+            return await ctrl.aget_batch()
+        finally:
+            await ctrl.aclose()
+
+    rb = asyncio.run(run())
+    batch = trajectories_to_batch(rb.trajectories)
+    assert batch["cu_seqlens"].tolist()[-1] == batch["input_ids"].numel()
+    assert batch["group_index"].tolist() == [0, 0, 1, 1]
+    cfg = AlgorithmConfig(adv_estimator="grpo", decoupled=True)
+    batch.update(compute_advantages(batch, cfg))
+    # each group has one right and one wrong answer -> advantages +-1 on generated tokens
+    mask = batch["loss_mask"].bool()
+    assert set(torch.round(batch["advantages"][mask]).tolist()) == {1.0, -1.0}
+    n_tok, n_seq = global_counts(batch["loss_mask"], batch["cu_seqlens"])
+    batch["prox_logprobs"] = batch["logprobs"].clone()
+    cur = batch["logprobs"].clone().requires_grad_(True)
+    loss, stats = PPOActorLoss(cfg, total_tokens=n_tok, total_seqs=n_seq)(cur, None, batch)
+    # at ratio 1 the PPO loss is -mean(A) over tokens; gradient -A / n_tok
+    assert torch.isclose(loss, -(batch["advantages"][mask]).sum() / n_tok)
+    loss.backward()
+    assert torch.allclose(cur.grad, -batch["advantages"] * mask / n_tok)
+    assert float(stats["clip_frac"]) == 0.0
