@@ -154,3 +154,28 @@ def test_controller_to_loss_end_to_end():
     loss.backward()
     assert torch.allclose(cur.grad, -batch["advantages"] * mask / n_tok)
     assert float(stats["clip_frac"]) == 0.0
+
+
+def test_trajectories_to_batch_accepts_groups_and_broadcasts(tmp_path):
+    from areal_mega.api.workflow import Trajectory
+
+    g = [[Trajectory([5, 6, 7], [0, 1, 1], [0.0, -0.5, -0.25], [-1, 2, 3], 1.0, "a"),
+          Trajectory([5, 8], [0, 1], [0.0, -1.0], [-1, 3], 0.0, "a")],
+         [Trajectory([9, 9, 9, 9], [0, 0, 1, 1], [0.0, 0.0, -2.0, -3.0], [-1, -1, 3, 3], 0.5, "b")]]
+    b = trajectories_to_batch(g)
+    assert b["cu_seqlens"].tolist() == [0, 3, 5, 9]
+    assert b["versions"].tolist() == [-1, 2, 3, -1, 3, -1, -1, 3, 3]
+    assert b["rewards"].tolist() == [1.0, 0.0, 0.5] and b["group_index"].tolist() == [0, 0, 1]
+    # broadcast_batch's call path on a 1-rank gloo group (the multi-rank path is exercised by
+    # the trainer's torchrun tests; a 2-process launch here would cost ~10 s of imports)
+    import torch.distributed as dist
+
+    from areal_mega.rl.batch import broadcast_batch
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        got = broadcast_batch({"batch": b, "stats": {"s": 1.5}}, src=0, group=dist.group.WORLD)
+        assert torch.equal(got["batch"]["input_ids"], b["input_ids"]) and got["stats"] == {"s": 1.5}
+    finally:
+        dist.destroy_process_group()

@@ -8,15 +8,20 @@
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
+import torch.distributed as dist
 
 from areal_mega.api.workflow import Trajectory
 from areal_mega.rl.advantages import group_index_of
 
 
-def trajectories_to_batch(trajs: list[Trajectory]) -> dict[str, torch.Tensor]:
-    """input_ids / loss_mask / versions int64 [T], logprobs float32 [T] (behaviour),
-    cu_seqlens [B + 1], rewards float32 [B], group_index int64 [B] (dense, first appearance)."""
+def trajectories_to_batch(trajs: Sequence[Trajectory] | Sequence[Sequence[Trajectory]]) -> dict[str, torch.Tensor]:
+    """Trajectories (or groups of them) -> input_ids / loss_mask / versions int64 [T], logprobs
+    float32 [T] (behaviour), cu_seqlens [B + 1], rewards float32 [B], group_index int64 [B]
+    (dense, in order of first appearance)."""
+    trajs = [t for x in trajs for t in (x if isinstance(x, (list, tuple)) else [x])]
     if not trajs:
         raise ValueError("trajectories_to_batch: no trajectories")
     lens = torch.tensor([len(t.input_ids) for t in trajs], dtype=torch.int64)
@@ -31,3 +36,12 @@ def trajectories_to_batch(trajs: list[Trajectory]) -> dict[str, torch.Tensor]:
         "rewards": torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         "group_index": group_index_of([t.group_id for t in trajs]),
     }
+
+
+def broadcast_batch(payload: Any, *, src: int, group: Any) -> Any:
+    """Send a picklable object (a batch dict of CPU tensors plus stats) from rank ``src`` to
+    every rank of ``group`` (use a gloo group: the payload is pickled). Other ranks pass None
+    and get ``src``'s object back. Small next to a train step: one batch of token ids."""
+    box = [payload if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

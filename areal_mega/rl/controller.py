@@ -84,7 +84,8 @@ class RolloutController:
 
     Synchronous callers (the trainer): ``start()``, then ``get_batch()`` / ``set_version(v)`` /
     ``pause()`` / ``resume()`` / ``close()`` from any thread. Async callers: ``await astart()``
-    and ``await aget_batch()`` in their own loop.
+    and ``await aget_batch()`` in their own loop (which may run in another thread:
+    ``set_version`` / ``pause`` / ``resume`` are safe to call from any thread).
     """
 
     def __init__(
@@ -128,6 +129,7 @@ class RolloutController:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._producer: asyncio.Task | None = None
+        self._loop_thread_id: int | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -135,6 +137,7 @@ class RolloutController:
         """Start the producer in the running loop."""
         assert self._producer is None, "controller already started"
         self._loop = asyncio.get_running_loop()
+        self._loop_thread_id = threading.get_ident()
         self._producer = asyncio.create_task(self._produce())
 
     def start(self) -> None:
@@ -388,7 +391,9 @@ class RolloutController:
         loop = self._loop
         if loop is None:
             return
-        if self._thread is not None and threading.current_thread() is not self._thread:
+        # The trainer calls set_version / resume from its own thread while the controller's
+        # loop runs elsewhere (start(), or a caller's driver thread): futures are not thread-safe.
+        if threading.get_ident() != self._loop_thread_id:
             loop.call_soon_threadsafe(self._notify)
         else:
             self._notify()
