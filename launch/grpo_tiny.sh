@@ -9,4 +9,5 @@
 #SBATCH --output=slurm-%x-%j.out
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-.}"
+# A later --config in "$@" replaces this one (tests use their own YAML this way).
 exec python -m areal_mega.launcher slurm --config configs/grpo_tiny.yaml "$@"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -45,18 +46,23 @@ class ClusterUnavailable(RuntimeError):
     """Slurm cannot be installed or started here (the caller may skip, naming this reason)."""
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct ports the kernel reports free right now (held open together, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+def free_ports(n: int, low: int = 20000, high: int = 32000) -> list[int]:
+    """``n`` distinct ports that bind right now, drawn below the kernel's ephemeral range
+    (32768+ here), so that outgoing connections (srun, slurmd, HTTP clients) cannot take
+    them between this check and the server's bind."""
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(low, high)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
 
 
 def ensure_installed(timeout_s: float = 600) -> None:
@@ -129,7 +135,7 @@ class LocalSlurmCluster:
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._add_hosts()
         self._make_fake_gpus()
-        ctld_port, munge_dummy, *slurmd_ports = _free_ports(self.num_nodes + 2)
+        ctld_port, munge_dummy, *slurmd_ports = free_ports(self.num_nodes + 2)
         del munge_dummy
         self._write_conf(ctld_port, slurmd_ports)
         try:

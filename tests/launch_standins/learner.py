@@ -30,8 +30,11 @@ def main() -> int:
     engines = [e for e in a.engines.strip("[]").split(",") if e]
     seen = {}
     for e in engines:
-        with urllib.request.urlopen(f"http://{e}/health", timeout=10) as r:
-            seen[e] = r.status
+        try:
+            with urllib.request.urlopen(f"http://{e}/health", timeout=10) as r:
+                seen[e] = r.status
+        except OSError as err:  # an engine may have crashed on purpose
+            seen[e] = f"down: {err}"
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world": world, "hostname": socket.gethostname(),

@@ -1,0 +1,76 @@
+"""The local launcher end to end with stand-in engines and learners (no torch in the children):
+an engine crash is logged and tolerated; a learner rank's death stops everything with that
+rank's log tail and a non-zero exit; nothing is left behind. Runtime ~20 s (two torchrun launches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import yaml
+
+from slurm.local_cluster import free_ports
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _config(tmp: Path, marker: str, *, die_rank: int | None, engine_die_after: float | None) -> Path:
+    master, p0 = free_ports(2)  # engine1 uses p0 + 1
+    learner = ["tests/launch_standins/learner.py", "--engines", "{engine_addresses}", "--out", "{run_dir}/out",
+               "--marker", marker, "--hold", "3"]
+    if die_rank is not None:
+        learner += ["--die-rank", str(die_rank), "--exit-code", "3"]
+    engine = ["{python}", "tests/launch_standins/engine.py", "--host", "{host}", "--port", "{port}",
+              "--marker", marker, "--lifetime", "120"]
+    cfg = {"launch": {
+        "run_dir": str(tmp / "run-{job_id}"), "stop_grace_s": 5, "poll_interval_s": 0.2,
+        "learner": {"num_nodes": 1, "nproc_per_node": 2, "master_port": master, "command": learner},
+        "engine": {"num_engines": 2, "base_port": p0, "command": engine, "startup_timeout_s": 60},
+    }}
+    if engine_die_after is not None:  # only engine1 crashes, after it was announced ready
+        engine += ["--index", "{engine_index}", "--die-index", "1", "--die-after", str(engine_die_after)]
+    cfg["launch"]["engine"]["command"] = engine
+    path = tmp / "launch.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _launch(cfg: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "areal_mega.launcher", "local", "--config", str(cfg)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _leftovers(marker: str) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [ln for ln in ps.splitlines() if marker in ln]
+
+
+def test_local_launch_runs_and_tolerates_engine_crash(tmp_path):
+    marker = f"amtest-{uuid.uuid4().hex[:8]}"
+    cfg = _config(tmp_path, marker, die_rank=None, engine_die_after=1.0)
+    r = _launch(cfg)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "2/2 engines ready" in out
+    assert "engine1 on localhost" in out and "exited with 7" in out and "fails over" in out, out
+    ranks = [json.loads((tmp_path / "run-local" / "out" / f"rank{i}.json").read_text()) for i in (0, 1)]
+    assert [x["world"] for x in ranks] == [2, 2] and [x["omp"] for x in ranks] == ["1", "1"]
+    assert "all learners finished" in out
+    assert _leftovers(marker) == []
+
+
+def test_local_launch_learner_death_stops_everything(tmp_path):
+    marker = f"amtest-{uuid.uuid4().hex[:8]}"
+    cfg = _config(tmp_path, marker, die_rank=1, engine_die_after=None)
+    r = _launch(cfg)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "learner rank 1 (local rank 1) failed with exit code 3" in out, out
+    assert f"rank 1 last words: simulated failure {marker}" in out
+    assert _leftovers(marker) == []

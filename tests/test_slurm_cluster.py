@@ -1,0 +1,142 @@
+"""launch/*.sh submitted with sbatch to a real Slurm cluster that this module brings up on the
+machine (slurm/local_cluster.py: 16 virtual nodes x 8 fake GPUs, ~1-5 s to idle) and tears
+down by PID at the end. Skipped only if slurm-wlm cannot be installed.
+
+    1. sbatch launch/grpo_70b.sh --dry-run: the plan fits 80 GB GPUs (learner and engine numbers).
+    2. ... with launch.learner.parallel.tensor_parallel=1: refused, exit 2, numbers printed.
+    3. launch/grpo_tiny.sh with stand-in engines/learners on 4 CPU nodes: learners see every
+       engine at its node's own address; then a learner rank dies: the job fails within 60 s
+       with that rank's log tail, and no process carrying the job's marker is left.
+Runtime ~40-60 s on 2 busy cores (most of it torchrun start-up inside the jobs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slurm.local_cluster import ClusterUnavailable, LocalSlurmCluster, free_ports
+
+REPO = Path(__file__).resolve().parents[1]
+NUM_NODES, GPUS = 16, 8
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("slurm")
+    c = LocalSlurmCluster(root, num_nodes=NUM_NODES, gpus_per_node=GPUS)
+    try:
+        c.up(timeout_s=60)
+    except ClusterUnavailable as e:
+        if "apt-get" in str(e) or "install" in str(e):
+            pytest.skip(f"Slurm unavailable: {e}")
+        raise
+    try:
+        yield c
+    finally:
+        c.down()
+
+
+def _job_env() -> dict[str, str]:
+    # The batch script runs `python` from PATH: the interpreter running these tests.
+    return {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+
+
+def _submit(cluster, script: str, args: list[str], out: Path, timeout_s: float = 120) -> tuple[str, str, str, float]:
+    t0 = time.monotonic()
+    job = cluster.sbatch([f"--output={out}", script, *args], cwd=REPO, env=_job_env())
+    state, code = cluster.wait_job(job, timeout_s)
+    return state, code, out.read_text() if out.exists() else "", time.monotonic() - t0
+
+
+def _gib(text: str, role: str) -> tuple[float, float]:
+    m = re.search(rf"{role} per-GPU memory .*?= ([\d.]+) GiB of ([\d.]+) GiB", text)
+    assert m, text
+    return float(m.group(1)), float(m.group(2))
+
+
+def test_grpo_70b_dry_run_fits_80gb(cluster, tmp_path):
+    state, code, out, _ = _submit(cluster, "launch/grpo_70b.sh", ["--dry-run"], tmp_path / "dry.out")
+    assert (state, code) == ("COMPLETED", "0:0"), out
+    assert f"allocation: {NUM_NODES} nodes x {GPUS} GPUs" in out
+    assert "learners: 4 node(s) amnode1 amnode2 amnode3 amnode4; 32 ranks, layout dp=1 pp=4 cp=1 tp=8" in out
+    assert "engines: 12 server(s) x TP8 on 12 node(s) amnode5" in out
+    learner, limit = _gib(out, "learner")
+    engine, budget = _gib(out, "engine")
+    assert learner == pytest.approx(65.0, abs=0.1) and limit == 80.0
+    assert engine == pytest.approx(54.6, abs=0.1) and budget == 68.0
+    assert out.count("--node-rank") == 4 and "--host 127.0.1.5 --port 30000" in out
+    assert "dry run: nothing started" in out
+
+
+def test_grpo_70b_tp1_is_refused_with_numbers(cluster, tmp_path):
+    args = ["--dry-run", "launch.learner.parallel.tensor_parallel=1"]
+    state, code, out, _ = _submit(cluster, "launch/grpo_70b.sh", args, tmp_path / "tp1.out")
+    assert (state, code) == ("FAILED", "2:0"), out
+    learner, limit = _gib(out, "learner")
+    assert learner == pytest.approx(300.5, abs=0.1) and limit == 80.0
+    assert "DOES NOT FIT" in out and "refusing this plan" in out
+
+
+def _tiny_config(tmp: Path, marker: str, die_rank: int | None) -> Path:
+    master, engine_port = free_ports(2)
+    learner = ["tests/launch_standins/learner.py", "--engines", "{engine_addresses}", "--out", "{run_dir}/out",
+               "--marker", marker, "--hold", "1"]
+    if die_rank is not None:
+        learner += ["--die-rank", str(die_rank), "--exit-code", "3"]
+    cfg = {"launch": {
+        "run_dir": str(tmp / "run-{job_id}"), "stop_grace_s": 5, "poll_interval_s": 0.2,
+        "learner": {"num_nodes": 2, "nproc_per_node": 2, "master_port": master, "command": learner},
+        "engine": {"num_nodes": 2, "base_port": engine_port, "startup_timeout_s": 60,
+                   "command": ["{python}", "tests/launch_standins/engine.py", "--host", "{host}", "--port",
+                               "{port}", "--marker", marker, "--lifetime", "120"]},
+    }}
+    path = tmp / f"tiny-{marker}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _leftovers(marker: str) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [ln for ln in ps.splitlines() if marker in ln]
+
+
+def test_grpo_tiny_script_places_on_cpu_nodes(cluster, tmp_path):
+    marker = f"amtest-{uuid.uuid4().hex[:8]}"
+    cfg = _tiny_config(tmp_path, marker, die_rank=None)
+    state, code, out, _ = _submit(cluster, "launch/grpo_tiny.sh", ["--config", str(cfg)], tmp_path / "ok.out")
+    assert (state, code) == ("COMPLETED", "0:0"), out
+    job_dir = next(tmp_path.glob("run-*"))
+    ranks = [json.loads((job_dir / "out" / f"rank{i}.json").read_text()) for i in range(4)]
+    # 2 learner nodes x 2 ranks; each node has its own hostname; both engines (nodes 3, 4) answered.
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3] and {r["world"] for r in ranks} == {4}
+    assert sorted({r["hostname"] for r in ranks}) == ["amnode1", "amnode2"]
+    port = yaml.safe_load(cfg.read_text())["launch"]["engine"]["base_port"]
+    assert all(r["engines"] == {f"127.0.1.3:{port}": 200, f"127.0.1.4:{port}": 200} for r in ranks)
+    assert all(r["master"] == "127.0.1.1" for r in ranks)
+    engines = json.loads((job_dir / "engines.json").read_text())["engines"]
+    assert [(e["node"], e["hostname"], e["url"]) for e in engines] == [
+        ("amnode3", "amnode3", f"http://127.0.1.3:{port}"), ("amnode4", "amnode4", f"http://127.0.1.4:{port}")]
+    assert _leftovers(marker) == []
+
+
+def test_learner_rank_death_fails_job_with_its_log_and_no_leftovers(cluster, tmp_path):
+    marker = f"amtest-{uuid.uuid4().hex[:8]}"
+    cfg = _tiny_config(tmp_path, marker, die_rank=3)  # global rank 3 = node 1, local rank 1
+    state, code, out, took = _submit(cluster, "launch/grpo_tiny.sh", ["--config", str(cfg)], tmp_path / "die.out")
+    assert state == "FAILED" and code != "0:0", out
+    assert took < 60, f"job took {took:.0f} s to end after a rank died"
+    assert "learner node 1 (learner1 on amnode2) exited with 1: learner rank 3 (local rank 1) failed with exit code 3" in out
+    assert f"rank 3 last words: simulated failure {marker}" in out
+    assert "stopping every process of this launch" in out
+    assert cluster.run(["squeue", "-h", "-s", "-o", "%i %j"]).stdout.strip() == ""
+    assert _leftovers(marker) == []
