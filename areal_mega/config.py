@@ -163,8 +163,8 @@ def from_dict(cls: type[T], data: dict, where: str = "", prefix: str = "") -> T:
     return obj
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
-    """YAML file (optional) + dotted overrides -> validated ``cls`` instance."""
+def load_dict(path: str | Path | None = None, overrides: list[str] | None = None) -> tuple[dict, str]:
+    """YAML file (optional) + dotted overrides -> (plain dict, error-message prefix)."""
     data: dict = {}
     where = ""
     if path is not None:
@@ -181,6 +181,12 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     if overrides:
         data = _merge(data, parse_overrides(overrides))
         where = f"{path or 'command line'} (with overrides): "
+    return data, where
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """YAML file (optional) + dotted overrides -> validated ``cls`` instance."""
+    data, where = load_dict(path, overrides)
     return from_dict(cls, data, where)
 
 

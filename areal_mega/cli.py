@@ -1,0 +1,61 @@
+"""The `areal-mega` command.
+
+    areal-mega train  --config configs/grpo_tiny.yaml [key.sub=value ...]   # one learner rank (under torchrun)
+    areal-mega sft    --config configs/sft_tiny.yaml  [key.sub=value ...]   # one learner rank (under torchrun)
+    areal-mega launch --config configs/grpo_tiny.yaml [--dry-run] [key=value ...]  # local: servers + torchrun
+    areal-mega demo                                                          # what `make demo` runs
+
+Subcommands import their modules lazily: `areal-mega launch --dry-run` must not pay for
+megatron/torch imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _split_overrides(rest: list[str]) -> list[str]:
+    bad = [r for r in rest if "=" not in r]
+    if bad:
+        raise SystemExit(f"areal-mega: unexpected arguments {bad} (overrides look like key.sub=value)")
+    return rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="areal-mega", description="Megatron-backed asynchronous RL")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, help_ in (("train", "run the RL trainer on this learner rank (under torchrun)"),
+                        ("sft", "supervised fine-tuning on this learner rank (under torchrun)")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--config", required=True)
+    p = sub.add_parser("launch", help="start inference servers and torchrun learners on this machine")
+    p.add_argument("--config", required=True)
+    p.add_argument("--dry-run", action="store_true", help="print the plan and memory estimate, start nothing")
+    p = sub.add_parser("demo", help="tiny model end to end: build, SFT, async GRPO, held-out accuracy")
+    p.add_argument("--workdir", default="runs/demo")
+    p.add_argument("--learner-python", default=sys.executable)
+    p.add_argument("--sglang-python", default=None)
+    args, rest = ap.parse_known_args(argv)
+
+    if args.cmd == "train":
+        from areal_mega.rl.trainer import run_train
+
+        return run_train(args.config, _split_overrides(rest))
+    if args.cmd == "sft":
+        from areal_mega.sft import run_sft
+
+        return run_sft(args.config, _split_overrides(rest))
+    if args.cmd == "launch":
+        from areal_mega.launcher.cli import run
+
+        return run("local", args.config, _split_overrides(rest), dry_run=args.dry_run)
+    if args.cmd == "demo":
+        from areal_mega.demo.run import run_demo
+
+        return run_demo(args.workdir, learner_python=args.learner_python, sglang_python=args.sglang_python)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Write a megatron model (any TP/PP layout) as an HF checkpoint directory.
+
+The tensors come from the family adapter's ``export_hf`` (the same gather that live weight sync
+streams to the servers); each pipeline stage writes its own safetensors shard and rank 0 writes
+``config.json``, the shard index and the tokenizer files copied from ``source_dir``.
+Collective over all learner ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from areal_mega.megatron.model import MegatronModel, export_hf_weights
+from areal_mega.models.base import torch_dtype
+
+# Files of the source HF dir that describe weights we are replacing.
+_SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+
+
+def save_hf_checkpoint(model: MegatronModel, out_dir: str, *, hf_config: dict | None = None,
+                       source_dir: str | None = None) -> None:
+    out = Path(out_dir)
+    groups = model.groups
+    layout = groups.layout
+    if groups.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    pp = layout.pp
+    files = ["model.safetensors"] if pp == 1 else [f"model-{s + 1:05d}-of-{pp:05d}.safetensors" for s in range(pp)]
+    c = groups.coords
+    if c.dp == 0 and c.cp == 0:  # one replica exports; the TP ranks of a stage gather together
+        from safetensors.torch import save_file
+
+        tensors = {n: t.detach().cpu().contiguous() for n, t in export_hf_weights(model)}
+        if c.tp == 0:
+            save_file(tensors, str(out / files[c.pp]), metadata={"format": "pt"})
+    if groups.rank == 0:
+        cfg = dict(hf_config if hf_config is not None else model.adapter.hf_config)
+        cfg["dtype"] = model.dtype
+        cfg["architectures"] = [model.arch.architecture]
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        if pp > 1:  # the planner knows every stage's tensors without asking other ranks
+            weight_map, total = {}, 0
+            for sp in model.plans:
+                for t in sp.tensors:
+                    weight_map[t.name] = files[sp.stage]
+                    numel = 1
+                    for d in t.shape:
+                        numel *= d
+                    total += numel * torch_dtype(t.dtype).itemsize
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if source_dir and Path(source_dir).is_dir():
+            for f in Path(source_dir).iterdir():
+                if f.is_file() and f.name not in _SKIP_FILES and not f.name.endswith((".safetensors", ".bin")):
+                    shutil.copy2(f, out / f.name)
+    dist.barrier()
+
+
+__all__ = ["save_hf_checkpoint"]

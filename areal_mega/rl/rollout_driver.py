@@ -1,0 +1,99 @@
+"""The generation side of the trainer, living on learner rank 0.
+
+    rank 0 main thread (trainer loop)          driver thread (one asyncio loop)
+    ─────────────────────────────────          ─────────────────────────────────────
+    driver.next_batch()  ── aget_batch ─────>  RolloutController ── workflow.arun_episode ──> InferencePool ──> SGLang
+    driver.set_version(v) ─ set_version ────>  (admission by the staleness bound; never waits for training)
+    driver.evaluate(...) ── coroutine ──────>  greedy episodes over a held-out set
+
+Generation runs continuously in the driver thread while the learner trains; the trainer
+only blocks in ``next_batch`` when no admissible batch is ready yet. aiohttp sessions are
+bound to the loop that made them, so the pool and the controller are both created in, and
+only touched from, the driver's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Awaitable, Iterable, TypeVar
+
+from areal_mega.api.workflow import RolloutWorkflow
+from areal_mega.inference.client import InferencePool
+from areal_mega.inference.config import InferenceConfig
+from areal_mega.rl.config import RolloutConfig
+from areal_mega.rl.controller import RolloutBatch, RolloutController
+
+T = TypeVar("T")
+
+
+class RolloutDriver:
+    def __init__(self, inference: InferenceConfig) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-driver", daemon=True)
+        self._thread.start()
+        self.pool: InferencePool = self.run(InferencePool.launch(inference))
+        self.controller: RolloutController | None = None
+
+    @property
+    def server_urls(self) -> list[str]:
+        return [h.url for h in self.pool.servers]
+
+    def run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the driver's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)  # type: ignore[arg-type]
+
+    def start_rollout(self, workflow: RolloutWorkflow, dataset: Iterable[dict[str, Any]],
+                      cfg: RolloutConfig, version: int) -> None:
+        """Begin generating (at policy ``version``, which the servers must already hold)."""
+        self.pool.set_version(version)
+
+        async def start() -> RolloutController:
+            c = RolloutController(self.pool, workflow, dataset, cfg, version=version)
+            await c.astart()
+            return c
+
+        self.controller = self.run(start())
+
+    def next_batch(self) -> RolloutBatch:
+        assert self.controller is not None, "start_rollout() first"
+        return self.run(self.controller.aget_batch())
+
+    def set_version(self, version: int) -> None:
+        """Called after the servers hold weights of ``version``: admission moves on."""
+        self.pool.set_version(version)
+        if self.controller is not None:
+            self.controller.set_version(version)
+
+    def evaluate(self, workflow: RolloutWorkflow, dataset: list[dict[str, Any]],
+                 max_concurrent: int = 64) -> dict[str, float]:
+        """Mean reward and accuracy (reward >= 1) of ``workflow`` over ``dataset`` at the current
+        weights. Runs beside training rollouts (they share the servers)."""
+        pool = self.pool
+
+        async def run_all() -> list[float]:
+            sem = asyncio.Semaphore(max_concurrent)
+
+            async def one(item: dict[str, Any]) -> float:
+                async with sem:
+                    trajs = await workflow.arun_episode(pool, item)
+                return float(trajs[0].reward) if trajs else 0.0
+
+            return list(await asyncio.gather(*(one(d) for d in dataset)))
+
+        rewards = self.run(run_all())
+        n = max(len(rewards), 1)
+        return {"reward": sum(rewards) / n, "accuracy": sum(r >= 1.0 for r in rewards) / n,
+                "num_samples": float(len(rewards))}
+
+    def close(self) -> None:
+        async def shutdown() -> None:
+            if self.controller is not None:
+                await self.controller.aclose()
+            await self.pool.close()
+
+        try:
+            self.run(shutdown(), timeout=180)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)

@@ -1,0 +1,184 @@
+"""Everything the trainer loop (``areal_mega.rl.trainer``) calls, built once per learner rank.
+
+Rank 0 additionally owns the :class:`RolloutDriver` (inference pool + rollout controller) and
+writes metrics; every rank owns its share of the actor engine and of weight sync. Batches are
+formed on rank 0 and broadcast over a gloo group (tiny compared with a train step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from areal_mega.megatron.engine import MegatronTrainEngine
+from areal_mega.megatron.parallel_state import ModelParallelGroups, init_model_parallel
+from areal_mega.parallel import ParallelLayout
+from areal_mega.rl.advantages import compute_advantages
+from areal_mega.rl.batch import broadcast_batch, trajectories_to_batch
+from areal_mega.rl.experiment import ExperimentConfig
+from areal_mega.rl.losses import PPOActorLoss, global_counts
+from areal_mega.rl.rollout_driver import RolloutDriver
+from areal_mega.utils.metrics import Metrics
+from areal_mega.weight_sync import ServerHandle, megatron_weight_sync
+from areal_mega.weight_sync.sync import WeightSync
+
+
+def _backend(name: str) -> str:
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return name
+
+
+@dataclass
+class Setup:
+    cfg: ExperimentConfig
+    groups: ModelParallelGroups
+    actor: MegatronTrainEngine
+    weight_sync: WeightSync
+    metrics: Metrics
+    ctrl_group: Any
+    start_step: int
+    driver: RolloutDriver | None = None
+    eval_workflow: Any = None
+    eval_set: list[dict[str, Any]] = field(default_factory=list)
+    _t_last: float = field(default_factory=time.perf_counter)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.groups.rank == 0
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(cls, cfg: ExperimentConfig) -> "Setup":
+        backend = _backend(cfg.trainer.backend)
+        if not dist.is_initialized():
+            dist.init_process_group(backend)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        layout = ParallelLayout.build(cfg.parallel, dist.get_world_size())
+        groups = init_model_parallel(layout, backend=backend, seed=cfg.seed)
+        # Python objects (batches, URLs) travel on gloo even when the learners use NCCL.
+        ctrl = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+        actor = MegatronTrainEngine.create(cfg.actor, cfg.model_path, groups, hf_weights_dir=cfg.model_path)
+        out = Path(cfg.output_dir)
+        start_step = 0
+        latest = out / "checkpoints" / "latest"
+        if cfg.trainer.resume and (latest / "areal_meta.json").exists():
+            actor.load(str(latest))
+            start_step = actor.get_version()
+
+        rank0 = groups.rank == 0
+        driver = RolloutDriver(cfg.inference) if rank0 else None
+        box: list[Any] = [driver.server_urls if driver else None]
+        dist.broadcast_object_list(box, src=0, group=ctrl)
+        servers = [ServerHandle(u, timeout_s=cfg.weight_sync.http_timeout_s, api_key=cfg.inference.api_key)
+                   for u in box[0]]
+        ws = megatron_weight_sync(cfg.weight_sync, adapter=actor.model.adapter, chunks=actor.model.chunks,
+                                  groups=groups, servers=servers, world_group=ctrl)
+        if start_step > 0:  # the servers started from model_path: bring them to the resumed weights
+            ws.sync(version=start_step)
+        metrics = Metrics(str(out / "tb") if rank0 else None, enabled=rank0)
+        setup = cls(cfg=cfg, groups=groups, actor=actor, weight_sync=ws, metrics=metrics, ctrl_group=ctrl,
+                    start_step=start_step, driver=driver)
+        if rank0:
+            setup._start_rollout()
+        return setup
+
+    def _start_rollout(self) -> None:
+        from transformers import AutoTokenizer
+
+        from areal_mega.data import DatasetConfig, load_dataset
+        from areal_mega.reward import build_reward
+        from areal_mega.workflows import build_workflow
+
+        cfg = self.cfg
+        tok = AutoTokenizer.from_pretrained(cfg.model_path)
+        reward = build_reward(cfg.reward)
+        split = load_dataset(cfg.data, tokenizer=tok)
+        workflow = build_workflow(cfg.workflow, tok, reward)
+        if cfg.eval_data is not None:
+            whole = dataclasses.replace(cfg.eval_data, num_eval=0, eval_fraction=0.0, shuffle=False)
+            self.eval_set = list(load_dataset(whole, tokenizer=tok).train)
+        else:
+            self.eval_set = list(split.eval)
+        greedy = dataclasses.replace(cfg.workflow.sampling, temperature=0.0)
+        self.eval_workflow = build_workflow(dataclasses.replace(cfg.workflow, group_size=1, sampling=greedy), tok, reward)
+        assert self.driver is not None
+        self.driver.start_rollout(workflow, split.train, cfg.rollout, version=self.start_step)
+
+    # ------------------------------------------------------------------ loop pieces
+    def next_batch(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        payload = None
+        if self.driver is not None:
+            rb = self.driver.next_batch()
+            self.metrics.histogram("rollout/token_staleness", rb.token_staleness())
+            payload = {"batch": trajectories_to_batch(rb.groups), "stats": {f"rollout/{k}": v for k, v in rb.stats.items()}}
+        got = broadcast_batch(payload, src=0, group=self.ctrl_group)
+        return got["batch"], got["stats"]
+
+    def advantages(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return compute_advantages(batch, self.cfg.algorithm)
+
+    def loss_fn(self, batch: dict[str, torch.Tensor]) -> PPOActorLoss:
+        tokens, seqs = global_counts(batch["loss_mask"], batch["cu_seqlens"])
+        return PPOActorLoss(self.cfg.algorithm, total_tokens=tokens, total_seqs=seqs)
+
+    def throughput(self, batch: dict[str, torch.Tensor], metrics: Metrics) -> dict[str, float]:
+        now = time.perf_counter()
+        dt, self._t_last = now - self._t_last, now
+        gen = float(batch["loss_mask"].sum())
+        return {"perf/step_s": dt, "perf/generated_tokens_per_s": gen / max(dt, 1e-9),
+                "perf/tokens_per_s": batch["input_ids"].numel() / max(dt, 1e-9)}
+
+    def should_save(self, step: int) -> bool:
+        t = self.cfg.trainer
+        return step == t.num_steps or (t.save_every > 0 and step % t.save_every == 0)
+
+    def should_eval(self, step: int) -> bool:
+        t = self.cfg.trainer
+        return (t.eval_every > 0 and step % t.eval_every == 0) or (t.eval_at_end and step == t.num_steps)
+
+    def save(self, step: int) -> None:
+        ckpt_root = Path(self.cfg.output_dir) / "checkpoints"
+        path = ckpt_root / f"step{step:06d}"
+        self.actor.save(str(path))
+        if self.is_driver:
+            (path / "areal_meta.json").write_text(json.dumps({"step": step, "version": step,
+                                                             "model_path": self.cfg.model_path}))
+            latest = ckpt_root / "latest"
+            tmp = ckpt_root / ".latest.tmp"
+            if tmp.is_symlink():
+                tmp.unlink()
+            tmp.symlink_to(path.name)
+            os.replace(tmp, latest)  # atomic: a crash never leaves "latest" half-written
+        dist.barrier(group=self.ctrl_group)
+
+    def evaluate(self, step: int) -> None:
+        res = None
+        if self.driver is not None and self.eval_set:
+            res = self.driver.evaluate(self.eval_workflow, self.eval_set)
+            self.metrics.log({f"eval/{k}": v for k, v in res.items()})
+            print(json.dumps({"eval_step": step, **res}), flush=True)
+            with open(Path(self.cfg.output_dir) / "eval.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, **res}) + "\n")
+        dist.barrier(group=self.ctrl_group)
+
+    def close(self) -> None:
+        if self.cfg.trainer.export_hf_at_end:
+            from areal_mega.megatron.hf_export import save_hf_checkpoint
+
+            save_hf_checkpoint(self.actor.model, str(Path(self.cfg.output_dir) / "hf"), source_dir=self.cfg.model_path)
+        self.metrics.close()
+        if self.driver is not None:
+            self.driver.close()
+        self.weight_sync.close()
+        dist.barrier(group=self.ctrl_group)
+        dist.destroy_process_group()

@@ -1,0 +1,52 @@
+"""The asynchronous RL trainer: one process per learner rank, under torchrun.
+
+    torchrun --nproc-per-node 2 -m areal_mega.cli train --config configs/grpo_tiny.yaml
+
+Every rank runs :func:`run_train`; rank 0 also drives generation (``RolloutDriver``: the
+inference pool and the rollout controller in a background thread). The loop:
+
+    rollout batch (rank 0, broadcast) -> proximal log-probs -> advantages -> train step
+      -> weight sync to the servers -> version bump (learner, servers, staleness manager)
+
+Generation never waits for training: the controller keeps sampling with the current weights
+while the learner trains, bounded by ``rollout.max_staleness``; ``max_staleness = 0`` is
+synchronous RL. The decoupled PPO loss corrects for the policy gap (``algorithm.decoupled``).
+"""
+
+from __future__ import annotations
+
+from areal_mega.rl.experiment import load_experiment
+from areal_mega.rl.setup import Setup
+
+
+def run_train(config_path: str, overrides: list[str]) -> int:
+    cfg = load_experiment(config_path, overrides)
+    setup = Setup.create(cfg)  # process groups, actor engine, weight sync, rank-0 rollout driver
+    actor, ws, driver, m = setup.actor, setup.weight_sync, setup.driver, setup.metrics
+    if cfg.trainer.eval_at_start:
+        setup.evaluate(step=setup.start_step)
+    for step in range(setup.start_step, cfg.trainer.num_steps):
+        with m.phase("rollout"):
+            batch, rollout_stats = setup.next_batch()  # rank 0 samples, every rank receives
+        if cfg.algorithm.decoupled:  # pi_prox: the policy before this update (one extra forward)
+            with m.phase("prox_logp"):
+                batch["prox_logprobs"] = actor.forward_logprobs(batch, cfg.workflow.sampling.temperature)
+        batch.update(setup.advantages(batch))
+        with m.phase("train"):
+            train_stats = actor.train_batch(batch, setup.loss_fn(batch), cfg.workflow.sampling.temperature)
+        with m.phase("weight_sync"):
+            sync = ws.sync(version=step + 1)
+        actor.set_version(step + 1)
+        if driver is not None:
+            driver.set_version(step + 1)
+        if setup.should_save(step + 1):
+            with m.phase("save"):
+                setup.save(step + 1)
+        m.log({**rollout_stats, **{f"train/{k}": v for k, v in train_stats.items()},
+               "weight_sync/seconds": sync.seconds, "weight_sync/GBps": sync.gbps,
+               "version": step + 1, **setup.throughput(batch, m)})
+        m.commit(step + 1)
+        if setup.should_eval(step + 1):
+            setup.evaluate(step=step + 1)
+    setup.close()
+    return 0

@@ -1,0 +1,67 @@
+"""Metrics: phase timing and TensorBoard scalars through one small object.
+
+    metrics = Metrics(log_dir)               # rank 0 only writes; others get a no-op writer
+    with metrics.phase("rollout"):           # records time/rollout_s for the current step
+        ...
+    metrics.log({"reward/mean": 0.4})
+    metrics.commit(step)                     # flush this step's scalars (and print a line)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+
+class Metrics:
+    def __init__(self, log_dir: str | None, *, enabled: bool = True, echo: bool = True) -> None:
+        self._writer = None
+        self._enabled = enabled
+        self._echo = echo
+        self._pending: dict[str, float] = {}
+        self._histograms: dict[str, list[float]] = {}
+        self.history: list[dict[str, float]] = []
+        if enabled and log_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._pending[f"time/{name}_s"] = time.perf_counter() - t0
+
+    def log(self, scalars: dict[str, float]) -> None:
+        self._pending.update({k: float(v) for k, v in scalars.items()})
+
+    def histogram(self, name: str, values: list[float]) -> None:
+        self._histograms[name] = list(values)
+
+    def commit(self, step: int) -> dict[str, float]:
+        row = dict(self._pending)
+        self._pending.clear()
+        if self._enabled:
+            if self._writer is not None:
+                for k, v in row.items():
+                    self._writer.add_scalar(k, v, step)
+                for k, vals in self._histograms.items():
+                    if vals:
+                        import numpy as np
+
+                        self._writer.add_histogram(k, np.asarray(vals), step)
+                self._writer.flush()
+            if self._echo:
+                shown = {k: round(v, 4) for k, v in sorted(row.items())}
+                print(json.dumps({"step": step, **shown}), flush=True)
+        self._histograms.clear()
+        self.history.append({"step": step, **row})
+        return row
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
