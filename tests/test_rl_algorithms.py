@@ -79,6 +79,25 @@ def test_gae_hand_computed():
     close(ret, [0, 0, 0.71712, 0.846, 1.0, 0, -0.648, 0, -1.0, 0])
 
 
+def test_gae_matches_naive_loop_on_random_packed_batch():
+    g = torch.Generator().manual_seed(3)
+    lens = [7, 1, 12, 5]
+    cu = torch.tensor([0, 7, 8, 20, 25])
+    mask = (torch.rand(25, generator=g) > 0.3).long()
+    rew, val = torch.randn(25, generator=g), torch.randn(25, generator=g)
+    adv, ret = gae_advantages(rew, val, mask, cu, gamma=0.95, lam=0.7)
+    want = torch.zeros(25)
+    for s in range(len(lens)):  # textbook recursion over each sequence's action positions
+        pos = [i for i in range(int(cu[s]), int(cu[s + 1])) if mask[i]]
+        carry = 0.0
+        for k in reversed(range(len(pos))):
+            nv = float(val[pos[k + 1]]) if k + 1 < len(pos) else 0.0
+            carry = float(rew[pos[k]]) + 0.95 * nv - float(val[pos[k]]) + 0.95 * 0.7 * carry
+            want[pos[k]] = carry
+    close(adv, want)
+    close(ret, (want + val) * mask)
+
+
 def test_reinforce_pp_hand_computed():
     r = last_action_rewards(T([1.0, -1.0]), MASK, CU)
     adv, ret = reinforce_pp_advantages(r, MASK, CU, gamma=1.0, eps=0.0)

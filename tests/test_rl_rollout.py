@@ -236,3 +236,20 @@ def test_thread_mode_and_error_propagation():
             ctrl.get_batch(timeout=10)
     finally:
         ctrl.close()
+
+
+def test_pause_stops_admission():
+    async def run():
+        engine = FakeEngine(random.Random(4))
+        cfg = RolloutConfig(batch_size=2, max_staleness=4, max_concurrent=4, show_progress=False)
+        ctrl = RolloutController(engine, GroupWorkflow(), dataset(), cfg)
+        ctrl.pause()
+        await ctrl.astart()
+        await asyncio.sleep(0.05)
+        assert engine.calls == 0 and ctrl.snapshot()["running"] == 0
+        ctrl.resume()
+        b = await ctrl.aget_batch()
+        await ctrl.aclose()
+        return b
+
+    assert len(asyncio.run(run()).groups) == 2

@@ -160,6 +160,9 @@ class RolloutController:
 
     async def aclose(self) -> None:
         self._closed = True
+        if self._last_progress:  # end the in-place status line
+            self._progress.write("\n")
+            self._progress.flush()
         for t in [self._producer, *self._tasks]:
             if t is not None:
                 t.cancel()
