@@ -1,0 +1,205 @@
+"""megatron-core models vs HF transformers on CPU (gloo), across TP/PP layouts, plus the
+conversion tools. Three torchrun launches in total (~60-90 s on an idle 2-core machine):
+
+* tests/dist/model_layouts.py (4 ranks): tiny Qwen2 (untied, qkv bias, GQA) and Llama (tied, GQA)
+  at TP1, TP2, PP2, TP2xPP2 -> logits vs HF, export bit-exactness, negative controls,
+  dist checkpoint TP2 -> PP2, shape-mismatch errors;
+* tools/convert_hf_to_mcore.py at TP2xPP2 (4 ranks) then tools/convert_mcore_to_hf.py at PP2
+  (2 ranks): HF -> megatron -> HF is bit-exact;
+* plus two single-process tool runs that must fail before writing anything.
+
+Upstream behaviour pinned here: transformers' Qwen2/Llama forward (eager attention, fp32) is the
+reference; packed sequences with a block-diagonal causal mask must equal per-sequence HF logits
+(RoPE is relative, FACTS section 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+LENS = [7, 13, 4, 10]  # packed sequences of different lengths
+TOL_HF = 1e-4
+TOL_LAYOUT = 1e-5
+
+
+def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session; on timeout kill that session (torchrun + its ranks)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, "")
+
+
+def _torchrun(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def _make_models(work: Path) -> dict:
+    import transformers
+
+    g = torch.Generator().manual_seed(0)
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    models = {
+        "qwen2_untied": transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6)
+        ),
+        "llama_tied": transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_theta=5e5, rms_norm_eps=1e-5)
+        ),
+    }
+    ref = {}
+    ids = torch.randint(0, 300, (sum(LENS),), generator=g)
+    cu = torch.tensor([0] + list(torch.tensor(LENS).cumsum(0)))
+    for name, m in models.items():
+        m.config._attn_implementation = "eager"
+        with torch.no_grad():  # random norms and biases too, so a misplaced one shows
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        m.save_pretrained(work / name)
+        (work / name / "tokenizer_config.json").write_text(json.dumps({"marker": name}))
+        with torch.no_grad():
+            logits = torch.cat([m(ids[cu[i] : cu[i + 1]].view(1, -1)).logits[0] for i in range(len(LENS))])
+        ref[name] = {"input_ids": ids, "cu_seqlens": cu, "logits": logits.float()}
+    torch.save(ref, work / "ref.pt")
+    return ref
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    work = tmp_path_factory.mktemp("mcore_layouts")
+    ref = _make_models(work)
+    r = _run(_torchrun(4, "tests/dist/model_layouts.py", "--workdir", str(work)), timeout=400)
+    assert r.returncode == 0, r.stdout[-6000:]
+    return work, ref, torch.load(work / "results.pt")
+
+
+def _logprobs(logits: torch.Tensor, ids: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    lp = torch.log_softmax(logits.double(), -1)
+    out = []
+    for i in range(len(cu) - 1):
+        s, e = int(cu[i]), int(cu[i + 1])
+        out.append(lp[s : e - 1].gather(-1, ids[s + 1 : e, None])[:, 0])
+    return torch.cat(out)
+
+
+def test_logits_match_hf_every_layout(layouts):
+    _, ref, res = layouts
+    for name, r in ref.items():
+        assert set(res["logits"][name]) == {"tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"}
+        for key, lg in res["logits"][name].items():
+            assert lg.shape == r["logits"].shape, (name, key)
+            diff = (lg - r["logits"]).abs().max().item()
+            assert diff <= TOL_HF, f"{name} {key}: max |megatron - HF| = {diff}"
+        base = _logprobs(res["logits"][name]["tp1pp1"], r["input_ids"], r["cu_seqlens"])
+        assert base.numel() == sum(LENS) - len(LENS)
+        for key, lg in res["logits"][name].items():
+            d = (_logprobs(lg, r["input_ids"], r["cu_seqlens"]) - base).abs().max().item()
+            assert d <= TOL_LAYOUT, f"{name} {key}: per-token logprob differs from TP1 by {d}"
+
+
+def test_export_is_bit_exact_and_complete(layouts):
+    work, ref, res = layouts
+    from areal_mega.models import get_adapter
+
+    for name in ref:
+        all_names = set(get_adapter(work / name).hf_names())
+        for key, ranks in res["export"][name].items():
+            seen = []
+            for pp, tp, dp, same, diff, names in ranks:
+                if dp != 0:
+                    continue
+                assert diff == 0, f"{name} {key} stage {pp} tp {tp}: {diff} tensors differ"
+                assert same == len(names)
+                if tp == 0:
+                    seen += names
+            assert sorted(seen) == sorted(all_names), (name, key)  # each tensor exactly once
+            assert ("lm_head.weight" in all_names) == (name == "qwen2_untied")
+
+
+def test_negative_controls_fail(layouts):
+    _, ref, res = layouts
+    for name, (adapter, lg) in res["negative"].items():
+        diff = (lg - ref[name]["logits"]).abs().max().item()
+        assert diff > 0.05, f"{adapter}: a broken mapping went unnoticed (diff {diff})"
+
+
+def test_checkpoint_saved_tp2_loads_pp2(layouts):
+    _, ref, res = layouts
+    for name, (step, saved_layout, lg) in res["ckpt"].items():
+        assert step == 3 and "tp=2" in saved_layout and "pp=1" in saved_layout
+        # same layout (PP2), same weights => identical logits to the PP2 model loaded from HF
+        d = (lg - res["logits"][name]["tp1pp2"]).abs().max().item()
+        assert d == 0.0, f"{name}: PP2 logits from the TP2 checkpoint differ by {d}"
+
+
+def test_shape_mismatch_errors_name_tensor_and_shapes(layouts):
+    _, _, res = layouts
+    e = res["errors"]
+    for name in ("qwen2_untied", "llama_tied"):
+        assert e[f"{name}/hf"] == "model.embed_tokens.weight: checkpoint shape (300, 64) != model shape (300, 128)"
+        assert e[f"{name}/hf_untouched"] is True  # validated before any parameter was written
+        # ffn doubled: whichever MLP tensor megatron lists first, with both global shapes
+        assert e[f"{name}/ckpt"] in (
+            "decoder.layers.mlp.linear_fc1.weight: checkpoint shape (4, 192, 64) != model shape (4, 384, 64)",
+            "decoder.layers.mlp.linear_fc2.weight: checkpoint shape (4, 64, 96) != model shape (4, 64, 192)",
+        ), e[f"{name}/ckpt"]
+
+
+def test_conversion_tools_roundtrip_bit_exact(tmp_path):
+    import transformers
+    from safetensors.torch import load_file
+
+    _make_models(tmp_path)
+    src, ck, out = tmp_path / "llama_tied", tmp_path / "ck", tmp_path / "hf_out"
+    r = _run(_torchrun(4, "tools/convert_hf_to_mcore.py", "--hf-dir", str(src), "--out", str(ck), "--tp", "2", "--pp", "2"))
+    assert r.returncode == 0, r.stdout[-6000:]
+    r = _run(_torchrun(2, "tools/convert_mcore_to_hf.py", "--ckpt", str(ck), "--out", str(out), "--pp", "2"))
+    assert r.returncode == 0, r.stdout[-6000:]
+    a = load_file(src / "model.safetensors")
+    b = {}
+    for f in sorted(out.glob("*.safetensors")):
+        b.update(load_file(f))
+    assert sorted(a) == sorted(b)
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"not bit-exact: {bad[:5]}"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(a)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in a.values())
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {"marker": "llama_tied"}
+    m = transformers.AutoModelForCausalLM.from_pretrained(out)  # config.json is a valid HF config
+    assert m.config.tie_word_embeddings and m.config.hidden_size == 64
+
+
+def test_conversion_tool_errors_before_writing(tmp_path):
+    import transformers
+
+    d = tmp_path / "gpt2"
+    transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(d)
+    r = _run([sys.executable, "tools/convert_hf_to_mcore.py", "--hf-dir", str(d), "--out", str(tmp_path / "o1")], 120)
+    assert r.returncode != 0 and "known model types: ['llama', 'qwen2']" in r.stdout, r.stdout[-3000:]
+    assert not (tmp_path / "o1").exists()
+
+    _make_models(tmp_path)
+    src = tmp_path / "qwen2_untied"
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["intermediate_size"] = 128
+    (src / "config.json").write_text(json.dumps(cfg))
+    r = _run([sys.executable, "tools/convert_hf_to_mcore.py", "--hf-dir", str(src), "--out", str(tmp_path / "o2")], 200)
+    want = "model.layers.0.mlp.gate_proj.weight: checkpoint shape (96, 64) != model shape (128, 64)"
+    assert r.returncode != 0 and want in r.stdout, r.stdout[-3000:]
+    assert not (tmp_path / "o2").exists()
