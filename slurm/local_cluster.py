@@ -40,6 +40,8 @@ from pathlib import Path
 NODE_PREFIX = "amnode"
 HOSTS_FILE = Path("/etc/hosts")
 HOSTS_TAG = "# areal_mega local slurm cluster"
+# Pending reasons that never clear on a fixed cluster (a job asking for more than exists).
+NEVER_STARTS = {"PartitionNodeLimit", "BadConstraints", "PartitionConfig"}
 
 
 class ClusterUnavailable(RuntimeError):
@@ -182,17 +184,26 @@ class LocalSlurmCluster:
             raise RuntimeError(f"sbatch {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}")
         return int(r.stdout.strip().split(";")[0])
 
-    def job_state(self, job_id: int) -> tuple[str, str]:
-        """(JobState, ExitCode) from ``scontrol show job`` (kept ~5 min after the job ends)."""
+    def job_fields(self, job_id: int) -> dict[str, str]:
+        """``scontrol show job`` as a dict (Slurm keeps a job ~MinJobAge = 5 min after it ends)."""
         out = self.run(["scontrol", "show", "job", str(job_id)]).stdout
-        fields = dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
+        return dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
+
+    def job_state(self, job_id: int) -> tuple[str, str]:
+        """(JobState, ExitCode), e.g. ("FAILED", "2:0")."""
+        fields = self.job_fields(job_id)
         return fields.get("JobState", "?"), fields.get("ExitCode", "?")
 
     def wait_job(self, job_id: int, timeout_s: float) -> tuple[str, str]:
         """Poll until the job leaves PENDING/RUNNING/COMPLETING (``sbatch --wait`` returns late)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            state, code = self.job_state(job_id)
+            fields = self.job_fields(job_id)
+            state, code = fields.get("JobState", "?"), fields.get("ExitCode", "?")
+            if state == "PENDING" and fields.get("Reason") in NEVER_STARTS:
+                self.run(["scancel", str(job_id)], check=False)
+                raise RuntimeError(f"job {job_id} can never start here (Reason={fields['Reason']}; "
+                                   f"this cluster has {self.num_nodes} nodes); cancelled")
             if state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
                 return state, code
             if time.monotonic() > deadline:

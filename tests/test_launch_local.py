@@ -1,14 +1,17 @@
 """The local launcher end to end with stand-in engines and learners (no torch in the children):
 an engine crash is logged and tolerated; a learner rank's death stops everything with that
-rank's log tail and a non-zero exit; nothing is left behind. Runtime ~20 s (two torchrun launches).
+rank's log tail and a non-zero exit; SIGTERM to the launcher stops everything; nothing is left
+behind. Runtime ~30 s (three torchrun launches; up to ~80 s on a loaded machine).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -22,13 +25,13 @@ REPO = Path(__file__).resolve().parents[1]
 def _config(tmp: Path, marker: str, *, die_rank: int | None, engine_die_after: float | None) -> Path:
     master, p0 = free_ports(2)  # engine1 uses p0 + 1
     learner = ["tests/launch_standins/learner.py", "--engines", "{engine_addresses}", "--out", "{run_dir}/out",
-               "--marker", marker, "--hold", "3"]
+               "--marker", marker, "--hold", "1"]
     if die_rank is not None:
         learner += ["--die-rank", str(die_rank), "--exit-code", "3"]
     engine = ["{python}", "tests/launch_standins/engine.py", "--host", "{host}", "--port", "{port}",
               "--marker", marker, "--lifetime", "120"]
     cfg = {"launch": {
-        "run_dir": str(tmp / "run-{job_id}"), "stop_grace_s": 5, "poll_interval_s": 0.2,
+        "model": {}, "run_dir": str(tmp / "run-{job_id}"), "stop_grace_s": 5, "poll_interval_s": 0.2,
         "learner": {"num_nodes": 1, "nproc_per_node": 2, "master_port": master, "command": learner},
         "engine": {"num_engines": 2, "base_port": p0, "command": engine, "startup_timeout_s": 60},
     }}
@@ -47,7 +50,7 @@ def _launch(cfg: Path, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def _leftovers(marker: str) -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [ln for ln in ps.splitlines() if marker in ln]
 
 
@@ -73,4 +76,35 @@ def test_local_launch_learner_death_stops_everything(tmp_path):
     assert r.returncode != 0, out
     assert "learner rank 1 (local rank 1) failed with exit code 3" in out, out
     assert f"rank 1 last words: simulated failure {marker}" in out
+    assert _leftovers(marker) == []
+
+
+def test_local_launch_sigterm_stops_everything(tmp_path):
+    """What scancel / Ctrl-C do to the launcher: it stops every process group it started."""
+    marker = f"amtest-{uuid.uuid4().hex[:8]}"
+    cfg = _config(tmp_path, marker, die_rank=None, engine_die_after=None)
+    data = yaml.safe_load(cfg.read_text())
+    data["launch"]["learner"]["command"][-1] = "300"  # --hold 300: learners would run for 5 min
+    cfg.write_text(yaml.safe_dump(data))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "areal_mega.launcher", "local", "--config", str(cfg)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out_dir = tmp_path / "run-local" / "out"
+        deadline = time.monotonic() + 90
+        while not (out_dir / "rank1.json").exists() or not (out_dir / "rank0.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.2)
+        assert len(_leftovers(marker)) >= 4  # 2 engines + 2 ranks (+ wrappers)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:  # the test failed before SIGTERM: still let the launcher clean up
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "received signal 15; stopping every process" in out
     assert _leftovers(marker) == []

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from areal_mega.launcher.cli import load_launch_config
@@ -123,7 +125,7 @@ def test_plan_70b_places_learners_then_engines():
 
 
 def test_plan_refuses_tp1_and_names_keys():
-    plan = plan_70b(["launch.learner.parallel.tensor_parallel=1"])
+    plan = plan_70b(["parallel.tensor_parallel=1"])
     assert not plan.fits and not plan.learner_memory.fits
     assert plan.learner_memory.total / GIB == pytest.approx(300.5, abs=0.05)
     assert not plan_70b(["inference.server.tp_size=1"]).fits
@@ -132,7 +134,7 @@ def test_plan_refuses_tp1_and_names_keys():
     with pytest.raises(ValueError, match="inference.server.tp_size: 16 > 8"):
         plan_70b(["inference.server.tp_size=16"])
     with pytest.raises(ValueError, match=r"world_size\(32\) is not divisible"):
-        plan_70b(["launch.learner.parallel.tensor_parallel=3"])
+        plan_70b(["parallel.tensor_parallel=3"])
 
 
 def test_plan_two_engines_per_node_share_cpus():
@@ -144,19 +146,28 @@ def test_plan_two_engines_per_node_share_cpus():
     assert plan.notes == ()
 
 
-def test_local_and_cpu_plans():
+def test_local_and_cpu_plans(tmp_path):
     cfg = LaunchConfig()
-    cfg.learner.parallel = ParallelConfig(tensor_parallel=2, pipeline_parallel=2)
     cfg.engine.num_engines = 2
-    cfg.engine.command = ["{python}", "srv", "{host}", "{port}", "{cfg:model.path}"]
-    raw = {"model": {"path": "/m"}}
+    cfg.engine.command = ["{python}", "srv", "{host}", "{port}", "{cfg:model_path}"]
+    # Layout from the trainer's `parallel` section, shape from <model_path>/config.json.
+    hf = {"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 96,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "rms_norm_eps": 1e-6,
+          "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    raw = {"model_path": str(tmp_path), "parallel": {"tensor_parallel": 2, "pipeline_parallel": 2}}
     local = Allocation(job_id="local", nodes=("localhost",), addresses=("127.0.0.1",), gpus_per_node=8, local=True)
     cfg.learner.nproc_per_node = 4
     plan = build_plan(cfg, local, raw=raw, config_path="c.yaml", overrides=["a.b=1"], python="PY")
     assert plan.learners[0].gpu_ids == (0, 1, 2, 3)
     assert [e.gpu_ids for e in plan.engines] == [(4,), (5,)]
     assert [e.url for e in plan.engines] == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
-    assert list(plan.engines[1].argv[-5:]) == ["PY", "srv", "127.0.0.1", "30001", "/m"]
+    assert list(plan.engines[1].argv[-5:]) == ["PY", "srv", "127.0.0.1", "30001", str(tmp_path)]
+    assert str(plan.layout) == "dp=1 pp=2 cp=1 tp=2 (world_size=4)"
+    # The Qwen2 shape checked against transformers above; worst = stage 0 (2 micro-batches in
+    # flight): 1 layer (q,k,v,o + biases + MLP = 30,848 over TP2, norms 128) + embedding 6400 / 2.
+    assert count_params(ModelShape.from_hf_config(hf)).layer_sharded == 30_848
+    assert (plan.learner_memory.stage, plan.learner_memory.params) == (0, 30_848 // 2 + 128 + 6400 // 2)
     assert list(plan.learners[0].argv[-1:]) == ["a.b=1"]
     # CPU nodes: ranks per node default to the model-parallel size / nodes; memory not enforced.
     cfg.learner.nproc_per_node = None

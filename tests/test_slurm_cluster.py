@@ -3,7 +3,7 @@ machine (slurm/local_cluster.py: 16 virtual nodes x 8 fake GPUs, ~1-5 s to idle)
 down by PID at the end. Skipped only if slurm-wlm cannot be installed.
 
     1. sbatch launch/grpo_70b.sh --dry-run: the plan fits 80 GB GPUs (learner and engine numbers).
-    2. ... with launch.learner.parallel.tensor_parallel=1: refused, exit 2, numbers printed.
+    2. ... with parallel.tensor_parallel=1: refused, exit 2, numbers printed.
     3. launch/grpo_tiny.sh with stand-in engines/learners on 4 CPU nodes: learners see every
        engine at its node's own address; then a learner rank dies: the job fails within 60 s
        with that rank's log tail, and no process carrying the job's marker is left.
@@ -79,7 +79,7 @@ def test_grpo_70b_dry_run_fits_80gb(cluster, tmp_path):
 
 
 def test_grpo_70b_tp1_is_refused_with_numbers(cluster, tmp_path):
-    args = ["--dry-run", "launch.learner.parallel.tensor_parallel=1"]
+    args = ["--dry-run", "parallel.tensor_parallel=1"]
     state, code, out, _ = _submit(cluster, "launch/grpo_70b.sh", args, tmp_path / "tp1.out")
     assert (state, code) == ("FAILED", "2:0"), out
     learner, limit = _gib(out, "learner")
@@ -94,7 +94,7 @@ def _tiny_config(tmp: Path, marker: str, die_rank: int | None) -> Path:
     if die_rank is not None:
         learner += ["--die-rank", str(die_rank), "--exit-code", "3"]
     cfg = {"launch": {
-        "run_dir": str(tmp / "run-{job_id}"), "stop_grace_s": 5, "poll_interval_s": 0.2,
+        "model": {}, "run_dir": str(tmp / "run-{job_id}"), "stop_grace_s": 5, "poll_interval_s": 0.2,
         "learner": {"num_nodes": 2, "nproc_per_node": 2, "master_port": master, "command": learner},
         "engine": {"num_nodes": 2, "base_port": engine_port, "startup_timeout_s": 60,
                    "command": ["{python}", "tests/launch_standins/engine.py", "--host", "{host}", "--port",
@@ -106,7 +106,7 @@ def _tiny_config(tmp: Path, marker: str, die_rank: int | None) -> Path:
 
 
 def _leftovers(marker: str) -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [ln for ln in ps.splitlines() if marker in ln]
 
 

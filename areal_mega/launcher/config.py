@@ -41,6 +41,16 @@ class ModelShape:
     attention_bias: bool = False
     """Biases on the q/k/v projections (Qwen2: true; Llama: false)."""
 
+    @classmethod
+    def from_hf_config(cls, hf: dict) -> "ModelShape":
+        """The fields of this class picked from a HF ``config.json`` dict (same names)."""
+        names = {f for f in cls.__dataclass_fields__}
+        picked = {k: v for k, v in hf.items() if k in names}
+        if "num_key_value_heads" not in picked and "num_attention_heads" in picked:
+            picked["num_key_value_heads"] = picked["num_attention_heads"]  # MHA checkpoints omit it
+        picked.setdefault("attention_bias", hf.get("model_type") == "qwen2")  # Qwen2 q/k/v biases
+        return cls(**picked)
+
     @property
     def d(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
@@ -71,8 +81,9 @@ class LearnerLaunchConfig:
     nproc_per_node: int | None = None
     """Ranks per learner node; None = the node's GPUs, or on CPU nodes the model-parallel size
     (tp*pp*cp*dp) divided by num_nodes."""
-    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())
-    """Learner layout used for placement and the memory estimate; must match the trainer's."""
+    parallel: ParallelConfig | None = None
+    """Learner layout for placement and the memory estimate; None = the trainer's own top-level
+    ``parallel`` section (set it here only to plan a layout the trainer is not configured for)."""
     master_port: int = 29500
     """torchrun static-rendezvous port on the first learner node."""
     command: list[str] = field(default_factory=lambda: [
@@ -144,8 +155,9 @@ class EngineLaunchConfig:
 class LaunchConfig:
     """The ``launch:`` section: placement of learners and engines, their commands, memory limits."""
 
-    model: ModelShape = field(default_factory=ModelShape)
-    """Model shape for the memory estimate (copy it from the model's config.json)."""
+    model: ModelShape | None = None
+    """Model shape for the memory estimate; None = read ``<model_path>/config.json`` (top-level
+    ``model_path``, else ``inference.server.model_path``). Set it to plan without the weights."""
     learner: LearnerLaunchConfig = field(default_factory=LearnerLaunchConfig)
     """Learner placement, command and activation settings."""
     engine: EngineLaunchConfig = field(default_factory=EngineLaunchConfig)

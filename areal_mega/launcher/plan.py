@@ -16,6 +16,7 @@ launcher then writes them all to ``engines_file``, which the learner command rec
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import sys
@@ -26,9 +27,9 @@ from typing import Any
 from areal_mega.config import from_dict
 from areal_mega.inference.config import SGLangServerConfig
 from areal_mega.inference.server import build_launch_command
-from areal_mega.launcher.config import LaunchConfig
+from areal_mega.launcher.config import LaunchConfig, ModelShape
 from areal_mega.launcher.memory import EngineMemory, LearnerMemory, estimate_engine, estimate_learner
-from areal_mega.parallel import ParallelLayout
+from areal_mega.parallel import ParallelConfig, ParallelLayout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -182,11 +183,37 @@ def render(template: list[str], values: dict[str, Any], raw: dict, overrides: li
 
 def server_config(raw: dict) -> SGLangServerConfig:
     """The ``inference.server`` section (owned by areal_mega.inference), defaults if absent."""
-    section = ((raw.get("inference") or {}).get("server")) or {}
+    section = dict(((raw.get("inference") or {}).get("server")) or {})
+    # As the experiment loader does: servers start from the learners' weights unless told otherwise.
+    if not section.get("model_path") and raw.get("model_path"):
+        section["model_path"] = raw["model_path"]
     return from_dict(SGLangServerConfig, section, prefix="inference.server.")
 
 
-def _learner_world(cfg: LaunchConfig, gpus: int) -> tuple[int, int]:
+def parallel_config(cfg: LaunchConfig, raw: dict) -> ParallelConfig:
+    """launch.learner.parallel, else the trainer's top-level ``parallel`` section."""
+    if cfg.learner.parallel is not None:
+        return cfg.learner.parallel
+    return from_dict(ParallelConfig, raw.get("parallel") or {}, prefix="parallel.")
+
+
+def model_shape(cfg: LaunchConfig, raw: dict) -> ModelShape:
+    """launch.model, else the shape in ``<model_path>/config.json``."""
+    if cfg.model is not None:
+        return cfg.model
+    path = raw.get("model_path") or ((raw.get("inference") or {}).get("server") or {}).get("model_path")
+    if not path:
+        raise ValueError("launch.model: not set and no model_path to read config.json from")
+    hf = Path(path) / "config.json"
+    try:
+        shape = ModelShape.from_hf_config(json.loads(hf.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"launch.model: not set and {hf} is unreadable ({e}); set launch.model") from None
+    shape.validate()
+    return shape
+
+
+def _learner_world(cfg: LaunchConfig, par: ParallelConfig, gpus: int) -> tuple[int, int]:
     """(ranks per learner node, world size)."""
     lc = cfg.learner
     if lc.nproc_per_node is not None:
@@ -194,7 +221,6 @@ def _learner_world(cfg: LaunchConfig, gpus: int) -> tuple[int, int]:
     elif gpus:
         nproc = gpus
     else:  # CPU: just the model-parallel size (times an explicit dp), spread over the nodes
-        par = lc.parallel
         world = par.tensor_parallel * par.pipeline_parallel * par.context_parallel * (par.data_parallel or 1)
         if world % lc.num_nodes:
             raise ValueError(
@@ -219,8 +245,9 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
     run_dir = Path(cfg.run_dir.replace("{job_id}", job))
     logs = run_dir / "logs"
     engines_file = run_dir / "engines.json"
-    nproc, world = _learner_world(cfg, gpus)
-    layout = ParallelLayout.build(lc.parallel, world)
+    par = parallel_config(cfg, raw)
+    nproc, world = _learner_world(cfg, par, gpus)
+    layout = ParallelLayout.build(par, world)
     notes: list[str] = []
 
     # Nodes per role.
@@ -337,7 +364,7 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
             node_rank=r, nproc=local_nproc,
         ))
 
-    m = cfg.model
+    m = model_shape(cfg, raw)
     learner_mem = estimate_learner(m, lc, layout, cfg.gpu_memory_gib)
     engine_mem = None
     if engines:
