@@ -146,3 +146,34 @@ def test_api_key_sent_and_required():
         assert e.value.status == 401
 
     asyncio.run(_with_fakes(1, body, api_key="s3cret"))
+
+
+def test_server_process_group_stop_and_start_error(tmp_path):
+    """stop() takes down the whole process tree, also a child that ignores SIGTERM (SIGKILL after
+    the grace period); wait_ready() fails fast with the log tail when the server exits."""
+    import time
+
+    from areal_mega.inference.server import SGLangServer, ServerStartError, _group_alive
+
+    stubborn = tmp_path / "stubborn.sh"
+    stubborn.write_text("#!/bin/sh\n(trap '' TERM; sleep 300) &\nsleep 300\n")
+    stubborn.chmod(0o755)
+    srv = SGLangServer(SGLangServerConfig(python=str(stubborn), model_path="m", stop_grace_s=0.5), 1,
+                       log_dir=tmp_path)
+    srv.start()
+    pgid = srv.pid
+    time.sleep(0.3)
+    assert srv.is_running() and _group_alive(pgid)
+    t0 = time.monotonic()
+    srv.stop()
+    assert not _group_alive(pgid) and srv.pid is None
+    assert 0.4 < time.monotonic() - t0 < 5  # SIGTERM ignored by the child: SIGKILL after the grace
+
+    failing = tmp_path / "failing.sh"
+    failing.write_text("#!/bin/sh\necho 'boom: no such model'\nexit 3\n")
+    failing.chmod(0o755)
+    srv = SGLangServer(SGLangServerConfig(python=str(failing), model_path="m"), 2, log_dir=tmp_path)
+    srv.start()
+    with pytest.raises(ServerStartError, match="(?s)exited with code 3.*boom: no such model"):
+        srv.wait_ready(timeout_s=20)
+    srv.stop()

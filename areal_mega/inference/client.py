@@ -113,9 +113,11 @@ class ServerHandle:
         self.in_flight = 0
         self.num_restarts = 0
         self.num_failures = 0
+        self.num_served = 0  # /generate calls answered (including interrupted ones)
         self.capabilities: ServerCapabilities | None = None
         self._session: aiohttp.ClientSession | None = None
         self._headers: dict[str, str] = {}
+        self._json_headers: dict[str, str] = {}
         self._control_timeout = aiohttp.ClientTimeout(total=600)
         self._health_timeout = aiohttp.ClientTimeout(total=5)
         self._recovery: asyncio.Task | None = None
@@ -128,6 +130,7 @@ class ServerHandle:
               control_timeout_s: float, health_timeout_s: float) -> None:
         self._session = session
         self._headers = headers
+        self._json_headers = {**headers, "Content-Type": "application/json"}
         self._control_timeout = aiohttp.ClientTimeout(total=control_timeout_s)
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
 
@@ -421,6 +424,7 @@ class InferencePool(InferenceEngine):
                 continue
             finally:
                 handle.in_flight -= 1
+            handle.num_served += 1
             ids, lps, vers, finish = self._parse(data)
             out_ids += ids
             out_lps += lps
@@ -449,8 +453,7 @@ class InferencePool(InferenceEngine):
     async def _post_generate(self, h: ServerHandle, body: dict) -> dict:
         assert self._session is not None, "pool not started (call start() or use launch())"
         try:
-            async with self._session.post(h.url + "/generate", data=json.dumps(body),
-                                          headers={**h._headers, "Content-Type": "application/json"},
+            async with self._session.post(h.url + "/generate", data=json.dumps(body), headers=h._json_headers,
                                           timeout=self._generate_timeout) as resp:
                 raw = await resp.read()
                 status = resp.status

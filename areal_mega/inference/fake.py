@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 
 from aiohttp import web
 
@@ -40,6 +41,13 @@ class FakeSGLang:
         self.requests: list[dict] = []  # every /generate body received (tests inspect them)
         self.num_generate = 0
         self.fail_next = 0  # tests: answer the next N /generate calls with HTTP 503
+        # Benchmarks: hold /generate calls in rounds of ``hold_until`` -- none is answered before
+        # the whole round has arrived, so that many are really in flight at once -- and record
+        # when each round's last call arrived (wall clock).
+        self.hold_until = 0
+        self._round_count = 0
+        self._round_full = asyncio.Event()
+        self.t_round_arrived: list[float] = []
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth])
@@ -51,7 +59,11 @@ class FakeSGLang:
         app.router.add_post("/pause_generation", self._pause)
         app.router.add_post("/continue_generation", self._continue)
         app.router.add_post("/update_weights_from_disk", self._update_from_disk)
+        app.router.add_get("/fake_stats", self._stats)
         return app
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"num_generate": self.num_generate, "t_round_arrived": self.t_round_arrived})
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -96,8 +108,17 @@ class FakeSGLang:
 
     async def _generate(self, request: web.Request) -> web.Response:
         body = json.loads(await request.read())
-        self.requests.append(body)
         self.num_generate += 1
+        if self.hold_until:
+            round_full = self._round_full
+            self._round_count += 1
+            if self._round_count == self.hold_until:
+                self.t_round_arrived.append(time.time())
+                round_full.set()
+                self._round_full, self._round_count = asyncio.Event(), 0
+            await round_full.wait()
+        else:
+            self.requests.append(body)
         if self.fail_next > 0:
             self.fail_next -= 1
             return web.Response(status=503, text="injected failure")
@@ -148,9 +169,11 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--token-delay-s", type=float, default=0.0)
+    ap.add_argument("--hold-until", type=int, default=0, help="answer /generate calls in rounds of this many")
     args = ap.parse_args()
-    web.run_app(FakeSGLang(token_delay_s=args.token_delay_s).app(), host=args.host, port=args.port,
-                access_log=None, backlog=16384, print=None)
+    fake = FakeSGLang(token_delay_s=args.token_delay_s)
+    fake.hold_until = args.hold_until
+    web.run_app(fake.app(), host=args.host, port=args.port, access_log=None, backlog=16384, print=None)
 
 
 if __name__ == "__main__":

@@ -164,9 +164,11 @@ class SGLangServer:
 
     def log_tail(self, num_lines: int = 40) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+            lines = self.log_path.read_text(errors="replace").splitlines()[-num_lines:]
         except OSError:
             return "(no log)"
+        # SGLang logs its full server_args on one ~20 kB line: keep each line readable.
+        return "\n".join(line if len(line) <= 400 else line[:400] + " ..." for line in lines)
 
     def stop(self) -> None:
         """SIGTERM the whole process group, SIGKILL it after ``cfg.stop_grace_s``."""
