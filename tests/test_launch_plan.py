@@ -138,7 +138,10 @@ def test_plan_refuses_tp1_and_names_keys():
 
 
 def test_plan_two_engines_per_node_share_cpus():
-    plan = plan_70b(["inference.server.tp_size=4", "launch.engine.num_nodes=2"], n=6, cpus=64)
+    plan = plan_70b(["inference.server.tp_size=4", "launch.engine.num_nodes=2", "inference.server.env.FOO='x'"],
+                    n=6, cpus=64)
+    assert plan.engines[0].env["FOO"] == "x" and "FOO" not in plan.learners[0].env
+    assert "env FOO=x" in plan.describe()
     assert [(e.node, e.url.rsplit(":", 1)[1]) for e in plan.engines] == [
         ("n5", "30000"), ("n6", "30000"), ("n5", "30001"), ("n6", "30001")]
     assert all(e.cpus == 32 and e.num_gpus == 4 for e in plan.engines)

@@ -140,7 +140,9 @@ class LaunchPlan:
             res = f"{p.num_gpus} GPU" + ("s" if p.num_gpus != 1 else "")
             if p.gpu_ids is not None:
                 res += f" [{','.join(map(str, p.gpu_ids))}]"
-            lines.append(f"    {p.name} @ {p.node} ({res}; log {p.log_path}): {p.shell()}")
+            extra = " ".join(f"{k}={v}" for k, v in sorted(p.env.items()) if self.env.get(k) != v)
+            extra = f"; env {extra}" if extra else ""
+            lines.append(f"    {p.name} @ {p.node} ({res}; log {p.log_path}{extra}): {p.shell()}")
         lines.append("memory estimate per GPU:")
         lines.append("  " + self.learner_memory.describe())
         if self.engine_memory is not None:
@@ -327,7 +329,9 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
             seed = None if srv.random_seed is None else srv.random_seed + i
             cmd = build_launch_command(replace(srv, host=addr, python=engine_python), port, random_seed=seed,
                                        api_key=(raw.get("inference") or {}).get("api_key"))
+            engine_env = {**env, **srv.env}
         else:
+            engine_env = env
             vals = dict(base, host=addr, port=port, tp=tp, engine_index=i)
             cmd = render(ec.command, vals, raw, overrides, "launch.engine.command")
         addr_file = run_dir / "engines" / f"engine{i}.json"
@@ -339,7 +343,7 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
             gpu_ids = tuple(range(next_gpu, next_gpu + tp))
             next_gpu += tp
         engines.append(ProcSpec(
-            name=f"engine{i}", role="engine", node=node, argv=tuple(argv), env=env,
+            name=f"engine{i}", role="engine", node=node, argv=tuple(argv), env=engine_env,
             num_gpus=tp if gpus else 0, log_path=str(logs / f"engine{i}.log"),
             cpus=cpus_for(node), gpu_ids=gpu_ids, address_file=str(addr_file),
             url=f"http://{addr}:{port}",
