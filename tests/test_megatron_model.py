@@ -2,7 +2,7 @@
 conversion tools. Three torchrun launches in total (~60-90 s on an idle 2-core machine):
 
 * tests/dist/model_layouts.py (4 ranks): tiny Qwen2 (untied, qkv bias, GQA) and Llama (tied, GQA)
-  at TP1, TP2, PP2, TP2xPP2 -> logits vs HF, export bit-exactness, negative controls,
+  at TP1, TP2, PP2, TP2xPP2, PP2 x VPP2 -> logits vs HF, export bit-exactness, negative controls,
   dist checkpoint TP2 -> PP2, shape-mismatch errors;
 * tools/convert_hf_to_mcore.py at TP2xPP2 (4 ranks) then tools/convert_mcore_to_hf.py at PP2
   (2 ranks): HF -> megatron -> HF is bit-exact;
@@ -100,7 +100,7 @@ def _logprobs(logits: torch.Tensor, ids: torch.Tensor, cu: torch.Tensor) -> torc
 def test_logits_match_hf_every_layout(layouts):
     _, ref, res = layouts
     for name, r in ref.items():
-        assert set(res["logits"][name]) == {"tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"}
+        assert set(res["logits"][name]) == {"tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2", "tp1pp2vpp2"}
         for key, lg in res["logits"][name].items():
             assert lg.shape == r["logits"].shape, (name, key)
             diff = (lg - r["logits"]).abs().max().item()

@@ -296,13 +296,17 @@ def forward_logits(
 
         return logits, loss_func
 
+    # The interleaved (VPP) schedule needs >= pp micro-batches: feed the same row pp times and
+    # keep the first output (forward_logits is for checks and tools, not the training hot path).
+    n_chunks = len(model.chunks)
+    num_mb = g.layout.pp if n_chunks > 1 else 1
     fb = get_forward_backward_func()
     with torch.no_grad():
         fb(
             forward_step_func=step,
-            data_iterator=[iter([None])] * len(model.chunks) if len(model.chunks) > 1 else iter([None]),
-            model=model.chunks if len(model.chunks) > 1 else model.chunks[0],
-            num_microbatches=1,
+            data_iterator=[iter([None] * num_mb) for _ in range(n_chunks)] if n_chunks > 1 else iter([None]),
+            model=model.chunks if n_chunks > 1 else model.chunks[0],
+            num_microbatches=num_mb,
             seq_length=T,
             micro_batch_size=1,
             forward_only=True,

@@ -1,7 +1,7 @@
 """PYTHONPATH=. python -m torch.distributed.run --nproc-per-node 4 tests/dist/model_layouts.py --workdir W
 
 One 4-rank gloo launch that, for each tiny HF model in W (written by tests/test_megatron_model.py
-together with HF reference logits in W/ref.pt), walks the layouts TP1, TP2, PP2, TP2xPP2 (dp fills
+together with HF reference logits in W/ref.pt), walks the layouts TP1, TP2, PP2, TP2xPP2, PP2xVPP2 (dp fills
 the rest), re-initialising megatron's parallel state each time, and records on rank 0 into
 W/results.pt:
 
@@ -38,7 +38,7 @@ from areal_mega.models.llama import LlamaAdapter
 from areal_mega.models.qwen2 import Qwen2Adapter
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]  # (tp, pp, vpp)
 
 
 class SwapGateUpQwen2(Qwen2Adapter):
@@ -90,9 +90,11 @@ def main() -> None:
         ids, cu = r["input_ids"], r["cu_seqlens"]
         hf_file = HFCheckpointReader(hf_dir)
         res["logits"][name], res["export"][name] = {}, {}
-        for tp, pp in LAYOUTS:
-            lay = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), ws)
-            key = f"tp{tp}pp{pp}"
+        for tp, pp, vpp in LAYOUTS:
+            lay = ParallelLayout.build(
+                ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline_parallel=vpp), ws
+            )
+            key = f"tp{tp}pp{pp}" + (f"vpp{vpp}" if vpp else "")
             groups = init_model_parallel(lay, backend="gloo")
             model = build_model(hf_dir, groups, MegatronModelConfig(layer_spec="local"))
             load_hf_weights(model, hf_dir)
@@ -105,7 +107,7 @@ def main() -> None:
             c = groups.coords
             res["export"][name][key] = gather((c.pp, c.tp, c.dp, same, diff, names))
 
-            if (tp, pp) == (1, 1):
+            if key == "tp1pp1":
                 wider = {**cfg, "hidden_size": cfg["hidden_size"] * 2, "head_dim": cfg["hidden_size"] // cfg["num_attention_heads"]}
                 wrong = build_model(wider, groups)
                 before = [p.detach().clone() for p in wrong.chunks[0].parameters()]
@@ -117,13 +119,13 @@ def main() -> None:
                 res["errors"][f"{name}/hf_untouched"] = all(
                     torch.equal(a, b) for a, b in zip(before, wrong.chunks[0].parameters())
                 )
-            if (tp, pp) == (2, 1):
+            if key == "tp2pp1":
                 save_checkpoint(model, work / f"ckpt_{name}", step=3, version=3, source_hf_dir=hf_dir)
                 bad = SwapGateUpQwen2 if cfg["model_type"] == "qwen2" else SwapQKLlama
                 neg = build_model(hf_dir, groups, adapter=bad(cfg))
                 load_hf_weights(neg, hf_dir)
                 res["negative"][name] = (bad.__name__, last_stage_value(forward_logits(neg, ids, cu)))
-            if (tp, pp) == (1, 2):
+            if key == "tp1pp2":
                 fresh = build_model(hf_dir, groups)  # random init, then the TP2 checkpoint
                 meta = load_checkpoint(fresh, work / f"ckpt_{name}")
                 res["ckpt"][name] = (meta["step"], meta["saved_layout"], last_stage_value(forward_logits(fresh, ids, cu)))
