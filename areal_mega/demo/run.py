@@ -31,8 +31,18 @@ def _run(cmd: list[str], env: dict[str, str], log: Path) -> None:
         raise SystemExit(f"demo: command failed (exit {rc}); last lines of {log}:\n" + "\n".join(tail))
 
 
-def run_demo(workdir: str, *, learner_python: str, sglang_python: str | None, sft_steps: int = 300,
-             rl_steps: int = 30, extra: list[str] | None = None) -> int:
+def run_demo(workdir: str, *, learner_python: str, sglang_python: str | None) -> int:
+    summary = run_pipeline(workdir, learner_python=learner_python, sglang_python=sglang_python)
+    print(json.dumps(summary), flush=True)
+    before, after = summary["heldout_accuracy_before"], summary["heldout_accuracy_after"]
+    print(f"held-out accuracy: {before:.1%} before RL -> {after:.1%} after {summary['rl_steps']} async GRPO steps "
+          f"(max staleness seen {summary['max_staleness_seen']}); TensorBoard: {summary['tensorboard']}", flush=True)
+    return 0
+
+
+def run_pipeline(workdir: str, *, learner_python: str, sglang_python: str | None, sft_steps: int = 300,
+                 rl_steps: int = 30, extra: list[str] | None = None) -> dict:
+    """Stages 1-3; returns the summary (accuracies, eval curve, max staleness, wall time)."""
     if not sglang_python:
         raise SystemExit("demo: --sglang-python is required (make demo passes the SGLang venv's python)")
     w = (REPO / workdir).resolve() if not os.path.isabs(workdir) else Path(workdir)
@@ -51,23 +61,26 @@ def run_demo(workdir: str, *, learner_python: str, sglang_python: str | None, sf
     print(f"[{time.time() - t0:5.0f}s] stage 2/3: SFT done ({sft_steps} steps) -> {sft / 'hf'}", flush=True)
 
     eval_log = grpo / "eval.jsonl"
-    if eval_log.exists():
-        eval_log.unlink()
+    for stale in (eval_log, grpo / "metrics.jsonl"):
+        if stale.exists():
+            stale.unlink()
     _run([learner_python, "-m", "areal_mega.launcher", "local", "--config", "configs/grpo_tiny.yaml",
           f"model_path={sft / 'hf'}", f"output_dir={grpo}", "trainer.resume=false",
           f"data.path={tiny / 'data' / 'train.jsonl'}", f"eval_data.path={tiny / 'data' / 'test.jsonl'}",
           f"inference.server.python={sglang_python}", f"launch.run_dir={w / 'launch-{job_id}'}",
           f"trainer.num_steps={rl_steps}", *(extra or [])], env, w / "grpo.log")
     evals = [json.loads(line) for line in eval_log.read_text().splitlines()]
+    steps = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
     first, last = evals[0], evals[-1]
     summary = {
         "heldout_accuracy_before": first["accuracy"], "heldout_accuracy_after": last["accuracy"],
         "rl_steps": last["step"], "eval_curve": [(e["step"], round(e["accuracy"], 3)) for e in evals],
-        "wall_s": round(time.time() - t0, 1), "tensorboard": str(grpo / "tb"),
+        "max_staleness_seen": max(int(r.get("staleness/max", 0)) for r in steps),
+        "train_reward_first": steps[0].get("rollout/reward_mean"), "train_reward_last": steps[-1].get("rollout/reward_mean"),
+        "wall_s": round(time.time() - t0, 1), "tensorboard": str(grpo / "tb"), "output_dir": str(grpo),
     }
     print(f"[{time.time() - t0:5.0f}s] stage 3/3: async GRPO done", flush=True)
-    print(json.dumps(summary), flush=True)
-    return 0
+    return summary
 
 
 if __name__ == "__main__":

@@ -96,7 +96,9 @@ class Setup:
                                   groups=groups, servers=servers, world_group=ctrl)
         if start_step > 0:  # the servers started from model_path: bring them to the resumed weights
             ws.sync(version=start_step)
-        metrics = Metrics(str(out / "tb") if rank0 else None, enabled=rank0)
+        if rank0:
+            out.mkdir(parents=True, exist_ok=True)
+        metrics = Metrics(str(out / "tb") if rank0 else None, enabled=rank0, jsonl_path=str(out / "metrics.jsonl"))
         setup = cls(cfg=cfg, groups=groups, actor=actor, weight_sync=ws, metrics=metrics, ctrl_group=ctrl,
                     start_step=start_step, driver=driver)
         if rank0:

@@ -4,7 +4,7 @@
     with metrics.phase("rollout"):           # records time/rollout_s for the current step
         ...
     metrics.log({"reward/mean": 0.4})
-    metrics.commit(step)                     # flush this step's scalars (and print a line)
+    metrics.commit(step)                     # flush this step's scalars (TensorBoard, metrics.jsonl, stdout)
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from typing import Iterator
 
 
 class Metrics:
-    def __init__(self, log_dir: str | None, *, enabled: bool = True, echo: bool = True) -> None:
+    def __init__(self, log_dir: str | None, *, enabled: bool = True, echo: bool = True,
+                 jsonl_path: str | None = None) -> None:
         self._writer = None
+        self._jsonl = open(jsonl_path, "a") if (enabled and jsonl_path) else None
         self._enabled = enabled
         self._echo = echo
         self._pending: dict[str, float] = {}
@@ -55,6 +57,9 @@ class Metrics:
 
                         self._writer.add_histogram(k, np.asarray(vals), step)
                 self._writer.flush()
+            if self._jsonl is not None:
+                self._jsonl.write(json.dumps({"step": step, **row}) + "\n")
+                self._jsonl.flush()
             if self._echo:
                 shown = {k: round(v, 4) for k, v in sorted(row.items())}
                 print(json.dumps({"step": step, **shown}), flush=True)
@@ -65,3 +70,5 @@ class Metrics:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
