@@ -1,0 +1,549 @@
+"""MegatronTrainEngine: the learner side of areal_mega on megatron-core (TP / PP / VPP / DP).
+
+Dataflow of one ``train_batch`` (every rank calls it with the SAME global batch)::
+
+    global packed batch ──plan_microbatches (pure, identical on all ranks)──► this DP rank's
+    micro-batches (same count on every DP rank) ──forward_backward_func (megatron schedule;
+    PP p2p with variable_seq_lengths)──► last stage: logits [T_mb, V/tp] ──vocab-parallel
+    log-softmax (3 all-reduces on the TP group)──► loss_fn(logprobs, entropy, mb) ──► backward
+    ──finalize_model_grads (DP all-reduce, tied-embedding all-reduce)──► optimizer.step
+    (Adam, optional distributed optimizer, grad clipping) with LR from OptimizerParamScheduler
+
+Loss normalisation (the invariant that makes results independent of the micro-batch split
+and of the DP size): ``loss_fn`` returns this micro-batch's SHARE of the global objective
+(e.g. sum of its token losses / tokens in the whole global batch -- areal_mega.rl.losses does
+this with ``global_counts``), and the engine SUMS shares over micro-batches and DP ranks.
+megatron's schedule divides each micro-batch loss by ``num_microbatches`` and DDP averages
+gradients over DP ranks, so the engine multiplies each share by ``num_microbatches * dp``
+before backward. Gradients therefore equal d(sum of shares), exactly.
+
+Attention over packed rows: on CPU (and with the "local" layer spec) a block-diagonal causal
+mask [1, 1, T, T] (areal_mega.megatron.model.packed_causal_mask) -- O(T^2) memory per
+micro-batch, fine for tests, wasteful at scale. ``attention="thd"`` passes megatron's
+PackedSeqParams (qkv_format "thd", cu_seqlens) instead: transformer-engine's variable-length
+kernels on GPU, no mask, no cross-sequence FLOPs. That path needs the TE layer spec and is NOT
+tested here (no GPU, TE does not import on CPU).
+
+Alignment: outputs are next-token aligned (TrainEngine contract): position i holds
+log p(input_ids[i+1] | tokens <= i) and the last token of every sequence holds 0. Use
+packing.shift_to_next_token to align "this-token" trajectory fields (loss_mask, behaviour
+logprobs) with them before calling train_batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Literal
+
+import torch
+import torch.distributed as dist
+
+from areal_mega.api.engine import TrainEngine
+from areal_mega.megatron.logprobs import vocab_parallel_logprobs
+from areal_mega.megatron.model import MegatronModel, MegatronModelConfig, packed_causal_mask
+from areal_mega.megatron.packing import (
+    last_token_mask,
+    next_token_labels,
+    plan_microbatches,
+    scatter_to_batch,
+    slice_microbatch,
+    validate_batch,
+)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``loss_fn(logprobs [T_mb], entropy [T_mb], micro_batch) -> (loss, stats)``.
+
+``logprobs`` / ``entropy`` carry gradients (fp32, next-token aligned, 0 at sequence ends);
+``micro_batch`` is the packed micro-batch dict (all batch fields sliced to its sequences, own
+``cu_seqlens``, plus ``seq_indices``). ``loss`` is a scalar: this micro-batch's share of the
+global objective (the engine sums shares). ``stats``: scalar tensors, the same keys for every
+micro-batch; reduced as documented in :meth:`MegatronTrainEngine.train_batch`.
+A filler micro-batch (one pad token, every field 0) may be passed: return a zero share.
+"""
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam + LR schedule for the learner (megatron's get_megatron_optimizer)."""
+
+    lr: float = 1e-6
+    """Peak learning rate (reached after the warm-up)."""
+    min_lr: float = 0.0
+    """Floor of the decayed learning rate."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay; megatron skips biases and norms."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (over all TP/PP/DP ranks); 0 disables clipping."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state and fp32 master weights over the DP ranks (ZeRO-1)."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up: optimizer step k (1-based) uses lr * k / lr_warmup_steps for k <= it."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """LR after the warm-up: constant, or decayed to min_lr at lr_decay_steps."""
+    lr_decay_steps: int | None = None
+    """Step at which the decay reaches min_lr (counted from step 0, includes the warm-up);
+    required for linear/cosine decay."""
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr: must be in [0, lr={self.lr}], got {self.min_lr}")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad: must be >= 0, got {self.clip_grad}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps: must be >= 0, got {self.lr_warmup_steps}")
+        if self.lr_decay_style != "constant":
+            if self.lr_decay_steps is None or self.lr_decay_steps <= self.lr_warmup_steps:
+                raise ValueError(
+                    f"lr_decay_steps: {self.lr_decay_style} decay needs lr_decay_steps > "
+                    f"lr_warmup_steps ({self.lr_warmup_steps}), got {self.lr_decay_steps}"
+                )
+
+
+@dataclass
+class MegatronEngineConfig:
+    """The learner engine: model instantiation, optimizer, micro-batching."""
+
+    model: MegatronModelConfig = field(default_factory=MegatronModelConfig)
+    """How the megatron model is built (layer spec, dtype float32/bfloat16, vocab padding)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Adam and learning-rate schedule."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one packed micro-batch; a longer sequence gets a micro-batch of its
+    own (never split). Memory per micro-batch ~ this (x T with the CPU attention mask)."""
+    attention: Literal["mask", "thd"] = "mask"
+    """Packed attention: "mask" = block-diagonal causal mask (works everywhere, O(T^2));
+    "thd" = PackedSeqParams for transformer-engine's varlen kernels (GPU + TE spec only;
+    untested on CPU)."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and all-reduce gradients in fp32 even for bf16 parameters."""
+    compute_entropy: bool = True
+    """Compute the per-token entropy (with gradient) for loss_fn in train_batch; costs one
+    extra pass over the [T_mb, V/tp] logits."""
+
+    def validate(self) -> None:
+        if self.max_tokens_per_microbatch < 1:
+            raise ValueError(f"max_tokens_per_microbatch: must be >= 1, got {self.max_tokens_per_microbatch}")
+        if self.attention not in ("mask", "thd"):
+            raise ValueError(f"attention: {self.attention!r} is not one of mask, thd")
+
+
+@contextlib.contextmanager
+def _skip_adam_step_on_param_state_load(optimizer: Any):
+    """Work around two megatron-core 0.16.1 bugs on the torch-Adam (no TE/apex) path.
+
+    DistributedOptimizer.load_state_dict writes the common ``step`` into every Adam state --
+    the SAME tensor object for all parameters -- then load_parameter_state_from_fully_reshardable
+    copies per-parameter tensors for every key of that state, but its source dict skips
+    "step" -> KeyError. We hide "step" during the per-parameter copy only (it was already set
+    from the common state). Afterwards every state gets its own copy of ``step``: torch Adam
+    increments it in place once per parameter, so a shared tensor would advance by
+    #params per optimizer step and break Adam's bias correction after a resume (caught by
+    the resume test: the second step diverged by 0.27 nats).
+    """
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        orig = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if orig is None:  # not a DistributedOptimizer
+            continue
+
+        def set_states(model_param, tensors, _opt=opt, _orig=orig):
+            gi, go = _opt.model_param_group_index_map[model_param]
+            state = _opt.optimizer.state[_opt.optimizer.param_groups[gi]["params"][go]]
+            step = state.pop("step", None) if "step" not in tensors else None
+            try:
+                _orig(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class method
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for st in opt.optimizer.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].detach().clone()
+
+
+class MegatronTrainEngine(TrainEngine):
+    """A megatron-core policy/critic with Megatron DDP, optimizer and LR schedule.
+
+    Every method is collective over ALL learner ranks and must be called with the same
+    arguments (the same global batch) on every rank. Results (log-probs, stats) are returned
+    on every rank.
+    """
+
+    def __init__(self, cfg: MegatronEngineConfig, model: MegatronModel):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig as MOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        cfg.validate()
+        cfg.optimizer.validate()
+        if cfg.attention == "thd" and model.layer_spec != "te":
+            raise ValueError("attention: 'thd' needs the transformer-engine layer spec (model.layer_spec='te')")
+        self.cfg = cfg
+        self.model = model
+        self.groups = model.groups
+        self.layout = model.groups.layout
+        self._version = 0
+        self._num_steps = 0
+        tcfg = model.config
+        assert tcfg.variable_seq_lengths, "packed micro-batches differ in length: PP p2p must send shapes"
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        )
+        self.chunks = [
+            # Only the first chunk gets buckets: megatron's own rule for interleaved models.
+            DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=m, disable_bucketing=i > 0)
+            for i, m in enumerate(model.chunks)
+        ]
+        o = cfg.optimizer
+        self.optimizer = get_megatron_optimizer(
+            MOptimizerConfig(
+                optimizer="adam",
+                lr=o.lr,
+                min_lr=o.min_lr,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.adam_beta1,
+                adam_beta2=o.adam_beta2,
+                adam_eps=o.adam_eps,
+                clip_grad=o.clip_grad,
+                bf16=model.dtype == "bfloat16",
+                fp16=model.dtype == "float16",
+                params_dtype=tcfg.params_dtype,
+                use_distributed_optimizer=o.use_distributed_optimizer,
+            ),
+            self.chunks,
+        )
+        # megatron's scheduler asserts decay_steps > warmup even for "constant".
+        decay_steps = o.lr_decay_steps if o.lr_decay_steps is not None else o.lr_warmup_steps + 1
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps,
+            lr_decay_steps=decay_steps,
+            lr_decay_style=o.lr_decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+        # Hooks the schedules call (same wiring as megatron's training loop).
+        tcfg.grad_scale_func = self.optimizer.scale_loss
+        tcfg.finalize_model_grads_func = finalize_model_grads
+        no_sync = [c.no_sync for c in self.chunks]
+        tcfg.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        self._device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def create(
+        cls, cfg: MegatronEngineConfig, hf_config: Any, groups: Any, hf_weights_dir: str | None = None
+    ) -> "MegatronTrainEngine":
+        """Build the model for ``hf_config`` under ``groups`` (from parallel_state.init_model_parallel),
+        load HF weights if ``hf_weights_dir`` is given, and wrap it in an engine."""
+        from areal_mega.megatron.model import build_model, load_hf_weights
+
+        model = build_model(hf_config, groups, cfg.model)
+        if hf_weights_dir is not None:
+            load_hf_weights(model, hf_weights_dir)
+        return cls(cfg, model)
+
+    # ------------------------------------------------------------------ internals
+    def _plan(self, batch: dict[str, torch.Tensor], min_microbatches: int = 1):
+        lens = validate_batch(batch)
+        # The interleaved schedule wants num_microbatches to be a multiple of pp.
+        if self.layout.vpp:
+            min_microbatches = max(min_microbatches, self.layout.pp)
+        plan = plan_microbatches(lens, self.cfg.max_tokens_per_microbatch, self.layout.dp, min_microbatches)
+        n = plan.num_microbatches
+        if self.layout.vpp and n % self.layout.pp:
+            plan = plan_microbatches(
+                lens, self.cfg.max_tokens_per_microbatch, self.layout.dp, math.ceil(n / self.layout.pp) * self.layout.pp
+            )
+        mine = plan.per_rank[self.groups.coords.dp]
+        return plan, [slice_microbatch(batch, mb) for mb in mine]
+
+    def _model_forward(self, chunk: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        T = int(mb["input_ids"].numel())
+        tokens = mb["input_ids"].view(1, T).to(self._device)
+        positions = torch.arange(T, device=self._device).view(1, T)
+        if self.cfg.attention == "thd":
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            cu = mb["cu_seqlens"].to(self._device, torch.int32)
+            max_len = int((cu[1:] - cu[:-1]).max())
+            psp = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
+            )
+            return chunk(tokens, positions, None, packed_seq_params=psp)
+        mask = packed_causal_mask(mb["cu_seqlens"], T).to(self._device)
+        return chunk(tokens, positions, mask)
+
+    def _token_outputs(self, output: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
+        """Last stage: logits [1, T, V/tp] -> (logprobs [T], entropy [T]), 0 at sequence ends."""
+        labels = next_token_labels(mb["input_ids"], mb["cu_seqlens"]).to(output.device)
+        lp, ent = vocab_parallel_logprobs(
+            output[0],
+            labels,
+            tp_group=self.groups.tp,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            vocab_size=self.model.arch.vocab_size,
+        )
+        ends = last_token_mask(mb["cu_seqlens"], labels.numel()).to(output.device)
+        return lp.masked_fill(ends, 0.0), ent.masked_fill(ends, 0.0)
+
+    def _run_schedule(self, mbs: list[dict[str, torch.Tensor]], loss_func: Callable, forward_only: bool) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def step(data_iterator, chunk):
+            mb = next(data_iterator)
+            return self._model_forward(chunk, mb), partial(loss_func, mb)
+
+        many = len(self.chunks) > 1
+        return get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=[iter(mbs) for _ in self.chunks] if many else iter(mbs),
+            model=self.chunks if many else self.chunks[0],
+            num_microbatches=len(mbs),
+            seq_length=max(int(mb["input_ids"].numel()) for mb in mbs),  # ignored: variable_seq_lengths
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def _last_stage_rank(self) -> int:
+        c = self.groups.coords
+        return self.layout.rank(dp=c.dp, pp=self.layout.pp - 1, cp=c.cp, tp=c.tp)
+
+    def _share_from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.layout.pp > 1:
+            dist.broadcast(tensor, src=self._last_stage_rank(), group=self.groups.pp)
+        return tensor
+
+    # ------------------------------------------------------------------ TrainEngine API
+    def forward(self, batch: dict[str, torch.Tensor], temperature: float = 1.0, with_entropy: bool = True) -> dict[str, torch.Tensor]:
+        """Per-token ``logprobs`` and ``entropy`` [T] (fp32, batch order, next-token aligned).
+
+        Computed on the last stage of each DP replica for its share of the sequences, summed
+        over the DP group (other positions are 0 there) and broadcast from the last stage to
+        the other stages: every rank returns the full tensors.
+        """
+        if temperature <= 0:
+            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        _, mbs = self._plan(batch)
+        pieces: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+
+        def loss_func(mb, output):
+            lp, ent = self._token_outputs(output, mb, temperature, with_entropy)
+            if mb["seq_indices"].numel():
+                pieces.append((mb["seq_indices"].tolist(), lp.detach().cpu(), ent.detach().cpu()))
+            return torch.zeros((), device=output.device), {}
+
+        for c in self.chunks:
+            c.eval()
+        with torch.no_grad():
+            self._run_schedule(mbs, loss_func, forward_only=True)
+        cu = batch["cu_seqlens"]
+        both = torch.zeros(2, int(cu[-1]), dtype=torch.float32)
+        scatter_to_batch(cu, [(s, lp) for s, lp, _ in pieces], out=both[0])
+        scatter_to_batch(cu, [(s, e) for s, _, e in pieces], out=both[1])
+        both = both.to(self._device)
+        if self.layout.dp > 1:  # disjoint positions: the sum is an exact gather
+            dist.all_reduce(both, group=self.groups.dp)
+        self._share_from_last_stage(both)
+        both = both.cpu()
+        return {"logprobs": both[0], "entropy": both[1]}
+
+    def forward_logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+        """log softmax(logits / temperature)[next token], flat [T] on every rank (see forward)."""
+        return self.forward(batch, temperature, with_entropy=False)["logprobs"]
+
+    def train_batch(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step over the global ``batch`` (same on every rank).
+
+        Returns (on every rank): ``loss`` (sum of loss_fn shares over all micro-batches and DP
+        ranks = the global objective), ``grad_norm`` (before clipping), ``lr`` (used by this
+        step), ``num_microbatches`` (per DP rank), ``num_tokens`` (global), ``step``, and
+        loss_fn's stats reduced over all micro-batches and DP ranks: keys ending in "/max" or
+        "/min" by max/min, "n_tokens" by sum, the rest by an ``n_tokens``-weighted mean when
+        stats contain "n_tokens", else a plain mean over micro-batches.
+        """
+        if temperature <= 0:
+            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        plan, mbs = self._plan(batch)
+        num_mb = len(mbs)
+        dp_cp = dist.get_world_size(self.groups.dp_cp)
+
+        def loss_func(mb, output):
+            lp, ent = self._token_outputs(output, mb, temperature, self.cfg.compute_entropy)
+            loss, stats = loss_fn(lp, ent, mb)
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn: loss must be a scalar, got shape {tuple(loss.shape)}")
+            reported = {"loss": loss.detach().clone().float()}
+            reported.update({k: torch.as_tensor(v).detach().clone().float().reshape(()) for k, v in stats.items()})
+            # Undo the schedule's 1/num_microbatches and DDP's 1/dp averaging: shares are summed.
+            return loss * (num_mb * dp_cp), reported
+
+        for c in self.chunks:
+            c.train()
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        records = self._run_schedule(mbs, loss_func, forward_only=False)
+        # Step k uses the LR of step k (megatron's own loop would use step k-1's, i.e. lr=0 first).
+        self.scheduler.step(increment=1)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        ok, grad_norm, _ = self.optimizer.step()
+        self._num_steps += 1
+        stats = self._reduce_stats(records)
+        stats.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=lr,
+            update_successful=float(bool(ok)),
+            num_microbatches=float(num_mb),
+            num_tokens=float(batch["input_ids"].numel()),
+            step=float(self._num_steps),
+        )
+        return stats
+
+    def _reduce_stats(self, records: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Last stage: reduce per-micro-batch stats over micro-batches and the DP group, then
+        broadcast the resulting dict to the other pipeline stages."""
+        out: list[Any] = [None]
+        if self.groups.is_last_stage:
+            keys = sorted(records[0])
+            weights = [r["n_tokens"] if "n_tokens" in r else torch.ones(()) for r in records]
+            sums, maxs, mins = [], [], []
+            for k in keys:
+                vals = torch.stack([r[k] for r in records])
+                if k in ("loss", "n_tokens"):
+                    sums.append(vals.sum())
+                elif k.endswith("/max"):
+                    maxs.append(vals.max())
+                elif k.endswith("/min"):
+                    mins.append(vals.min())
+                else:
+                    sums.append((vals * torch.stack(weights)).sum())
+            sum_keys = [k for k in keys if k in ("loss", "n_tokens") or not (k.endswith("/max") or k.endswith("/min"))]
+            max_keys = [k for k in keys if k.endswith("/max")]
+            min_keys = [k for k in keys if k.endswith("/min")]
+            total_w = torch.stack(weights).sum()
+            s = torch.stack(sums + [total_w]) if sums else total_w.reshape(1)
+            mx = torch.stack(maxs) if maxs else torch.zeros(0)
+            mn = torch.stack(mins) if mins else torch.zeros(0)
+            if self.layout.dp > 1:
+                s, mx, mn = s.to(self._device), mx.to(self._device), mn.to(self._device)
+                dist.all_reduce(s, group=self.groups.dp)
+                if mx.numel():
+                    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self.groups.dp)
+                if mn.numel():
+                    dist.all_reduce(mn, op=dist.ReduceOp.MIN, group=self.groups.dp)
+                s, mx, mn = s.cpu(), mx.cpu(), mn.cpu()
+            total_w = float(s[-1])
+            res: dict[str, float] = {}
+            for i, k in enumerate(sum_keys):
+                res[k] = float(s[i]) if k in ("loss", "n_tokens") else float(s[i]) / max(total_w, 1e-12)
+            res.update({k: float(mx[i]) for i, k in enumerate(max_keys)})
+            res.update({k: float(mn[i]) for i, k in enumerate(min_keys)})
+            out[0] = res
+        if self.layout.pp > 1:
+            dist.broadcast_object_list(out, src=self._last_stage_rank(), group=self.groups.pp)
+        return out[0]
+
+    # ------------------------------------------------------------------ checkpoints
+    def _sharded_state_dict(self, is_loading: bool) -> dict[str, Any]:
+        model_sd: dict[str, Any] = {}
+        if len(self.model.chunks) == 1:
+            model_sd["model"] = self.model.chunks[0].sharded_state_dict()
+        else:
+            for i, m in enumerate(self.model.chunks):
+                model_sd[f"model{i}"] = m.sharded_state_dict()
+        sd = dict(model_sd)
+        # fully_reshardable: optimizer state keyed by model parameter in its canonical shape
+        # (not by DP buffer layout), so a checkpoint saved at one TP/PP/DP loads at another.
+        # (megatron's default, fully_sharded_model_space, uses flattened_range, which 0.16.1's
+        # dist_checkpointing rejects.)
+        sd["optimizer"] = self.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+        )
+        sd["engine"] = {"version": self._version, "num_steps": self._num_steps, "scheduler": self.scheduler.state_dict()}
+        return sd
+
+    def _materialise_optimizer_state(self) -> None:
+        """Give every parameter zero Adam state (step 0) if it has none yet.
+
+        Without TE/apex, megatron-core 0.16.1's DistributedOptimizer.state_dict() asserts that
+        all torch-Adam states share one 'step', which fails on a fresh optimizer (no state):
+        the very case of loading a checkpoint into a new engine. Values are overwritten by load.
+        """
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    st = inner.state[p]
+                    if not st:
+                        st["step"] = torch.tensor(0.0)
+                        st["exp_avg"] = torch.zeros_like(p.data)
+                        st["exp_avg_sq"] = torch.zeros_like(p.data)
+
+    def save(self, path: str) -> None:
+        """Model + optimizer + LR-schedule + version as a megatron distributed checkpoint in
+        ``path`` (loadable under any TP/PP/DP layout of the same model). The calling script
+        must be ``if __name__ == "__main__"``-guarded (dist_checkpointing spawns a Manager)."""
+        from megatron.core import dist_checkpointing
+
+        if dist.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), path)
+        dist.barrier()
+
+    def load(self, path: str) -> None:
+        """Inverse of :meth:`save`, into this engine's (possibly different) layout."""
+        from megatron.core import dist_checkpointing
+
+        if not os.path.isdir(path):
+            raise ValueError(f"load path: {path} is not a checkpoint directory")
+        self._materialise_optimizer_state()
+        sd = self._sharded_state_dict(is_loading=True)
+        loaded = dist_checkpointing.load(sd, path)
+        if len(self.model.chunks) == 1:
+            self.model.chunks[0].load_state_dict(loaded["model"])
+        else:
+            for i, m in enumerate(self.model.chunks):
+                m.load_state_dict(loaded[f"model{i}"])
+        with _skip_adam_step_on_param_state_load(self.optimizer):
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        eng = loaded["engine"]
+        self.scheduler.load_state_dict(eng["scheduler"])
+        self._version = int(eng["version"])
+        self._num_steps = int(eng["num_steps"])
+        dist.barrier()
+
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = int(version)
