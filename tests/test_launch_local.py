@@ -33,8 +33,8 @@ def _config(tmp: Path, marker: str, *, die_rank: int | None, engine_die_after: f
     cfg = {"launch": {
         "model": {}, "run_dir": str(tmp / "run-{job_id}"), "stop_grace_s": 5, "poll_interval_s": 0.2,
         "learner": {"num_nodes": 1, "nproc_per_node": 2, "master_port": master, "command": learner},
-        "engine": {"num_engines": 2, "base_port": p0, "command": engine, "startup_timeout_s": 60},
-    }}
+        "engine": {"num_engines": 2, "command": engine, "startup_timeout_s": 60},
+    }, "inference": {"server": {"port": p0}}}
     if engine_die_after is not None:  # only engine1 crashes, after it was announced ready
         engine += ["--index", "{engine_index}", "--die-index", "1", "--die-after", str(engine_die_after)]
     cfg["launch"]["engine"]["command"] = engine

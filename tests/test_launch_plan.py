@@ -158,7 +158,8 @@ def test_local_and_cpu_plans(tmp_path):
           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "rms_norm_eps": 1e-6,
           "tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    raw = {"model_path": str(tmp_path), "parallel": {"tensor_parallel": 2, "pipeline_parallel": 2}}
+    raw = {"model_path": str(tmp_path), "parallel": {"tensor_parallel": 2, "pipeline_parallel": 2},
+           "inference": {"server": {"port": 30000}}}
     local = Allocation(job_id="local", nodes=("localhost",), addresses=("127.0.0.1",), gpus_per_node=8, local=True)
     cfg.learner.nproc_per_node = 4
     plan = build_plan(cfg, local, raw=raw, config_path="c.yaml", overrides=["a.b=1"], python="PY")
@@ -172,6 +173,10 @@ def test_local_and_cpu_plans(tmp_path):
     assert count_params(ModelShape.from_hf_config(hf)).layer_sharded == 30_848
     assert (plan.learner_memory.stage, plan.learner_memory.params) == (0, 30_848 // 2 + 128 + 6400 // 2)
     assert list(plan.learners[0].argv[-1:]) == ["a.b=1"]
+    # inference.server.port 0: free local ports.
+    free = build_plan(cfg, local, raw={**raw, "inference": {}}, config_path="c.yaml", overrides=[], python="PY")
+    ports = {int(e.url.rsplit(":", 1)[1]) for e in free.engines}
+    assert len(ports) == 2 and all(p > 0 for p in ports)
     # CPU nodes: ranks per node default to the model-parallel size / nodes; memory not enforced.
     cfg.learner.nproc_per_node = None
     cfg.learner.num_nodes = 2

@@ -96,10 +96,10 @@ def _tiny_config(tmp: Path, marker: str, die_rank: int | None) -> Path:
     cfg = {"launch": {
         "model": {}, "run_dir": str(tmp / "run-{job_id}"), "stop_grace_s": 5, "poll_interval_s": 0.2,
         "learner": {"num_nodes": 2, "nproc_per_node": 2, "master_port": master, "command": learner},
-        "engine": {"num_nodes": 2, "base_port": engine_port, "startup_timeout_s": 60,
+        "engine": {"num_nodes": 2, "startup_timeout_s": 60,
                    "command": ["{python}", "tests/launch_standins/engine.py", "--host", "{host}", "--port",
                                "{port}", "--marker", marker, "--lifetime", "120"]},
-    }}
+    }, "inference": {"server": {"port": engine_port}}}
     path = tmp / f"tiny-{marker}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -120,7 +120,7 @@ def test_grpo_tiny_script_places_on_cpu_nodes(cluster, tmp_path):
     # 2 learner nodes x 2 ranks; each node has its own hostname; both engines (nodes 3, 4) answered.
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3] and {r["world"] for r in ranks} == {4}
     assert sorted({r["hostname"] for r in ranks}) == ["amnode1", "amnode2"]
-    port = yaml.safe_load(cfg.read_text())["launch"]["engine"]["base_port"]
+    port = yaml.safe_load(cfg.read_text())["inference"]["server"]["port"]
     assert all(r["engines"] == {f"127.0.1.3:{port}": 200, f"127.0.1.4:{port}": 200} for r in ranks)
     assert all(r["master"] == "127.0.1.1" for r in ranks)
     engines = json.loads((job_dir / "engines.json").read_text())["engines"]

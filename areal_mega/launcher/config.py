@@ -127,8 +127,9 @@ class EngineLaunchConfig:
     command: list[str] | None = None
     """Server command template; None = SGLang's, built by areal_mega.inference.server from
     ``inference.server`` with the plan's host and port. It must serve HTTP on {host}:{port}."""
-    base_port: int = 30000
-    """Port of a node's first server; the k-th server on a node uses base_port + k."""
+    default_port: int = 30000
+    """First server port on each node under Slurm when inference.server.port is 0 (the k-th
+    server of a node uses port + k; locally, port 0 means free ports)."""
     health_path: str = "/health"
     """HTTP path answering 200 once the server is ready; "" = ready when the port accepts."""
     startup_timeout_s: float = 1800.0

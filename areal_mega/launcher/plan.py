@@ -8,7 +8,8 @@ machine), so placement, commands and the memory verdict are unit-testable withou
                   --node-rank = position in the learner nodes (not SLURM_NODEID, which counts
                   the whole job), G ranks per node
       nL+1..      engines: floor(G / engine_tp) servers per node (one per CPU node), each
-                  bound to its node's own address, port base_port + k for its k-th server
+                  bound to its node's own address, port P + k for its k-th server
+                  (P = inference.server.port, or launch.engine.default_port when that is 0)
 
 Learners start only once every engine has written its address file (engine_proc.py); the
 launcher then writes them all to ``engines_file``, which the learner command receives.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import socket
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -215,6 +217,18 @@ def model_shape(cfg: LaunchConfig, raw: dict) -> ModelShape:
     return shape
 
 
+def _free_local_ports(n: int) -> list[int]:
+    """Ports the kernel says are free now (local launches with inference.server.port 0)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sk in socks:
+            sk.bind(("127.0.0.1", 0))
+        return [sk.getsockname()[1] for sk in socks]
+    finally:
+        for sk in socks:
+            sk.close()
+
+
 def _learner_world(cfg: LaunchConfig, par: ParallelConfig, gpus: int) -> tuple[int, int]:
     """(ranks per learner node, world size)."""
     lc = cfg.learner
@@ -291,7 +305,7 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
             raise ValueError(
                 f"launch.engine.num_engines: {num_engines} > {n_eng} engine nodes x {per_node} per node"
             )
-        # Round-robin over nodes: k-th server of a node gets base_port + k.
+        # Round-robin over nodes: the k-th server of a node gets port P + k.
         engine_slots = []
         for i in range(num_engines):
             node_idx, k = i % n_eng, i // n_eng
@@ -303,7 +317,11 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
     # The package is used from the source tree: make `-m areal_mega...` importable on every node.
     env["PYTHONPATH"] = str(REPO_ROOT)
     engine_python = engine_python or srv.python
-    ports = [ec.base_port + (i if alloc.local else k) for i, (_, _, k) in enumerate(engine_slots)]
+    if alloc.local and not srv.port:
+        ports = _free_local_ports(len(engine_slots))
+    else:
+        first = srv.port or ec.default_port
+        ports = [first + (i if alloc.local else k) for i, (_, _, k) in enumerate(engine_slots)]
     addresses = [f"{addr}:{port}" for (_, addr, _), port in zip(engine_slots, ports)]
     base = {"python": python, "engine_python": engine_python, "config": config_path,
             "run_dir": str(run_dir), "job_id": job, "engines_file": str(engines_file),
