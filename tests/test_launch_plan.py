@@ -184,6 +184,9 @@ def test_local_and_cpu_plans(tmp_path):
     cpu = build_plan(cfg, alloc(4, 0), raw=raw, config_path="c.yaml", overrides=[], python="PY")
     assert [s.nproc for s in cpu.learners] == [2, 2] and cpu.layout.world_size == 4
     assert len(cpu.engines) == 2 and cpu.engines[0].num_gpus == 0 and cpu.fits
+    cfg.engine.num_engines = 1
+    one = build_plan(cfg, alloc(4, 0), raw=raw, config_path="c.yaml", overrides=[], python="PY")
+    assert one.notes == ("1 allocated node(s) left idle",)
 
 
 def test_render_placeholders():

@@ -310,8 +310,9 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
         for i in range(num_engines):
             node_idx, k = i % n_eng, i // n_eng
             engine_slots.append((engine_nodes[node_idx], alloc.addresses[n_learn + node_idx], k))
-        if len(alloc.nodes) > n_learn + n_eng:
-            notes.append(f"{len(alloc.nodes) - n_learn - n_eng} allocated node(s) left idle")
+        idle = len(alloc.nodes) - n_learn - len({n for n, _, _ in engine_slots})
+        if idle:
+            notes.append(f"{idle} allocated node(s) left idle")
 
     env = {**cfg.env, **cfg.nccl_env}
     # The package is used from the source tree: make `-m areal_mega...` importable on every node.
