@@ -304,7 +304,7 @@ class MegatronTrainEngine(TrainEngine):
 
     def _token_outputs(self, output: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
         """Last stage: logits [1, T, V/tp] -> (logprobs [T], entropy [T]), 0 at sequence ends."""
-        labels = next_token_labels(mb["input_ids"], mb["cu_seqlens"]).to(output.device)
+        labels = next_token_labels(mb["input_ids"], mb["cu_seqlens"])
         lp, ent = vocab_parallel_logprobs(
             output[0],
             labels,
@@ -313,14 +313,14 @@ class MegatronTrainEngine(TrainEngine):
             with_entropy=with_entropy,
             vocab_size=self.model.arch.vocab_size,
         )
-        ends = last_token_mask(mb["cu_seqlens"], labels.numel()).to(output.device)
+        ends = last_token_mask(mb["cu_seqlens"], labels.numel())
         return lp.masked_fill(ends, 0.0), ent.masked_fill(ends, 0.0)
 
     def _run_schedule(self, mbs: list[dict[str, torch.Tensor]], loss_func: Callable, forward_only: bool) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def step(data_iterator, chunk):
-            mb = next(data_iterator)
+            mb = {k: v.to(self._device) for k, v in next(data_iterator).items()}
             return self._model_forward(chunk, mb), partial(loss_func, mb)
 
         many = len(self.chunks) > 1
@@ -403,7 +403,7 @@ class MegatronTrainEngine(TrainEngine):
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn: loss must be a scalar, got shape {tuple(loss.shape)}")
             reported = {"loss": loss.detach().clone().float()}
-            reported.update({k: torch.as_tensor(v).detach().clone().float().reshape(()) for k, v in stats.items()})
+            reported.update({k: torch.as_tensor(v).detach().float().reshape(()).cpu() for k, v in stats.items()})
             # Undo the schedule's 1/num_microbatches and DDP's 1/dp averaging: shares are summed.
             return loss * (num_mb * dp_cp), reported
 
@@ -433,6 +433,7 @@ class MegatronTrainEngine(TrainEngine):
         broadcast the resulting dict to the other pipeline stages."""
         out: list[Any] = [None]
         if self.groups.is_last_stage:
+            records = [{k: v.float().cpu() for k, v in r.items()} for r in records]
             keys = sorted(records[0])
             weights = [r["n_tokens"] if "n_tokens" in r else torch.ones(()) for r in records]
             sums, maxs, mins = [], [], []

@@ -48,7 +48,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         if num_valid > 0:
             m = z.max(dim=-1).values
         else:
-            m = torch.full(labels.shape, float("-inf"), dtype=z.dtype)
+            m = torch.full(labels.shape, float("-inf"), dtype=z.dtype, device=z.device)
         _all_reduce(m, dist.ReduceOp.MAX, group)
         s = z - m.unsqueeze(-1)
         sum_exp = _all_reduce(s.exp().sum(dim=-1), dist.ReduceOp.SUM, group)
@@ -80,7 +80,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         s, log_z, e_s, idx, owned = ctx.saved_tensors
-        g_full = torch.zeros((*s.shape[:-1], ctx.width), dtype=s.dtype)
+        g_full = torch.zeros((*s.shape[:-1], ctx.width), dtype=s.dtype, device=s.device)
         g = g_full[..., : s.shape[-1]]  # padded vocab columns get zero gradient
         p = (s - log_z.unsqueeze(-1)).exp()
         if grad_logp is not None:

@@ -311,7 +311,7 @@ def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torc
 
 def last_token_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Bool [T], True at each sequence's last token (which predicts nothing)."""
-    m = torch.zeros(total, dtype=torch.bool)
+    m = torch.zeros(total, dtype=torch.bool, device=cu_seqlens.device)
     m[cu_seqlens[1:].long() - 1] = True
     return m
 
