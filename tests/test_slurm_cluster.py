@@ -7,7 +7,10 @@ down by PID at the end. Skipped only if slurm-wlm cannot be installed.
     3. launch/grpo_tiny.sh with stand-in engines/learners on 4 CPU nodes: learners see every
        engine at its node's own address; then a learner rank dies: the job fails within 60 s
        with that rank's log tail, and no process carrying the job's marker is left.
-Runtime ~40-60 s on 2 busy cores (most of it torchrun start-up inside the jobs).
+    4. launch/grpo_tiny.sh with the REAL trainer and two real SGLang CPU servers on 4 nodes:
+       trains and syncs weights TINY_STEPS times, leaves TensorBoard logs and a checkpoint.
+Runtime ~40-60 s on 2 busy cores for 1-3 (most of it torchrun start-up inside the jobs); 4 adds
+the SGLang start-up (~1 min).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -140,3 +144,45 @@ def test_learner_rank_death_fails_job_with_its_log_and_no_leftovers(cluster, tmp
     assert "stopping every process of this launch" in out
     assert cluster.run(["squeue", "-h", "-s", "-o", "%i %j"]).stdout.strip() == ""
     assert _leftovers(marker) == []
+
+
+SGLANG_PYTHON = os.environ.get("AREAL_MEGA_SGLANG_PYTHON", "")
+TINY_STEPS = 3
+
+
+@pytest.mark.skipif(not SGLANG_PYTHON, reason="AREAL_MEGA_SGLANG_PYTHON not set (run through make test)")
+def test_grpo_tiny_real_trainer_on_4_nodes(cluster, tmp_path):
+    """sbatch launch/grpo_tiny.sh with the REAL trainer and SGLang: learners (TP=2, one rank per
+    node) on amnode1-2, one SGLang CPU server on each of amnode3-4; TINY_STEPS steps, each ending
+    in a gloo weight sync to both servers; TensorBoard logs and a final checkpoint are left."""
+    from areal_mega.demo.tiny import build_model, build_tokenizer, write_data
+
+    work = tmp_path / "tiny"
+    (work / "model").mkdir(parents=True)
+    build_tokenizer(work / "model")
+    build_model(work / "model")
+    write_data(work / "data", max_operand=9, num_test=10, num_sft=10, sft_noise=0.0, seed=0)
+    master, engine_port = free_ports(2)
+    out_dir = tmp_path / "grpo"
+    args = [
+        f"model_path={work / 'model'}", f"output_dir={out_dir}", f"data.path={work / 'data' / 'train.jsonl'}",
+        f"eval_data.path={work / 'data' / 'test.jsonl'}", f"inference.server.python={SGLANG_PYTHON}",
+        f"inference.server.port={engine_port}", f"trainer.num_steps={TINY_STEPS}", "trainer.eval_every=0",
+        "rollout.batch_size=4", "workflow.group_size=4",
+        f"launch.run_dir={tmp_path / 'run-{job_id}'}", "launch.learner.num_nodes=2", "launch.learner.nproc_per_node=1",
+        f"launch.learner.master_port={master}", "launch.engine.num_nodes=2", "launch.engine.num_engines=2",
+    ]
+    state, code, out, took = _submit(cluster, "launch/grpo_tiny.sh", args, tmp_path / "real.out", timeout_s=900)
+    job_dir = next(tmp_path.glob("run-*"), None)
+    logs = "\n".join(p.read_text()[-3000:] for p in (job_dir / "logs").glob("*.log")) if job_dir else ""
+    assert (state, code) == ("COMPLETED", "0:0"), out + logs
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == list(range(1, TINY_STEPS + 1))
+    assert all(r["weight_sync/seconds"] > 0 for r in rows)
+    assert list((out_dir / "tb").glob("events.out.tfevents.*"))
+    assert (out_dir / "checkpoints" / f"step{TINY_STEPS:06d}").is_dir()
+    engines = json.loads((job_dir / "engines.json").read_text())["engines"]
+    assert [e["node"] for e in engines] == ["amnode3", "amnode4"]
+    for e in engines:  # the job stopped its servers: nothing answers any more
+        with pytest.raises(OSError):
+            urllib.request.urlopen(e["url"] + "/health", timeout=5)

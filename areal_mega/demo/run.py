@@ -3,7 +3,8 @@
     make demo          # = python -m areal_mega.cli demo --learner-python L --sglang-python S
 
 1. build a tiny random Qwen2 + character tokenizer + an addition task (areal_mega/demo/tiny.py);
-2. SFT it with the megatron learners (TP=2, torchrun) on *noisy* demonstrations (60% off by one);
+2. SFT it with the megatron learners (TP=2, torchrun) on *noisy* demonstrations (80% carry a
+   stray trailing ".", so the SFT'd model is usually right about the sum but wrong in format);
 3. async GRPO (max_staleness=1, decoupled PPO) through the local launcher: one SGLang CPU server
    + two torchrun learner ranks (TP=2), weight sync over gloo after every step.
 

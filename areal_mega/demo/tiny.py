@@ -65,9 +65,10 @@ def write_data(out_dir: Path, *, max_operand: int, num_test: int, num_sft: int, 
     * test.jsonl:  ``num_test`` prompts held out from RL (the accuracy we report);
     * train.jsonl: every other prompt (RL);
     * sft.jsonl:   ``num_sft`` *noisy* demonstrations over all prompts: with probability
-      ``sft_noise`` the demonstrated answer is off by one (a + b + 1). The SFT'd model therefore
-      knows the format and roughly the sums but often answers off by one; RL with an exact-match
-      verifier has to correct that, on prompts it never trains on as well.
+      ``sft_noise`` the demonstrated answer carries a stray trailing "." ("7." instead of "7").
+      The SFT'd model learns the sums but, greedily, also the format error, so its exact-match
+      accuracy starts low; RL against the exact-match verifier has to unlearn the error from
+      reward alone, and the held-out prompts (never seen by RL) show whether that generalises.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -75,13 +76,13 @@ def write_data(out_dir: Path, *, max_operand: int, num_test: int, num_sft: int, 
     rng.shuffle(pairs)
     test, train = pairs[:num_test], pairs[num_test:]
 
-    def row(a: int, b: int, ans: int) -> dict:
+    def row(a: int, b: int, ans: int | str) -> dict:
         return {"id": f"{a}+{b}", "prompt": f"Q:{a}+{b}=?A:", "answer": str(ans)}
 
     sft = []
     for _ in range(num_sft):
         a, b = rng.choice(pairs)
-        sft.append(row(a, b, a + b + 1 if rng.random() < sft_noise else a + b))
+        sft.append(row(a, b, f"{a + b}." if rng.random() < sft_noise else a + b))
     for name, rows in (("train", [row(a, b, a + b) for a, b in train]),
                        ("test", [row(a, b, a + b) for a, b in test]), ("sft", sft)):
         with open(out_dir / f"{name}.jsonl", "w") as f:
@@ -97,7 +98,7 @@ def main() -> None:
     ap.add_argument("--max-operand", type=int, default=9)
     ap.add_argument("--num-test", type=int, default=30)
     ap.add_argument("--num-sft", type=int, default=20000)
-    ap.add_argument("--sft-noise", type=float, default=0.6)
+    ap.add_argument("--sft-noise", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     out = Path(args.out)
