@@ -138,6 +138,14 @@ def test_unknown_model_type_and_bad_config():
         get_adapter({"model_type": "gpt2"})
     with pytest.raises(ValueError, match="rope_type"):
         get_adapter({**LLAMA_70B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="architectures"):
+        get_adapter({**LLAMA_70B, "architectures": ["LlamaForSequenceClassification"]})
+    llama32 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    arch = get_adapter({**LLAMA_70B, "rope_parameters": llama32}).arch
+    assert arch.rope_scaling_factor == 32.0 and arch.rope_theta == 5e5
+    with pytest.raises(ValueError, match="rope_parameters.low_freq_factor"):
+        get_adapter({**LLAMA_70B, "rope_parameters": {**llama32, "low_freq_factor": 2.0}})
     with pytest.raises(ValueError, match=r"num_kv_heads\(8\) % tp\(16\)"):
         get_adapter(LLAMA_70B).plan(_layout(16, 1))
 

@@ -28,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     # Cheap checks first, before any process group or file exists.
     from areal_mega.models import get_adapter
 
-    get_adapter(args.hf_dir)
+    from areal_mega.megatron.model import HFCheckpointReader
+
+    adapter = get_adapter(args.hf_dir)
+    adapter.check_hf_shapes(HFCheckpointReader(args.hf_dir).shape)  # safetensors headers only
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out: {out} exists and is not empty")
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from areal_mega.parallel import ParallelConfig, ParallelLayout
 
-    init_process_group_for_script("gloo")
+    own_world = init_process_group_for_script("gloo")  # False when called inside a running world
     t0 = time.time()
     layout = ParallelLayout.build(
         ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, virtual_pipeline_parallel=args.vpp),
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"convert_hf_to_mcore: {args.hf_dir} -> {out} ({layout}) in {time.time() - t0:.1f}s", flush=True)
     destroy_model_parallel(groups)
     dist.barrier()
-    dist.destroy_process_group()
+    if own_world:
+        dist.destroy_process_group()
     return 0
 
 

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from areal_mega.parallel import ParallelConfig, ParallelLayout
 
-    init_process_group_for_script("gloo")
+    own_world = init_process_group_for_script("gloo")  # False when called inside a running world
     t0 = time.time()
     layout = ParallelLayout.build(ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp), dist.get_world_size())
     groups = init_model_parallel(layout, backend="gloo")
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"convert_mcore_to_hf: {args.ckpt} -> {out} ({layout}) in {time.time() - t0:.1f}s", flush=True)
     destroy_model_parallel(groups)
     dist.barrier()
-    dist.destroy_process_group()
+    if own_world:
+        dist.destroy_process_group()
     return 0
 
 

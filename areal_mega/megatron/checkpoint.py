@@ -46,10 +46,12 @@ def save_checkpoint(
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    # Every rank checks (raising on rank 0 alone would leave the others waiting in a barrier).
+    if path.exists() and any(path.iterdir()):
+        raise ValueError(f"checkpoint path {path} is not empty")
+    dist.barrier()
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
-        if any(path.iterdir()):
-            raise ValueError(f"checkpoint path {path} is not empty")
     dist.barrier()
     dist_checkpointing.save(_sharded_state_dict(model), str(path))
     if dist.get_rank() == 0:

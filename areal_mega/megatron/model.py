@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from areal_mega.megatron import cpu_compat
 from areal_mega.megatron.parallel_state import ModelParallelGroups, tp_all_gather
 from areal_mega.models import get_adapter
 from areal_mega.models.base import ModelAdapter, ModelArch, StagePlan, padded_vocab_size, torch_dtype
@@ -156,6 +157,7 @@ def build_model(
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    cpu_compat.apply()  # idempotent; per thread (see cpu_compat), so call it wherever megatron runs
     cfg = cfg or MegatronModelConfig()
     cfg.validate()
     adapter = adapter or get_adapter(hf_config)
@@ -278,6 +280,7 @@ def forward_logits(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    cpu_compat.apply()
     g = model.groups
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     T = int(input_ids.numel())

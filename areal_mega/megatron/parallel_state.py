@@ -147,18 +147,20 @@ def tp_all_gather(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def init_process_group_for_script(backend: str = "gloo") -> None:
+def init_process_group_for_script(backend: str = "gloo") -> bool:
     """Join the torchrun world (RANK/WORLD_SIZE/MASTER_* set by torchrun), or, when the script was
-    started as a plain ``python`` process, form a world of one on a free local port."""
+    started as a plain ``python`` process, form a world of one on a free local port. Returns
+    False (and does nothing) when a default group already exists, so tools can run in-process."""
     import os
     import socket
 
     if dist.is_initialized():
-        return
+        return False
     if "RANK" in os.environ:
         dist.init_process_group(backend)
-        return
+        return True
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return True

@@ -168,6 +168,9 @@ class ModelAdapter:
     def parse_config(self, c: dict) -> ModelArch:
         if c.get("model_type") != self.model_type:
             raise ValueError(f"model_type: {c.get('model_type')!r} is not {self.model_type!r}")
+        archs = c.get("architectures") or []
+        if archs and self.architecture not in archs:
+            raise ValueError(f"architectures: {archs} does not include {self.architecture!r} (only causal LMs are supported)")
         for key in ("hidden_act",):
             if c.get(key, "silu") != "silu":
                 raise ValueError(f"{key}: only 'silu' is supported, got {c[key]!r}")
@@ -270,6 +273,14 @@ class ModelAdapter:
     def hf_names(self) -> list[str]:
         """Every tensor of the HF checkpoint, in plan order for a single stage."""
         return [t.name for t in self.plan(ParallelLayout(world_size=1))[0].tensors]
+
+    def check_hf_shapes(self, shape_of: Callable[[str], tuple[int, ...]]) -> None:
+        """Raise ValueError naming the first HF tensor whose shape (``shape_of(name)``, e.g. read
+        from safetensors headers) differs from what this config implies. No tensor is read."""
+        for n in self.hf_names():
+            got, want = tuple(shape_of(n)), self.hf_shape(n)
+            if got != want:
+                raise ValueError(f"{n}: checkpoint shape {got} != model shape {want}")
 
     # ---- the pure planner -----------------------------------------------------------------------
     def plan(

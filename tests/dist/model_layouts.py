@@ -10,7 +10,9 @@ W/results.pt:
   #differing, names) from ModelAdapter.export_hf -- the weight-sync code path;
 * negative[model]: logits at TP2 with gate/up swapped (qwen2) or q/k swapped (llama);
 * ckpt[model]: logits after saving a dist checkpoint at TP2 and loading it at PP2;
-* errors: messages from loading into models with a different hidden / ffn size.
+* errors: messages from loading into models with a different hidden / ffn size;
+* W/tool_ckpt, W/tool_hf: llama_tied converted HF -> megatron (TP2 x PP2) -> HF (PP2) by the
+  conversion tools' main() functions, run inside this world (saves two torchrun launches).
 
 The pytest side asserts the numbers. ``__main__`` guard: dist_checkpointing.save re-imports it.
 """
@@ -18,6 +20,7 @@ The pytest side asserts the numbers. ``__main__`` guard: dist_checkpointing.save
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -136,6 +139,14 @@ def main() -> None:
                 except ValueError as e:
                     res["errors"][f"{name}/ckpt"] = str(e)
             destroy_model_parallel(groups)
+    # HF -> megatron (TP2 x PP2) -> HF through the conversion tools' own main(), in this world.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import convert_hf_to_mcore
+    import convert_mcore_to_hf
+
+    src = work / "llama_tied"
+    convert_hf_to_mcore.main(["--hf-dir", str(src), "--out", str(work / "tool_ckpt"), "--tp", "2", "--pp", "2"])
+    convert_mcore_to_hf.main(["--ckpt", str(work / "tool_ckpt"), "--out", str(work / "tool_hf"), "--pp", "2"])
     if dist.get_rank() == 0:
         torch.save(res, work / "results.pt")
     dist.barrier()
