@@ -8,7 +8,13 @@ from areal_mega.inference.client import (
     ServerHandle,
 )
 from areal_mega.inference.config import InferenceClientConfig, InferenceConfig, SGLangServerConfig
-from areal_mega.inference.server import SGLangServer, ServerStartError, build_launch_command, launch_servers
+from areal_mega.inference.server import (
+    SGLangServer,
+    ServerStartError,
+    build_launch_command,
+    launch_servers,
+    make_servers,
+)
 
 __all__ = [
     "InferenceClientConfig",
@@ -23,4 +29,5 @@ __all__ = [
     "ServerStartError",
     "build_launch_command",
     "launch_servers",
+    "make_servers",
 ]

@@ -40,7 +40,7 @@ import aiohttp
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest, GenerationResult, SamplingParams
 from areal_mega.inference.config import InferenceConfig
-from areal_mega.inference.server import SGLangServer, launch_servers
+from areal_mega.inference.server import SGLangServer, make_servers
 
 logger = logging.getLogger(__name__)
 
@@ -303,13 +303,19 @@ class InferencePool(InferenceEngine):
         connect to ``cfg.addresses`` when set."""
         if cfg.addresses:
             pool = cls(cfg, cfg.addresses)
-        else:
-            servers = await asyncio.to_thread(launch_servers, cfg)
-            pool = cls(cfg, servers, own_servers=True)
+            await pool.start()
+            return pool
+        servers = make_servers(cfg)
         try:
+            for s in servers:
+                s.start(weight_version=cfg.client.initial_version)
+            # Waiting happens in threads; if this coroutine is cancelled (e.g. by a timeout), the
+            # except below stops the processes, and the waiting threads then end on their own.
+            await asyncio.gather(*(asyncio.to_thread(s.wait_ready) for s in servers))
+            pool = cls(cfg, servers, own_servers=True)
             await pool.start()
         except BaseException:
-            await pool.close()
+            await asyncio.gather(*(asyncio.to_thread(s.stop) for s in servers))
             raise
         return pool
 
@@ -358,6 +364,10 @@ class InferencePool(InferenceEngine):
         """Record the policy version the servers now hold (the weight-sync layer calls this after
         pushing weights tagged with ``version``). Restarted servers are resynced to it."""
         self._version = version
+
+    def healthy_servers(self) -> list[ServerHandle]:
+        """Servers in rotation now (the ones a weight update must reach)."""
+        return [h for h in self.servers if h.healthy]
 
     @property
     def paused(self) -> bool:
@@ -541,6 +551,11 @@ class InferencePool(InferenceEngine):
                         await self._rejoin(h)
                         return
                     await asyncio.sleep(ccfg.health_check_interval_s)
+                if h.process is not None and await h.health_ok(paused=True):
+                    # The HTTP front end answers but /health does not (paused by someone else, or
+                    # overloaded): not dead, so no restart. A truly stuck scheduler is killed by
+                    # SGLang's own watchdog, and then the exited process is restarted.
+                    return
             if h.process is None or not ccfg.restart_dead_servers or h.num_restarts >= ccfg.max_restarts:
                 return  # stays out; the monitor retries the health check
             h.num_restarts += 1

@@ -231,13 +231,10 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def launch_servers(cfg: InferenceConfig) -> list[SGLangServer]:
-    """Start ``cfg.num_servers`` servers in parallel and wait until all are healthy.
-
-    Server i listens on ``server.port + i`` (or a free port when ``server.port == 0``) and samples
-    with seed ``server.random_seed + i``. If any server fails to come up, all are stopped and the
-    first error (with its log tail) is raised.
-    """
+def make_servers(cfg: InferenceConfig) -> list[SGLangServer]:
+    """The ``cfg.num_servers`` server objects, not started yet. Server i listens on
+    ``server.port + i`` (or a free port when ``server.port == 0``) and samples with seed
+    ``server.random_seed + i``."""
     scfg = cfg.server
     log_dir = scfg.log_dir or tempfile.mkdtemp(prefix="sglang-logs-")
     servers = []
@@ -245,6 +242,13 @@ def launch_servers(cfg: InferenceConfig) -> list[SGLangServer]:
         port = scfg.port + i if scfg.port else free_port(scfg.host)
         seed = None if scfg.random_seed is None else scfg.random_seed + i
         servers.append(SGLangServer(scfg, port, api_key=cfg.api_key, random_seed=seed, log_dir=log_dir))
+    return servers
+
+
+def launch_servers(cfg: InferenceConfig) -> list[SGLangServer]:
+    """Start ``cfg.num_servers`` servers in parallel and wait until all are healthy. If any
+    fails to come up, all are stopped and the first error (with its log tail) is raised."""
+    servers = make_servers(cfg)
     try:
         for s in servers:
             s.start(weight_version=cfg.client.initial_version)
