@@ -123,8 +123,14 @@ def test_transforms_roundtrip_random(tp):
         hf = [torch.randn(ad.hf_shape(n), generator=g) for n in prm.hf_names]
         canon = ad.from_hf(prm, hf)
         assert tuple(canon.shape) == prm.shape, prm.name
-        back = ad.to_hf(prm, ad.merge_tp(prm, [ad.split_tp(prm, canon, tp, r) for r in range(tp)]))
+        shards = [ad.split_tp(prm, canon, tp, r) for r in range(tp)]
+        back = ad.to_hf(prm, ad.merge_tp(prm, shards))
         assert all(torch.equal(a, b) for a, b in zip(hf, back)), prm.name
+        # load_hf's path: read only this rank's slices, assemble the shard directly
+        for r in range(tp):
+            full = dict(zip(prm.hf_names, hf))
+            parts = [full[n] if dim is None else full[n].narrow(dim, a, b - a) for n, dim, a, b in ad.hf_slices(prm, tp, r)]
+            assert torch.equal(ad.from_hf(prm, parts, tuple(shards[r].shape)), shards[r]), (prm.name, r)
 
 
 def test_vocab_padding():

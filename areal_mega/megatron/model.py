@@ -228,16 +228,23 @@ class HFCheckpointReader:
     def read(self, name: str) -> torch.Tensor:
         return self._handle(name).get_tensor(name)
 
+    def read_slice(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
+        """``read(name).narrow(dim, start, stop - start)`` reading only those bytes from disk."""
+        if dim is None:
+            return self.read(name)
+        sl = self._handle(name).get_slice(name)
+        return sl[start:stop] if dim == 0 else sl[(slice(None),) * dim + (slice(start, stop),)]
+
 
 def load_hf_weights(model: MegatronModel, hf_dir: str | Path) -> int:
     """Load an HF checkpoint into this rank's chunks (any layout); returns #params written.
 
     All shapes are validated before any parameter is touched (ValueError naming the tensor and
-    both shapes). Each rank reads only the tensors its stage needs.
+    both shapes). Each rank reads only its stage's tensors, and of those only its TP slices.
     """
     reader = HFCheckpointReader(hf_dir)
     return model.adapter.load_hf(
-        model.chunks, model.stage_plan, model.groups.layout.tp, model.groups.coords.tp, reader.read, reader.shape
+        model.chunks, model.stage_plan, model.groups.layout.tp, model.groups.coords.tp, reader.read_slice, reader.shape
     )
 
 

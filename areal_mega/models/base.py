@@ -366,23 +366,44 @@ class ModelAdapter:
         v = g[:, (hpg + 1) * d :].reshape(a.num_kv_heads * d, *canon.shape[1:])
         return [q, k, v]
 
-    def from_hf(self, prm: McoreParam, hf: list[torch.Tensor]) -> torch.Tensor:
-        """HF tensors (``prm.hf_names`` order) -> canonical megatron tensor of ``prm.shape``."""
+    def from_hf(self, prm: McoreParam, hf: list[torch.Tensor], shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """HF tensors (``prm.hf_names`` order) -> megatron tensor of ``shape`` (default: the full
+        canonical ``prm.shape``). Works unchanged on the TP slices :meth:`hf_slices` selects (the
+        group / gate-up / vocab structure is read from the inputs' sizes), which is how
+        :meth:`load_hf` builds each rank's shard without materialising the full tensor."""
         a = self.arch
+        shape = tuple(shape or prm.shape)
         if prm.fusion == "none":
             return hf[0]
         if prm.fusion == "vocab":
-            out = hf[0].new_zeros(prm.shape)
-            out[: a.vocab_size] = hf[0]
+            out = hf[0].new_zeros(shape)
+            out[: hf[0].shape[0]] = hf[0]  # rows past the real vocabulary stay zero
             return out
         if prm.fusion == "gate_up":
             return torch.cat(hf, dim=0)
-        hpg, d = a.heads_per_group, a.head_dim
+        d, hpg = a.head_dim, a.heads_per_group
         rest = hf[0].shape[1:]
-        q = hf[0].reshape(a.num_kv_heads, hpg * d, *rest)
-        k = hf[1].reshape(a.num_kv_heads, d, *rest)
-        v = hf[2].reshape(a.num_kv_heads, d, *rest)
-        return torch.cat([q, k, v], dim=1).reshape(prm.shape)
+        groups = hf[1].shape[0] // d
+        q = hf[0].reshape(groups, hpg * d, *rest)
+        k = hf[1].reshape(groups, d, *rest)
+        v = hf[2].reshape(groups, d, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(shape)
+
+    def hf_slices(self, prm: McoreParam, tp: int, tp_rank: int) -> list[tuple[str, int | None, int, int]]:
+        """For each HF tensor of ``prm``: ``(name, dim, start, stop)`` = the part TP rank
+        ``tp_rank`` needs (``dim`` None = the whole tensor)."""
+        if prm.tp_dim is None or tp == 1:
+            return [(n, None, 0, 0) for n in prm.hf_names]
+        out = []
+        for n in prm.hf_names:
+            size = self.hf_shape(n)[prm.tp_dim]
+            if prm.fusion == "vocab":  # padded rows are split; the real ones end at vocab_size
+                per = prm.shape[0] // tp
+                out.append((n, 0, min(tp_rank * per, size), min((tp_rank + 1) * per, size)))
+            else:  # plain, gate/up halves, and q/k/v all split into tp equal, ordered pieces
+                per = size // tp
+                out.append((n, prm.tp_dim, tp_rank * per, (tp_rank + 1) * per))
+        return out
 
     @staticmethod
     def merge_tp(prm: McoreParam, shards: list[torch.Tensor]) -> torch.Tensor:
@@ -449,11 +470,13 @@ class ModelAdapter:
         stage_plan: StagePlan,
         tp: int,
         tp_rank: int,
-        read: Callable[[str], torch.Tensor],
+        read_slice: Callable[[str, int | None, int, int], torch.Tensor],
         shape_of: Callable[[str], tuple[int, ...]],
     ) -> int:
         """Copy HF tensors into the local shards of this stage's parameters; returns the count.
 
+        ``read_slice(name, dim, start, stop)`` returns ``tensor.narrow(dim, start, stop - start)``
+        (the whole tensor when ``dim`` is None), so each rank reads only its TP part.
         ``shape_of(name)`` is checked for every needed tensor BEFORE anything is read or written,
         so a mismatched checkpoint fails with a ValueError naming the tensor and both shapes.
         """
@@ -473,9 +496,9 @@ class ModelAdapter:
                 raise ValueError(f"{prm.name}: model shard shape {shard_shape} != expected {tuple(expect)}")
         with torch.no_grad():
             for prm in stage_plan.params:
-                canon = self.from_hf(prm, [read(n) for n in prm.hf_names])
                 dst = local[prm.chunk][prm.name]
-                dst.copy_(self.split_tp(prm, canon, tp, tp_rank).to(dst.dtype))
+                parts = [read_slice(*sl) for sl in self.hf_slices(prm, tp, tp_rank)]
+                dst.copy_(self.from_hf(prm, parts, tuple(dst.shape)).to(dst.dtype))
         return len(stage_plan.params)
 
 

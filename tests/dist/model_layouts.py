@@ -47,24 +47,25 @@ LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]  #
 class SwapGateUpQwen2(Qwen2Adapter):
     """Deliberately wrong mapping (negative control): fc1 built as [up; gate]."""
 
-    def from_hf(self, prm, hf):
+    def from_hf(self, prm, hf, shape=None):
         if prm.fusion == "gate_up":
             hf = [hf[1], hf[0]]
-        return super().from_hf(prm, hf)
+        return super().from_hf(prm, hf, shape)
 
 
 class SwapQKLlama(LlamaAdapter):
     """Deliberately wrong mapping (negative control): q and k exchanged within each query group
     (k is tiled to q's heads-per-group, q's first head of the group becomes k)."""
 
-    def from_hf(self, prm, hf):
+    def from_hf(self, prm, hf, shape=None):
         if prm.fusion == "qkv":
             q, k, v = hf
-            d, hpg, ng = self.arch.head_dim, self.arch.heads_per_group, self.arch.num_kv_heads
+            d, hpg = self.arch.head_dim, self.arch.heads_per_group
+            ng = k.shape[0] // d  # query groups in this TP slice
             qg = q.reshape(ng, hpg * d, *q.shape[1:])
             kg = k.reshape(ng, d, *k.shape[1:])
             hf = [torch.cat([kg] * hpg, dim=1).reshape(q.shape), qg[:, :d].reshape(k.shape), v]
-        return super().from_hf(prm, hf)
+        return super().from_hf(prm, hf, shape)
 
 
 def gather(obj):
