@@ -28,12 +28,13 @@ pytestmark = [
 ]
 
 MAX_STALENESS = 1
-MIN_GAIN = 0.15  # absolute held-out accuracy points, over 30 prompts
+MIN_GAIN = 0.3  # absolute held-out accuracy, over 30 prompts (measured: 0.0 -> 0.67 after 10 steps)
+RL_STEPS = 16
 
 
 def test_sft_then_async_grpo_improves_heldout_accuracy(tmp_path: Path) -> None:
     s = run_pipeline(str(tmp_path / "demo"), learner_python=sys.executable, sglang_python=SGLANG_PYTHON,
-                     extra=[f"rollout.max_staleness={MAX_STALENESS}"])
+                     rl_steps=RL_STEPS, extra=[f"rollout.max_staleness={MAX_STALENESS}", "trainer.eval_every=8"])
     print(json.dumps(s))
     assert s["heldout_accuracy_after"] >= s["heldout_accuracy_before"] + MIN_GAIN, s
     assert s["max_staleness_seen"] <= MAX_STALENESS, s
