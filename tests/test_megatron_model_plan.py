@@ -144,6 +144,8 @@ def test_unknown_model_type_and_bad_config():
         get_adapter({"model_type": "gpt2"})
     with pytest.raises(ValueError, match="rope_type"):
         get_adapter({**LLAMA_70B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match=r"missing required key\(s\) \['vocab_size'\]"):
+        get_adapter({k: v for k, v in LLAMA_70B.items() if k != "vocab_size"})
     with pytest.raises(ValueError, match="architectures"):
         get_adapter({**LLAMA_70B, "architectures": ["LlamaForSequenceClassification"]})
     llama32 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,

@@ -166,6 +166,9 @@ class ModelAdapter:
 
     # ---- config -------------------------------------------------------------------------------
     def parse_config(self, c: dict) -> ModelArch:
+        missing = [k for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in c]
+        if missing:
+            raise ValueError(f"hf config: missing required key(s) {missing}")
         if c.get("model_type") != self.model_type:
             raise ValueError(f"model_type: {c.get('model_type')!r} is not {self.model_type!r}")
         archs = c.get("architectures") or []
