@@ -1,0 +1,355 @@
+"""Weight-sync transport: the SGLang HTTP side and a torch.distributed broadcast sender.
+
+One :class:`BroadcastSender` per pipeline stage. It owns one process group whose rank 0 is this
+stage's sender (a learner rank) and whose other ranks are every server's TP ranks (server ``i``
+joins at ``rank_offset = 1 + sum(tp of servers before i)``). For one bucket::
+
+    sender                                   each server (SGLang scheduler, every TP rank)
+    POST /update_weights_from_distributed ->  allocate uint8 buffer from names/dtypes/shapes
+    broadcast(flat uint8 buffer, src=0)  <->  broadcast(buffer, src=0)   (same group)
+    wait for the HTTP answers            <-   split buffer into tensors, model.load_weights
+
+The HTTP call returns only after the server has received and loaded the bucket, so it runs in a
+thread while the sender broadcasts. The group is created the way SGLang creates its side
+(``init_custom_process_group``: a TCP rendezvous at ``tcp://address:port`` whose store is
+prefixed with the group name, then torch's group helper), which is why :func:`join_update_group`
+uses the same private torch helper: the store keys must match exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from areal_mega.weight_sync.planner import Bucket, TensorSpec, dtype_name
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed after it started (a server refused a call, a collective failed)."""
+
+
+def resolve_backend(backend: str) -> str:
+    """"auto" -> "nccl" when CUDA is available, else "gloo"."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend: must be 'auto', 'nccl' or 'gloo', got {backend!r}")
+    return backend
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (the sender hosts its group's rendezvous store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def host_address() -> str:
+    """This host's address as other hosts should reach it (its hostname's IP)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP side
+
+
+class ServerCallError(WeightSyncError):
+    """A server answered a control call with an error."""
+
+
+@dataclass
+class ServerHandle:
+    """Blocking JSON-over-HTTP access to the weight-update endpoints of ONE SGLang server.
+
+    Kept deliberately small and synchronous (stdlib only): weight-sync calls are few, long and
+    issued from sender threads that also drive collectives, where an event loop buys nothing.
+    """
+
+    url: str
+    """``http://host:port``."""
+    timeout_s: float = 600.0
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith("http"):
+            self.url = "http://" + self.url
+        self.url = self.url.rstrip("/")
+
+    def call(self, path: str, body: dict | None = None, *, method: str | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method or ("GET" if body is None else "POST"))
+        req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:2000]
+            raise ServerCallError(f"{self.url}{path}: HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            raise ServerCallError(f"{self.url}{path}: {e}") from None
+        if not raw:
+            return {}
+        try:
+            out = json.loads(raw)
+        except json.JSONDecodeError:
+            return {"text": raw.decode(errors="replace")}
+        if isinstance(out, dict) and out.get("success") is False:
+            raise ServerCallError(f"{self.url}{path}: {out.get('message')}")
+        return out if isinstance(out, dict) else {"result": out}
+
+    # -- the calls weight sync makes (SGLang 0.5.x HTTP API) --
+    def model_info(self) -> dict:
+        return self.call("/model_info")
+
+    def server_info(self) -> dict:
+        try:
+            return self.call("/server_info")
+        except ServerCallError:  # older servers only have the deprecated name
+            return self.call("/get_server_info")
+
+    def weight_version(self) -> str:
+        return str(self.model_info().get("weight_version"))
+
+    def has_update_session(self) -> bool:
+        """Whether this server has /begin_weight_update (0.5.23: required around distributed
+        updates; 0.5.9/0.5.15: absent). Read from the server's OpenAPI schema."""
+        try:
+            paths = self.call("/openapi.json").get("paths", {})
+        except ServerCallError:
+            return False
+        return "/begin_weight_update" in paths
+
+    def pause(self, mode: str) -> None:
+        self.call("/pause_generation", {"mode": mode})
+
+    def resume(self) -> None:
+        self.call("/continue_generation", {})
+
+
+def call_all(servers: Sequence[ServerHandle], fn_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+    """Run ``server.<fn_name>(...)`` on every server concurrently; raise the first error after
+    all calls returned (so no call is left dangling)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(servers))) as ex:
+        futs = [ex.submit(getattr(s, fn_name), *args, **kwargs) for s in servers]
+        results, errors = [], []
+        for f in futs:
+            try:
+                results.append(f.result())
+            except Exception as e:  # noqa: BLE001 - collected and re-raised below
+                errors.append(e)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def post_all(servers: Sequence[ServerHandle], path: str, body: dict) -> list[dict]:
+    return call_all(servers, "call", path, body)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collective side
+
+
+def join_update_group(
+    *, backend: str, address: str, port: int, rank: int, world_size: int, group_name: str, timeout_s: float
+) -> Any:
+    """Create a process group outside this process's default world, with the store layout of
+    SGLang's ``init_custom_process_group`` (tcp rendezvous, store prefixed by ``group_name``).
+
+    Rank 0 hosts the TCP store, so ``address`` must be this host's address when ``rank == 0``.
+    Uses torch's private ``_new_process_group_helper``: torch has no public API for a second,
+    independent world, and SGLang (and every RL framework talking to it) uses the same helper.
+    """
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+    )
+
+    timeout = timedelta(seconds=timeout_s)
+    # The TCP store is created directly rather than through rendezvous("tcp://..."): under
+    # torchrun, TORCHELASTIC_USE_AGENT_STORE makes rendezvous assume the elastic agent hosts the
+    # store, so rank 0 would never start it and every rank (and server) would wait forever.
+    store = dist.TCPStore(address, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name, backend_options=None, timeout=timeout
+    )
+    # Group rank == rank in this private world, so collectives can name ranks by group rank.
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def flatten_bucket(tensors: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """One uint8 buffer holding the tensors' bytes back to back (SGLang's "flattened_bucket")."""
+    return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors]).to(device)
+
+
+def check_bucket_tensors(bucket: Bucket, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+    """Internal invariant: what the export produced is exactly what the plan announced."""
+    assert list(names) == bucket.names, f"export order {list(names)} != plan {bucket.names}"
+    for spec, t in zip(bucket.tensors, tensors):
+        got = TensorSpec(spec.name, tuple(t.shape), dtype_name(t.dtype))
+        assert got == spec, f"exported {got} != planned {spec}"
+
+
+class BroadcastSender:
+    """Rank 0 of one learner->servers group: announces each bucket over HTTP and broadcasts it.
+
+    Owns its process group; ``close()`` destroys it on both sides. Not thread-safe (one stage's
+    sender drives one bucket at a time, which is also what keeps every server's receive order
+    identical to the send order).
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[ServerHandle],
+        server_tp_sizes: Sequence[int],
+        *,
+        group_name: str,
+        backend: str,
+        address: str,
+        port: int,
+        timeout_s: float,
+        load_format: str = "flattened_bucket",
+    ) -> None:
+        if load_format not in ("flattened_bucket", "per_tensor"):
+            raise ValueError(f"load_format: must be 'flattened_bucket' or 'per_tensor', got {load_format!r}")
+        self.servers = list(servers)
+        self.server_tp_sizes = list(server_tp_sizes)
+        self.group_name = group_name
+        self.backend = resolve_backend(backend)
+        self.address = address
+        self.port = port
+        self.timeout_s = timeout_s
+        self.load_format = load_format
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.group: Any = None
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.servers)))
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(self.server_tp_sizes)
+
+    def connect(self) -> None:
+        """Join the group at rank 0 while every server joins at its rank offset (concurrently:
+        each side blocks in the rendezvous until all ranks arrived)."""
+        offsets = [1 + sum(self.server_tp_sizes[:i]) for i in range(len(self.servers))]
+        futs = [
+            self._pool.submit(
+                s.call,
+                "/init_weights_update_group",
+                {
+                    "master_address": self.address,
+                    "master_port": self.port,
+                    "rank_offset": off,
+                    "world_size": self.world_size,
+                    "group_name": self.group_name,
+                    "backend": self.backend,
+                },
+            )
+            for s, off in zip(self.servers, offsets)
+        ]
+        try:
+            self.group = join_update_group(
+                backend=self.backend,
+                address=self.address,
+                port=self.port,
+                rank=0,
+                world_size=self.world_size,
+                group_name=self.group_name,
+                timeout_s=self.timeout_s,
+            )
+        finally:
+            errors = _collect(futs)
+        if errors:
+            raise WeightSyncError(f"group {self.group_name}: a server failed to join: {errors[0]}")
+
+    def pack(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The buffers one bucket travels in (flattened_bucket: one uint8 buffer)."""
+        if self.load_format == "flattened_bucket":
+            return [flatten_bucket(tensors, self.device)]
+        return [t.detach().contiguous().to(self.device) for t in tensors]
+
+    def start_bucket(
+        self,
+        bucket: Bucket,
+        payload: list[torch.Tensor],
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = False,
+    ) -> Callable[[], None]:
+        """Announce ``bucket`` to every server and start broadcasting ``payload`` (from
+        :meth:`pack`); returns ``wait()``, which blocks until every server has loaded it and
+        raises WeightSyncError if one failed. ``weight_version`` is set on the servers with this
+        bucket. Callers pack the next bucket before calling ``wait()``: that overlaps the
+        learner's gather/flatten with the servers' load of the previous bucket."""
+        assert self.group is not None, "connect() first"
+        body = {
+            "names": bucket.names,
+            "dtypes": [t.dtype for t in bucket.tensors],
+            "shapes": [list(t.shape) for t in bucket.tensors],
+            "group_name": self.group_name,
+            "flush_cache": flush_cache,
+            "weight_version": weight_version,
+        }
+        if self.load_format == "flattened_bucket":
+            body["load_format"] = "flattened_bucket"
+        futs = [self._pool.submit(s.call, "/update_weights_from_distributed", body) for s in self.servers]
+        try:
+            works = [dist.broadcast(p, group_src=0, group=self.group, async_op=True) for p in payload]
+        except BaseException:
+            _collect(futs)
+            raise
+
+        def wait() -> None:
+            try:
+                for w in works:
+                    w.wait()
+            finally:
+                errors = _collect(futs)
+            if errors:
+                raise WeightSyncError(f"bucket {bucket.stage}/{bucket.index} ({len(bucket.tensors)} tensors): {errors[0]}")
+
+        return wait
+
+    def send_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor], **kwargs: Any) -> None:
+        """Blocking :meth:`start_bucket`."""
+        self.start_bucket(bucket, self.pack(tensors), **kwargs)()
+
+    def close(self) -> None:
+        """Destroy the group on the servers and here (best effort: servers may be gone)."""
+        if self.group is not None:
+            futs = [
+                self._pool.submit(s.call, "/destroy_weights_update_group", {"group_name": self.group_name})
+                for s in self.servers
+            ]
+            _collect(futs)
+            dist.destroy_process_group(self.group)
+            self.group = None
+        self._pool.shutdown(wait=True)
+
+
+def _collect(futs: list) -> list[BaseException]:
+    errors = []
+    for f in futs:
+        try:
+            f.result()
+        except Exception as e:  # noqa: BLE001 - returned to the caller, which raises
+            errors.append(e)
+    return errors

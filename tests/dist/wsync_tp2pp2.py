@@ -1,0 +1,165 @@
+"""TP2 x PP2 megatron learner (4 gloo ranks) -> running SGLang servers: every weight-sync check
+that needs a real learner, in ONE torchrun launch (driven by tests/test_weight_sync_sglang.py).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python -m torch.distributed.run --nproc-per-node 4 \
+        tests/dist/wsync_tp2pp2.py --hf-dir M --servers URL1,URL2 --work-dir D --out R.json
+
+Steps (rank 0 queries the servers between steps and writes everything to --out):
+  0. servers' log-probs / version as started (version "0");
+  1. a learner built from a MISMATCHED config (vocab 640) syncs: must fail before sending;
+  2. deterministic perturbation (no optimizer: see perturb), distributed sync as version 1;
+     the learner's own log-probs (forward through both stages) are recorded;
+  3. second perturbation, DISK sync as version 2 (safetensors via the same export path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.request
+
+import torch
+import torch.distributed as dist
+
+from areal_mega.megatron.model import MegatronModelConfig, build_model, forward_logits, load_hf_weights
+from areal_mega.megatron.parallel_state import init_model_parallel
+from areal_mega.models import load_hf_config
+from areal_mega.parallel import ParallelConfig, ParallelLayout
+from areal_mega.weight_sync import PlanMismatchError, ServerHandle, WeightSyncConfig, megatron_weight_sync
+
+# Fixed token sequences (vocab 512), packed into one row for the learner.
+SEQS = [
+    [5, 17, 99, 3, 250, 8, 77, 41, 300, 12, 9, 500],
+    [101, 102, 103, 104, 105, 106, 107, 108],
+    [7, 7, 7, 400, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+]
+
+
+def perturb(model, step: int) -> None:
+    """Deterministic stand-in for an optimizer step: p += 0.02 * sin(1000 * p + step).
+
+    A function of each value only, so TP-replicated parameters stay identical across TP ranks and
+    the tied output-layer copy on the last stage stays equal to the stage-0 embedding (what
+    megatron's embedding-group all-reduce guarantees after a real step).
+    """
+    with torch.no_grad():
+        for chunk in model.chunks:
+            for p in chunk.parameters():
+                p.add_((0.02 * torch.sin(1000.0 * p.float() + step)).to(p.dtype))
+
+
+def learner_logprobs(model) -> list[list[float]] | None:
+    """log p(x_t | x_<t) for t >= 1 of every sequence (last stage returns them, else None)."""
+    ids = torch.tensor([t for s in SEQS for t in s])
+    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor([len(s) for s in SEQS]), 0)))
+    logits = forward_logits(model, ids, cu)
+    if logits is None:
+        return None
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    for i, s in enumerate(SEQS):
+        a = int(cu[i])
+        out.append([float(logp[a + t - 1, s[t]]) for t in range(1, len(s))])
+    return out
+
+
+def server_state(urls: list[str]) -> list[dict]:
+    """Per server: weight_version and input-token log-probs of SEQS (t >= 1)."""
+    res = []
+    for u in urls:
+        lps = []
+        for s in SEQS:
+            body = {
+                "input_ids": s,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            }
+            req = urllib.request.Request(u + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                meta = json.loads(r.read())["meta_info"]
+            lps.append([x[0] for x in meta["input_token_logprobs"][1:]])
+        res.append({"version": ServerHandle(u).weight_version(), "logprobs": lps})
+    return res
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[wsync_tp2pp2] {msg}", file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hf-dir", required=True)
+    ap.add_argument("--servers", required=True)
+    ap.add_argument("--work-dir", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    urls = args.servers.split(",")
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=2, pipeline_parallel=2), dist.get_world_size())
+    groups = init_model_parallel(layout, backend="gloo", seed=1)
+    mcfg = MegatronModelConfig(dtype="bfloat16")
+    model = build_model(args.hf_dir, groups, mcfg)
+    load_hf_weights(model, args.hf_dir)
+    servers = [ServerHandle(u, timeout_s=120) for u in urls]
+    cfg = WeightSyncConfig(backend="gloo", bucket_mib=0.25, master_address="127.0.0.1", pause_mode="retract")
+    res: dict = {"plan": None}
+    if rank == 0:
+        res["v0"] = server_state(urls)
+
+    log("model loaded")
+    # 1. mismatched learner (vocab 640 instead of 512): refused before anything is sent.
+    bad = build_model(dict(load_hf_config(args.hf_dir), vocab_size=640), groups, mcfg)
+    ws_bad = megatron_weight_sync(cfg, adapter=bad.adapter, chunks=bad.chunks, groups=groups, servers=servers)
+    try:
+        ws_bad.sync(1)
+        res["mismatch_error"] = None
+    except PlanMismatchError as e:
+        res["mismatch_error"] = str(e)
+    if rank == 0:
+        res["after_mismatch"] = server_state(urls)
+
+    log("mismatch checked")
+    # 2. distributed sync of perturbed weights as version 1.
+    perturb(model, 1)
+    ws = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups, servers=servers)
+    res["plan"] = ws.plan.summary()
+    stats = ws.sync(1)
+    res["sync1"] = {"bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.num_buckets, "phases": stats.phase_s}
+    log("sync 1 done")
+    lp1 = learner_logprobs(model)
+    if rank == 0:
+        res["v1"] = server_state(urls)
+
+    log("server state v1 read")
+    # 3. disk fallback: another perturbation, version 2.
+    perturb(model, 2)
+    dcfg = WeightSyncConfig(mode="disk", disk_dir=os.path.join(args.work_dir, "disk"), pause_mode="abort")
+    ws_disk = megatron_weight_sync(dcfg, adapter=model.adapter, chunks=model.chunks, groups=groups, servers=servers)
+    stats2 = ws_disk.sync(2)
+    res["sync2"] = {"bytes": stats2.bytes, "seconds": stats2.seconds}
+    log("disk sync done")
+    lp2 = learner_logprobs(model)
+    if rank == 0:
+        res["v2"] = server_state(urls)
+        res["disk_dir"] = os.path.join(args.work_dir, "disk", "v2")
+
+    # The last stage's logits are replicated over its TP ranks: collect rank 2's on rank 0.
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (lp1, lp2))
+    if rank == 0:
+        res["learner_v1"], res["learner_v2"] = got[layout.rank(pp=1)]
+        with open(args.out, "w") as f:
+            json.dump(res, f)
+    ws.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""PYTHONPATH=. OMP_NUM_THREADS=1 python tools/bench_weight_sync.py --mib 512 --bucket-mib 64 --receivers 1
+
+Weight-sync transport efficiency on this machine: the real sender path (WeightSync: plan, HTTP
+announce per bucket, flattened-bucket broadcast over a gloo group, pause/begin/end/continue,
+version bump) versus a single flat gloo broadcast of the same number of bytes, measured in the
+same run, between the same processes, over the same group. Prints ONE JSON line:
+
+    {"bytes": ..., "seconds": ..., "GBps": ..., "raw_seconds": ..., "raw_GBps": ...,
+     "efficiency": GBps / raw_GBps, ...}
+
+The receivers are small stand-ins for SGLang servers (same HTTP endpoints, same receive path as
+SGLang 0.5.23's scheduler: allocate a uint8 buffer from names/dtypes/shapes, broadcast, split it
+into tensors and copy them into the model's parameters; --no-load skips that copy), so the number
+isolates what weight sync adds over the wire. The receiver's copy runs after each bucket's
+broadcast (SGLang loads a bucket before answering), so it is not hidden: with it, expect
+efficiency ~ t_bcast / (t_bcast + t_copy); real servers add their own load_weights time. The weights are a Llama-shaped
+stack of bf16 tensors (hidden 1024, vocab 32000, as many layers as fit in --mib). A warm-up sync
+and a warm-up raw broadcast run first (group setup is a one-time cost, reported separately).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from areal_mega.models import get_adapter
+from areal_mega.parallel import ParallelLayout
+from areal_mega.weight_sync import ServerHandle, WeightSync, WeightSyncConfig
+from areal_mega.weight_sync.transport import free_port, join_update_group
+
+
+def receiver(port: int, ready: "mp.Queue", load: bool) -> None:
+    """A weight-update endpoint set with SGLang's receive semantics (one process = one TP rank)."""
+    torch.set_num_threads(1)
+    state: dict = {"groups": {}, "params": {}, "version": "0"}
+    lock = threading.Lock()  # SGLang's scheduler handles one control request at a time
+
+    def handle(path: str, body: dict) -> dict:
+        if path == "/init_weights_update_group":
+            state["groups"][body["group_name"]] = join_update_group(
+                backend=body["backend"], address=body["master_address"], port=body["master_port"],
+                rank=body["rank_offset"], world_size=body["world_size"], group_name=body["group_name"], timeout_s=120,
+            )  # fmt: skip
+        elif path == "/update_weights_from_distributed":
+            dtypes = [getattr(torch, d) for d in body["dtypes"]]
+            sizes = [torch.Size(s).numel() * d.itemsize for s, d in zip(body["shapes"], dtypes)]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8)
+            dist.broadcast(buf, group_src=0, group=state["groups"][body["group_name"]])
+            off = 0
+            for name, shape, dt, n in zip(body["names"], body["shapes"], dtypes, sizes):
+                t = buf[off : off + n].view(dt).view(shape)
+                dst = state["params"].get(name)
+                if dst is None:
+                    dst = state["params"][name] = torch.empty(shape, dtype=dt)
+                if load:
+                    dst.copy_(t)  # what model.load_weights does
+                off += n
+            if body.get("weight_version") is not None:
+                state["version"] = body["weight_version"]
+        elif path == "/raw_broadcast":
+            buf = torch.empty(body["nbytes"], dtype=torch.uint8)
+            dist.broadcast(buf, group_src=0, group=state["groups"][body["group_name"]])
+        elif path == "/destroy_weights_update_group":
+            dist.destroy_process_group(state["groups"].pop(body["group_name"]))
+        return {"success": True}
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):  # quiet
+            pass
+
+        def _send(self, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/openapi.json":
+                self._send({"paths": {"/begin_weight_update": {}}})
+            else:  # /server_info, /model_info
+                self._send({"tp_size": 1, "weight_version": state["version"], "dtype": "bfloat16"})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            with lock:
+                self._send(handle(self.path, body))
+
+    srv = ThreadingHTTPServer(("127.0.0.1", port), H)
+    ready.put(port)
+    srv.serve_forever()
+
+
+def llama_like(mib: int) -> dict:
+    h, v, f = 1024, 32000, 2816
+    per_layer = 2 * (2 * h + 4 * h * h + 3 * f * h)
+    layers = max(1, (mib * 2**20 - 2 * 2 * v * h) // per_layer)
+    return dict(model_type="llama", num_hidden_layers=int(layers), hidden_size=h, num_attention_heads=16,
+                num_key_value_heads=16, intermediate_size=f, vocab_size=v, torch_dtype="bfloat16")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=512, help="approximate model size in MiB (bf16)")
+    ap.add_argument("--bucket-mib", type=float, default=64.0)
+    ap.add_argument("--receivers", type=int, default=1, help="stand-in server processes")
+    ap.add_argument("--no-load", action="store_true", help="receivers skip the copy into parameters (pure transport)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    ports = [free_port() for _ in range(args.receivers)]
+    procs = [ctx.Process(target=receiver, args=(p, ready, not args.no_load), daemon=True) for p in ports]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            ready.get(timeout=120)
+        store_port = free_port()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=0, world_size=1)
+        adapter = get_adapter(llama_like(args.mib))
+        layout = ParallelLayout(world_size=1)
+        stage = adapter.plan(layout)[0]
+        g = torch.Generator().manual_seed(0)
+        weights = {t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in stage.tensors}
+        servers = [ServerHandle(f"127.0.0.1:{p}", timeout_s=600) for p in ports]
+        cfg = WeightSyncConfig(backend="gloo", bucket_mib=args.bucket_mib, master_address="127.0.0.1", check_model=False)
+        ws = WeightSync(
+            cfg, layout=layout, rank=0, world_group=dist.group.WORLD, stage_metadata=[stage.tensors],
+            export=lambda: iter(weights.items()), servers=servers,
+        )  # fmt: skip
+        warm = ws.sync(1)
+        stats = ws.sync(2)
+        assert all(s.weight_version() == "2" for s in servers)
+
+        sender = ws._sender
+        nbytes = ws.plan.nbytes
+        flat = torch.empty(nbytes, dtype=torch.uint8)
+
+        def raw() -> float:
+            with ThreadPoolExecutor(len(servers)) as ex:
+                body = {"nbytes": nbytes, "group_name": sender.group_name}
+                futs = [ex.submit(s.call, "/raw_broadcast", body) for s in servers]
+                t0 = time.perf_counter()
+                dist.broadcast(flat, group_src=0, group=sender.group)
+                for f in futs:
+                    f.result()
+                return time.perf_counter() - t0
+
+        raw()  # warm-up
+        raw_s = raw()
+        gbps = nbytes / stats.seconds / 1e9
+        raw_gbps = nbytes / raw_s / 1e9
+        print(json.dumps({
+            "bytes": nbytes, "seconds": round(stats.seconds, 4), "GBps": round(gbps, 3),
+            "raw_seconds": round(raw_s, 4), "raw_GBps": round(raw_gbps, 3), "efficiency": round(gbps / raw_gbps, 3),
+            "buckets": stats.num_buckets, "bucket_mib": args.bucket_mib, "receivers": args.receivers, "receiver_load": not args.no_load,
+            "phases_s": {k: round(v, 4) for k, v in stats.phase_s.items()},
+            "first_sync_connect_s": round(warm.phase_s.get("connect", 0.0), 3),
+        }))  # fmt: skip
+        ws.close()
+        dist.destroy_process_group()
+    finally:
+        for p in procs:
+            p.terminate()
+            p.join(10)
+
+
+if __name__ == "__main__":
+    main()
