@@ -120,13 +120,15 @@ def test_mismatch_refused_servers_untouched(run):
         assert after["logprobs"] == before["logprobs"]  # still the old weights, bit for bit
 
 
-def test_hf_export_greedy_equals_servers(run):
-    """HF model from the learner's exported checkpoint (disk sync dir, v2) vs the servers (v2)."""
+@pytest.mark.parametrize("source", ["converted_dir", "disk_dir"])
+def test_hf_export_greedy_equals_servers(run, source):
+    """HF model converted by tools/convert_mcore_to_hf.py from the learner's v2 checkpoint (and
+    the disk-sync export of v2) vs the servers (v2): same greedy continuations."""
     import urllib.request
 
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(run["disk_dir"], torch_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(run[source], torch_dtype=torch.bfloat16)
     prompts = [[5, 17, 99, 3], [101, 102, 103], [7, 400, 1, 2, 3]]
     for p in prompts:
         hf = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()

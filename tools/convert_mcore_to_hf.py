@@ -11,14 +11,9 @@ directory is created.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 import time
 from pathlib import Path
-
-# Files of an HF model directory that are not weights and are copied verbatim.
-_SKIP = {"config.json", "model.safetensors.index.json"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,11 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--out: {out} exists and is not empty")
 
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
     from areal_mega.megatron.checkpoint import build_model_from_checkpoint, load_checkpoint
-    from areal_mega.megatron.model import export_hf_weights
-    from areal_mega.models.base import torch_dtype
+    from areal_mega.megatron.hf_export import save_hf_checkpoint
     from areal_mega.megatron.parallel_state import (
         destroy_model_parallel,
         init_model_parallel,
@@ -58,40 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     groups = init_model_parallel(layout, backend="gloo")
     model = build_model_from_checkpoint(args.ckpt, groups)
     load_checkpoint(model, args.ckpt)  # checks model_type and every shape first
-    rank = dist.get_rank()
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-
-    pp = layout.pp
-    files = ["model.safetensors"] if pp == 1 else [f"model-{s + 1:05d}-of-{pp:05d}.safetensors" for s in range(pp)]
-    c = groups.coords
-    if c.dp == 0 and c.cp == 0:  # one replica exports; TP ranks of a stage gather together
-        tensors = {n: t.contiguous() for n, t in export_hf_weights(model)}
-        if c.tp == 0:
-            save_file(tensors, str(out / files[c.pp]), metadata={"format": "pt"})
-    if rank == 0:
-        cfg = dict(meta["hf_config"])
-        cfg["dtype"] = model.dtype
-        cfg["architectures"] = [model.arch.architecture]
-        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-        if pp > 1:
-            # The planner knows every stage's tensors without asking the other ranks.
-            weight_map, total = {}, 0
-            for sp in model.plans:
-                for t in sp.tensors:
-                    weight_map[t.name] = files[sp.stage]
-                    numel = 1
-                    for d in t.shape:
-                        numel *= d
-                    total += numel * torch_dtype(t.dtype).itemsize
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        src = args.tokenizer_dir or meta.get("source_hf_dir")
-        if src and Path(src).is_dir():
-            for f in Path(src).iterdir():
-                if f.is_file() and f.name not in _SKIP and not f.name.endswith(".safetensors"):
-                    shutil.copy2(f, out / f.name)
+    # The same writer the trainer uses for its final HF export (one shard per stage, index,
+    # config.json, tokenizer files from the source HF dir).
+    save_hf_checkpoint(model, str(out), hf_config=meta["hf_config"],
+                       source_dir=args.tokenizer_dir or meta.get("source_hf_dir"))
+    if dist.get_rank() == 0:
         print(f"convert_mcore_to_hf: {args.ckpt} -> {out} ({layout}) in {time.time() - t0:.1f}s", flush=True)
     destroy_model_parallel(groups)
     dist.barrier()

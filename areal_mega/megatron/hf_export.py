@@ -35,7 +35,7 @@ def save_hf_checkpoint(model: MegatronModel, out_dir: str, *, hf_config: dict | 
     if c.dp == 0 and c.cp == 0:  # one replica exports; the TP ranks of a stage gather together
         from safetensors.torch import save_file
 
-        tensors = {n: t.detach().cpu().contiguous() for n, t in export_hf_weights(model)}
+        tensors = {n: t.detach().cpu().contiguous() for n, t in export_hf_weights(model)}  # TP gather
         if c.tp == 0:
             save_file(tensors, str(out / files[c.pp]), metadata={"format": "pt"})
     if groups.rank == 0:

@@ -9,7 +9,9 @@ Steps (rank 0 queries the servers between steps and writes everything to --out):
   1. a learner built from a MISMATCHED config (vocab 640) syncs: must fail before sending;
   2. deterministic perturbation (no optimizer: see perturb), distributed sync as version 1;
      the learner's own log-probs (forward through both stages) are recorded;
-  3. second perturbation, DISK sync as version 2 (safetensors via the same export path).
+  3. second perturbation, DISK sync as version 2 (safetensors via the same export path);
+  4. the v2 weights saved as a megatron checkpoint and converted to HF by
+     tools/convert_mcore_to_hf.py at TP1 x PP2.
 """
 
 from __future__ import annotations
@@ -20,14 +22,21 @@ import os
 import sys
 import urllib.request
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
+from areal_mega.megatron.checkpoint import save_checkpoint
 from areal_mega.megatron.model import MegatronModelConfig, build_model, forward_logits, load_hf_weights
-from areal_mega.megatron.parallel_state import init_model_parallel
+from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from areal_mega.weight_sync import PlanMismatchError, ServerHandle, WeightSyncConfig, megatron_weight_sync
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import convert_mcore_to_hf  # noqa: E402  (a script in tools/, not a package)
 
 # Fixed token sequences (vocab 512), packed into one row for the learner.
 SEQS = [
@@ -149,14 +158,24 @@ def main() -> None:
         res["v2"] = server_state(urls)
         res["disk_dir"] = os.path.join(args.work_dir, "disk", "v2")
 
+    # 4. the learner's v2 weights as a megatron checkpoint, converted back to HF with the
+    #    conversion tool (in another layout, TP1 x PP2): the test compares its greedy output.
+    ckpt = os.path.join(args.work_dir, "ckpt_v2")
+    save_checkpoint(model, ckpt, step=2, version=2, source_hf_dir=args.hf_dir)
+
     # The last stage's logits are replicated over its TP ranks: collect rank 2's on rank 0.
     got: list = [None] * dist.get_world_size()
     dist.all_gather_object(got, (lp1, lp2))
     if rank == 0:
         res["learner_v1"], res["learner_v2"] = got[layout.rank(pp=1)]
+    ws.close()
+    destroy_model_parallel(groups)
+    converted = os.path.join(args.work_dir, "converted_v2")
+    convert_mcore_to_hf.main(["--ckpt", ckpt, "--out", converted, "--tp", "1", "--pp", "2"])
+    if rank == 0:
+        res["converted_dir"] = converted
         with open(args.out, "w") as f:
             json.dump(res, f)
-    ws.close()
     dist.barrier()
     dist.destroy_process_group()
 
