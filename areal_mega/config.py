@@ -74,6 +74,12 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
             raise ConfigError(f"{where}{key}: expected a mapping for {tp.__name__}, got {value!r}")
         return _build(tp, value, key + ".", where)
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads "1e-6" (no dot) as a string; accept what float() reads as a number.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}{key}: expected a number, got {value!r}")
         return float(value)
