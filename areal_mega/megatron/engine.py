@@ -188,7 +188,11 @@ class MegatronTrainEngine(TrainEngine):
     on every rank.
     """
 
-    def __init__(self, cfg: MegatronEngineConfig, model: MegatronModel):
+    def __init__(self, cfg: MegatronEngineConfig, model: MegatronModel, *, trainable: bool = True):
+        """``trainable=False`` builds a forward-only engine (e.g. the frozen reference policy for
+        the KL penalty): parameters are frozen and there is no DDP wrapper, optimizer (no fp32
+        master weights, no Adam moments: 12 bytes/param saved on GPU) or LR schedule;
+        ``forward``/``forward_logprobs`` work as usual, ``train_batch``/``save``/``load`` raise."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig as MOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer
@@ -213,6 +217,14 @@ class MegatronTrainEngine(TrainEngine):
         self.layout = model.groups.layout
         self._version = 0
         self._num_steps = 0
+        self.trainable = trainable
+        self._device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if not trainable:
+            for m in model.chunks:
+                m.requires_grad_(False)
+            self.chunks = list(model.chunks)
+            self.optimizer = self.scheduler = None
+            return
         tcfg = model.config
         assert tcfg.variable_seq_lengths, "packed micro-batches differ in length: PP p2p must send shapes"
         ddp_cfg = DistributedDataParallelConfig(
@@ -263,21 +275,26 @@ class MegatronTrainEngine(TrainEngine):
         tcfg.finalize_model_grads_func = finalize_model_grads
         no_sync = [c.no_sync for c in self.chunks]
         tcfg.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        self._device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
     def create(
-        cls, cfg: MegatronEngineConfig, hf_config: Any, groups: Any, hf_weights_dir: str | None = None
+        cls, cfg: MegatronEngineConfig, hf_config: Any, groups: Any, hf_weights_dir: str | None = None,
+        *, trainable: bool = True,
     ) -> "MegatronTrainEngine":
         """Build the model for ``hf_config`` under ``groups`` (from parallel_state.init_model_parallel),
-        load HF weights if ``hf_weights_dir`` is given, and wrap it in an engine."""
+        load HF weights if ``hf_weights_dir`` is given, and wrap it in an engine
+        (forward-only when ``trainable`` is False, see ``__init__``)."""
         from areal_mega.megatron.model import build_model, load_hf_weights
 
         model = build_model(hf_config, groups, cfg.model)
         if hf_weights_dir is not None:
             load_hf_weights(model, hf_weights_dir)
-        return cls(cfg, model)
+        return cls(cfg, model, trainable=trainable)
+
+    def _require_trainable(self, what: str) -> None:
+        if not self.trainable:
+            raise ValueError(f"{what}: this engine was built forward-only (trainable=False)")
 
     # ------------------------------------------------------------------ internals
     def _plan(self, batch: dict[str, torch.Tensor]):
@@ -391,6 +408,7 @@ class MegatronTrainEngine(TrainEngine):
         "/min" by max/min, "n_tokens" by sum, the rest by an ``n_tokens``-weighted mean when
         stats contain "n_tokens", else a plain mean over micro-batches.
         """
+        self._require_trainable("train_batch")
         if temperature <= 0:
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         plan, mbs = self._plan(batch)
@@ -515,6 +533,7 @@ class MegatronTrainEngine(TrainEngine):
         must be ``if __name__ == "__main__"``-guarded (dist_checkpointing spawns a Manager)."""
         from megatron.core import dist_checkpointing
 
+        self._require_trainable("save")
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
@@ -525,6 +544,7 @@ class MegatronTrainEngine(TrainEngine):
         """Inverse of :meth:`save`, into this engine's (possibly different) layout."""
         from megatron.core import dist_checkpointing
 
+        self._require_trainable("load")
         if not os.path.isdir(path):
             raise ValueError(f"load path: {path} is not a checkpoint directory")
         self._materialise_optimizer_state()

@@ -16,6 +16,7 @@ from areal_mega.megatron.engine import MegatronEngineConfig
 from areal_mega.parallel import ParallelConfig
 from areal_mega.reward import RewardConfig
 from areal_mega.rl.config import AlgorithmConfig, RolloutConfig
+from areal_mega.rl.critic import CriticConfig
 from areal_mega.weight_sync.config import WeightSyncConfig
 from areal_mega.workflows import WorkflowConfig
 
@@ -62,7 +63,12 @@ class ExperimentConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Learner layout (tp, pp, cp, dp)."""
     actor: MegatronEngineConfig = field(default_factory=MegatronEngineConfig)
-    """The policy's megatron engine: model build, optimizer, micro-batching."""
+    """The policy's megatron engine: model build, optimizer, micro-batching. With
+    ``algorithm.kl_coef > 0`` a frozen, forward-only copy of the initial policy (``model_path``,
+    same layout and ``actor.model`` settings, no optimizer) serves as the KL reference."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The PPO critic (trunk from ``model_path`` + value head, its own optimizer); built only
+    when ``algorithm.adv_estimator`` is "gae"."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     """SGLang servers (launched by the pool, or at ``inference.addresses``) and the client."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)

@@ -24,8 +24,9 @@ from areal_mega.megatron.parallel_state import ModelParallelGroups, init_model_p
 from areal_mega.parallel import ParallelLayout
 from areal_mega.rl.advantages import compute_advantages
 from areal_mega.rl.batch import broadcast_batch, trajectories_to_batch
+from areal_mega.rl.critic import CriticEngine
 from areal_mega.rl.experiment import ExperimentConfig
-from areal_mega.rl.losses import PPOActorLoss, global_counts
+from areal_mega.rl.losses import PPOActorLoss, PPOCriticLoss, global_counts, kl_estimate
 from areal_mega.rl.rollout_driver import RolloutDriver
 from areal_mega.utils.metrics import Metrics
 from areal_mega.weight_sync import ServerHandle, megatron_weight_sync
@@ -60,6 +61,10 @@ class Setup:
     driver: RolloutDriver | None = None
     eval_workflow: Any = None
     eval_set: list[dict[str, Any]] = field(default_factory=list)
+    ref: MegatronTrainEngine | None = None
+    """Frozen forward-only initial policy (algorithm.kl_coef > 0), same layout as the actor."""
+    critic: CriticEngine | None = None
+    """PPO critic (algorithm.adv_estimator == "gae"); never synced to the servers."""
     _t_last: float = field(default_factory=time.perf_counter)
 
     @property
@@ -79,12 +84,19 @@ class Setup:
         # Python objects (batches, URLs) travel on gloo even when the learners use NCCL.
         ctrl = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
         actor = MegatronTrainEngine.create(cfg.actor, cfg.model_path, groups, hf_weights_dir=cfg.model_path)
+        # The KL reference is the INITIAL policy, also after a resume; forward-only: no optimizer state.
+        ref = (MegatronTrainEngine.create(cfg.actor, cfg.model_path, groups, hf_weights_dir=cfg.model_path,
+                                          trainable=False) if cfg.algorithm.kl_coef > 0 else None)
+        critic = (CriticEngine.create(cfg.critic, cfg.model_path, groups, hf_weights_dir=cfg.model_path, seed=cfg.seed)
+                  if cfg.algorithm.adv_estimator == "gae" else None)
         out = Path(cfg.output_dir)
         start_step = 0
         latest = out / "checkpoints" / "latest"
         if cfg.trainer.resume and (latest / "areal_meta.json").exists():
             actor.load(str(latest))
             start_step = actor.get_version()
+            if critic is not None:
+                critic.load(str(latest / "critic"))
 
         rank0 = groups.rank == 0
         driver = RolloutDriver(cfg.inference) if rank0 else None
@@ -100,7 +112,7 @@ class Setup:
             out.mkdir(parents=True, exist_ok=True)
         metrics = Metrics(str(out / "tb") if rank0 else None, enabled=rank0, jsonl_path=str(out / "metrics.jsonl"))
         setup = cls(cfg=cfg, groups=groups, actor=actor, weight_sync=ws, metrics=metrics, ctrl_group=ctrl,
-                    start_step=start_step, driver=driver)
+                    start_step=start_step, driver=driver, ref=ref, critic=critic)
         if rank0:
             setup._start_rollout()
         return setup
@@ -137,6 +149,35 @@ class Setup:
         got = broadcast_batch(payload, src=0, group=self.ctrl_group)
         return got["batch"], got["stats"]
 
+    def ref_and_values(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the advantages and losses need from the extra models, {} when neither is built:
+        ``ref_logprobs`` [T] (frozen reference, same temperature as the actor's log-probs),
+        ``kl`` [T] = kl_estimate(pi, pi_ref) on the loss mask when ``kl_in_reward`` (pi = the
+        proximal policy when computed, else the behaviour one), ``values`` [T] (critic)."""
+        out: dict[str, torch.Tensor] = {}
+        alg = self.cfg.algorithm
+        if self.ref is not None:
+            with self.metrics.phase("ref_logp"):
+                out["ref_logprobs"] = self.ref.forward_logprobs(batch, self.cfg.workflow.sampling.temperature)
+            if alg.kl_in_reward:
+                pi = batch.get("prox_logprobs", batch["logprobs"])
+                out["kl"] = kl_estimate(pi, out["ref_logprobs"], alg.kl_estimator) * batch["loss_mask"].float()
+        if self.critic is not None:
+            with self.metrics.phase("critic_values"):
+                out["values"] = self.critic.compute_values(batch)
+        return out
+
+    def train_critic(self, batch: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """One critic step (PPOCriticLoss: clipped value loss on ``returns``, old ``values``);
+        returns ``critic/*`` stats, {} without a critic."""
+        if self.critic is None:
+            return {}
+        tokens, seqs = global_counts(batch["loss_mask"], batch["cu_seqlens"])
+        with self.metrics.phase("critic_train"):
+            stats = self.critic.train_batch(batch, PPOCriticLoss(self.cfg.algorithm, total_tokens=tokens, total_seqs=seqs))
+        self.critic.set_version(version)
+        return {f"critic/{k}": v for k, v in stats.items()}
+
     def advantages(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return compute_advantages(batch, self.cfg.algorithm)
 
@@ -163,6 +204,8 @@ class Setup:
         ckpt_root = Path(self.cfg.output_dir) / "checkpoints"
         path = ckpt_root / f"step{step:06d}"
         self.actor.save(str(path))
+        if self.critic is not None:
+            self.critic.save(str(path / "critic"))
         if self.is_driver:
             (path / "areal_meta.json").write_text(json.dumps({"step": step, "version": step,
                                                              "model_path": self.cfg.model_path}))

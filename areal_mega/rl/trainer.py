@@ -31,9 +31,11 @@ def run_train(config_path: str, overrides: list[str]) -> int:
         if cfg.algorithm.decoupled:  # pi_prox: the policy before this update (one extra forward)
             with m.phase("prox_logp"):
                 batch["prox_logprobs"] = actor.forward_logprobs(batch, cfg.workflow.sampling.temperature)
+        batch.update(setup.ref_and_values(batch))  # ref log-probs / KL (kl_coef > 0), critic values (gae)
         batch.update(setup.advantages(batch))
         with m.phase("train"):
             train_stats = actor.train_batch(batch, setup.loss_fn(batch), cfg.workflow.sampling.temperature)
+        critic_stats = setup.train_critic(batch, version=step + 1)  # PPO critic on the returns; {} if none
         with m.phase("weight_sync"):
             sync = ws.sync(version=step + 1)
         actor.set_version(step + 1)
@@ -42,7 +44,7 @@ def run_train(config_path: str, overrides: list[str]) -> int:
         if setup.should_save(step + 1):
             with m.phase("save"):
                 setup.save(step + 1)
-        m.log({**rollout_stats, **{f"train/{k}": v for k, v in train_stats.items()},
+        m.log({**rollout_stats, **{f"train/{k}": v for k, v in train_stats.items()}, **critic_stats,
                "weight_sync/seconds": sync.seconds, "weight_sync/GBps": sync.gbps,
                "version": step + 1, **setup.throughput(batch, m)})
         m.commit(step + 1)

@@ -1,0 +1,128 @@
+"""The PPO critic: a megatron GPT trunk with a scalar value head, trained on GAE returns.
+
+    critic = CriticEngine.create(cfg.critic, cfg.model_path, groups, hf_weights_dir=cfg.model_path, seed=cfg.seed)
+    batch["values"] = critic.compute_values(batch)                  # [T], before advantages
+    batch.update(compute_advantages(batch, cfg.algorithm))         # gae: advantages + returns
+    stats = critic.train_batch(batch, PPOCriticLoss(cfg.algorithm, total_tokens=..., total_seqs=...))
+
+Design (why a head swap, not a separate model class): the critic is the SAME GPTModel as the
+actor (same layer spec, TP/PP sharding, HF weight loading through the model adapter, megatron
+DDP/optimizer/dist_checkpointing) with one change on the last pipeline stage: the vocab-parallel
+``output_layer`` (ColumnParallelLinear hidden -> V/tp) is replaced by :class:`ValueHead`, a
+plain torch ``Linear(hidden, 1)`` REPLICATED on every TP rank. GPTModel's post-process calls
+``output_layer(hidden, weight=..., runtime_gather_output=...)`` after the final norm and returns
+``[b, s, out]``; the head honours that call signature, so megatron's schedules, PP p2p and the
+engine's micro-batching work unchanged. Why this is correct under TP: with sequence parallelism
+off (the only mode here), the final hidden states are complete and identical on every TP rank,
+so every TP rank computes the same values and the same loss, the head's gradient is identical
+on every TP rank, and the gradient reaching the trunk is the full one (a column-parallel head
+would instead all-reduce partial input gradients). megatron's grad-norm counts a parameter
+without the ``tensor_model_parallel`` attribute once (TP rank 0), which is right for a replica.
+Tied embeddings: the critic unties them (``share_embeddings_and_output_weights = False`` on
+every chunk), otherwise megatron would treat the head's weight as the LM head's copy of the
+embedding (first/last-stage gradient all-reduce, checkpoint tying).
+
+The head is initialised from a seeded CPU generator (``N(0, value_head_init_std)``, bias 0),
+not from megatron's RNG, so every layout (and every TP rank) starts from bit-identical values;
+it is fp32 even for bf16 trunks (its input is upcast) so the values keep full precision.
+
+Alignment: like every engine output, values are next-token aligned: ``values[i]`` = V(state
+after tokens <= i) = the value of the state from which token i+1 is generated, which is what
+GAE needs at action position i (``loss_mask`` is shifted the same way); 0 at sequence ends.
+
+The critic is never synced to the inference servers; it is saved next to the actor as
+``checkpoints/stepN/critic`` (a megatron distributed checkpoint: model, Adam, LR schedule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
+from areal_mega.megatron.model import MegatronModel
+from areal_mega.megatron.packing import last_token_mask
+
+
+@dataclass
+class CriticConfig(MegatronEngineConfig):
+    """The PPO critic's engine (built only when ``algorithm.adv_estimator`` is "gae"). Same keys
+    as ``actor`` (``critic.model``, ``critic.optimizer``, ``critic.max_tokens_per_microbatch``,
+    ...); the trunk starts from the experiment's ``model_path`` in the actor's layout."""
+
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    """Adam and learning-rate schedule of the critic (its own, independent of the actor's)."""
+    compute_entropy: bool = False
+    """Unused by the critic (values have no entropy); kept False to skip the work."""
+    value_head_init_std: float = 0.02
+    """Std of the value head's initial weight (seeded by the experiment ``seed``; bias 0).
+    0 starts every value at exactly 0."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.value_head_init_std < 0:
+            raise ValueError(f"value_head_init_std: must be >= 0, got {self.value_head_init_std}")
+
+
+class ValueHead(torch.nn.Module):
+    """Drop-in for GPTModel.output_layer: hidden [s, b, h] -> (values [s, b, 1] fp32, None).
+
+    Replicated on every TP rank (see the module docstring for why that is exact)."""
+
+    def __init__(self, hidden_size: int, *, init_std: float, seed: int, device: torch.device):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        # Named weight/bias directly on the module (not a nested Linear): megatron's
+        # LanguageModule.sharded_state_dict looks up "output_layer.weight" on the last stage.
+        self.weight = torch.nn.Parameter((torch.randn(1, hidden_size, generator=g) * init_std).to(device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, device=device))
+        self.sequence_parallel = False  # GPTModel reads this attribute of its output layer
+
+    def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
+        # ``weight`` is the tied embedding megatron would pass to an LM head: not ours (untied).
+        return torch.nn.functional.linear(hidden_states.float(), self.weight, self.bias), None
+
+
+def attach_value_head(model: MegatronModel, *, init_std: float, seed: int) -> None:
+    """Turn ``model`` (HF weights already loaded) into a critic in place: untie embeddings on
+    every chunk, replace the LM head of the last-stage chunk with a :class:`ValueHead`."""
+    last = model.groups.is_last_stage
+    for i, chunk in enumerate(model.chunks):
+        chunk.share_embeddings_and_output_weights = False
+        if last and i == len(model.chunks) - 1:
+            assert chunk.post_process, "the last chunk of the last stage must own the output layer"
+            device = next(chunk.parameters()).device
+            chunk.output_layer = ValueHead(model.arch.hidden_size, init_std=init_std, seed=seed, device=device)
+
+
+class CriticEngine(MegatronTrainEngine):
+    """A :class:`MegatronTrainEngine` whose per-token output is the value instead of
+    (log-prob, entropy). ``train_batch(batch, loss_fn)`` calls ``loss_fn(values, zeros, mb)``,
+    the signature :class:`areal_mega.rl.losses.PPOCriticLoss` takes; everything else (micro-batch
+    plan, DP/PP gathering, optimizer, checkpoints) is the actor engine's, unchanged."""
+
+    @classmethod
+    def create(  # type: ignore[override]
+        cls, cfg: CriticConfig, hf_config: Any, groups: Any, hf_weights_dir: str | None = None, *, seed: int = 1
+    ) -> "CriticEngine":
+        from areal_mega.megatron.model import build_model, load_hf_weights
+
+        cfg.validate()
+        model = build_model(hf_config, groups, cfg.model)
+        if hf_weights_dir is not None:
+            load_hf_weights(model, hf_weights_dir)  # before the head swap: the adapter maps the LM head
+        attach_value_head(model, init_std=cfg.value_head_init_std, seed=seed)
+        return cls(cfg, model)
+
+    def _token_outputs(self, output: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
+        """Last stage: values [1, T, 1] -> (values [T], zeros [T]), 0 at sequence ends."""
+        values = output[0, :, 0].float()
+        ends = last_token_mask(mb["cu_seqlens"], values.numel())
+        values = values.masked_fill(ends, 0.0)
+        return values, torch.zeros_like(values)
+
+    def compute_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """V per token, flat [T] fp32 on every rank (next-token aligned, 0 at sequence ends)."""
+        return self.forward(batch, with_entropy=False)["logprobs"]  # the engine's per-token slot
