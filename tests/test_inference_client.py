@@ -168,6 +168,9 @@ def test_server_process_group_stop_and_start_error(tmp_path):
     srv.stop()
     assert not _group_alive(pgid) and srv.pid is None
     assert 0.4 < time.monotonic() - t0 < 5  # SIGTERM ignored by the child: SIGKILL after the grace
+    srv.close()
+    with pytest.raises(ServerStartError, match="closed"):  # a racing restart cannot revive it
+        srv.start()
 
     failing = tmp_path / "failing.sh"
     failing.write_text("#!/bin/sh\necho 'boom: no such model'\nexit 3\n")

@@ -306,16 +306,16 @@ class InferencePool(InferenceEngine):
             await pool.start()
             return pool
         servers = make_servers(cfg)
+        pool = cls(cfg, servers, own_servers=True)
         try:
             for s in servers:
                 s.start(weight_version=cfg.client.initial_version)
             # Waiting happens in threads; if this coroutine is cancelled (e.g. by a timeout), the
             # except below stops the processes, and the waiting threads then end on their own.
             await asyncio.gather(*(asyncio.to_thread(s.wait_ready) for s in servers))
-            pool = cls(cfg, servers, own_servers=True)
             await pool.start()
         except BaseException:
-            await asyncio.gather(*(asyncio.to_thread(s.stop) for s in servers))
+            await pool.close()
             raise
         return pool
 
@@ -348,7 +348,7 @@ class InferencePool(InferenceEngine):
             await self._session.close()
             self._session = None
         if self._own_servers:
-            await asyncio.gather(*(asyncio.to_thread(h.process.stop) for h in self.servers if h.process))
+            await asyncio.gather(*(asyncio.to_thread(h.process.close) for h in self.servers if h.process))
 
     async def __aenter__(self) -> "InferencePool":
         return self

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -97,6 +98,10 @@ class SGLangServer:
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="sglang-logs-")) / f"sglang-{port}.log"
         self.num_starts = 0
         self._proc: subprocess.Popen | None = None
+        # close() may race with a restart running in a worker thread: the lock + flag make sure
+        # nothing is started after close().
+        self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def address(self) -> str:
@@ -121,7 +126,9 @@ class SGLangServer:
         assert self._proc is None or self._proc.poll() is not None, "server already running"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.cfg.env}
-        with open(self.log_path, "ab") as log:
+        with self._lock, open(self.log_path, "ab") as log:
+            if self._closed:
+                raise ServerStartError(f"SGLang server {self.address} was closed; not starting it again")
             log.write(f"\n=== start #{self.num_starts}: {' '.join(self.command(weight_version))}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
@@ -188,6 +195,12 @@ class SGLangServer:
         except subprocess.TimeoutExpired:  # unkillable (D state); nothing more we can do
             pass
         self._proc = None
+
+    def close(self) -> None:
+        """Stop for good: a restart racing with this (in another thread) will not start it again."""
+        with self._lock:
+            self._closed = True
+        self.stop()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the main server process only (tests use it to simulate a crash)."""
