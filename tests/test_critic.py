@@ -42,10 +42,10 @@ def test_critic_config_keys_and_errors(tmp_path):
 
 
 def test_value_head_is_seeded_and_scalar():
-    a = ValueHead(8, init_std=0.1, seed=3, device=torch.device("cpu"))
-    b = ValueHead(8, init_std=0.1, seed=3, device=torch.device("cpu"))
+    a = ValueHead(8, init_std=0.1, seed=3, device=torch.device("cpu"), dtype=torch.float32)
+    b = ValueHead(8, init_std=0.1, seed=3, device=torch.device("cpu"), dtype=torch.float32)
     assert torch.equal(a.weight, b.weight) and float(a.bias.detach()) == 0.0
-    assert not torch.equal(a.weight, ValueHead(8, init_std=0.1, seed=4, device=torch.device("cpu")).weight)
+    assert not torch.equal(a.weight, ValueHead(8, init_std=0.1, seed=4, device=torch.device("cpu"), dtype=torch.float32).weight)
     h = torch.randn(5, 1, 8, dtype=torch.bfloat16)  # [s, b, h] as GPTModel passes it
     v, bias = a(h, weight=torch.zeros(3, 8), runtime_gather_output=None)  # LM-head weight is ignored
     assert bias is None and v.shape == (5, 1, 1) and v.dtype == torch.float32

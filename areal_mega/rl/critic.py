@@ -23,8 +23,10 @@ every chunk), otherwise megatron would treat the head's weight as the LM head's 
 embedding (first/last-stage gradient all-reduce, checkpoint tying).
 
 The head is initialised from a seeded CPU generator (``N(0, value_head_init_std)``, bias 0),
-not from megatron's RNG, so every layout (and every TP rank) starts from bit-identical values;
-it is fp32 even for bf16 trunks (its input is upcast) so the values keep full precision.
+not from megatron's RNG, so every layout (and every TP rank) starts from bit-identical values.
+Its parameters have the trunk's dtype (one dtype per model keeps megatron's DDP buffers and
+optimizer groups as for the actor), but the product is computed in fp32, and megatron's
+optimizer keeps fp32 master weights for bf16 models.
 
 Alignment: like every engine output, values are next-token aligned: ``values[i]`` = V(state
 after tokens <= i) = the value of the state from which token i+1 is generated, which is what
@@ -71,18 +73,18 @@ class ValueHead(torch.nn.Module):
 
     Replicated on every TP rank (see the module docstring for why that is exact)."""
 
-    def __init__(self, hidden_size: int, *, init_std: float, seed: int, device: torch.device):
+    def __init__(self, hidden_size: int, *, init_std: float, seed: int, device: torch.device, dtype: torch.dtype):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         # Named weight/bias directly on the module (not a nested Linear): megatron's
         # LanguageModule.sharded_state_dict looks up "output_layer.weight" on the last stage.
-        self.weight = torch.nn.Parameter((torch.randn(1, hidden_size, generator=g) * init_std).to(device))
-        self.bias = torch.nn.Parameter(torch.zeros(1, device=device))
+        self.weight = torch.nn.Parameter((torch.randn(1, hidden_size, generator=g) * init_std).to(device, dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
         self.sequence_parallel = False  # GPTModel reads this attribute of its output layer
 
     def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
         # ``weight`` is the tied embedding megatron would pass to an LM head: not ours (untied).
-        return torch.nn.functional.linear(hidden_states.float(), self.weight, self.bias), None
+        return torch.nn.functional.linear(hidden_states.float(), self.weight.float(), self.bias.float()), None
 
 
 def attach_value_head(model: MegatronModel, *, init_std: float, seed: int) -> None:
@@ -93,8 +95,8 @@ def attach_value_head(model: MegatronModel, *, init_std: float, seed: int) -> No
         chunk.share_embeddings_and_output_weights = False
         if last and i == len(model.chunks) - 1:
             assert chunk.post_process, "the last chunk of the last stage must own the output layer"
-            device = next(chunk.parameters()).device
-            chunk.output_layer = ValueHead(model.arch.hidden_size, init_std=init_std, seed=seed, device=device)
+            p = next(chunk.parameters())
+            chunk.output_layer = ValueHead(model.arch.hidden_size, init_std=init_std, seed=seed, device=p.device, dtype=p.dtype)
 
 
 class CriticEngine(MegatronTrainEngine):
