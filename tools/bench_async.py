@@ -11,6 +11,9 @@ one invocation. Prints ONE JSON line:
   T_s                  training time per step: prox_logp + train + weight_sync (synchronous run)
   ideal_speedup        (G + T) / max(G, T): perfect overlap of generation and training
   speedup_over_ideal   speedup / ideal_speedup (the issue's target: >= 0.85)
+  async_wait_s         the async learner's remaining wait for a batch per step (0 = fully hidden)
+  async_step_over_max_GT   async step time / max(G, T of the async run itself): 1.0 = perfect
+                       overlap, whatever the machine's load did between the two runs
   steps, warmup_steps, sync/async per-phase means, load average before/after
 
 Method. The trainer runs twice, ``rollout.max_staleness=0`` (synchronous RL: no episode is
@@ -310,6 +313,10 @@ def main() -> int:
         "speedup": r4(speedup), "G_s": r4(G), "T_s": r4(T), "ideal_speedup": r4(ideal),
         "speedup_over_ideal": r4(speedup / ideal), "steps": args.steps * args.rounds, "warmup_steps": args.warmup_steps,
         "rounds": args.rounds, "T_s_async_run": r4(asyn["T_s"]),
+        # Load-independent view of the overlap: how long the async learner still waits for
+        # generation per step, and its step time over the slower stage max(G, T of that run).
+        "async_wait_s": r4(asyn["rollout_s"]),
+        "async_step_over_max_GT": r4(asyn["step_s"] / max(G, asyn["T_s"])),
         "max_staleness": args.staleness, "batch_size": args.batch_size, "group_size": args.group_size,
         "max_new_tokens": args.max_new_tokens,
         "sync": {k: r4(v) for k, v in sync.items()}, "async": {k: r4(v) for k, v in asyn.items()},
