@@ -40,6 +40,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# Set by torchrun / torch.distributed.elastic in a learner rank's environment. A server started
+# from a learner (the trainer's pool) must not inherit them: SGLang's own process-group init reads
+# RANK / WORLD_SIZE / MASTER_* and would wait forever for the learner's world to join it.
+_TORCH_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                   "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def server_base_env() -> dict[str, str]:
+    """This process's environment minus torch.distributed's rendezvous variables."""
+    return {k: v for k, v in os.environ.items()
+            if k not in _TORCH_DIST_ENV and not k.startswith(("TORCHELASTIC_", "TORCH_NCCL_"))}
+
+
 def build_launch_command(
     cfg: SGLangServerConfig,
     port: int,
@@ -125,7 +138,7 @@ class SGLangServer:
         """Spawn the server (returns at once; see ``wait_ready``)."""
         assert self._proc is None or self._proc.poll() is not None, "server already running"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.cfg.env}
+        env = {**server_base_env(), **self.cfg.env}
         with self._lock, open(self.log_path, "ab") as log:
             if self._closed:
                 raise ServerStartError(f"SGLang server {self.address} was closed; not starting it again")

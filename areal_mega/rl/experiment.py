@@ -42,6 +42,9 @@ class TrainerLoopConfig:
     """torch.distributed backend of the learners: "nccl", "gloo", or "auto" (nccl with CUDA)."""
     export_hf_at_end: bool = True
     """Also write the final weights as an HF checkpoint (``<output_dir>/hf``) via the adapter."""
+    stop_file: str = ""
+    """Graceful stop: when this file exists (checked after every step), the trainer saves a
+    checkpoint, evaluates and exits 0 -- for preemption notices and operators. Empty = off."""
 
     def validate(self) -> None:
         if self.num_steps < 0:

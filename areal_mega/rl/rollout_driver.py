@@ -10,6 +10,12 @@ Generation runs continuously in the driver thread while the learner trains; the 
 only blocks in ``next_batch`` when no admissible batch is ready yet. aiohttp sessions are
 bound to the loop that made them, so the pool and the controller are both created in, and
 only touched from, the driver's loop.
+
+Failover and weights: a server that dies drops out of rotation (the pool resubmits its
+requests elsewhere) and out of weight sync (``sync_targets``). When it answers again -- restarted
+by the pool, or by whoever runs it -- it still holds old weights, so the pool's ``resync`` hook
+parks it until the trainer's next weight sync has included it (``release_resynced``); only then
+does it take traffic again, so no token is ever sampled by weights older than its label.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ class RolloutDriver:
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-driver", daemon=True)
         self._thread.start()
         self.pool: InferencePool = self.run(InferencePool.launch(inference))
+        self.pool.resync = self._await_next_sync
         self.controller: RolloutController | None = None
+        self._awaiting: dict[str, asyncio.Event] = {}  # server address -> set once it has weights
 
     @property
     def server_urls(self) -> list[str]:
@@ -58,6 +66,36 @@ class RolloutDriver:
     def next_batch(self) -> RolloutBatch:
         assert self.controller is not None, "start_rollout() first"
         return self.run(self.controller.aget_batch())
+
+    async def _await_next_sync(self, handle: Any) -> None:
+        event = self._awaiting.setdefault(handle.address, asyncio.Event())
+        await event.wait()
+
+    def sync_targets(self) -> list[str]:
+        """URLs the next weight sync must reach: servers in rotation plus those parked by
+        ``_await_next_sync``; dead or still-restarting servers are left out."""
+
+        async def targets() -> list[str]:
+            return [h.url for h in self.pool.servers if h.healthy or h.address in self._awaiting]
+
+        return self.run(targets())
+
+    def pool_stats(self) -> dict[str, float]:
+        p = self.pool
+        return {"inference/servers_in_rotation": float(sum(h.healthy for h in p.servers)),
+                "inference/failovers": float(p.num_failovers), "inference/interruptions": float(p.num_interruptions)}
+
+    def release_resynced(self, synced_urls: list[str]) -> None:
+        """After a weight sync to ``synced_urls``: the parked servers among them now hold the
+        current weights; let them rejoin. A server parked after the targets were taken stays
+        parked until the next sync includes it."""
+
+        async def release() -> None:
+            for h in self.pool.servers:
+                if h.url in synced_urls and h.address in self._awaiting:
+                    self._awaiting.pop(h.address).set()
+
+        self.run(release())
 
     def set_version(self, version: int) -> None:
         """Called after the servers hold weights of ``version``: admission moves on."""

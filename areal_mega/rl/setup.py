@@ -30,7 +30,7 @@ from areal_mega.rl.losses import PPOActorLoss, PPOCriticLoss, global_counts, kl_
 from areal_mega.rl.rollout_driver import RolloutDriver
 from areal_mega.utils.metrics import Metrics
 from areal_mega.weight_sync import ServerHandle, megatron_weight_sync
-from areal_mega.weight_sync.sync import WeightSync
+from areal_mega.weight_sync.sync import SyncStats, WeightSync, WeightSyncError
 
 
 def to_engine_alignment(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -145,7 +145,7 @@ class Setup:
         if self.driver is not None:
             rb = self.driver.next_batch()
             self.metrics.histogram("rollout/token_staleness", rb.token_staleness())
-            payload = {"batch": to_engine_alignment(trajectories_to_batch(rb.groups)), "stats": dict(rb.stats)}
+            payload = {"batch": to_engine_alignment(trajectories_to_batch(rb.groups)), "stats": {**rb.stats, **self.driver.pool_stats()}}
         got = broadcast_batch(payload, src=0, group=self.ctrl_group)
         return got["batch"], got["stats"]
 
@@ -191,6 +191,39 @@ class Setup:
         gen = float(batch["loss_mask"].sum())
         return {"perf/step_s": dt, "perf/generated_tokens_per_s": gen / max(dt, 1e-9),
                 "perf/tokens_per_s": batch["input_ids"].numel() / max(dt, 1e-9)}
+
+    def sync_weights(self, version: int) -> SyncStats:
+        """Push the weights as ``version`` to every live server and bump the version on the
+        generation side (collective). The target list comes
+        from rank 0's pool, so a dead server is skipped and a recovered one is brought up to date
+        before it takes traffic again; a server dying mid-sync costs one retry."""
+        for attempt in range(2):
+            box: list[Any] = [self.driver.sync_targets() if self.driver is not None else None]
+            dist.broadcast_object_list(box, src=0, group=self.ctrl_group)
+            if not box[0]:
+                raise WeightSyncError("weight sync: no live inference server to push weights to")
+            self.weight_sync.set_servers([ServerHandle(u, timeout_s=self.cfg.weight_sync.http_timeout_s,
+                                                       api_key=self.cfg.inference.api_key) for u in box[0]])
+            try:
+                stats = self.weight_sync.sync(version=version)
+                break
+            except WeightSyncError:
+                if attempt == 1:
+                    raise
+                self.weight_sync.close()  # membership changed under us: reconnect and resend
+        if self.driver is not None:
+            self.driver.set_version(version)  # admission moves on; new tokens carry `version`
+            self.driver.release_resynced(self.weight_sync.server_urls)
+        return stats
+
+    def stop_requested(self) -> bool:
+        """Collective: rank 0 looks for ``trainer.stop_file`` and tells everyone."""
+        path = self.cfg.trainer.stop_file
+        if not path:
+            return False
+        box: list[Any] = [os.path.exists(path) if self.is_driver else None]
+        dist.broadcast_object_list(box, src=0, group=self.ctrl_group)
+        return bool(box[0])
 
     def should_save(self, step: int) -> bool:
         t = self.cfg.trainer

@@ -22,7 +22,7 @@ from areal_mega.rl.setup import Setup
 def run_train(config_path: str, overrides: list[str]) -> int:
     cfg = load_experiment(config_path, overrides)
     setup = Setup.create(cfg)  # process groups, actor engine, weight sync, rank-0 rollout driver
-    actor, ws, driver, m = setup.actor, setup.weight_sync, setup.driver, setup.metrics
+    actor, m = setup.actor, setup.metrics
     if cfg.trainer.eval_at_start:
         setup.evaluate(step=setup.start_step)
     for step in range(setup.start_step, cfg.trainer.num_steps):
@@ -37,18 +37,19 @@ def run_train(config_path: str, overrides: list[str]) -> int:
             train_stats = actor.train_batch(batch, setup.loss_fn(batch), cfg.workflow.sampling.temperature)
         critic_stats = setup.train_critic(batch, version=step + 1)  # PPO critic on the returns; {} if none
         with m.phase("weight_sync"):
-            sync = ws.sync(version=step + 1)
+            sync = setup.sync_weights(version=step + 1)  # every live server; bumps the rollout version
         actor.set_version(step + 1)
-        if driver is not None:
-            driver.set_version(step + 1)
-        if setup.should_save(step + 1):
+        stop = setup.stop_requested()  # trainer.stop_file appeared: finish this step cleanly
+        if setup.should_save(step + 1) or stop:
             with m.phase("save"):
                 setup.save(step + 1)
         m.log({**rollout_stats, **{f"train/{k}": v for k, v in train_stats.items()}, **critic_stats,
                "weight_sync/seconds": sync.seconds, "weight_sync/GBps": sync.gbps,
                "version": step + 1, **setup.throughput(batch, m)})
         m.commit(step + 1)
-        if setup.should_eval(step + 1):
+        if setup.should_eval(step + 1) or (stop and cfg.trainer.eval_at_end):
             setup.evaluate(step=step + 1)
+        if stop:
+            break
     setup.close()
     return 0

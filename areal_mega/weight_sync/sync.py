@@ -354,6 +354,19 @@ class WeightSync:
 
         self._on_rank0(load)
 
+    @property
+    def server_urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def set_servers(self, servers: Sequence[ServerHandle]) -> None:
+        """Push to ``servers`` from now on (collective: the same list on every rank). When the
+        membership changes (a server died, or came back and awaits weights) the current groups are
+        torn down and the next ``sync`` connects afresh, so a dead server never blocks a sync."""
+        if [s.url for s in servers] == self.server_urls:
+            return
+        self.close()
+        self.servers = list(servers)
+
     def close(self) -> None:
         """Destroy this rank's learner<->server group (call on every rank)."""
         if self._sender is not None:

@@ -1,0 +1,116 @@
+"""The trainer keeps going when an inference server dies: real megatron learners (TP=2), two real
+SGLang CPU servers managed by the pool, one of them SIGKILLed mid-run.
+
+What must hold (issue "SGLang inference pool", failover; issue "Weight sync"):
+* the run completes every step: in-flight requests of the dead server are resubmitted to the
+  other one, and weight syncs skip the dead server instead of failing;
+* the pool restarts the server; it takes traffic again only after a weight sync has brought it
+  to the current version (it ends at the final version, like the survivor);
+* no trained token was older than max_staleness (a restarted server serving initial weights
+  under a current label would break this and crash the run).
+
+Needs AREAL_MEGA_SGLANG_PYTHON (set by `make test`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from areal_mega.demo.tiny import build_model, build_tokenizer, write_data
+from areal_mega.inference.server import free_port
+
+SGLANG_PYTHON = os.environ.get("AREAL_MEGA_SGLANG_PYTHON", "")
+pytestmark = [
+    pytest.mark.skipif(not SGLANG_PYTHON, reason="AREAL_MEGA_SGLANG_PYTHON not set (run through make test)"),
+    pytest.mark.timeout(1200),
+]
+REPO = Path(__file__).resolve().parents[1]
+MAX_STEPS = 500  # the test ends the run through trainer.stop_file once the server is back
+KILL_AT_STEP = 2
+
+
+def _server_pid(port: int) -> int:
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    for line in ps.splitlines():
+        if "sglang.launch_server" in line and f"--port {port} " in line + " ":
+            return int(line.split()[0])
+    raise AssertionError(f"no SGLang server on port {port}:\n{ps}")
+
+
+def _steps(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_server_killed_mid_run_is_restarted_resynced_and_run_completes(tmp_path: Path) -> None:
+    work = tmp_path / "tiny"
+    (work / "model").mkdir(parents=True)
+    build_tokenizer(work / "model")
+    build_model(work / "model")
+    write_data(work / "data", max_operand=9, num_test=10, num_sft=10, sft_noise=0.0, seed=0)
+    port, out = free_port(), tmp_path / "grpo"
+    while free_port() == port + 1:  # the pool uses port and port + 1
+        port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "areal_mega.cli", "train", "--config", "configs/grpo_tiny.yaml",
+           f"model_path={work / 'model'}", f"output_dir={out}", f"data.path={work / 'data' / 'train.jsonl'}",
+           f"eval_data.path={work / 'data' / 'test.jsonl'}", "trainer.eval_at_start=false", "trainer.eval_every=0",
+           f"trainer.num_steps={MAX_STEPS}", f"trainer.stop_file={tmp_path / 'STOP'}", "inference.num_servers=2", f"inference.server.port={port}", "inference.server.startup_timeout_s=900",
+           f"inference.server.python={SGLANG_PYTHON}", "inference.client.health_check_interval_s=1.0",
+           "rollout.batch_size=4", "workflow.group_size=4"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    log = open(tmp_path / "train.log", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while len(_steps(out / "metrics.jsonl")) < KILL_AT_STEP:
+            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-5000:]
+            assert time.monotonic() < deadline, "trainer made no progress"
+            time.sleep(1)
+        victim = _server_pid(port + 1)
+        os.killpg(os.getpgid(victim), signal.SIGKILL)  # the server and its scheduler processes
+        # Let it run until the server is out of rotation and back, then stop gracefully.
+        seen_out = False
+        while True:
+            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-5000:]
+            assert time.monotonic() < deadline, "the killed server never came back"
+            rows = _steps(out / "metrics.jsonl")
+            seen_out = seen_out or any(r["inference/servers_in_rotation"] == 1 for r in rows)
+            if seen_out and rows[-1]["inference/servers_in_rotation"] == 2:
+                break
+            time.sleep(1)
+        back_at = len(rows)
+        (tmp_path / "STOP").touch()
+        rc = proc.wait(timeout=300)
+        text = (tmp_path / "train.log").read_text()
+        assert rc == 0, text[-5000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    rows = _steps(out / "metrics.jsonl")
+    assert [r["version"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= back_at
+    assert max(r["staleness/max"] for r in rows) <= 1
+    assert "restarting inference server" in text and "back in rotation" in text, text[-5000:]
+    assert all(r["weight_sync/seconds"] > 0 for r in rows)  # every step synced, none failed
+    # It went out of rotation, and came back (only after a sync gave it the current weights).
+    assert min(r["inference/servers_in_rotation"] for r in rows) == 1
+    assert rows[-1]["inference/servers_in_rotation"] == 2 and rows[-1]["inference/failovers"] >= 1
+    assert (out / "checkpoints" / f"step{len(rows):06d}").is_dir()  # the graceful stop saved
+    assert _no_server_left(port) and _no_server_left(port + 1)
+
+
+def _no_server_left(port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=3)
+    except OSError:
+        return True
+    return False
