@@ -589,20 +589,26 @@ class InferencePool(InferenceEngine):
                 "version %d and no resync hook is set: its tokens carry the old version",
                 h.address, self.cfg.client.initial_version, self._version)
 
+    async def check_health(self) -> None:
+        """One health pass, now: servers that exited or do not answer leave the rotation and are
+        recovered (restarted if the pool launched them, then resynced). The monitor runs this
+        every ``client.health_check_interval_s``; weight sync runs it to pick its targets."""
+        candidates = [h for h in self.servers if h._recovery is None]
+        for h in candidates:
+            if h.process is not None and not h.process.is_running() and h.healthy:
+                self._mark_down(h, "server process exited")
+        candidates = [h for h in candidates if h._recovery is None]
+        oks = await asyncio.gather(*(h.health_ok(paused=self.paused) for h in candidates))
+        for h, ok in zip(candidates, oks):
+            if not ok or not h.healthy:
+                # A healthy server that stopped answering, or a down one worth another try.
+                self._mark_down(h, "health check failed")
+
     async def _monitor(self) -> None:
         interval = self.cfg.client.health_check_interval_s
         while True:
             await asyncio.sleep(interval)
-            candidates = [h for h in self.servers if h._recovery is None]
-            for h in candidates:
-                if h.process is not None and not h.process.is_running() and h.healthy:
-                    self._mark_down(h, "server process exited")
-            candidates = [h for h in candidates if h._recovery is None]
-            oks = await asyncio.gather(*(h.health_ok(paused=self.paused) for h in candidates))
-            for h, ok in zip(candidates, oks):
-                if not ok or not h.healthy:
-                    # A healthy server that stopped answering, or a down one worth another try.
-                    self._mark_down(h, "health check failed")
+            await self.check_health()
 
 
 def _sampling_dict(sp: SamplingParams) -> dict[str, Any]:

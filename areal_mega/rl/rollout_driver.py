@@ -76,9 +76,18 @@ class RolloutDriver:
         ``_await_next_sync``; dead or still-restarting servers are left out."""
 
         async def targets() -> list[str]:
+            await self.pool.check_health()  # a server that died since the last pass drops out now
             return [h.url for h in self.pool.servers if h.healthy or h.address in self._awaiting]
 
         return self.run(targets())
+
+    def pause(self) -> None:
+        """Pause generation on every server through the pool (in ``client.pause_mode``), so the
+        pool treats the servers as paused, not dead; in-flight requests are held or resumed later."""
+        self.run(self.pool.pause())
+
+    def resume(self) -> None:
+        self.run(self.pool.resume())
 
     def pool_stats(self) -> dict[str, float]:
         p = self.pool

@@ -65,6 +65,8 @@ class Setup:
     """Frozen forward-only initial policy (algorithm.kl_coef > 0), same layout as the actor."""
     critic: CriticEngine | None = None
     """PPO critic (algorithm.adv_estimator == "gae"); never synced to the servers."""
+    reward: Any = None
+    """Rank 0's reward function (owns worker processes for math / isolated rewards)."""
     _t_last: float = field(default_factory=time.perf_counter)
 
     @property
@@ -104,8 +106,12 @@ class Setup:
         dist.broadcast_object_list(box, src=0, group=ctrl)
         servers = [ServerHandle(u, timeout_s=cfg.weight_sync.http_timeout_s, api_key=cfg.inference.api_key)
                    for u in box[0]]
-        ws = megatron_weight_sync(cfg.weight_sync, adapter=actor.model.adapter, chunks=actor.model.chunks,
-                                  groups=groups, servers=servers, world_group=ctrl)
+        # Tensors travel in the servers' dtype (inference.server.dtype), whatever the learner trains in.
+        wire = cfg.inference.server.dtype if cfg.inference.server.dtype != "auto" else None
+        # The trainer pauses generation through the pool (sync_weights), in the pool's mode.
+        ws_cfg = dataclasses.replace(cfg.weight_sync, pause_servers=False, pause_mode=cfg.inference.client.pause_mode)
+        ws = megatron_weight_sync(ws_cfg, adapter=actor.model.adapter, chunks=actor.model.chunks,
+                                  groups=groups, servers=servers, world_group=ctrl, dtype=wire)
         if start_step > 0:  # the servers started from model_path: bring them to the resumed weights
             ws.sync(version=start_step)
         if rank0:
@@ -126,7 +132,7 @@ class Setup:
 
         cfg = self.cfg
         tok = AutoTokenizer.from_pretrained(cfg.model_path)
-        reward = build_reward(cfg.reward)
+        reward = self.reward = build_reward(cfg.reward)
         split = load_dataset(cfg.data, tokenizer=tok)
         workflow = build_workflow(cfg.workflow, tok, reward)
         if cfg.eval_data is not None:
@@ -194,26 +200,33 @@ class Setup:
 
     def sync_weights(self, version: int) -> SyncStats:
         """Push the weights as ``version`` to every live server and bump the version on the
-        generation side (collective). The target list comes
-        from rank 0's pool, so a dead server is skipped and a recovered one is brought up to date
-        before it takes traffic again; a server dying mid-sync costs one retry."""
-        for attempt in range(2):
-            box: list[Any] = [self.driver.sync_targets() if self.driver is not None else None]
-            dist.broadcast_object_list(box, src=0, group=self.ctrl_group)
-            if not box[0]:
-                raise WeightSyncError("weight sync: no live inference server to push weights to")
-            self.weight_sync.set_servers([ServerHandle(u, timeout_s=self.cfg.weight_sync.http_timeout_s,
-                                                       api_key=self.cfg.inference.api_key) for u in box[0]])
-            try:
-                stats = self.weight_sync.sync(version=version)
-                break
-            except WeightSyncError:
-                if attempt == 1:
-                    raise
-                self.weight_sync.close()  # membership changed under us: reconnect and resend
+        generation side (collective). Rank 0 pauses generation through the pool (so the pool
+        knows its servers are paused, not dead) and picks the targets after a fresh health pass:
+        a dead server is skipped, a recovered one is brought up to date before it takes traffic
+        again; a server dying mid-sync costs one retry."""
         if self.driver is not None:
-            self.driver.set_version(version)  # admission moves on; new tokens carry `version`
-            self.driver.release_resynced(self.weight_sync.server_urls)
+            self.driver.pause()
+        try:
+            for attempt in range(2):
+                box: list[Any] = [self.driver.sync_targets() if self.driver is not None else None]
+                dist.broadcast_object_list(box, src=0, group=self.ctrl_group)
+                if not box[0]:
+                    raise WeightSyncError("weight sync: no live inference server to push weights to")
+                self.weight_sync.set_servers([ServerHandle(u, timeout_s=self.cfg.weight_sync.http_timeout_s,
+                                                           api_key=self.cfg.inference.api_key) for u in box[0]])
+                try:
+                    stats = self.weight_sync.sync(version=version)
+                    break
+                except WeightSyncError:
+                    if attempt == 1:
+                        raise
+                    self.weight_sync.close()  # membership changed under us: reconnect and resend
+            if self.driver is not None:
+                self.driver.set_version(version)  # admission moves on; new tokens carry `version`
+                self.driver.release_resynced(self.weight_sync.server_urls)
+        finally:
+            if self.driver is not None:
+                self.driver.resume()
         return stats
 
     def stop_requested(self) -> bool:
@@ -268,6 +281,8 @@ class Setup:
         self.metrics.close()
         if self.driver is not None:
             self.driver.close()
+        if self.reward is not None:
+            self.reward.close()  # reward worker processes
         self.weight_sync.close()
         dist.barrier(group=self.ctrl_group)
         dist.destroy_process_group()

@@ -27,6 +27,11 @@ class WeightSyncConfig:
     """How the servers pause generation during a sync: "abort" returns in-flight requests at once
     (the client resubmits them), "retract" holds them and recomputes their KV cache after the
     update, "in_place" holds them with their old KV cache (no cache flush)."""
+    pause_servers: bool = True
+    """Pause generation on the servers around a sync (in ``pause_mode``) and continue it after.
+    False: the caller does it -- the trainer pauses through its inference pool, so that the pool
+    knows its servers are paused (a paused server fails /health) -- and ``pause_mode`` must name
+    the mode the caller used (it decides whether the KV cache is flushed)."""
     master_address: str = "127.0.0.1"
     """Address the servers use to reach the learner's stage senders (their TCP rendezvous)."""
     master_port_base: int = 0

@@ -262,14 +262,16 @@ class WeightSync:
         )
 
     def _pause_and_begin(self) -> None:
-        call_all(self.servers, "pause", self.cfg.pause_mode)
+        if self.cfg.pause_servers:
+            call_all(self.servers, "pause", self.cfg.pause_mode)
         if self._session and self.cfg.mode == "distributed":
             post_all(self.servers, "/begin_weight_update", {})
 
     def _end_and_continue(self) -> None:
         if self._session and self.cfg.mode == "distributed":
             post_all(self.servers, "/end_weight_update", {})
-        call_all(self.servers, "resume")
+        if self.cfg.pause_servers:
+            call_all(self.servers, "resume")
 
     def _stage_tensors(self) -> Iterator[tuple[Any, list[torch.Tensor]]]:
         """(bucket, tensors) for this rank's stage, pulling the export lazily bucket by bucket
