@@ -103,7 +103,7 @@ def test_server_killed_mid_run_is_restarted_resynced_and_run_completes(tmp_path:
     assert all(r["weight_sync/seconds"] > 0 for r in rows)  # every step synced, none failed
     # It went out of rotation, and came back (only after a sync gave it the current weights).
     assert min(r["inference/servers_in_rotation"] for r in rows) == 1
-    assert rows[-1]["inference/servers_in_rotation"] == 2 and rows[-1]["inference/failovers"] >= 1
+    assert rows[-1]["inference/servers_in_rotation"] == 2  # (failovers counts requests: none may have been in flight)
     assert (out / "checkpoints" / f"step{len(rows):06d}").is_dir()  # the graceful stop saved
     assert _no_server_left(port) and _no_server_left(port + 1)
 
