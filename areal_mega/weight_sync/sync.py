@@ -241,18 +241,29 @@ class WeightSync:
             t = time.perf_counter()
             self._connect()
             phases["connect"] = time.perf_counter() - t
-        t = time.perf_counter()
-        self._on_rank0(self._pause_and_begin)
-        phases["pause"] = time.perf_counter() - t
-        t = time.perf_counter()
-        if self.cfg.mode == "distributed":
-            self._send_stages(version)
-        else:
-            self._disk_sync(version)
-        phases["send"] = time.perf_counter() - t
-        t = time.perf_counter()
-        self._on_rank0(self._end_and_continue)
-        phases["resume"] = time.perf_counter() - t
+        try:
+            t = time.perf_counter()
+            self._on_rank0(self._pause_and_begin)
+            phases["pause"] = time.perf_counter() - t
+            t = time.perf_counter()
+            if self.cfg.mode == "distributed":
+                self._send_stages(version)
+            else:
+                self._disk_sync(version)
+            phases["send"] = time.perf_counter() - t
+            t = time.perf_counter()
+            self._on_rank0(self._end_and_continue)
+            phases["resume"] = time.perf_counter() - t
+        except Exception:
+            # A server that died mid-sync leaves the others with an open update session, which
+            # would refuse the retry's /begin_weight_update: close those sessions, best effort.
+            if self.rank == 0 and self._session and self.cfg.mode == "distributed":
+                for server in self.servers:
+                    try:
+                        server.call("/end_weight_update", {})
+                    except Exception:  # noqa: BLE001 - the dead one, or no session open
+                        pass
+            raise
         return SyncStats(
             version=version,
             bytes=self.plan.nbytes,
