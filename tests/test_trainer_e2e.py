@@ -28,7 +28,7 @@ pytestmark = [
 ]
 
 MAX_STALENESS = 1
-MIN_GAIN = 0.3  # absolute held-out accuracy, over 30 prompts (measured: 0.0 -> 0.67 after 10 steps)
+MIN_GAIN = 0.5  # absolute held-out accuracy over 30 prompts (measured: 0.0 -> 0.70 at step 8 -> 0.93 at step 16)
 RL_STEPS = 16
 
 
