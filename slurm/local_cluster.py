@@ -308,7 +308,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             slurmd = ["slurmd", "-D", "-N", name, "-f", str(self.conf_path)]
             if self.uts_hostnames:
                 # unshare execs sh which execs slurmd: the recorded PID is slurmd's own.
-                slurmd = ["unshare", "--uts", "sh", "-c", f'hostname "$0" && exec "$@"', name, *slurmd]
+                slurmd = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name, *slurmd]
             self._popen(f"slurmd.{name}", slurmd)
 
     def _wait_idle(self, timeout_s: float) -> None:

@@ -279,7 +279,7 @@ def main() -> int:
     hf = json.loads((Path(model) / "config.json").read_text())
     server_dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16")
     common = [
-        f"model_path={model}", f"data.path={data}", "eval_data=null", f"seed=1",
+        f"model_path={model}", f"data.path={data}", "eval_data=null", "seed=1",
         "parallel.tensor_parallel=1", f"trainer.num_steps={num_steps}", "trainer.resume=false",
         "trainer.eval_at_start=false", "trainer.eval_at_end=false", "trainer.eval_every=0",
         "trainer.save_every=0", "trainer.export_hf_at_end=false",

@@ -126,7 +126,7 @@ class Setup:
     def _start_rollout(self) -> None:
         from transformers import AutoTokenizer
 
-        from areal_mega.data import DatasetConfig, load_dataset
+        from areal_mega.data import load_dataset
         from areal_mega.reward import build_reward
         from areal_mega.workflows import build_workflow
 
