@@ -1,8 +1,6 @@
 # Two entry points (README "Quick start"): `make demo` and `make test`.
 # Both build the virtualenvs they need (cached outside the clone, keyed by requirements hash).
 SHELL := /bin/bash
-LEARNER_VENV = $(shell tools/env/make_venv.sh learner)
-SGLANG_VENV = $(shell tools/env/make_venv.sh sglang)
 PYTEST_ARGS ?=
 
 .PHONY: demo test envs learner-env sglang-env
