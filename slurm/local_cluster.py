@@ -186,8 +186,14 @@ class LocalSlurmCluster:
 
     def job_fields(self, job_id: int) -> dict[str, str]:
         """``scontrol show job`` as a dict (Slurm keeps a job ~MinJobAge = 5 min after it ends)."""
-        out = self.run(["scontrol", "show", "job", str(job_id)]).stdout
-        return dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
+        # A busy slurmctld occasionally drops a client connection (scontrol then dies of SIGPIPE,
+        # returncode -13); a poll is idempotent, so retry a few times before giving up.
+        for attempt in range(5):
+            r = self.run(["scontrol", "show", "job", str(job_id)], check=False)
+            if r.returncode == 0:
+                return dict(tok.split("=", 1) for tok in r.stdout.split() if "=" in tok)
+            time.sleep(1.0)
+        raise RuntimeError(f"scontrol show job {job_id} failed ({r.returncode}): {r.stderr.strip()}")
 
     def job_state(self, job_id: int) -> tuple[str, str]:
         """(JobState, ExitCode), e.g. ("FAILED", "2:0")."""
