@@ -598,7 +598,11 @@ class InferencePool(InferenceEngine):
             if h.process is not None and not h.process.is_running() and h.healthy:
                 self._mark_down(h, "server process exited")
         candidates = [h for h in candidates if h._recovery is None]
-        oks = await asyncio.gather(*(h.health_ok(paused=self.paused) for h in candidates))
+        oks = list(await asyncio.gather(*(h.health_ok(paused=self.paused) for h in candidates)))
+        if self.paused:
+            # A /health check that began before a pause cannot finish during it (it runs a
+            # one-token generation): ask those servers again the paused way before judging them.
+            oks = [ok or await h.health_ok(paused=True) for h, ok in zip(candidates, oks)]
         for h, ok in zip(candidates, oks):
             if not ok or not h.healthy:
                 # A healthy server that stopped answering, or a down one worth another try.
