@@ -213,8 +213,9 @@ def test_failover_sigkill_one_of_two(h):
                 for i, p in enumerate(ps)]
         tasks = [asyncio.create_task(pool.agenerate(r)) for r in reqs]
         await asyncio.sleep(0.3 * max(r.latency_s for r in ref))
+        # Both servers hold requests when the victim dies (a request that stops early at EOS may
+        # already be done: what matters is that the victim's in-flight ones must move).
         assert victim.in_flight > 0 and pool.servers[1].in_flight > 0
-        assert not any(t.done() for t in tasks)
         victim.process.kill()  # SIGKILL the main server process
         return await asyncio.gather(*tasks)
 
