@@ -64,10 +64,6 @@ class RolloutBatch:
     def trajectories(self) -> list[Trajectory]:
         return [t for g in self.groups for t in g]
 
-    def token_staleness(self) -> list[int]:
-        """The histogram expanded to one value per generated token (for add_histogram)."""
-        return [s for s, n in sorted(self.staleness_counts.items()) for _ in range(n)]
-
 
 @dataclass
 class _Ready:

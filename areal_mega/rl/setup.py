@@ -150,7 +150,7 @@ class Setup:
         payload = None
         if self.driver is not None:
             rb = self.driver.next_batch()
-            self.metrics.histogram("rollout/token_staleness", rb.token_staleness())
+            self.metrics.histogram("rollout/token_staleness", rb.staleness_counts)
             payload = {"batch": to_engine_alignment(trajectories_to_batch(rb.groups)), "stats": {**rb.stats, **self.driver.pool_stats()}}
         got = broadcast_batch(payload, src=0, group=self.ctrl_group)
         return got["batch"], got["stats"]

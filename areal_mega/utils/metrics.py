@@ -23,7 +23,7 @@ class Metrics:
         self._enabled = enabled
         self._echo = echo
         self._pending: dict[str, float] = {}
-        self._histograms: dict[str, list[float]] = {}
+        self._histograms: dict[str, dict[int, int]] = {}
         self.history: list[dict[str, float]] = []
         if enabled and log_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -41,8 +41,10 @@ class Metrics:
     def log(self, scalars: dict[str, float]) -> None:
         self._pending.update({k: float(v) for k, v in scalars.items()})
 
-    def histogram(self, name: str, values: list[float]) -> None:
-        self._histograms[name] = list(values)
+    def histogram(self, name: str, counts: dict[int, int]) -> None:
+        """A histogram of integer values given as {value: count} (e.g. token staleness), written
+        as-is: a batch of a million tokens is never expanded to a million-element array."""
+        self._histograms[name] = dict(counts)
 
     def commit(self, step: int) -> dict[str, float]:
         row = dict(self._pending)
@@ -51,11 +53,9 @@ class Metrics:
             if self._writer is not None:
                 for k, v in row.items():
                     self._writer.add_scalar(k, v, step)
-                for k, vals in self._histograms.items():
-                    if vals:
-                        import numpy as np
-
-                        self._writer.add_histogram(k, np.asarray(vals), step)
+                for k, counts in self._histograms.items():
+                    if counts:
+                        self._write_histogram(k, counts, step)
                 self._writer.flush()
             if self._jsonl is not None:
                 self._jsonl.write(json.dumps({"step": step, **row}) + "\n")
@@ -66,6 +66,14 @@ class Metrics:
         self._histograms.clear()
         self.history.append({"step": step, **row})
         return row
+
+    def _write_histogram(self, name: str, counts: dict[int, int], step: int) -> None:
+        values = sorted(counts)
+        num = sum(counts.values())
+        self._writer.add_histogram_raw(
+            name, min=values[0], max=values[-1], num=num,
+            sum=sum(v * c for v, c in counts.items()), sum_squares=sum(v * v * c for v, c in counts.items()),
+            bucket_limits=[v + 0.5 for v in values], bucket_counts=[counts[v] for v in values], global_step=step)
 
     def close(self) -> None:
         if self._writer is not None:
