@@ -179,3 +179,19 @@ def test_trajectories_to_batch_accepts_groups_and_broadcasts(tmp_path):
         assert torch.equal(got["batch"]["input_ids"], b["input_ids"]) and got["stats"] == {"s": 1.5}
     finally:
         dist.destroy_process_group()
+
+
+def test_engine_alignment_shifts_per_token_fields_within_each_sequence() -> None:
+    """[prompt p0 p1 | gen g0 g1] -> the prediction at i is of token i+1: loss_mask/logprobs/
+    versions move one to the left, the last position of every sequence predicts nothing."""
+    from areal_mega.api.workflow import Trajectory
+    from areal_mega.rl.batch import to_engine_alignment, trajectories_to_batch
+
+    a = Trajectory([5, 6, 7, 8], [0, 0, 1, 1], [0.0, 0.0, -0.5, -0.25], [-1, -1, 3, 4], reward=1.0, group_id="g")
+    b = Trajectory([9, 10, 11], [0, 1, 1], [0.0, -1.0, -2.0], [-1, 2, 2], reward=0.0, group_id="g")
+    batch = to_engine_alignment(trajectories_to_batch([[a, b]]))
+    assert batch["input_ids"].tolist() == [5, 6, 7, 8, 9, 10, 11]
+    assert batch["loss_mask"].tolist() == [0, 1, 1, 0, 1, 1, 0]
+    assert batch["logprobs"].tolist() == [0.0, -0.5, -0.25, 0.0, -1.0, -2.0, 0.0]
+    assert batch["versions"].tolist() == [-1, 3, 4, -1, 2, 2, -1]
+    assert batch["rewards"].tolist() == [1.0, 0.0] and batch["cu_seqlens"].tolist() == [0, 4, 7]

@@ -1,9 +1,10 @@
-"""Trajectories -> one packed batch of flat tensors (this-token aligned, like Trajectory).
+"""Trajectories -> one packed batch of flat tensors, in the learner engine's alignment.
 
-    batch = trajectories_to_batch(rollout_batch.trajectories)
-    batch.update(compute_advantages(batch, cfg.algorithm))     # advantages [T]
-    # then shift per-token fields to the engine's next-token alignment
-    # (areal_mega.megatron.packing.shift_to_next_token) before train_batch.
+    batch = to_engine_alignment(trajectories_to_batch(rollout_batch.groups))
+    batch.update(compute_advantages(batch, cfg.algorithm))     # advantages [T], same alignment
+
+``trajectories_to_batch`` keeps Trajectory's "this-token" alignment; ``to_engine_alignment``
+shifts the per-token fields once so they line up with the engine's next-token outputs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.api.workflow import Trajectory
+from areal_mega.megatron.packing import shift_to_next_token
 from areal_mega.rl.advantages import group_index_of
 
 
@@ -36,6 +38,16 @@ def trajectories_to_batch(trajs: Sequence[Trajectory] | Sequence[Sequence[Trajec
         "rewards": torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         "group_index": group_index_of([t.group_id for t in trajs]),
     }
+
+
+def to_engine_alignment(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Trajectory fields are "this-token" aligned (``logprobs[i]`` is the log-prob *of* token i);
+    the engine's outputs are next-token aligned (``out[i]`` predicts token i+1). Shift once here,
+    so every per-token tensor the loss and the advantage estimators see shares one alignment
+    (GAE/REINFORCE++ then read the reward at the last trained prediction)."""
+    cu = batch["cu_seqlens"]
+    fills = {"loss_mask": 0, "logprobs": 0.0, "versions": -1}
+    return {k: shift_to_next_token(v, cu, fill=fills[k]) if k in fills else v for k, v in batch.items()}
 
 
 def broadcast_batch(payload: Any, *, src: int, group: Any) -> Any:

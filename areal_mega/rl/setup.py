@@ -19,11 +19,10 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.megatron.engine import MegatronTrainEngine
-from areal_mega.megatron.packing import shift_to_next_token
 from areal_mega.megatron.parallel_state import ModelParallelGroups, init_model_parallel
 from areal_mega.parallel import ParallelLayout
 from areal_mega.rl.advantages import compute_advantages
-from areal_mega.rl.batch import broadcast_batch, trajectories_to_batch
+from areal_mega.rl.batch import broadcast_batch, to_engine_alignment, trajectories_to_batch
 from areal_mega.rl.critic import CriticEngine
 from areal_mega.rl.experiment import ExperimentConfig
 from areal_mega.rl.losses import PPOActorLoss, PPOCriticLoss, global_counts, kl_estimate
@@ -31,16 +30,6 @@ from areal_mega.rl.rollout_driver import RolloutDriver
 from areal_mega.utils.metrics import Metrics
 from areal_mega.weight_sync import ServerHandle, megatron_weight_sync
 from areal_mega.weight_sync.sync import SyncStats, WeightSync, WeightSyncError
-
-
-def to_engine_alignment(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Trajectory fields are "this-token" aligned (``logprobs[i]`` is the log-prob *of* token i);
-    the engine's outputs are next-token aligned (``out[i]`` predicts token i+1). Shift once here,
-    so every per-token tensor the loss and the advantage estimators see shares one alignment
-    (GAE/REINFORCE++ then read the reward at the last trained prediction)."""
-    cu = batch["cu_seqlens"]
-    fills = {"loss_mask": 0, "logprobs": 0.0, "versions": -1}
-    return {k: shift_to_next_token(v, cu, fill=fills[k]) if k in fills else v for k, v in batch.items()}
 
 
 def _backend(name: str) -> str:
