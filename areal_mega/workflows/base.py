@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from areal_mega.api.io import GenerationResult, SamplingParams
-from areal_mega.api.workflow import Trajectory
+from areal_mega.api.workflow import RolloutWorkflow, Trajectory
+from areal_mega.reward import RewardFn
 
 
 class Tokenizer(Protocol):
@@ -69,6 +70,18 @@ def with_eos(sampling: SamplingParams, tokenizer: Tokenizer) -> SamplingParams:
 def new_group_id(data: dict[str, Any]) -> str:
     """Unique per episode (the same prompt in two epochs must not merge into one group)."""
     return f"{data.get('id', '')}#{uuid.uuid4().hex[:12]}"
+
+
+class TokenWorkflow(RolloutWorkflow):
+    """Set-up shared by the token-level workflows: a validated config, the tokenizer, the reward,
+    and the sampling params with the tokenizer's EOS added to the stop tokens."""
+
+    def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.sampling = with_eos(cfg.sampling, tokenizer)
 
 
 class TrajectoryBuilder:

@@ -13,18 +13,14 @@ from typing import Any
 
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest
-from areal_mega.api.workflow import RolloutWorkflow, Trajectory
+from areal_mega.api.workflow import Trajectory
 from areal_mega.reward import RewardFn
-from areal_mega.workflows.base import Tokenizer, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id, with_eos
+from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id
 
 
-class MultiTurnWorkflow(RolloutWorkflow):
+class MultiTurnWorkflow(TokenWorkflow):
     def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn) -> None:
-        cfg.validate()
-        self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.reward_fn = reward_fn
-        self.sampling = with_eos(cfg.sampling, tokenizer)
+        super().__init__(cfg, tokenizer, reward_fn)
         self.feedback_ids = encode(tokenizer, cfg.feedback)
 
     async def _conversation(self, engine: InferenceEngine, data: dict[str, Any], gid: str) -> Trajectory:

@@ -7,20 +7,12 @@ from typing import Any
 
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest
-from areal_mega.api.workflow import RolloutWorkflow, Trajectory
-from areal_mega.reward import RewardFn
-from areal_mega.workflows.base import Tokenizer, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id, with_eos
+from areal_mega.api.workflow import Trajectory
+from areal_mega.workflows.base import TokenWorkflow, TrajectoryBuilder, decode, encode, new_group_id
 
 
-class SingleTurnWorkflow(RolloutWorkflow):
+class SingleTurnWorkflow(TokenWorkflow):
     """``data`` needs "prompt" (text, already templated) and whatever the reward reads."""
-
-    def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn) -> None:
-        cfg.validate()
-        self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.reward_fn = reward_fn
-        self.sampling = with_eos(cfg.sampling, tokenizer)
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> list[Trajectory]:
         prompt_ids = encode(self.tokenizer, data["prompt"])

@@ -23,9 +23,8 @@ from typing import Any
 
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest
-from areal_mega.api.workflow import RolloutWorkflow, Trajectory
-from areal_mega.reward import RewardFn
-from areal_mega.workflows.base import Tokenizer, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id, with_eos
+from areal_mega.api.workflow import Trajectory
+from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, decode, encode, new_group_id
 
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
 _BINOPS = {
@@ -85,14 +84,7 @@ def cut_after_tool_call(tokenizer: Tokenizer, ids: list[int]) -> tuple[int, str]
     return lo, prefix[s + len(CALL_OPEN) : prefix.find(CALL_CLOSE, s)]
 
 
-class ToolWorkflow(RolloutWorkflow):
-    def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn) -> None:
-        cfg.validate()
-        self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.reward_fn = reward_fn
-        self.sampling = with_eos(cfg.sampling, tokenizer)
-
+class ToolWorkflow(TokenWorkflow):
     async def _sample(self, engine: InferenceEngine, data: dict[str, Any], gid: str) -> Trajectory:
         prompt_ids = encode(self.tokenizer, data["prompt"])
         b = TrajectoryBuilder(prompt_ids)
