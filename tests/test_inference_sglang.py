@@ -237,3 +237,65 @@ def test_failover_sigkill_one_of_two(h):
     assert victim.num_served > served
     assert [o.output_ids for o in outs] == [r.output_ids[:16] for r in ref[:8]]
     assert all(o.output_versions == [version] * 16 for o in outs)
+
+
+class _ByteTokenizer:
+    """Text <-> ids for the workflow's prompt and feedback text (the test model has no tokenizer
+    of its own; the model, the server and the generated tokens are the real thing)."""
+
+    eos_token_id = EOS
+
+    def encode(self, text, add_special_tokens=False):
+        return [3 + ord(c) % 500 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(32 + i % 90) for i in ids)
+
+
+def test_multi_turn_workflow_on_real_servers(h):
+    """A multi-turn episode against the real pool: every attempt is wrong (reward 0), so each
+    sample runs max_turns attempts with the feedback text between them. The trajectory must be
+    one aligned token sequence: feedback tokens with loss_mask 0, every generated token with the
+    server's version and a behaviour log-prob equal to HF transformers' on the whole sequence."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_mega.workflows import WorkflowConfig, build_workflow
+
+    async def always_wrong(prompt, completion, data):
+        return 0.0
+
+    tok = _ByteTokenizer()
+    cfg = WorkflowConfig(kind="multi_turn", group_size=2, max_turns=3, feedback=" no, again:",
+                         sampling=SamplingParams(max_new_tokens=6, temperature=1.0))
+    wf = build_workflow(cfg, tok, always_wrong)
+    version = h.pool.get_version()
+    trajs = h.run(wf.arun_episode(h.pool, {"id": "mt", "prompt": "what is 2+2?"}))
+    assert len(trajs) == 2 and all(t.reward == 0.0 for t in trajs)
+    model = AutoModelForCausalLM.from_pretrained(h.model_dir, dtype=torch.float32).eval()
+    prompt, feedback = tok.encode("what is 2+2?"), tok.encode(cfg.feedback)
+    for t in trajs:
+        ids, mask = t.input_ids, t.loss_mask
+        assert ids[: len(prompt)] == prompt and mask[: len(prompt)] == [0] * len(prompt)
+        # [prompt]0 [attempt]1 [feedback]0 [attempt]1 [feedback]0 [attempt]1: three generated spans
+        spans = [m for i, m in enumerate(mask) if i == 0 or m != mask[i - 1]]
+        assert spans == [0, 1, 0, 1, 0, 1], mask
+        env_runs = [ids[i:j] for i, j in _runs(mask, 0)][1:]
+        assert env_runs == [feedback, feedback]
+        gen = [i for i, m in enumerate(mask) if m]
+        assert all(t.versions[i] == version for i in gen)
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        ref = [float(lp[i - 1, ids[i]]) for i in gen]
+        assert max(abs(a - b) for a, b in zip(ref, [t.logprobs[i] for i in gen])) < 1e-3
+
+
+def _runs(mask, value):
+    """(start, end) of each maximal run of ``value`` in ``mask``."""
+    out, start = [], None
+    for i, m in enumerate(list(mask) + [None]):
+        if m == value and start is None:
+            start = i
+        elif m != value and start is not None:
+            out.append((start, i))
+            start = None
+    return out
