@@ -207,6 +207,11 @@ class SGLangServer:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:  # unkillable (D state); nothing more we can do
             pass
+        # SIGKILL is asynchronous for the group's other members: wait until they are gone, so a
+        # restart right after stop() finds the port (and memory) free.
+        deadline = time.monotonic() + 10
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         self._proc = None
 
     def close(self) -> None:
