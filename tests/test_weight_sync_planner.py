@@ -137,3 +137,29 @@ def test_duplicate_tensor_across_stages_rejected():
     t = TensorSpec("w", (2,), "bfloat16")
     with pytest.raises(ValueError, match="'w' is exported by stage 0 and stage 1"):
         plan_weight_sync([[t], [t]], layout, 1024)
+
+
+def test_sender_pack_reuses_two_buffers_bytes_exact():
+    """flattened_bucket packing: the bytes are the tensors' back to back, two buffers alternate
+    (a payload stays intact while the next bucket is packed), and a larger bucket grows its buffer."""
+    import torch
+
+    from areal_mega.weight_sync.transport import BroadcastSender
+
+    sender = BroadcastSender([], [], group_name="t", backend="gloo", address="127.0.0.1", port=0, timeout_s=1)
+
+    def expect(ts):
+        return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in ts])
+
+    a = [torch.arange(6, dtype=torch.float32).view(2, 3).t(), torch.ones(5, dtype=torch.bfloat16)]
+    b = [torch.full((7,), 3, dtype=torch.int64)]
+    c = [torch.randn(64, dtype=torch.float32)]
+    (pa,) = sender.pack(a)
+    (pb,) = sender.pack(b)
+    assert torch.equal(pa, expect(a)) and torch.equal(pb, expect(b))
+    assert pa.data_ptr() != pb.data_ptr()
+    (pc,) = sender.pack(c)  # bigger than a's buffer: a new one, same slot
+    assert torch.equal(pc, expect(c)) and torch.equal(pb, expect(b))
+    (pa2,) = sender.pack(a)  # reuses b's slot
+    assert pa2.data_ptr() == pb.data_ptr() and torch.equal(pa2, expect(a))
+    sender.close()

@@ -19,7 +19,8 @@ class WeightSyncConfig:
     else gloo. The servers must support the same backend (CPU SGLang: gloo)."""
     bucket_mib: float = 512.0
     """Bucket size in MiB: tensors are packed into buckets of at most this many bytes, one
-    broadcast per bucket (a tensor larger than a bucket gets a bucket of its own)."""
+    broadcast per bucket (a tensor larger than a bucket gets a bucket of its own). Each stage
+    sender holds two buffers of the largest bucket (packing one while the other is sent)."""
     load_format: Literal["flattened_bucket", "per_tensor"] = "flattened_bucket"
     """"flattened_bucket": one uint8 buffer per bucket (one collective per bucket);
     "per_tensor": one broadcast per tensor (older servers)."""
