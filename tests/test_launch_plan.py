@@ -197,3 +197,33 @@ def test_render_placeholders():
         render(["{nope}"], {}, raw, [], "key")
     with pytest.raises(ValueError, match=r"placeholder \{cfg:a.c\} names a key missing"):
         render(["{cfg:a.c}"], {}, raw, [], "key")
+
+
+def test_learner_memory_counts_reference_and_critic():
+    """kl_coef > 0 adds a bf16 copy of the stage's weights; a PPO critic adds its own weights,
+    grads and optimizer state (value head h -> 1 instead of the output layer)."""
+    cfg = LearnerLaunchConfig(micro_batch_tokens=8192, recompute="selective", sequence_parallel=True,
+                              reserved_gib=6.0)
+    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=8, pipeline_parallel=4), 64)  # dp = 2
+    base = estimate_learner(LLAMA3_70B, cfg, layout, 80.0)
+    ref = estimate_learner(LLAMA3_70B, cfg, layout, 80.0, reference=True)
+    assert ref.stage == base.stage == 0 and ref.reference == 2 * base.params
+    assert ref.total == base.total + 2 * base.params
+    both = estimate_learner(LLAMA3_70B, cfg, layout, 80.0, reference=True, critic=True)
+    assert both.critic == (6 + 12 / 2) * base.params  # stage 0: the critic's trunk == the actor's
+    assert not both.fits and "reference" in both.describe() and "critic" in both.describe()
+    # Last stage at PP1: the critic has no output layer, a value head of h parameters instead.
+    one = ParallelLayout.build(ParallelConfig(tensor_parallel=8), 8)
+    est = estimate_learner(LLAMA3_70B, LearnerLaunchConfig(micro_batch_tokens=1024), one, 80.0, critic=True)
+    assert est.critic == 18 * (est.params - 128_256 * 8192 // 8 + 8192)
+
+
+def test_plan_memory_counts_reference_from_experiment():
+    """The plan reads algorithm.kl_coef / adv_estimator from the experiment config: the 70B GRPO
+    plan (65.0 GiB) with a KL reference still fits 80 GB; adding a PPO critic does not."""
+    base = plan_70b()
+    ref = plan_70b(["algorithm.kl_coef=0.001"])
+    assert ref.learner_memory.reference == 2 * base.learner_memory.params and ref.fits
+    assert (ref.learner_memory.total - base.learner_memory.total) / GIB == pytest.approx(4.23, abs=0.01)
+    ppo = plan_70b(["algorithm.kl_coef=0.001", "algorithm.adv_estimator=gae"])
+    assert ppo.learner_memory.critic > 0 and not ppo.fits

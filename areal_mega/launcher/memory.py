@@ -31,6 +31,12 @@ on stage p-1, which keeps its own copy when embeddings are tied):
         plus one layer recomputed at a time.
     logits (last stage, one micro-batch) = T * 6 * V/t: bf16 logits + fp32 log-softmax.
     + reserved_gib (CUDA context, NCCL buffers, fragmentation).
+    + KL reference (algorithm.kl_coef > 0): a frozen forward-only copy, P_k * 2 (no grads, no
+      optimizer, no activations kept).
+    + PPO critic (adv_estimator gae): the same trunk with a value head (h -> 1) in place of the
+      output layer, trained with its own optimizer: P'_k * (2 + 4 + 12/dp). Its activations are
+      not added: actor and critic train one after the other, and the actor's (with logits) are
+      the larger.
 
 Engine, per GPU of a TP-t server: weights 2*P/t (norms replicated), KV cache
     max_total_tokens * 2 (K, V) * L * max(1, g/t) * d * kv_bytes;  SGLang must fit
@@ -94,10 +100,15 @@ class LearnerMemory:
     logits: float
     reserved: float
     limit: float
+    reference: float = 0.0
+    """The frozen KL reference model's weights (0 without one)."""
+    critic: float = 0.0
+    """The PPO critic's weights, grads and optimizer state (0 without one)."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.reserved
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits + self.reserved
+                + self.reference + self.critic)
 
     @property
     def fits(self) -> bool:
@@ -110,6 +121,8 @@ class LearnerMemory:
             f"learner per-GPU memory (worst stage {self.stage}, {self.params / 1e9:.2f}B params/GPU): "
             f"weights {g(self.weights)} + grads {g(self.grads)} + optimizer {g(self.optimizer)} + "
             f"activations {g(self.activations)} + logits {g(self.logits)} + reserved {g(self.reserved)} "
+            + (f"+ reference {g(self.reference)} " if self.reference else "")
+            + (f"+ critic {g(self.critic)} " if self.critic else "") +
             f"= {g(self.total)} GiB of {g(self.limit)} GiB -> {verdict}"
         )
 
@@ -128,7 +141,9 @@ def activation_bytes_per_token(m: ModelShape, cfg: LearnerLaunchConfig, tp: int)
 
 
 def estimate_learner(m: ModelShape, cfg: LearnerLaunchConfig, layout: ParallelLayout,
-                     gpu_memory_gib: float) -> LearnerMemory:
+                     gpu_memory_gib: float, *, reference: bool = False, critic: bool = False) -> LearnerMemory:
+    """Worst stage's per-GPU bytes; ``reference``/``critic``: the KL reference model and the PPO
+    critic share the actor's GPUs (see the module docstring)."""
     layout.check_model(m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads)
     pc = count_params(m)
     t, p, v = layout.tp, layout.pp, layout.vpp or 1
@@ -140,8 +155,10 @@ def estimate_learner(m: ModelShape, cfg: LearnerLaunchConfig, layout: ParallelLa
         params = layers * (pc.layer_sharded // t + pc.layer_replicated)
         if k == 0:
             params += pc.embedding // t
+        critic_params = params
         if k == p - 1:
             params += pc.final_norm
+            critic_params = params + m.hidden_size  # value head instead of the output layer
             # Tied embeddings under PP: the last stage holds its own copy of the embedding.
             params += (pc.output or (pc.embedding if p > 1 else 0)) // t
         in_flight = (p - k) + ((p - 1) / v if v > 1 else 0.0)
@@ -155,6 +172,8 @@ def estimate_learner(m: ModelShape, cfg: LearnerLaunchConfig, layout: ParallelLa
             stage=k, params=params, weights=2.0 * params, grads=4.0 * params,
             optimizer=12.0 * params / layout.dp, activations=acts, logits=logits,
             reserved=cfg.reserved_gib * GIB, limit=gpu_memory_gib * GIB,
+            reference=2.0 * params if reference else 0.0,
+            critic=(6.0 + 12.0 / layout.dp) * critic_params if critic else 0.0,
         )
         if worst is None or est.total > worst.total:
             worst = est

@@ -388,7 +388,10 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
         ))
 
     m = model_shape(cfg, raw)
-    learner_mem = estimate_learner(m, lc, layout, cfg.gpu_memory_gib)
+    alg = raw.get("algorithm") or {}
+    learner_mem = estimate_learner(m, lc, layout, cfg.gpu_memory_gib,
+                                   reference=float(alg.get("kl_coef") or 0) > 0,
+                                   critic=alg.get("adv_estimator") == "gae")
     engine_mem = None
     if engines:
         engine_mem = estimate_engine(
