@@ -180,3 +180,52 @@ def test_server_process_group_stop_and_start_error(tmp_path):
     with pytest.raises(ServerStartError, match="(?s)exited with code 3.*boom: no such model"):
         srv.wait_ready(timeout_s=20)
     srv.stop()
+
+
+def test_pool_owned_server_dies_with_its_parent(tmp_path):
+    """A server started by a process that is then SIGKILLed (no cleanup runs) is SIGTERMed by the
+    kernel (die_with_parent); the same command started plainly survives its parent (control)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from areal_mega.inference.server import _group_alive
+
+    fake = tmp_path / "server.sh"
+    fake.write_text("#!/bin/sh\nexec sleep 300\n")
+    fake.chmod(0o755)
+    parent_code = (
+        "import sys, time, subprocess\n"
+        "from areal_mega.inference.server import SGLangServer\n"
+        "from areal_mega.inference.config import SGLangServerConfig\n"
+        "if sys.argv[1] == 'wrapped':\n"
+        f"    s = SGLangServer(SGLangServerConfig(python={str(fake)!r}, model_path='m'), 1, log_dir={str(tmp_path)!r})\n"
+        "    s.start(); pid = s.pid\n"
+        "else:\n"
+        f"    pid = subprocess.Popen([{str(fake)!r}], start_new_session=True).pid\n"
+        "print(pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+
+    def server_after_parent_killed(mode: str, wait_s: float) -> tuple[int, bool]:
+        parent = subprocess.Popen([sys.executable, "-c", parent_code, mode], stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONPATH": os.getcwd()})
+        pid = int(parent.stdout.readline())
+        time.sleep(0.5)  # the wrapper has exec'd the server
+        assert _group_alive(pid)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + wait_s
+        while _group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return pid, _group_alive(pid)
+
+    pid, alive = server_after_parent_killed("wrapped", 10)
+    assert not alive, "the server outlived its SIGKILLed parent"
+    pid, alive = server_after_parent_killed("plain", 2)
+    try:
+        assert alive, "control: a plain child should outlive its parent"
+    finally:
+        os.killpg(pid, signal.SIGKILL)

@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -51,6 +52,29 @@ def server_base_env() -> dict[str, str]:
     """This process's environment minus torch.distributed's rendezvous variables."""
     return {k: v for k, v in os.environ.items()
             if k not in _TORCH_DIST_ENV and not k.startswith(("TORCHELASTIC_", "TORCH_NCCL_"))}
+
+
+# Run in front of the server command (stdlib only, ``python -I``): ask the kernel to SIGTERM this
+# process when its parent dies (prctl PR_SET_PDEATHSIG, kept across exec), give up if the parent
+# is already gone, then exec the server. SGLang kills its own children when it gets SIGTERM and
+# they exit when it dies, so a trainer killed with SIGKILL (OOM killer, scancel -s KILL) no longer
+# leaves servers holding ports and accelerators. Linux only; elsewhere the command runs unchanged.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG\n"
+    "    if os.getppid() != int(sys.argv[1]):\n"
+    "        sys.exit('parent exited before the server started')\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def die_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` wrapped so that the process it starts is SIGTERMed when the calling THREAD exits
+    (PR_SET_PDEATHSIG follows the thread that forked): start long-lived children from threads that
+    live as long as they should -- the pool starts servers on its event-loop thread and restarts
+    them in that loop's executor threads, which both live until the pool is closed."""
+    return [sys.executable, "-I", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 def build_launch_command(
@@ -145,7 +169,7 @@ class SGLangServer:
             log.write(f"\n=== start #{self.num_starts}: {' '.join(self.command(weight_version))}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
-                self.command(weight_version), stdout=log, stderr=subprocess.STDOUT,
+                die_with_parent(self.command(weight_version)), stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env=env, start_new_session=True,
             )
         self.num_starts += 1
