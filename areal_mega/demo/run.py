@@ -42,45 +42,51 @@ def run_demo(workdir: str, *, learner_python: str, sglang_python: str | None) ->
 
 
 def run_pipeline(workdir: str, *, learner_python: str, sglang_python: str | None, sft_steps: int = 300,
-                 rl_steps: int = 30, extra: list[str] | None = None) -> dict:
-    """Stages 1-3; returns the summary (accuracies, eval curve, max staleness, wall time)."""
+                 rl_steps: int = 30, extra: list[str] | None = None, rl_config: str = "configs/grpo_tiny.yaml",
+                 rl_name: str = "grpo", reuse_sft: bool = False) -> dict:
+    """Stages 1-3; returns the summary (accuracies, eval curve, max staleness, wall time).
+
+    ``rl_config``/``rl_name``: the RL experiment and its output folder under ``workdir`` (e.g.
+    configs/ppo_tiny.yaml, "ppo"); ``reuse_sft``: skip stage 2 when ``workdir`` already holds its
+    HF export (several RL runs from one SFT model)."""
     if not sglang_python:
         raise SystemExit("demo: --sglang-python is required (make demo passes the SGLang venv's python)")
     w = (REPO / workdir).resolve() if not os.path.isabs(workdir) else Path(workdir)
     w.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     t0 = time.time()
-    tiny, sft, grpo = w / "tiny", w / "sft", w / "grpo"
+    tiny, sft, rl = w / "tiny", w / "sft", w / rl_name
     if not (tiny / "model" / "config.json").exists():
         _run([learner_python, "-m", "areal_mega.demo.tiny", "--out", str(tiny)], env, w / "tiny.log")
     print(f"[{time.time() - t0:5.0f}s] stage 1/3: tiny model and task in {tiny}", flush=True)
 
-    _run([learner_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-          "-m", "areal_mega.cli", "sft", "--config", "configs/sft_tiny.yaml",
-          f"model_path={tiny / 'model'}", f"data.path={tiny / 'data' / 'sft.jsonl'}", f"output_dir={sft}",
-          f"trainer.num_steps={sft_steps}"], env, w / "sft.log")
+    if not (reuse_sft and (sft / "hf" / "config.json").exists()):
+        _run([learner_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "-m", "areal_mega.cli", "sft", "--config", "configs/sft_tiny.yaml",
+              f"model_path={tiny / 'model'}", f"data.path={tiny / 'data' / 'sft.jsonl'}", f"output_dir={sft}",
+              f"trainer.num_steps={sft_steps}"], env, w / "sft.log")
     print(f"[{time.time() - t0:5.0f}s] stage 2/3: SFT done ({sft_steps} steps) -> {sft / 'hf'}", flush=True)
 
-    eval_log = grpo / "eval.jsonl"
-    for stale in (eval_log, grpo / "metrics.jsonl"):
+    eval_log = rl / "eval.jsonl"
+    for stale in (eval_log, rl / "metrics.jsonl"):
         if stale.exists():
             stale.unlink()
-    _run([learner_python, "-m", "areal_mega.launcher", "local", "--config", "configs/grpo_tiny.yaml",
-          f"model_path={sft / 'hf'}", f"output_dir={grpo}", "trainer.resume=false",
+    _run([learner_python, "-m", "areal_mega.launcher", "local", "--config", rl_config,
+          f"model_path={sft / 'hf'}", f"output_dir={rl}", "trainer.resume=false",
           f"data.path={tiny / 'data' / 'train.jsonl'}", f"eval_data.path={tiny / 'data' / 'test.jsonl'}",
           f"inference.server.python={sglang_python}", f"launch.run_dir={w / 'launch-{job_id}'}",
-          f"trainer.num_steps={rl_steps}", *(extra or [])], env, w / "grpo.log")
+          f"trainer.num_steps={rl_steps}", *(extra or [])], env, w / f"{rl_name}.log")
     evals = [json.loads(line) for line in eval_log.read_text().splitlines()]
-    steps = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (rl / "metrics.jsonl").read_text().splitlines()]
     first, last = evals[0], evals[-1]
     summary = {
         "heldout_accuracy_before": first["accuracy"], "heldout_accuracy_after": last["accuracy"],
         "rl_steps": last["step"], "eval_curve": [(e["step"], round(e["accuracy"], 3)) for e in evals],
         "max_staleness_seen": max(int(r.get("staleness/max", 0)) for r in steps),
         "train_reward_first": steps[0].get("rollout/reward_mean"), "train_reward_last": steps[-1].get("rollout/reward_mean"),
-        "wall_s": round(time.time() - t0, 1), "tensorboard": str(grpo / "tb"), "output_dir": str(grpo),
+        "wall_s": round(time.time() - t0, 1), "tensorboard": str(rl / "tb"), "output_dir": str(rl),
     }
-    print(f"[{time.time() - t0:5.0f}s] stage 3/3: async GRPO done", flush=True)
+    print(f"[{time.time() - t0:5.0f}s] stage 3/3: RL ({rl_config}) done", flush=True)
     return summary
 
 
