@@ -180,6 +180,119 @@ def _skip_adam_step_on_param_state_load(optimizer: Any):
                 st["step"] = st["step"].detach().clone()
 
 
+def _fix_param_group_index_map(optimizer: Any) -> None:
+    """Work around a megatron-core 0.16.1 DistributedOptimizer bug with mixed-dtype param groups.
+
+    Our bf16 models are mixed-dtype: the "local" layer spec's torch RMSNorm weights stay fp32
+    (megatron's own training loop would cast the whole model with Float16Module; we do not),
+    while linears, embeddings and Qwen2's qkv bias are bf16. megatron puts biases and norms in
+    the same (no weight-decay) param group, so for Qwen2 one group holds fp32 AND bf16 params
+    (Llama has no biases: each of its groups has one dtype, which is why only Qwen2 failed).
+
+    ``_build_optimizer_group_ranges`` records every param's (group_index, group_order) in
+    grad-buffer order (fp32 and bf16 params live in different buffers), but
+    ``_build_model_and_main_param_groups`` then installs each inner-optimizer group as
+    ``[*fp32 shards, *fp32-from-bf16 shards]`` and never rebuilds the map. Training is
+    unaffected (the step uses the parallel model/shard group lists), but checkpointing looks up
+    ``optimizer.param_groups[g]["params"][order]`` through the stale map and gets ANOTHER
+    param's main param / Adam state: ``get_parameter_state_dp_zero`` (behind
+    fully_reshardable save) fails with "The size of tensor a (128) must match the size of
+    tensor b (64)" (qkv bias vs an RMSNorm weight), and where sizes happen to agree the state
+    would be silently swapped; load (``_set_main_param_and_optimizer_states``) has the same flaw.
+    Upstream: NVIDIA/Megatron-LM issue #2777, fixed the same way in PR #5835 (rebuild the map
+    in the installed order). For single-dtype groups and fixed megatron versions the rebuilt
+    map is identical to megatron's, so this is a no-op there.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not hasattr(opt, "model_param_group_index_map"):  # not a DistributedOptimizer
+            continue
+        fixed = {}
+        for g, (fp32, f16) in enumerate(zip(opt.model_fp32_groups, opt.model_float16_groups)):
+            for order, p in enumerate([*fp32, *f16]):  # the order installed in param_groups[g]
+                fixed[p] = (g, order)
+        assert fixed.keys() == opt.model_param_group_index_map.keys()
+        for g, group in enumerate(opt.optimizer.param_groups):
+            assert len(group["params"]) == sum(1 for gi, _ in fixed.values() if gi == g)
+        opt.model_param_group_index_map = fixed
+
+
+def _fix_float16_optimizer_sharded_state_dict(optimizer: Any) -> None:
+    """Work around megatron-core 0.16.1's NON-distributed bf16/fp16 optimizer
+    (Float16OptimizerWithFloat16Params) being unable to checkpoint fp32 params.
+
+    Same root cause as :func:`_fix_param_group_index_map`: our bf16 models keep the RMSNorm
+    weights in fp32. ``Float16OptimizerWithFloat16Params.sharded_state_dict`` assumes every
+    optimized param is 16-bit: it numbers optimizer state ids by iterating ``float16_groups``
+    only, while torch numbers them over ALL params of ``param_groups`` (fp32 ones included, in
+    place), and it pairs each group's state ids with that group's fp32 master copies by
+    position. With fp32 params present the ids shift: Llama bf16 fails with "Param id 10 does
+    not match any model sharded param", Qwen2 bf16 with "Optimizer shape ((64,) does not match
+    model shape ((128,))" -- so no bf16 checkpoint could be saved without the distributed
+    optimizer. This replacement builds both mappings from the inner optimizer's real order; the
+    tensor keys (``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>`` + common_step)
+    are megatron's, only the fp32-master container becomes a dict (see below) and
+    ``load_state_dict`` converts it back before calling megatron's. Installed only on instances
+    that hold fp32 params (single-dtype models keep megatron's code path and format).
+    """
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        make_sharded_optimizer_tensor,
+        optim_state_to_sharding_state,
+    )
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, Float16OptimizerWithFloat16Params) or not any(opt.fp32_from_fp32_groups):
+            continue
+
+        def sharded_state_dict(model_sharded_state_dict, is_loading=False, metadata=None, _opt=opt):
+            if is_loading:
+                _opt.init_state_fn(_opt.optimizer, _opt.config)
+            state_dict = _opt.state_dict()
+            # torch's state ids: params enumerated over param_groups in order. For 16-bit params
+            # the optimizer holds the fp32 master copy; map it back to the model param, whose
+            # sharded tensor (same id(.data)) carries the key/sharding.
+            model_of_main = {
+                id(main): p
+                for g16, g32 in zip(_opt.float16_groups, _opt.fp32_from_float16_groups)
+                for p, main in zip(g16, g32)
+            }
+            optim_params = [q for g in _opt.optimizer.param_groups for q in g["params"]]
+            state_id = {id(q): i for i, q in enumerate(optim_params)}
+            id_to_sharded = get_param_id_to_sharded_param_map(
+                model_sharded_state_dict, [model_of_main.get(id(q), q) for q in optim_params]
+            )
+            # A dict {group index: [...]}, not megatron's list of lists: a group with no 16-bit
+            # params (Llama's norms-only group) gives an empty inner list, and
+            # dist_checkpointing's extract_matching_values/merge shift list positions around
+            # empty lists, so load failed with "Cannot merge two lists with different lengths
+            # (0 and 10)". Dicts keep their keys; load_state_dict below turns it back.
+            state_dict["fp32_from_fp16_params"] = {
+                g: [
+                    make_sharded_optimizer_tensor(
+                        id_to_sharded[state_id[id(main)]], main, prefix="optimizer.state.fp32_param"
+                    )
+                    for main in g32
+                ]
+                for g, g32 in enumerate(_opt.fp32_from_float16_groups)
+            }
+            step = _opt._extract_common_per_param_step(state_dict["optimizer"])
+            optim_state_to_sharding_state(state_dict["optimizer"], id_to_sharded, exclude_keys="step")
+            if step:
+                state_dict["optimizer"]["state"]["common_step"] = step
+            return state_dict
+
+        def load_state_dict(state_dict, _opt=opt):
+            saved = state_dict.get("fp32_from_fp16_params")
+            if isinstance(saved, dict):
+                groups = [saved[g] for g in range(len(_opt.fp32_from_float16_groups))]
+                state_dict = {**state_dict, "fp32_from_fp16_params": groups}
+            return type(_opt).load_state_dict(_opt, state_dict)
+
+        opt.sharded_state_dict = sharded_state_dict
+        opt.load_state_dict = load_state_dict
+
+
 class MegatronTrainEngine(TrainEngine):
     """A megatron-core policy/critic with Megatron DDP, optimizer and LR schedule.
 
@@ -255,6 +368,9 @@ class MegatronTrainEngine(TrainEngine):
             ),
             self.chunks,
         )
+        # megatron-core 0.16.1 checkpointing bugs with our mixed fp32/bf16 params (see each).
+        _fix_param_group_index_map(self.optimizer)
+        _fix_float16_optimizer_sharded_state_dict(self.optimizer)
         # megatron's scheduler asserts decay_steps > warmup even for "constant".
         decay_steps = o.lr_decay_steps if o.lr_decay_steps is not None else o.lr_warmup_steps + 1
         self.scheduler = OptimizerParamScheduler(

@@ -1,0 +1,122 @@
+"""bf16 save -> load -> exact continuation, 2 gloo ranks (TP1 x PP1 x DP2), one torchrun launch
+(driven and asserted by tests/test_engine.py::test_bf16_resume_is_exact, which reads --out):
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python -m torch.distributed.run --standalone --nproc-per-node 2 \
+        tests/dist/engine_bf16_resume.py --work-dir D --out R.json
+
+Regression check for megatron-core 0.16.1 optimizer-checkpoint bugs with our bf16 models, whose
+RMSNorm weights stay fp32 (local layer spec, no Float16Module) -- see
+areal_mega.megatron.engine._fix_param_group_index_map and _fix_float16_optimizer_sharded_state_dict:
+
+    qwen2_distopt   Qwen2 (qkv bias: fp32 norms + bf16 biases share a param group), distributed
+                    optimizer -- save used to fail in get_parameter_state_dp_zero with
+                    "The size of tensor a (128) must match the size of tensor b (64)".
+    qwen2_plain     Qwen2, non-distributed optimizer -- save failed ("Optimizer shape ((64,)
+                    does not match model shape ((128,))").
+    llama_plain     Llama, non-distributed optimizer (a norms-only param group: no 16-bit params)
+                    -- save failed ("Param id 10 does not match any model sharded param").
+
+Per case: engine from the HF weights -> step 1 -> save -> step 2 -> forward -> step 3 (the
+uninterrupted run); then a fresh engine with random weights loads the checkpoint and takes
+steps 2 and 3. Step 2's loss checks the restored weights; the post-step-2 log-probs and step 3's
+loss check the restored fp32 master weights, Adam moments and step count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
+from areal_mega.megatron.model import MegatronModelConfig
+from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
+from areal_mega.models import load_hf_config
+from areal_mega.parallel import ParallelConfig, ParallelLayout
+from engine_checks import TEMPERATURE, VOCAB, make_batch, make_loss_fn  # sibling script
+
+CASES = (("qwen2_distopt", "qwen2", True), ("qwen2_plain", "qwen2", False), ("llama_plain", "llama", False))
+
+
+def make_tiny(path: str, arch: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    kw = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+
+
+def build(hf_dir: str, distributed_optimizer: bool, load_weights: bool) -> MegatronTrainEngine:
+    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=1, pipeline_parallel=1), dist.get_world_size())
+    groups = init_model_parallel(layout, backend="gloo", seed=1234)
+    cfg = MegatronEngineConfig(
+        model=MegatronModelConfig(dtype="bfloat16"),
+        # lr 1e-3 so that bf16 weights visibly move every step; weight decay exercises both groups.
+        optimizer=OptimizerConfig(
+            lr=1e-3, lr_warmup_steps=1, weight_decay=0.01, adam_eps=1e-5, clip_grad=1.0,
+            use_distributed_optimizer=distributed_optimizer,
+        ),
+        max_tokens_per_microbatch=64,
+    )
+    return MegatronTrainEngine.create(cfg, load_hf_config(hf_dir), groups, hf_dir if load_weights else None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work-dir", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    batch = make_batch()
+    loss_fn, _ = make_loss_fn(batch)
+    res: dict = {}
+    for name, arch, distopt in CASES:
+        t0 = time.perf_counter()
+        hf_dir = os.path.join(args.work_dir, f"tiny_{arch}")
+        ckpt = os.path.join(args.work_dir, f"ckpt_{name}")
+        if rank == 0 and not os.path.isdir(hf_dir):
+            make_tiny(hf_dir, arch)
+        dist.barrier()
+        engine = build(hf_dir, distopt, load_weights=True)
+        assert engine.model.chunks[0].decoder.final_layernorm.weight.dtype == torch.float32  # mixed model
+        before = engine.forward_logprobs(batch, temperature=TEMPERATURE)
+        step1 = engine.train_batch(batch, loss_fn, temperature=TEMPERATURE)
+        engine.set_version(3)
+        engine.save(ckpt)
+        ref = {"step2": engine.train_batch(batch, loss_fn, temperature=TEMPERATURE)}
+        ref["after2"] = engine.forward_logprobs(batch, temperature=TEMPERATURE).tolist()
+        ref["step3"] = engine.train_batch(batch, loss_fn, temperature=TEMPERATURE)
+        destroy_model_parallel()
+
+        resumed = build(hf_dir, distopt, load_weights=False)
+        resumed.load(ckpt)
+        got = {"version": resumed.get_version(), "step2": resumed.train_batch(batch, loss_fn, temperature=TEMPERATURE)}
+        got["after2"] = resumed.forward_logprobs(batch, temperature=TEMPERATURE).tolist()
+        got["step3"] = resumed.train_batch(batch, loss_fn, temperature=TEMPERATURE)
+        destroy_model_parallel()
+        res[name] = {
+            "distributed_optimizer": distopt, "before": before.tolist(), "step1": step1,
+            "ref": ref, "resumed": got, "seconds": time.perf_counter() - t0,
+        }
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
