@@ -173,7 +173,7 @@ def bf16_resume_results(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["qwen2_distopt", "qwen2_plain", "llama_plain"])
+@pytest.mark.parametrize("case", ["qwen2_distopt", "qwen2_plain", "llama_plain", "qwen2_distopt_to_tp2"])
 def test_bf16_resume_is_exact(bf16_resume_results, case):
     """bf16 models (fp32 RMSNorm weights, bf16 rest; Qwen2's qkv bias shares a param group with
     the norms) save their optimizer state with and without the distributed optimizer at DP2, and
@@ -182,14 +182,18 @@ def test_bf16_resume_is_exact(bf16_resume_results, case):
     _fix_float16_optimizer_sharded_state_dict)."""
     c = bf16_resume_results[case]
     ref, got = c["ref"], c["resumed"]
-    assert c["distributed_optimizer"] == (case == "qwen2_distopt")
+    assert c["distributed_optimizer"] == case.startswith("qwen2_distopt")
+    # Same layout: bit for bit (measured 0.0). Saved at TP1 x DP2, resumed at TP2: the TP-split bf16
+    # matmuls round differently, so losses agree to 1e-4 (measured 2.7e-5) and log-probs to bf16
+    # noise, 2e-2 (measured 7.9e-3), far below what one step moves them (0.9).
+    tol, logp_tol = (1e-6, 1e-6) if c["resume_tp"] == 1 else (1e-4, 2e-2)
     assert got["version"] == 3
     assert got["step2"]["step"] == ref["step2"]["step"] == 2
     assert got["step3"]["step"] == 3
     # same restored weights -> the same step-2 loss and gradient
-    assert abs(got["step2"]["loss"] - ref["step2"]["loss"]) <= 1e-6
-    assert got["step2"]["grad_norm"] == pytest.approx(ref["step2"]["grad_norm"], rel=1e-6)
+    assert abs(got["step2"]["loss"] - ref["step2"]["loss"]) <= tol
+    assert got["step2"]["grad_norm"] == pytest.approx(ref["step2"]["grad_norm"], rel=max(tol, 1e-6), abs=tol)
     # the step-2 update depends on the restored fp32 master weights, Adam moments and step count
-    assert _maxdiff(got["after2"], ref["after2"]) <= 1e-6
-    assert abs(got["step3"]["loss"] - ref["step3"]["loss"]) <= 1e-6
+    assert _maxdiff(got["after2"], ref["after2"]) <= logp_tol
+    assert abs(got["step3"]["loss"] - ref["step3"]["loss"]) <= tol
     assert _maxdiff(ref["after2"], c["before"]) > 1e-2  # the steps did move the policy

@@ -39,7 +39,14 @@ from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from engine_checks import TEMPERATURE, VOCAB, make_batch, make_loss_fn  # sibling script
 
-CASES = (("qwen2_distopt", "qwen2", True), ("qwen2_plain", "qwen2", False), ("llama_plain", "llama", False))
+# (name, family, distributed optimizer, TP of the resumed engine: 2 = saved at TP1 x DP2, loaded
+# at TP2 x DP1, so weights AND optimizer state are resharded)
+CASES = (
+    ("qwen2_distopt", "qwen2", True, 1),
+    ("qwen2_plain", "qwen2", False, 1),
+    ("llama_plain", "llama", False, 1),
+    ("qwen2_distopt_to_tp2", "qwen2", True, 2),
+)
 
 
 def make_tiny(path: str, arch: str) -> None:
@@ -58,8 +65,8 @@ def make_tiny(path: str, arch: str) -> None:
     model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
 
-def build(hf_dir: str, distributed_optimizer: bool, load_weights: bool) -> MegatronTrainEngine:
-    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=1, pipeline_parallel=1), dist.get_world_size())
+def build(hf_dir: str, distributed_optimizer: bool, load_weights: bool, tp: int = 1) -> MegatronTrainEngine:
+    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=1), dist.get_world_size())
     groups = init_model_parallel(layout, backend="gloo", seed=1234)
     cfg = MegatronEngineConfig(
         model=MegatronModelConfig(dtype="bfloat16"),
@@ -83,7 +90,7 @@ def main() -> None:
     batch = make_batch()
     loss_fn, _ = make_loss_fn(batch)
     res: dict = {}
-    for name, arch, distopt in CASES:
+    for name, arch, distopt, resume_tp in CASES:
         t0 = time.perf_counter()
         hf_dir = os.path.join(args.work_dir, f"tiny_{arch}")
         ckpt = os.path.join(args.work_dir, f"ckpt_{name}")
@@ -101,14 +108,14 @@ def main() -> None:
         ref["step3"] = engine.train_batch(batch, loss_fn, temperature=TEMPERATURE)
         destroy_model_parallel()
 
-        resumed = build(hf_dir, distopt, load_weights=False)
+        resumed = build(hf_dir, distopt, load_weights=False, tp=resume_tp)
         resumed.load(ckpt)
         got = {"version": resumed.get_version(), "step2": resumed.train_batch(batch, loss_fn, temperature=TEMPERATURE)}
         got["after2"] = resumed.forward_logprobs(batch, temperature=TEMPERATURE).tolist()
         got["step3"] = resumed.train_batch(batch, loss_fn, temperature=TEMPERATURE)
         destroy_model_parallel()
         res[name] = {
-            "distributed_optimizer": distopt, "before": before.tolist(), "step1": step1,
+            "distributed_optimizer": distopt, "resume_tp": resume_tp, "before": before.tolist(), "step1": step1,
             "ref": ref, "resumed": got, "seconds": time.perf_counter() - t0,
         }
     if rank == 0:
