@@ -162,4 +162,7 @@ def test_sender_pack_reuses_two_buffers_bytes_exact():
     assert torch.equal(pc, expect(c)) and torch.equal(pb, expect(b))
     (pa2,) = sender.pack(a)  # reuses b's slot
     assert pa2.data_ptr() == pb.data_ptr() and torch.equal(pa2, expect(a))
+    sender.release_buffers()  # end of a sync: kept on CPU (fresh ones would page-fault)
+    (pb2,) = sender.pack(b)
+    assert pb2.data_ptr() == pc.data_ptr() and torch.equal(pb2, expect(b))
     sender.close()

@@ -20,7 +20,8 @@ class WeightSyncConfig:
     bucket_mib: float = 512.0
     """Bucket size in MiB: tensors are packed into buckets of at most this many bytes, one
     broadcast per bucket (a tensor larger than a bucket gets a bucket of its own). Each stage
-    sender holds two buffers of the largest bucket (packing one while the other is sent)."""
+    sender packs into two buffers of the largest bucket (one packed while the other is sent), kept
+    between syncs on CPU and released after each sync on GPU."""
     load_format: Literal["flattened_bucket", "per_tensor"] = "flattened_bucket"
     """"flattened_bucket": one uint8 buffer per bucket (one collective per bucket);
     "per_tensor": one broadcast per tensor (older servers)."""

@@ -328,6 +328,8 @@ class WeightSync:
                         pending()
                     except Exception as e:  # noqa: BLE001
                         err = err or f"{type(e).__name__}: {e}"
+                if self._sender is not None:
+                    self._sender.release_buffers()
             self._agree(err)
 
     def _disk_sync(self, version: int) -> None:

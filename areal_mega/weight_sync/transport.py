@@ -235,10 +235,11 @@ class BroadcastSender:
         self.load_format = load_format
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.group: Any = None
-        # Two flat bucket buffers, reused across buckets and syncs: one is being broadcast while
-        # the next bucket is packed into the other. A fresh buffer per bucket costs more than the
-        # copy into it (CPU: page faults, ~34 ms per 64 MiB on the dev VM vs ~6 ms for the copy;
-        # GPU: allocator churn next to training's memory), so the sender holds 2 x bucket bytes.
+        # Two flat bucket buffers, reused across buckets: one is being broadcast while the next
+        # bucket is packed into the other. On CPU a fresh buffer per bucket costs more than the
+        # copy into it (page faults: ~34 ms per 64 MiB on the dev VM vs ~6 ms for the copy), so
+        # they are also kept across syncs; on GPU :meth:`release_buffers` hands them back to the
+        # caching allocator after each sync, for training (a bucket can be a whole 2 GB embedding).
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._next = 0
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.servers)))
@@ -300,6 +301,12 @@ class BroadcastSender:
             out[off : off + f.numel()].copy_(f, non_blocking=True)
             off += f.numel()
         return [out]
+
+    def release_buffers(self) -> None:
+        """End of a sync: drop the bucket buffers on GPU (training needs the memory; the caching
+        allocator makes the next sync's allocation cheap); keep them on CPU (page faults)."""
+        if self.device.type != "cpu":
+            self._buffers = [None, None]
 
     def start_bucket(
         self,
