@@ -4,8 +4,9 @@ Dataflow of one ``train_batch`` (every rank calls it with the SAME global batch)
 
     global packed batch ──plan_microbatches (pure, identical on all ranks)──► this DP rank's
     micro-batches (same count on every DP rank) ──forward_backward_func (megatron schedule;
-    PP p2p with variable_seq_lengths)──► last stage: logits [T_mb, V/tp] ──vocab-parallel
-    log-softmax (3 all-reduces on the TP group)──► loss_fn(logprobs, entropy, mb) ──► backward
+    PP p2p with variable_seq_lengths; under VPP the interleaved schedule with micro-batches
+    padded to one length, see _configure_interleaved_p2p)──► last stage: logits [T_mb, V/tp]
+    ──vocab-parallel log-softmax (3 all-reduces on the TP group)──► loss_fn(logprobs, entropy, mb) ──► backward
     ──finalize_model_grads (DP all-reduce, tied-embedding all-reduce)──► optimizer.step
     (Adam, optional distributed optimizer, grad clipping) with LR from OptimizerParamScheduler
 
@@ -45,6 +46,7 @@ from areal_mega.api.engine import TrainEngine
 from areal_mega.megatron.logprobs import vocab_parallel_logprobs
 from areal_mega.megatron.model import MegatronModel, MegatronModelConfig, packed_causal_mask
 from areal_mega.megatron.packing import (
+    PAD_TOKEN_ID,
     last_token_mask,
     next_token_labels,
     plan_microbatches,
@@ -293,6 +295,59 @@ def _fix_float16_optimizer_sharded_state_dict(optimizer: Any) -> None:
         opt.load_state_dict = load_state_dict
 
 
+def _microbatch_group_size(num_microbatches: int, pp: int) -> int:
+    """megatron's ``microbatch_group_size_per_vp_stage`` for the interleaved schedule: micro-batches
+    each model chunk runs back to back. 0.16.1 requires pp <= N <= M and M % N == 0 or >= pp; the
+    smallest valid N (megatron's default is pp) keeps the warm-up, and so activation memory, lowest."""
+    for n in range(pp, num_microbatches + 1):
+        r = num_microbatches % n
+        if r == 0 or r >= pp:
+            return n
+    raise ValueError(f"interleaved pipeline: needs >= pp ({pp}) micro-batches, got {num_microbatches}")
+
+
+def _trimmed_loss(loss_func: Callable, mb: dict[str, torch.Tensor], num_tokens: int, output: torch.Tensor):
+    """loss_func on the real tokens of a padded micro-batch's output [1, T_pad, ...]."""
+    return loss_func(mb, output[:, :num_tokens])
+
+
+def _configure_interleaved_p2p(tcfg: Any) -> None:
+    """Pipeline p2p settings under which megatron-core 0.16.1's interleaved (VPP) schedule trains
+    correctly; applied to the model's (shared) TransformerConfig.
+
+    Why megatron's defaults give wrong gradients: in steady-state interleaved 1F1B a stage sends
+    activations to the NEXT stage and gradients to the PREVIOUS stage in one p2p call, and with
+    pp == 2 next and previous are the SAME rank. The default ``batch_p2p_comm=True`` posts every
+    rank's ops as send_prev, recv_prev, send_next, recv_next, so rank A sends (gradient,
+    activation) to B while B receives (activation, gradient) from A; messages between two ranks
+    match in posting order (gloo: same peer, same tag), so the activation lands in the gradient
+    buffer and vice versa. With one fixed shape this is silent: measured at PP2 x VPP2 with 4
+    micro-batches, grad norm 54.3 instead of 0.974 and loss off by 9.9e-4 (activations swapped
+    too). It needs M > pp micro-batches: with M == pp every step is warm-up or cool-down and no
+    call sends both ways. Megatron-LM's own argument check forbids it ("When interleaved schedule
+    is used and p2p communication overlap is disabled, pipeline-model-parallel size should be
+    greater than 2 ..."); its default for interleaving is overlap_p2p_comm=True and
+    batch_p2p_comm=False, which we use: ``_p2p_ops`` orders the ops by even/odd rank and, in a
+    2-rank pipeline group, sends the two directions over different process groups (pp vs
+    WORLD), so they cannot cross (tests/dist/engine_vpp.py: equal to plain PP2 within 1e-6).
+
+    Why no variable lengths: ``variable_seq_lengths`` first exchanges shapes, and that exchange is
+    always batched in the same crossing order, whatever ``batch_p2p_comm`` says. Measured with
+    packed micro-batches: batched p2p -> a rank receives another micro-batch's activation
+    ("size of tensor a (70) must match ... b (49)"); unbatched p2p -> the swapped shapes no
+    longer match the data (gloo "Received data size doesn't match expected size", 17920 vs 12544
+    bytes); an earlier attempt saw a hang. So under VPP ``_run_schedule`` pads every micro-batch
+    to the longest one of the step (fixed p2p shape). Cost: M * T_max token positions computed
+    instead of sum(T_i), plus a [T_max, T_max] mask per micro-batch on the mask path -- on the
+    test batch +24% (4 micro-batches: 70/61/49/45 tokens) and +56% (5: 70/61/40/28/26); a filler
+    micro-batch (fewer real ones than pp) costs a whole padded micro-batch. Keep micro-batches
+    even (sequences no longer than max_tokens_per_microbatch) to keep the waste small.
+    """
+    tcfg.batch_p2p_comm = False
+    tcfg.overlap_p2p_comm = True
+    tcfg.variable_seq_lengths = False
+
+
 class MegatronTrainEngine(TrainEngine):
     """A megatron-core policy/critic with Megatron DDP, optimizer and LR schedule.
 
@@ -316,14 +371,12 @@ class MegatronTrainEngine(TrainEngine):
         if cfg.attention == "thd" and model.layer_spec != "te":
             raise ValueError("attention: 'thd' needs the transformer-engine layer spec (model.layer_spec='te')")
         if model.groups.layout.vpp:
-            # megatron-core 0.16.1's interleaved 1F1B deadlocks in the p2p shape exchange that
-            # variable_seq_lengths needs (gloo); padding every micro-batch to one length made it
-            # run, but gave wrong losses/gradients with > pp micro-batches (loss off by 1e-3,
-            # grad norm 53 vs 0.97). Until that is understood, refuse instead of training wrong.
-            raise ValueError(
-                f"virtual_pipeline_parallel: {model.groups.layout.vpp} is not supported by "
-                "MegatronTrainEngine (interleaved pipeline training is untested/incorrect here); use None"
-            )
+            if cfg.attention == "thd":
+                raise ValueError(
+                    "attention: 'thd' with virtual_pipeline_parallel is not supported (the interleaved "
+                    "schedule pads micro-batches to one length; untested with TE's packed kernels)"
+                )
+            _configure_interleaved_p2p(model.config)
         self.cfg = cfg
         self.model = model
         self.groups = model.groups
@@ -339,7 +392,9 @@ class MegatronTrainEngine(TrainEngine):
             self.optimizer = self.scheduler = None
             return
         tcfg = model.config
-        assert tcfg.variable_seq_lengths, "packed micro-batches differ in length: PP p2p must send shapes"
+        # Packed micro-batches differ in length: PP p2p must send shapes -- except under VPP,
+        # where _run_schedule pads them to one length instead (see _configure_interleaved_p2p).
+        assert tcfg.variable_seq_lengths != bool(self.layout.vpp)
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
             overlap_grad_reduce=False,
@@ -415,7 +470,10 @@ class MegatronTrainEngine(TrainEngine):
     # ------------------------------------------------------------------ internals
     def _plan(self, batch: dict[str, torch.Tensor]):
         lens = validate_batch(batch)
-        plan = plan_microbatches(lens, self.cfg.max_tokens_per_microbatch, self.layout.dp)
+        # The interleaved schedule needs >= pp micro-batches (its micro-batch groups hold >= pp):
+        # fewer real ones get filler micro-batches (one pad token, zero share).
+        min_mb = self.layout.pp if self.layout.vpp else 1
+        plan = plan_microbatches(lens, self.cfg.max_tokens_per_microbatch, self.layout.dp, min_microbatches=min_mb)
         mine = plan.per_rank[self.groups.coords.dp]
         return plan, [slice_microbatch(batch, mb) for mb in mine]
 
@@ -452,17 +510,36 @@ class MegatronTrainEngine(TrainEngine):
     def _run_schedule(self, mbs: list[dict[str, torch.Tensor]], loss_func: Callable, forward_only: bool) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        def step(data_iterator, chunk):
-            mb = {k: v.to(self._device) for k, v in next(data_iterator).items()}
-            return self._model_forward(chunk, mb), partial(loss_func, mb)
-
+        seq_length = max(int(mb["input_ids"].numel()) for mb in mbs)
         many = len(self.chunks) > 1
+        if many:
+            # Interleaved 1F1B: fixed-shape p2p (no variable_seq_lengths, see
+            # _configure_interleaved_p2p), so every micro-batch runs padded to the longest one.
+            self.model.config.microbatch_group_size_per_vp_stage = _microbatch_group_size(len(mbs), self.layout.pp)
+
+        def step(data_iterator, chunk):
+            # Each chunk has its own iterator over the same list: megatron's interleaved schedule
+            # runs every chunk's forwards in micro-batch order (get_schedule_table), warm-up and
+            # cool-down included, so the k-th next() of every chunk is micro-batch k.
+            mb = {k: v.to(self._device) for k, v in next(data_iterator).items()}
+            T = int(mb["input_ids"].numel())
+            if not many or T == seq_length:
+                return self._model_forward(chunk, mb), partial(loss_func, mb)
+            # Padding = one extra "sequence" of pad tokens after the real ones: the block-diagonal
+            # mask keeps it out of the real tokens' attention, RoPE is relative, so the real
+            # positions compute exactly what they would unpadded; the loss sees only those.
+            padded = {
+                "input_ids": torch.cat([mb["input_ids"], mb["input_ids"].new_full((seq_length - T,), PAD_TOKEN_ID)]),
+                "cu_seqlens": torch.cat([mb["cu_seqlens"], mb["cu_seqlens"].new_full((1,), seq_length)]),
+            }
+            return self._model_forward(chunk, padded), partial(_trimmed_loss, loss_func, mb, T)
+
         return get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=[iter(mbs) for _ in self.chunks] if many else iter(mbs),
             model=self.chunks if many else self.chunks[0],
             num_microbatches=len(mbs),
-            seq_length=max(int(mb["input_ids"].numel()) for mb in mbs),  # ignored: variable_seq_lengths
+            seq_length=seq_length,  # the p2p shape under VPP; ignored (variable_seq_lengths) otherwise
             micro_batch_size=1,
             forward_only=forward_only,
         )

@@ -6,10 +6,10 @@
 
 A tiny random Qwen2 (fp32, vocab 200 -> padded to 256, 4 layers, GQA 4/2 heads, qkv bias) is
 written by rank 0, then the SAME packed batch (7 sequences of 3..61 tokens, token budget 64 so
-there are several micro-batches and one sequence over the budget) goes through four layouts of
+there are several micro-batches and one sequence over the budget) goes through five layouts of
 the same 4 ranks, one after another in this process:
 
-    TP1 (dp 4)   TP2 (dp 2)   PP2 (dp 2)   TP2 x PP2 (dp 1)
+    TP1 (dp 4)   TP2 (dp 2)   PP2 (dp 2)   TP2 x PP2 (dp 1)   TP2 x PP2 x VPP2 (dp 1, interleaved)
 
 Per layout: forward (log-probs + entropy, temperature 0.8) -> one train_batch (Adam, warm-up,
 distributed optimizer, clip) -> forward again. At TP2 the engine is saved after the step and
@@ -140,8 +140,9 @@ def engine_cfg(budget: int) -> MegatronEngineConfig:
     )
 
 
-def build(tp: int, pp: int, hf_dir: str, budget: int = 64, load_weights: bool = True):
-    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), dist.get_world_size())
+def build(tp: int, pp: int, hf_dir: str, budget: int = 64, load_weights: bool = True, vpp: int | None = None):
+    pcfg = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline_parallel=vpp)
+    layout = ParallelLayout.build(pcfg, dist.get_world_size())
     groups = init_model_parallel(layout, backend="gloo", seed=1234)
     return MegatronTrainEngine.create(engine_cfg(budget), load_hf_config(hf_dir), groups, hf_dir if load_weights else None)
 
@@ -190,9 +191,10 @@ def main() -> None:
     loss_fn, total = make_loss_fn(batch)
     res: dict = {"layouts": {}, "timing_s": {}}
 
-    for name, tp, pp in (("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2), ("tp2pp2", 2, 2)):
+    layouts = (("tp1", 1, 1, None), ("tp2", 2, 1, None), ("pp2", 1, 2, None), ("tp2pp2", 2, 2, None), ("tp2pp2vpp2", 2, 2, 2))
+    for name, tp, pp, vpp in layouts:
         t0 = time.perf_counter()
-        engine = build(tp, pp, hf_dir)
+        engine = build(tp, pp, hf_dir, vpp=vpp)
         before, stats, after = one_step(engine, batch, loss_fn)
         r = {
             "logprobs": before["logprobs"].tolist(),
@@ -203,7 +205,7 @@ def main() -> None:
             "dp": engine.layout.dp,
             "num_microbatches": stats["num_microbatches"],
         }
-        if name in ("tp1", "tp2pp2"):
+        if name in ("tp1", "tp2pp2", "tp2pp2vpp2"):
             r["ppo"] = ppo_plugin_step(engine, batch)
         if name == "tp2":
             engine.set_version(7)
