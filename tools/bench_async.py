@@ -11,6 +11,9 @@ one invocation. Prints ONE JSON line:
   T_s                  training time per step: prox_logp + train + weight_sync (synchronous run)
   ideal_speedup        (G + T) / max(G, T): perfect overlap of generation and training
   speedup_over_ideal   speedup / ideal_speedup (the issue's target: >= 0.85)
+  ideal_speedup_sync_paused, speedup_over_ideal_sync_paused
+                       the same with generation paused during the weight sync (S = weight_sync
+                       time of the sync run): best async step = max(T, G + S)
   async_wait_s         the async learner's remaining wait for a batch per step (0 = fully hidden)
   async_step_over_max_GT   async step time / max(G, T of the async run itself): 1.0 = perfect
                        overlap, whatever the machine's load did between the two runs
@@ -306,12 +309,18 @@ def main() -> int:
     sync, asyn = _summary(rows["sync"]), _summary(rows["async"])
     G, T = sync["rollout_s"], sync["T_s"]
     ideal = (G + T) / max(G, T)
+    # Generation cannot run during a weight sync (servers are paused), so even perfect overlap
+    # has a step of max(T, G + S): the ideal that accounts for it.
+    S = sync["weight_sync_s"]
+    ideal_paused = (G + T) / max(T, G + S)
     speedup = asyn["samples_per_s"] / sync["samples_per_s"]
     r4 = lambda x: round(x, 4)  # noqa: E731
     result = {
         "sync_samples_per_s": r4(sync["samples_per_s"]), "async_samples_per_s": r4(asyn["samples_per_s"]),
         "speedup": r4(speedup), "G_s": r4(G), "T_s": r4(T), "ideal_speedup": r4(ideal),
-        "speedup_over_ideal": r4(speedup / ideal), "steps": args.steps * args.rounds, "warmup_steps": args.warmup_steps,
+        "speedup_over_ideal": r4(speedup / ideal),
+        "ideal_speedup_sync_paused": r4(ideal_paused), "speedup_over_ideal_sync_paused": r4(speedup / ideal_paused),
+        "steps": args.steps * args.rounds, "warmup_steps": args.warmup_steps,
         "rounds": args.rounds, "T_s_async_run": r4(asyn["T_s"]),
         # Load-independent view of the overlap: how long the async learner still waits for
         # generation per step, and its step time over the slower stage max(G, T of that run).
