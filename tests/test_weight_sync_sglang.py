@@ -110,6 +110,19 @@ def test_disk_sync_matches_learner(run):
     assert _maxdiff(run["learner_v1"], run["learner_v2"]) > 10 * TOL
 
 
+def test_interleaved_learner_sync(run):
+    """A TP2 x PP2 x VPP2 learner (two model chunks per stage) syncs: the servers match its
+    log-probs; syncing the v2 checkpoint again restores the v2 servers exactly."""
+    assert run["plan_vpp"]["bytes"] == run["plan"]["bytes"]
+    for srv in run["v3"]:
+        assert srv["version"] == "3"
+        assert _maxdiff(srv["logprobs"], run["learner_v3"]) <= TOL
+    assert _maxdiff(run["learner_v2"], run["learner_v3"]) > 10 * TOL
+    for v2, v4 in zip(run["v2"], run["v4"]):
+        assert v4["version"] == "4"
+        assert _maxdiff(v4["logprobs"], v2["logprobs"]) <= 1e-6
+
+
 def test_mismatch_refused_servers_untouched(run):
     msg = run["mismatch_error"]
     assert msg is not None

@@ -11,7 +11,11 @@ Steps (rank 0 queries the servers between steps and writes everything to --out):
      the learner's own log-probs (forward through both stages) are recorded;
   3. second perturbation, DISK sync as version 2 (safetensors via the same export path);
   4. the v2 weights saved as a megatron checkpoint and converted to HF by
-     tools/convert_mcore_to_hf.py at TP1 x PP2.
+     tools/convert_mcore_to_hf.py at TP1 x PP2;
+  5. an INTERLEAVED learner (TP2 x PP2 x VPP2, one layer per virtual stage) loads that checkpoint,
+     is perturbed and syncs as version 3 (two model chunks per stage sender); then it reloads the
+     checkpoint and syncs it as version 4, so the servers end with the v2 weights that the
+     greedy-continuation test compares against.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from areal_mega.megatron.checkpoint import save_checkpoint
+from areal_mega.megatron.checkpoint import load_checkpoint, save_checkpoint
 from areal_mega.megatron.model import MegatronModelConfig, build_model, forward_logits, load_hf_weights
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.models import load_hf_config
@@ -172,6 +176,33 @@ def main() -> None:
     destroy_model_parallel(groups)
     converted = os.path.join(args.work_dir, "converted_v2")
     convert_mcore_to_hf.main(["--ckpt", ckpt, "--out", converted, "--tp", "1", "--pp", "2"])
+    log("converted")
+
+    # 5. interleaved-pipeline learner: v3 (perturbed), then v4 = the v2 weights again.
+    vlayout = ParallelLayout.build(
+        ParallelConfig(tensor_parallel=2, pipeline_parallel=2, virtual_pipeline_parallel=2), dist.get_world_size()
+    )
+    vgroups = init_model_parallel(vlayout, backend="gloo", seed=1)
+    vmodel = build_model(args.hf_dir, vgroups, mcfg)
+    load_checkpoint(vmodel, ckpt)
+    perturb(vmodel, 3)
+    wsv = megatron_weight_sync(cfg, adapter=vmodel.adapter, chunks=vmodel.chunks, groups=vgroups, servers=servers)
+    res["plan_vpp"] = wsv.plan.summary()
+    wsv.sync(3)
+    lp3 = learner_logprobs(vmodel)
+    if rank == 0:
+        res["v3"] = server_state(urls)
+    load_checkpoint(vmodel, ckpt)
+    wsv.sync(4)
+    if rank == 0:
+        res["v4"] = server_state(urls)
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, lp3)
+    if rank == 0:
+        res["learner_v3"] = got[vlayout.rank(pp=1)]
+    wsv.close()
+    destroy_model_parallel(vgroups)
+    log("interleaved learner synced")
     if rank == 0:
         res["converted_dir"] = converted
         with open(args.out, "w") as f:
