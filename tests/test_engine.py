@@ -74,20 +74,24 @@ def test_config_errors_name_the_key():
 
 
 # ---------------------------------------------------------------- 4 ranks, one launch
-@pytest.fixture(scope="module")
-def dist_results(tmp_path_factory):
-    work = tmp_path_factory.mktemp("engine")
+def _torchrun(script: str, nproc: int, work, timeout_s: int) -> dict:
+    """Run ``tests/dist/<script>`` under torchrun (gloo) and return the JSON it writes to --out.
+    torchrun's agent terminates the ranks when it is killed; the timeout bounds a hang."""
     out = work / "results.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-        "tests/dist/engine_checks.py", "--work-dir", str(work), "--out", str(out),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+        f"tests/dist/{script}", "--work-dir", str(work), "--out", str(out),
     ]
-    # torchrun's agent terminates the ranks when it is killed; the timeout bounds a hang.
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
-        pytest.fail(f"engine_checks.py failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        pytest.fail(f"{script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def dist_results(tmp_path_factory):
+    return _torchrun("engine_checks.py", 4, tmp_path_factory.mktemp("engine"), 480)
 
 
 def _maxdiff(a, b) -> float:
@@ -163,17 +167,7 @@ def test_rl_ppo_loss_plugs_in(dist_results):
 @pytest.fixture(scope="module")
 def bf16_resume_results(tmp_path_factory):
     """tests/dist/engine_bf16_resume.py (~20 s): bf16 Qwen2/Llama at DP2, save -> load."""
-    work = tmp_path_factory.mktemp("engine_bf16")
-    out = work / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "tests/dist/engine_bf16_resume.py", "--work-dir", str(work), "--out", str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    if proc.returncode != 0:
-        pytest.fail(f"engine_bf16_resume.py failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return json.loads(out.read_text())
+    return _torchrun("engine_bf16_resume.py", 2, tmp_path_factory.mktemp("engine_bf16"), 240)
 
 
 @pytest.mark.timeout(300)
@@ -207,17 +201,7 @@ def test_bf16_resume_is_exact(bf16_resume_results, case):
 @pytest.fixture(scope="module")
 def vpp_results(tmp_path_factory):
     """tests/dist/engine_vpp.py (~25 s): PP2 x VPP2 vs plain PP2 on the same micro-batches."""
-    work = tmp_path_factory.mktemp("engine_vpp")
-    out = work / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "tests/dist/engine_vpp.py", "--work-dir", str(work), "--out", str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    if proc.returncode != 0:
-        pytest.fail(f"engine_vpp.py failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return json.loads(out.read_text())
+    return _torchrun("engine_vpp.py", 2, tmp_path_factory.mktemp("engine_vpp"), 240)
 
 
 def _assert_same_run(got: dict, ref: dict, what: str) -> None:

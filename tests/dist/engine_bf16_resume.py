@@ -37,7 +37,7 @@ from areal_mega.megatron.model import MegatronModelConfig
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
-from engine_checks import TEMPERATURE, VOCAB, make_batch, make_loss_fn  # sibling script
+from engine_checks import TEMPERATURE, make_batch, make_loss_fn, make_tiny  # sibling script
 
 # (name, family, distributed optimizer, TP of the resumed engine: 2 = saved at TP1 x DP2, loaded
 # at TP2 x DP1, so weights AND optimizer state are resharded)
@@ -47,22 +47,6 @@ CASES = (
     ("llama_plain", "llama", False, 1),
     ("qwen2_distopt_to_tp2", "qwen2", True, 2),
 )
-
-
-def make_tiny(path: str, arch: str) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    kw = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    )
-    if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**kw))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**kw))
-    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
 
 def build(hf_dir: str, distributed_optimizer: bool, load_weights: bool, tp: int = 1) -> MegatronTrainEngine:
@@ -95,7 +79,7 @@ def main() -> None:
         hf_dir = os.path.join(args.work_dir, f"tiny_{arch}")
         ckpt = os.path.join(args.work_dir, f"ckpt_{name}")
         if rank == 0 and not os.path.isdir(hf_dir):
-            make_tiny(hf_dir, arch)
+            make_tiny(hf_dir, arch, num_layers=2, dtype=torch.bfloat16, scale=1.0)
         dist.barrier()
         engine = build(hf_dir, distopt, load_weights=True)
         assert engine.model.chunks[0].decoder.final_layernorm.weight.dtype == torch.float32  # mixed model

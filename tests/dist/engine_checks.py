@@ -43,22 +43,36 @@ WARMUP = 2
 ENT_COEF = 0.01
 
 
-def make_tiny_qwen2(path: str) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def make_tiny(path: str, family: str = "qwen2", *, num_layers: int = 4, tied: bool = False,
+              dtype: torch.dtype = torch.float32, scale: float = 1.5) -> None:
+    """A tiny random HF model (vocab VOCAB, hidden 64, GQA 4/2 heads) saved to ``path``.
+
+    ``scale``: HF's default init is tiny (std 0.02); widening it a little keeps log-probs from
+    being uniform (x3 made the model so sensitive that fp32 noise alone moved post-step log-probs
+    5e-5)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    kw = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=tied,
     )
-    model = Qwen2ForCausalLM(cfg).to(torch.float32)
-    # HF's default init is tiny (std 0.02): widen it a little so log-probs are not uniform
-    # (x3 made the model so sensitive that fp32 noise alone moved post-step log-probs 5e-5).
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1.5)
-    model.save_pretrained(path, safe_serialization=True)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    model = model.to(torch.float32)
+    if scale != 1.0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(scale)
+    model.to(dtype).save_pretrained(path, safe_serialization=True)
+
+
+def make_tiny_qwen2(path: str) -> None:
+    """The fp32 4-layer Qwen2 (qkv bias, untied) every check here uses."""
+    make_tiny(path, "qwen2")
 
 
 def make_batch() -> dict[str, torch.Tensor]:

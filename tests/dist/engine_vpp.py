@@ -39,25 +39,9 @@ from areal_mega.megatron.engine import MegatronTrainEngine
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
-from engine_checks import TEMPERATURE, VOCAB, engine_cfg, make_batch, make_loss_fn, make_tiny_qwen2  # sibling script
+from engine_checks import TEMPERATURE, engine_cfg, make_batch, make_loss_fn, make_tiny, make_tiny_qwen2  # sibling script
 
 CASES = {"mb4": 64, "mb5": 48, "mb1": 10_000}  # case -> token budget per micro-batch
-
-
-def make_tiny_tied_llama(path: str) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1.5)  # as make_tiny_qwen2: log-probs not uniform
-    model.save_pretrained(path, safe_serialization=True)
 
 
 def build(hf_dir: str, budget: int, vpp: int | None, load_weights: bool = True) -> MegatronTrainEngine:
@@ -99,7 +83,7 @@ def main() -> None:
     ckpt = os.path.join(args.work_dir, "ckpt_vpp2")
     if rank == 0:
         make_tiny_qwen2(hf_dir)
-        make_tiny_tied_llama(tied_dir)
+        make_tiny(tied_dir, "llama", tied=True)
     dist.barrier()
     batch = make_batch()
     loss_fn, _ = make_loss_fn(batch)
