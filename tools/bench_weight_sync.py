@@ -23,7 +23,8 @@ Two baselines, both one flat broadcast of all the bytes:
 On a CPU host the two differ a lot: first touches of fresh memory page-fault (~0.5 ms/MiB on
 the 2-core dev VM), and with loopback TCP as fast as memcpy, every copy weight sync adds (the
 sender's pack, the server's load) costs as much as the wire itself. On GPUs the copies run in
-HBM at ~50x the fabric's speed and allocation is cached, so there the two baselines coincide.
+HBM at ~50x the fabric's speed and allocation is cached, so there the two baselines should
+coincide (not measured: no multi-GPU host so far).
 
 A warm-up sync and warm-up broadcasts run first (group setup is a one-time cost, reported
 separately); then --repeats interleaved (sync, raw, wire) runs, and the best time of each is
@@ -80,12 +81,9 @@ def receiver(port: int, ready: "mp.Queue", load: bool) -> None:
         elif path == "/raw_broadcast":
             # fresh: a new receive buffer, as SGLang allocates one per bucket (same allocation
             # cost per byte as the sync path). warm: one buffer kept across calls (link ceiling).
-            if not body["warm"]:
-                buf = torch.empty(body["nbytes"], dtype=torch.uint8)
-            else:
-                if state.get("warm") is None or state["warm"].numel() != body["nbytes"]:
-                    state["warm"] = torch.empty(body["nbytes"], dtype=torch.uint8)
-                buf = state["warm"]
+            if body["warm"] and (state.get("warm") is None or state["warm"].numel() != body["nbytes"]):
+                state["warm"] = torch.empty(body["nbytes"], dtype=torch.uint8)
+            buf = state["warm"] if body["warm"] else torch.empty(body["nbytes"], dtype=torch.uint8)
             dist.broadcast(buf, group_src=0, group=state["groups"][body["group_name"]])
         elif path == "/destroy_weights_update_group":
             dist.destroy_process_group(state["groups"].pop(body["group_name"]))
@@ -133,7 +131,7 @@ def main() -> None:
     ap.add_argument("--bucket-mib", type=float, default=64.0)
     ap.add_argument("--receivers", type=int, default=1, help="stand-in server processes")
     ap.add_argument("--no-load", action="store_true", help="receivers skip the copy into parameters (pure transport)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed (sync, raw broadcast) pairs; the best of each is reported")
+    ap.add_argument("--repeats", type=int, default=3, help="timed (sync, raw, wire) rounds; the best time of each is reported")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
