@@ -188,7 +188,7 @@ class LocalSlurmCluster:
         """``scontrol show job`` as a dict (Slurm keeps a job ~MinJobAge = 5 min after it ends)."""
         # A busy slurmctld occasionally drops a client connection (scontrol then dies of SIGPIPE,
         # returncode -13); a poll is idempotent, so retry a few times before giving up.
-        for attempt in range(5):
+        for _ in range(5):
             r = self.run(["scontrol", "show", "job", str(job_id)], check=False)
             if r.returncode == 0:
                 return dict(tok.split("=", 1) for tok in r.stdout.split() if "=" in tok)

@@ -289,17 +289,19 @@ class BroadcastSender:
         pack after next: at most two buckets may be in flight (pack, start, pack, wait, ...)."""
         if self.load_format != "flattened_bucket":
             return [t.detach().contiguous().to(self.device) for t in tensors]
-        flats = [t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors]
-        nbytes = sum(f.numel() for f in flats)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
         buf = self._buffers[self._next]
         if buf is None or buf.numel() < nbytes:
             buf = self._buffers[self._next] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._next ^= 1
         out = buf[:nbytes]
         off = 0
-        for f in flats:
-            out[off : off + f.numel()].copy_(f, non_blocking=True)
-            off += f.numel()
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            # Copy straight into a typed view of the bucket (one copy, also for non-contiguous
+            # tensors); the planner starts every tensor at a multiple of its item size.
+            out[off : off + n].view(t.dtype).view(t.shape).copy_(t.detach(), non_blocking=True)
+            off += n
         return [out]
 
     def release_buffers(self) -> None:
