@@ -32,6 +32,7 @@ from areal_mega.inference.server import build_launch_command
 from areal_mega.launcher.config import LaunchConfig, ModelShape
 from areal_mega.launcher.memory import EngineMemory, LearnerMemory, estimate_engine, estimate_learner
 from areal_mega.parallel import ParallelConfig, ParallelLayout
+from areal_mega.rl.config import AlgorithmConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -388,10 +389,10 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
         ))
 
     m = model_shape(cfg, raw)
-    alg = raw.get("algorithm") or {}
+    # The same typed section the trainer reads (so defaults and value checks agree with it).
+    alg = from_dict(AlgorithmConfig, raw.get("algorithm") or {}, prefix="algorithm.")
     learner_mem = estimate_learner(m, lc, layout, cfg.gpu_memory_gib,
-                                   reference=float(alg.get("kl_coef") or 0) > 0,
-                                   critic=alg.get("adv_estimator") == "gae")
+                                   reference=alg.kl_coef > 0, critic=alg.adv_estimator == "gae")
     engine_mem = None
     if engines:
         engine_mem = estimate_engine(
