@@ -24,8 +24,6 @@ loss check the restored fp32 master weights, Adam moments and step count.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
 
@@ -37,7 +35,7 @@ from areal_mega.megatron.model import MegatronModelConfig
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
-from engine_checks import TEMPERATURE, make_batch, make_loss_fn, make_tiny  # sibling script
+from engine_checks import TEMPERATURE, finish_launch, make_batch, make_loss_fn, make_tiny, start_launch  # sibling script
 
 # (name, family, distributed optimizer, TP of the resumed engine: 2 = saved at TP1 x DP2, loaded
 # at TP2 x DP1, so weights AND optimizer state are resharded)
@@ -65,11 +63,7 @@ def build(hf_dir: str, distributed_optimizer: bool, load_weights: bool, tp: int 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work-dir", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
+    args = start_launch()
     rank = dist.get_rank()
     batch = make_batch()
     loss_fn, _ = make_loss_fn(batch)
@@ -102,11 +96,7 @@ def main() -> None:
             "distributed_optimizer": distopt, "resume_tp": resume_tp, "before": before.tolist(), "step1": step1,
             "ref": ref, "resumed": got, "seconds": time.perf_counter() - t0,
         }
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_launch(res, args.out)
 
 
 if __name__ == "__main__":

@@ -188,12 +188,27 @@ def ppo_plugin_step(engine, batch) -> dict:
     return {"stats": stats, "whole_loss": float(whole), "whole_clip_frac": float(whole_stats["clip_frac"])}
 
 
-def main() -> None:
+def start_launch() -> argparse.Namespace:
+    """Every check script's start: ``--work-dir D --out R.json``, then the gloo world."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--work-dir", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
+    return args
+
+
+def finish_launch(res: dict, out: str) -> None:
+    """Rank 0 writes the results the pytest side asserts on; then every rank leaves together."""
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = start_launch()
     rank = dist.get_rank()
     torch.manual_seed(0)
     hf_dir = os.path.join(args.work_dir, "tiny_qwen2")
@@ -250,10 +265,7 @@ def main() -> None:
         res["hf_logprobs"], res["hf_entropy"] = hf_reference(hf_dir, batch)
         res["loss_mask"] = batch["loss_mask"].tolist()
         res["cu_seqlens"] = batch["cu_seqlens"].tolist()
-        with open(args.out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_launch(res, args.out)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,6 @@ of a 2-stage pipeline; its numbers must differ from the reference (so the test w
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
 
@@ -39,7 +37,9 @@ from areal_mega.megatron.engine import MegatronTrainEngine
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
-from engine_checks import TEMPERATURE, engine_cfg, make_batch, make_loss_fn, make_tiny, make_tiny_qwen2  # sibling script
+from engine_checks import (  # sibling script
+    TEMPERATURE, engine_cfg, finish_launch, make_batch, make_loss_fn, make_tiny, make_tiny_qwen2, start_launch,
+)
 
 CASES = {"mb4": 64, "mb5": 48, "mb1": 10_000}  # case -> token budget per micro-batch
 
@@ -71,11 +71,7 @@ def run(engine: MegatronTrainEngine, batch, loss_fn, save_to: str | None = None)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work-dir", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
+    args = start_launch()
     rank = dist.get_rank()
     torch.manual_seed(0)
     hf_dir = os.path.join(args.work_dir, "tiny_qwen2")
@@ -114,11 +110,7 @@ def main() -> None:
     res["cases"]["mb4_batched_p2p"] = {"vpp2": run(bad, batch, loss_fn)}
     res["timing_s"]["mb4_batched_p2p"] = time.perf_counter() - t0
     destroy_model_parallel()
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_launch(res, args.out)
 
 
 if __name__ == "__main__":
