@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_mega.demo.run import run_pipeline
+from areal_mega.demo.run import REPO, make_task, run_pipeline, run_rl
 
 SGLANG_PYTHON = os.environ.get("AREAL_MEGA_SGLANG_PYTHON", "")
 pytestmark = [
@@ -74,23 +74,13 @@ def test_interleaved_pipeline_trainer(tmp_path: Path) -> None:
     ranks, one SGLang server): every step trains and syncs, and the servers' behaviour log-probs
     match the learner's proximal ones (mean importance weight ~1), which a wrong weight export or
     a wrong interleaved forward would break."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    tiny = tmp_path / "tiny"
-    subprocess.run([sys.executable, "-m", "areal_mega.demo.tiny", "--out", str(tiny), "--num-layers", "4"],
-                   env=env, cwd=root, check=True, capture_output=True)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    make_task(tmp_path / "tiny", learner_python=sys.executable, env=env, num_layers=4)
     out = tmp_path / "grpo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "areal_mega.launcher", "local", "--config", "configs/grpo_tiny.yaml",
-         f"model_path={tiny / 'model'}", f"output_dir={out}", f"data.path={tiny / 'data' / 'train.jsonl'}",
-         f"eval_data.path={tiny / 'data' / 'test.jsonl'}", f"inference.server.python={SGLANG_PYTHON}",
-         f"launch.run_dir={tmp_path / 'launch-{job_id}'}", "trainer.num_steps=3", "trainer.eval_every=0",
-         "trainer.eval_at_start=false", "trainer.eval_at_end=false",
-         "parallel.tensor_parallel=1", "parallel.pipeline_parallel=2", "parallel.virtual_pipeline_parallel=2"],
-        env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_rl("configs/grpo_tiny.yaml", model_dir=tmp_path / "tiny" / "model", task=tmp_path / "tiny", out=out, steps=3,
+           learner_python=sys.executable, sglang_python=SGLANG_PYTHON, env=env,
+           extra=["trainer.eval_every=0", "trainer.eval_at_start=false", "trainer.eval_at_end=false",
+                  "parallel.tensor_parallel=1", "parallel.pipeline_parallel=2", "parallel.virtual_pipeline_parallel=2"])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == [1, 2, 3]
     for r in rows:

@@ -41,6 +41,24 @@ def run_demo(workdir: str, *, learner_python: str, sglang_python: str | None) ->
     return 0
 
 
+def make_task(tiny: Path, *, learner_python: str, env: dict[str, str], num_layers: int = 2) -> None:
+    """Stage 1 (skipped when ``tiny`` already holds it): the tiny model and the addition task."""
+    if not (tiny / "model" / "config.json").exists():
+        _run([learner_python, "-m", "areal_mega.demo.tiny", "--out", str(tiny), "--num-layers", str(num_layers)],
+             env, tiny.parent / f"{tiny.name}.log")
+
+
+def run_rl(rl_config: str, *, model_dir: Path, task: Path, out: Path, steps: int, learner_python: str,
+           sglang_python: str, env: dict[str, str], extra: list[str] | None = None) -> None:
+    """Stage 3: ``rl_config`` through the local launcher, on ``task``'s data, from ``model_dir``,
+    into ``out`` (log ``<out>.log``)."""
+    _run([learner_python, "-m", "areal_mega.launcher", "local", "--config", rl_config,
+          f"model_path={model_dir}", f"output_dir={out}", "trainer.resume=false",
+          f"data.path={task / 'data' / 'train.jsonl'}", f"eval_data.path={task / 'data' / 'test.jsonl'}",
+          f"inference.server.python={sglang_python}", f"launch.run_dir={out.parent / 'launch-{job_id}'}",
+          f"trainer.num_steps={steps}", *(extra or [])], env, out.parent / f"{out.name}.log")
+
+
 def run_pipeline(workdir: str, *, learner_python: str, sglang_python: str | None, sft_steps: int = 300,
                  rl_steps: int = 30, extra: list[str] | None = None, rl_config: str = "configs/grpo_tiny.yaml",
                  rl_name: str = "grpo", reuse_sft: bool = False) -> dict:
@@ -56,8 +74,7 @@ def run_pipeline(workdir: str, *, learner_python: str, sglang_python: str | None
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     t0 = time.time()
     tiny, sft, rl = w / "tiny", w / "sft", w / rl_name
-    if not (tiny / "model" / "config.json").exists():
-        _run([learner_python, "-m", "areal_mega.demo.tiny", "--out", str(tiny)], env, w / "tiny.log")
+    make_task(tiny, learner_python=learner_python, env=env)
     print(f"[{time.time() - t0:5.0f}s] stage 1/3: tiny model and task in {tiny}", flush=True)
 
     if not (reuse_sft and (sft / "hf" / "config.json").exists()):
@@ -71,11 +88,8 @@ def run_pipeline(workdir: str, *, learner_python: str, sglang_python: str | None
     for stale in (eval_log, rl / "metrics.jsonl"):
         if stale.exists():
             stale.unlink()
-    _run([learner_python, "-m", "areal_mega.launcher", "local", "--config", rl_config,
-          f"model_path={sft / 'hf'}", f"output_dir={rl}", "trainer.resume=false",
-          f"data.path={tiny / 'data' / 'train.jsonl'}", f"eval_data.path={tiny / 'data' / 'test.jsonl'}",
-          f"inference.server.python={sglang_python}", f"launch.run_dir={w / 'launch-{job_id}'}",
-          f"trainer.num_steps={rl_steps}", *(extra or [])], env, w / f"{rl_name}.log")
+    run_rl(rl_config, model_dir=sft / "hf", task=tiny, out=rl, steps=rl_steps, learner_python=learner_python,
+           sglang_python=sglang_python, env=env, extra=extra)
     evals = [json.loads(line) for line in eval_log.read_text().splitlines()]
     steps = [json.loads(line) for line in (rl / "metrics.jsonl").read_text().splitlines()]
     first, last = evals[0], evals[-1]
