@@ -299,3 +299,42 @@ def _runs(mask, value):
             out.append((start, i))
             start = None
     return out
+
+
+def test_real_server_tree_dies_with_sigkilled_parent(h, tmp_path):
+    """A real SGLang server started by a process that is then SIGKILLed: the kernel's parent-death
+    signal reaches SGLang's main process, which takes its scheduler and detokenizer with it."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from areal_mega.inference.server import free_port, group_pids
+
+    parent_code = (
+        "import sys, time\n"
+        "from areal_mega.config import from_dict\n"
+        "from areal_mega.inference.config import SGLangServerConfig\n"
+        "from areal_mega.inference.server import SGLangServer\n"
+        f"cfg = from_dict(SGLangServerConfig, {{'python': {SGLANG_PYTHON!r}, 'model_path': {h.model_dir!r},"
+        " 'device': 'cpu', 'dtype': 'float32', 'max_total_tokens': 4096, 'startup_timeout_s': 420,"
+        " 'env': {'OMP_NUM_THREADS': '1'}})\n"
+        f"s = SGLangServer(cfg, {free_port()}, log_dir={str(tmp_path)!r})\n"
+        "s.start(); s.wait_ready()\n"
+        "print(s.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    pgid = int(parent.stdout.readline())
+    try:
+        assert len(group_pids(pgid)) >= 2  # the main process and its scheduler (and detokenizer)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 60
+        while group_pids(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert group_pids(pgid) == [], "SGLang processes outlived their SIGKILLed parent"
+    finally:
+        if group_pids(pgid):
+            os.killpg(pgid, signal.SIGKILL)

@@ -272,6 +272,12 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
+    return bool(group_pids(pgid))
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live (non-zombie) processes of group ``pgid``, from /proc."""
+    pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -282,8 +288,8 @@ def _group_alive(pgid: int) -> bool:
         # Fields after the parenthesised command: state, ppid, pgrp, ...
         fields = stat.rsplit(")", 1)[1].split()
         if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+            pids.append(int(entry))
+    return pids
 
 
 def make_servers(cfg: InferenceConfig) -> list[SGLangServer]:
