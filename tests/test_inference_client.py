@@ -11,7 +11,8 @@ import pytest
 
 from areal_mega.api.io import GenerationRequest, SamplingParams
 from areal_mega.config import ConfigError, from_dict
-from areal_mega.inference import InferenceConfig, InferencePool, InferenceServerError, SGLangServerConfig
+from areal_mega.inference import (InferenceConfig, InferenceError, InferencePool, InferenceServerError,
+                                  SGLangServerConfig)
 from areal_mega.inference.fake import FakeSGLang, serve
 from areal_mega.inference.server import build_launch_command
 
@@ -134,6 +135,29 @@ def test_failover_retries_elsewhere_exactly_once():
         assert fakes[0].num_generate > before
 
     asyncio.run(_with_fakes(2, body))
+
+
+def test_dropped_connection_to_a_live_server_is_retried_without_marking_it_down():
+    """A connection closed before the answer (the server closing an idle keep-alive connection
+    as a request goes out) on a server that still answers: the request is retried and the
+    server stays in rotation -- with one server, marking it down would stall generation and
+    the next weight sync. A refused connection (server gone) still marks it down."""
+    async def body(pool, fakes):
+        assert pool.cfg.client.keepalive_timeout_s < 5  # below SGLang's (uvicorn) keep-alive
+        fakes[0].drop_next = 2
+        req = GenerationRequest([4, 2], SamplingParams(max_new_tokens=6))
+        out = await pool.agenerate(req)
+        assert out.output_ids == expected([4, 2], 6)
+        h = pool.servers[0]
+        assert pool.num_failovers == 2 and h.healthy and h.num_failures == 0 and h._recovery is None
+        assert fakes[0].num_generate == 3
+        # max_retries still bounds a connection that keeps dropping
+        fakes[0].drop_next = 10
+        with pytest.raises(InferenceError, match="max_retries"):
+            await pool.agenerate(GenerationRequest([1], SamplingParams(max_new_tokens=2)))
+        assert h.healthy
+
+    asyncio.run(_with_fakes(1, body, client={"max_retries": 3}))
 
 
 def test_api_key_sent_and_required():

@@ -63,7 +63,14 @@ class InferenceServerError(RuntimeError):
 
 
 class _ServerFailure(Exception):
-    """Internal: the server itself failed (unreachable, 5xx, timeout) -- retry elsewhere."""
+    """Internal: the server itself failed (unreachable, 5xx, timeout) -- retry elsewhere.
+
+    ``connection`` marks a failure of the connection only (reset, closed before the answer):
+    the server may be fine, so the pool asks it before taking it out of rotation."""
+
+    def __init__(self, message: str, *, connection: bool = False) -> None:
+        super().__init__(message)
+        self.connection = connection
 
 
 @dataclass(frozen=True)
@@ -287,6 +294,9 @@ class InferencePool(InferenceEngine):
         self._monitor_task: asyncio.Task | None = None
         self._resumed = asyncio.Event()   # set <=> not paused; agenerate waits on it
         self._resumed.set()
+        # Held while the pause state changes on the servers (pause/resume) or a server rejoins in
+        # that state: a server rejoining during a resume would otherwise stay paused for good.
+        self._pause_lock = asyncio.Lock()
         self._membership = asyncio.Event()  # pulsed when a server (re)joins the rotation
         self._generate_timeout = aiohttp.ClientTimeout(total=ccfg.request_timeout_s,
                                                        sock_connect=ccfg.connect_timeout_s)
@@ -322,8 +332,10 @@ class InferencePool(InferenceEngine):
     async def start(self) -> None:
         """Open the HTTP session, check every server once, detect capabilities, start the monitor."""
         ccfg = self.cfg.client
+        # Idle connections are dropped before the server's own keep-alive timeout (uvicorn: 5 s)
+        # can close them: reusing one the server is closing at that moment fails the request.
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=ccfg.max_connections_per_server,
-                                         force_close=False)
+                                         keepalive_timeout=ccfg.keepalive_timeout_s)
         self._session = aiohttp.ClientSession(connector=connector)
         headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
         for h in self.servers:
@@ -376,12 +388,14 @@ class InferencePool(InferenceEngine):
     async def pause(self) -> None:
         """Stop generation on every server, per ``client.pause_mode``. In abort mode the servers
         return in-flight requests at once; ``agenerate`` holds them (and new ones) until resume()."""
-        self._resumed.clear()  # first, so that aborted requests see the pause and wait
-        await self._on_all(lambda h: h.pause_generation(self.cfg.client.pause_mode))
+        async with self._pause_lock:
+            self._resumed.clear()  # first, so that aborted requests see the pause and wait
+            await self._on_all(lambda h: h.pause_generation(self.cfg.client.pause_mode))
 
     async def resume(self) -> None:
-        await self._on_all(lambda h: h.continue_generation())
-        self._resumed.set()
+        async with self._pause_lock:
+            await self._on_all(lambda h: h.continue_generation())
+            self._resumed.set()
 
     async def update_weights_from_disk(self, model_path: str, version: int) -> None:
         """Load an HF checkpoint on every healthy server, tagged ``version``; remembered for the
@@ -425,7 +439,12 @@ class InferencePool(InferenceEngine):
             except _ServerFailure as e:
                 num_failures += 1
                 self.num_failovers += 1
-                self._mark_down(handle, str(e))
+                # A dropped connection to a server whose front end still answers is a transport
+                # hiccup, not a dead server: retry (on the least-loaded server, maybe the same)
+                # without taking it out of rotation -- with a single server that would stall
+                # generation and weight sync until the health monitor let it back in.
+                if not (e.connection and await handle.health_ok(paused=True)):
+                    self._mark_down(handle, str(e))
                 if num_failures > ccfg.max_retries:
                     raise InferenceError(
                         f"request {req.rid}: {num_failures} server failures (client.max_retries="
@@ -468,7 +487,12 @@ class InferencePool(InferenceEngine):
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, OSError) as e:
-            raise _ServerFailure(f"{h.address}: {type(e).__name__}: {e}") from None
+            # A connection that broke after it was opened (reset, closed before the answer) says
+            # little about the server; a refused connect (ClientConnectorError) or a timeout does.
+            broke = isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                                   aiohttp.ClientPayloadError, ConnectionResetError))
+            raise _ServerFailure(f"{h.address}: {type(e).__name__}: {e}",
+                                 connection=broke and not isinstance(e, aiohttp.ClientConnectorError)) from None
         if status >= 500:
             raise _ServerFailure(f"{h.address}: HTTP {status}: {raw[:300]!r}")
         if status >= 300:
@@ -573,9 +597,10 @@ class InferencePool(InferenceEngine):
         await h.detect_capabilities()
         if self._parse_version(await h.get_weight_version()) != self._version:
             await (self.resync or self._default_resync)(h)
-        if self.paused:
-            await h.pause_generation(self.cfg.client.pause_mode)
-        h.healthy = True
+        async with self._pause_lock:
+            if self.paused:
+                await h.pause_generation(self.cfg.client.pause_mode)
+            h.healthy = True
         self._membership.set()
         logger.warning("inference server %s back in rotation", h.address)
 

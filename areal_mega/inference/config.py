@@ -96,6 +96,10 @@ class InferenceClientConfig:
     max_connections_per_server: int = 0
     """Cap on concurrent HTTP connections to one server; 0 means unlimited (SGLang batches
     everything it receives, so the cap is only useful to protect a small server)."""
+    keepalive_timeout_s: float = 2.0
+    """How long an idle HTTP connection to a server is kept for reuse. Must stay below the
+    server's own keep-alive timeout (SGLang/uvicorn: 5 s), or a request can be sent on a
+    connection the server is closing at that moment."""
     restart_dead_servers: bool = True
     """Restart a managed server that died (its process exits or it fails the health check)."""
     max_restarts: int = 3
@@ -105,7 +109,7 @@ class InferenceClientConfig:
 
     def validate(self) -> None:
         for key in ("request_timeout_s", "connect_timeout_s", "control_timeout_s",
-                    "health_check_interval_s", "health_check_timeout_s"):
+                    "health_check_interval_s", "health_check_timeout_s", "keepalive_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key}: must be > 0, got {getattr(self, key)}")
         if self.max_retries < 0:

@@ -41,6 +41,7 @@ class FakeSGLang:
         self.requests: list[dict] = []  # every /generate body received (tests inspect them)
         self.num_generate = 0
         self.fail_next = 0  # tests: answer the next N /generate calls with HTTP 503
+        self.drop_next = 0  # tests: close the connection of the next N /generate calls unanswered
         # Benchmarks: hold /generate calls in rounds of ``hold_until`` -- none is answered before
         # the whole round has arrived, so that many are really in flight at once -- and record
         # when each round's last call arrived (wall clock).
@@ -122,6 +123,13 @@ class FakeSGLang:
         if self.fail_next > 0:
             self.fail_next -= 1
             return web.Response(status=503, text="injected failure")
+        if self.drop_next > 0:
+            # What a client sees when the server closes an idle keep-alive connection just as
+            # a request is sent on it: the connection ends without an answer.
+            self.drop_next -= 1
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
         await self._resumed.wait()  # SGLang holds new requests while paused
         ids = body["input_ids"]
         sp = body["sampling_params"]

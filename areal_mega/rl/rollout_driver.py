@@ -21,7 +21,10 @@ does it take traffic again, so no token is ever sampled by weights older than it
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 import threading
+import time
 from typing import Any, Awaitable, Iterable, TypeVar
 
 from areal_mega.api.workflow import RolloutWorkflow
@@ -31,6 +34,7 @@ from areal_mega.rl.config import RolloutConfig
 from areal_mega.rl.controller import RolloutBatch, RolloutController
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class RolloutDriver:
@@ -42,6 +46,7 @@ class RolloutDriver:
         self.pool.resync = self._await_next_sync
         self.controller: RolloutController | None = None
         self._awaiting: dict[str, asyncio.Event] = {}  # server address -> set once it has weights
+        self._batch_task: asyncio.Future | None = None  # the batch next_batch is waiting for
 
     @property
     def server_urls(self) -> list[str]:
@@ -63,21 +68,47 @@ class RolloutDriver:
 
         self.controller = self.run(start())
 
-    def next_batch(self) -> RolloutBatch:
+    def next_batch(self) -> RolloutBatch | None:
+        """The next rollout batch, or None when none can come before a weight sync: no server
+        is in rotation and those that answer are parked waiting for the current weights (the
+        whole pool restarted). The caller syncs the current version and asks again; the batch
+        being formed is kept, not lost."""
         assert self.controller is not None, "start_rollout() first"
-        return self.run(self.controller.aget_batch())
+        controller = self.controller
+
+        async def get() -> RolloutBatch | None:
+            if self._batch_task is None:
+                self._batch_task = asyncio.ensure_future(controller.aget_batch())
+            while not self._batch_task.done():
+                if self._awaiting and not any(h.healthy for h in self.pool.servers):
+                    return None
+                await asyncio.wait({self._batch_task}, timeout=self.pool.cfg.client.health_check_interval_s)
+            task, self._batch_task = self._batch_task, None
+            return task.result()
+
+        return self.run(get())
 
     async def _await_next_sync(self, handle: Any) -> None:
         event = self._awaiting.setdefault(handle.address, asyncio.Event())
         await event.wait()
 
-    def sync_targets(self) -> list[str]:
+    def sync_targets(self, wait_s: float) -> list[str]:
         """URLs the next weight sync must reach: servers in rotation plus those parked by
-        ``_await_next_sync``; dead or still-restarting servers are left out."""
+        ``_await_next_sync``; dead or still-restarting servers are left out. With none live
+        (the only server recovering from a dropped connection, or restarting), wait up to
+        ``wait_s`` for one rather than failing the run; [] after that."""
 
         async def targets() -> list[str]:
-            await self.pool.check_health()  # a server that died since the last pass drops out now
-            return [h.url for h in self.pool.servers if h.healthy or h.address in self._awaiting]
+            deadline = time.monotonic() + wait_s
+            for attempt in itertools.count():
+                await self.pool.check_health()  # a server that died since the last pass drops out now
+                urls = [h.url for h in self.pool.servers if h.healthy or h.address in self._awaiting]
+                if urls or time.monotonic() >= deadline:
+                    return urls
+                if attempt == 0:
+                    logger.warning("weight sync: no live inference server; waiting up to %g s for one", wait_s)
+                await asyncio.sleep(self.pool.cfg.client.health_check_interval_s)
+            raise AssertionError("unreachable")
 
         return self.run(targets())
 
@@ -135,6 +166,8 @@ class RolloutDriver:
 
     def close(self) -> None:
         async def shutdown() -> None:
+            if self._batch_task is not None:
+                self._batch_task.cancel()
             if self.controller is not None:
                 await self.controller.aclose()
             await self.pool.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,13 +137,26 @@ class Setup:
 
     # ------------------------------------------------------------------ loop pieces
     def next_batch(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        payload = None
-        if self.driver is not None:
-            rb = self.driver.next_batch()
-            self.metrics.histogram("rollout/token_staleness", rb.staleness_counts)
-            payload = {"batch": to_engine_alignment(trajectories_to_batch(rb.groups)), "stats": {**rb.stats, **self.driver.pool_stats()}}
-        got = broadcast_batch(payload, src=0, group=self.ctrl_group)
-        return got["batch"], got["stats"]
+        """Collective: rank 0 waits for a rollout batch and every rank receives it."""
+        while True:
+            payload: dict[str, Any] | None = None
+            if self.driver is not None:
+                rb = self.driver.next_batch()
+                if rb is None:
+                    payload = {"resync": True}
+                else:
+                    self.metrics.histogram("rollout/token_staleness", rb.staleness_counts)
+                    payload = {"batch": to_engine_alignment(trajectories_to_batch(rb.groups)),
+                               "stats": {**rb.stats, **self.driver.pool_stats()}}
+            got = broadcast_batch(payload, src=0, group=self.ctrl_group)
+            if "resync" not in got:
+                return got["batch"], got["stats"]
+            # Every server restarted and waits, parked, for the current weights before it may
+            # generate; without them no batch can come. Push the current version again.
+            if self.is_driver:
+                print(f"weight sync: no server in rotation, all wait for weights; pushing version "
+                      f"{self.actor.get_version()} again", file=sys.stderr, flush=True)
+            self.sync_weights(version=self.actor.get_version())
 
     def ref_and_values(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the advantages and losses need from the extra models, {} when neither is built:
@@ -197,10 +211,12 @@ class Setup:
             self.driver.pause()
         try:
             for attempt in range(2):
-                box: list[Any] = [self.driver.sync_targets() if self.driver is not None else None]
+                wait_s = self.cfg.weight_sync.server_wait_s
+                box: list[Any] = [self.driver.sync_targets(wait_s) if self.driver is not None else None]
                 dist.broadcast_object_list(box, src=0, group=self.ctrl_group)
                 if not box[0]:
-                    raise WeightSyncError("weight sync: no live inference server to push weights to")
+                    raise WeightSyncError(f"weight sync: no live inference server to push weights to "
+                                          f"(waited weight_sync.server_wait_s={wait_s:g} s)")
                 self.weight_sync.set_servers([ServerHandle(u, timeout_s=self.cfg.weight_sync.http_timeout_s,
                                                            api_key=self.cfg.inference.api_key) for u in box[0]])
                 try:

@@ -48,6 +48,9 @@ class WeightSyncConfig:
     """Timeout of one HTTP call to a server (a bucket update includes its broadcast)."""
     group_timeout_s: float = 300.0
     """Timeout of the learner<->server group rendezvous."""
+    server_wait_s: float = 600.0
+    """When no inference server is live at a sync (all down or restarting), how long to wait
+    for one to come back before the run fails. Covers a pool restart of a dead server."""
 
     @property
     def bucket_bytes(self) -> int:
@@ -62,3 +65,5 @@ class WeightSyncConfig:
             raise ValueError(f"master_port_base: must be in [0, 65535], got {self.master_port_base}")
         if self.http_timeout_s <= 0 or self.group_timeout_s <= 0:
             raise ValueError("http_timeout_s / group_timeout_s: must be > 0")
+        if self.server_wait_s < 0:
+            raise ValueError(f"server_wait_s: must be >= 0, got {self.server_wait_s}")
