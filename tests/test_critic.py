@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from areal_mega.config import ConfigError
 from areal_mega.rl.critic import CriticConfig, ValueHead
 from areal_mega.rl.experiment import load_experiment
 from areal_mega.rl.losses import kl_estimate
+from tests import procs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,8 +97,7 @@ def dist_results(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "tests/dist/critic_checks.py", "--work-dir", str(work), "--out", str(out)]
-    # torchrun's agent terminates its ranks when killed; the timeout bounds a hang.
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = procs.run(cmd, cwd=REPO, env=env, timeout=300)  # the timeout bounds a hang
     if proc.returncode != 0:
         pytest.fail(f"critic_checks.py failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())

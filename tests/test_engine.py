@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 from areal_mega.megatron.engine import MegatronEngineConfig, OptimizerConfig
 from areal_mega.megatron.logprobs import vocab_parallel_logprobs
+from tests import procs
 
 REPO = Path(__file__).resolve().parent.parent
 LR = 5e-5  # tests/dist/engine_checks.py: LR, lr_warmup_steps=2
@@ -76,14 +76,14 @@ def test_config_errors_name_the_key():
 # ---------------------------------------------------------------- 4 ranks, one launch
 def _torchrun(script: str, nproc: int, work, timeout_s: int) -> dict:
     """Run ``tests/dist/<script>`` under torchrun (gloo) and return the JSON it writes to --out.
-    torchrun's agent terminates the ranks when it is killed; the timeout bounds a hang."""
+    The timeout bounds a hang (and stops the ranks too: tests/procs.py)."""
     out = work / "results.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
         f"tests/dist/{script}", "--work-dir", str(work), "--out", str(out),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = procs.run(cmd, cwd=REPO, env=env, timeout=timeout_s)
     if proc.returncode != 0:
         pytest.fail(f"{script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return json.loads(out.read_text())

@@ -303,7 +303,9 @@ def _runs(mask, value):
 
 def test_real_server_tree_dies_with_sigkilled_parent(h, tmp_path):
     """A real SGLang server started by a process that is then SIGKILLed: the kernel's parent-death
-    signal reaches SGLang's main process, which takes its scheduler and detokenizer with it."""
+    signal reaches SGLang's main process, which takes its scheduler and detokenizer with it --
+    even paused with a request held (as in a weight sync), where a SIGTERM would wait forever
+    for the request to drain."""
     import signal
     import subprocess
     import sys
@@ -311,6 +313,7 @@ def test_real_server_tree_dies_with_sigkilled_parent(h, tmp_path):
 
     from areal_mega.inference.server import free_port, group_pids
 
+    port = free_port()
     parent_code = (
         "import sys, time\n"
         "from areal_mega.config import from_dict\n"
@@ -319,8 +322,17 @@ def test_real_server_tree_dies_with_sigkilled_parent(h, tmp_path):
         f"cfg = from_dict(SGLangServerConfig, {{'python': {SGLANG_PYTHON!r}, 'model_path': {h.model_dir!r},"
         " 'device': 'cpu', 'dtype': 'float32', 'max_total_tokens': 4096, 'startup_timeout_s': 420,"
         " 'env': {'OMP_NUM_THREADS': '1'}})\n"
-        f"s = SGLangServer(cfg, {free_port()}, log_dir={str(tmp_path)!r})\n"
+        f"s = SGLangServer(cfg, {port}, log_dir={str(tmp_path)!r})\n"
         "s.start(); s.wait_ready()\n"
+        "import json, threading, urllib.request\n"
+        "def post(path, body):\n"
+        f"    req = urllib.request.Request('http://127.0.0.1:{port}' + path, data=json.dumps(body).encode(),\n"
+        "                                 headers={'Content-Type': 'application/json'})\n"
+        "    return urllib.request.urlopen(req, timeout=600).read()\n"
+        "threading.Thread(target=post, daemon=True, args=('/generate', {'input_ids': [1, 2, 3],\n"
+        "    'sampling_params': {'max_new_tokens': 3000, 'ignore_eos': True}})).start()\n"
+        "time.sleep(1)\n"
+        "post('/pause_generation', {'mode': 'in_place'})  # the request stays held on the server\n"
         "print(s.pid, flush=True)\n"
         "time.sleep(600)\n"
     )

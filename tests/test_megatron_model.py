@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests import procs
 
 REPO = Path(__file__).resolve().parents[1]
 LENS = [7, 13, 4, 10]  # packed sequences of different lengths
@@ -32,16 +33,9 @@ TOL_LAYOUT = 1e-5
 
 
 def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own session; on timeout kill that session (torchrun + its ranks)."""
+    """Run ``cmd`` (torchrun); a timeout stops it and its ranks (tests/procs.py)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, "")
+    return procs.run(cmd, cwd=REPO, env=env, timeout=timeout, stderr=subprocess.STDOUT)
 
 
 def _torchrun(nproc: int, *args: str) -> list[str]:

@@ -27,6 +27,7 @@ import pytest
 
 from areal_mega.demo.tiny import build_model, build_tokenizer, write_data
 from areal_mega.inference.server import free_port
+from tests import procs
 
 SGLANG_PYTHON = os.environ.get("AREAL_MEGA_SGLANG_PYTHON", "")
 pytestmark = [
@@ -102,8 +103,7 @@ def test_server_killed_mid_run_is_restarted_resynced_and_run_completes(tmp_path:
         text = (tmp_path / "train.log").read_text()
         assert rc == 0, text[-5000:]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        procs.stop_tree(proc)  # torchrun, its ranks, their servers
         log.close()
     rows = _steps(out / "metrics.jsonl")
     assert [r["version"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= back_at

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 
 from areal_mega.inference.config import InferenceConfig, SGLangServerConfig
 from areal_mega.inference.server import launch_servers
+from tests import procs
 
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG_PYTHON = os.environ.get("AREAL_MEGA_SGLANG_PYTHON", "")
@@ -76,7 +76,7 @@ def run(tmp_path_factory):
             "--work-dir", str(work), "--out", str(out),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        proc = procs.run(cmd, cwd=ROOT, env=env, timeout=240)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         res = json.loads(out.read_text())
         res["urls"] = [s.url for s in servers]

@@ -54,15 +54,18 @@ def server_base_env() -> dict[str, str]:
             if k not in _TORCH_DIST_ENV and not k.startswith(("TORCHELASTIC_", "TORCH_NCCL_"))}
 
 
-# Run in front of the server command (stdlib only, ``python -I``): ask the kernel to SIGTERM this
+# Run in front of the server command (stdlib only, ``python -I``): ask the kernel to SIGKILL this
 # process when its parent dies (prctl PR_SET_PDEATHSIG, kept across exec), give up if the parent
-# is already gone, then exec the server. SGLang kills its own children when it gets SIGTERM and
-# they exit when it dies, so a trainer killed with SIGKILL (OOM killer, scancel -s KILL) no longer
-# leaves servers holding ports and accelerators. Linux only; elsewhere the command runs unchanged.
+# is already gone, then exec the server. SGLang's scheduler and detokenizer carry the same
+# SIGKILL-on-parent-death, so a trainer killed with SIGKILL (OOM killer, scancel -s KILL) no longer
+# leaves servers holding ports and accelerators. SIGKILL, not SIGTERM: on SIGTERM SGLang drains its
+# requests first, which never ends while it is paused with requests held (weight sync, retract /
+# in_place) -- and with the parent gone nobody is left to escalate. Linux only; elsewhere the
+# command runs unchanged.
 _DIE_WITH_PARENT = (
     "import ctypes, os, signal, sys\n"
     "if sys.platform.startswith('linux'):\n"
-    "    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG\n"
     "    if os.getppid() != int(sys.argv[1]):\n"
     "        sys.exit('parent exited before the server started')\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
@@ -70,7 +73,7 @@ _DIE_WITH_PARENT = (
 
 
 def die_with_parent(argv: list[str]) -> list[str]:
-    """``argv`` wrapped so that the process it starts is SIGTERMed when the calling THREAD exits
+    """``argv`` wrapped so that the process it starts is SIGKILLed when the calling THREAD exits
     (PR_SET_PDEATHSIG follows the thread that forked): start long-lived children from threads that
     live as long as they should -- the pool starts servers on its event-loop thread and restarts
     them in that loop's executor threads, which both live until the pool is closed."""

@@ -1,8 +1,9 @@
 """The plan on this one machine, without Slurm (what ``make demo`` uses).
 
 Each process is started in its own session, so its process-group id is its PID: stopping it
-signals the whole group (torchrun's ranks, SGLang's scheduler and detokenizer processes) by
-that recorded id -- never by name.
+signals the whole group (SGLang's scheduler and detokenizer processes) by that recorded id --
+never by name. torchrun's ranks run in sessions of their own: the SIGTERM reaches torchrun's
+agent, which stops them, so the SIGKILL after the grace period is the last resort only.
 """
 
 from __future__ import annotations
