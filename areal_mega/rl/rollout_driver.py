@@ -21,7 +21,6 @@ does it take traffic again, so no token is ever sampled by weights older than it
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
@@ -100,15 +99,16 @@ class RolloutDriver:
 
         async def targets() -> list[str]:
             deadline = time.monotonic() + wait_s
-            for attempt in itertools.count():
+            warned = False
+            while True:
                 await self.pool.check_health()  # a server that died since the last pass drops out now
                 urls = [h.url for h in self.pool.servers if h.healthy or h.address in self._awaiting]
                 if urls or time.monotonic() >= deadline:
                     return urls
-                if attempt == 0:
+                if not warned:
                     logger.warning("weight sync: no live inference server; waiting up to %g s for one", wait_s)
+                    warned = True
                 await asyncio.sleep(self.pool.cfg.client.health_check_interval_s)
-            raise AssertionError("unreachable")
 
         return self.run(targets())
 
