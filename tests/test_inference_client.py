@@ -141,10 +141,10 @@ def test_dropped_connection_to_a_live_server_is_retried_without_marking_it_down(
     """A connection closed before the answer (the server closing an idle keep-alive connection
     as a request goes out) on a server that still answers: the request is retried and the
     server stays in rotation -- with one server, marking it down would stall generation and
-    the next weight sync. A refused connection (server gone) still marks it down."""
+    the next weight sync. Control calls are retried the same way."""
     async def body(pool, fakes):
         assert pool.cfg.client.keepalive_timeout_s < 5  # below SGLang's (uvicorn) keep-alive
-        fakes[0].drop_next = 2
+        fakes[0].drop["/generate"] = 2
         req = GenerationRequest([4, 2], SamplingParams(max_new_tokens=6))
         out = await pool.agenerate(req)
         assert out.output_ids == expected([4, 2], 6)
@@ -152,10 +152,17 @@ def test_dropped_connection_to_a_live_server_is_retried_without_marking_it_down(
         assert pool.num_failovers == 2 and h.healthy and h.num_failures == 0 and h._recovery is None
         assert fakes[0].num_generate == 3
         # max_retries still bounds a connection that keeps dropping
-        fakes[0].drop_next = 10
+        fakes[0].drop["/generate"] = 10
         with pytest.raises(InferenceError, match="max_retries"):
             await pool.agenerate(GenerationRequest([1], SamplingParams(max_new_tokens=2)))
         assert h.healthy
+        # the same for control calls (pause / continue / weight updates are idempotent)
+        fakes[0].drop["/pause_generation"] = 1
+        await pool.pause()
+        assert fakes[0].paused and h.healthy and h.num_failures == 0
+        fakes[0].drop["/continue_generation"] = 1
+        await pool.resume()
+        assert not fakes[0].paused and h.healthy and h.num_failures == 0
 
     asyncio.run(_with_fakes(1, body, client={"max_retries": 3}))
 

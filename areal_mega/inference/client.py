@@ -547,12 +547,22 @@ class InferencePool(InferenceEngine):
         """Run a control call on every healthy server concurrently. A server that fails at the
         transport level is marked down (its recovery resyncs it); HTTP errors propagate."""
         healthy = [h for h in self.servers if h.healthy]
-        results = await asyncio.gather(*(fn(h) for h in healthy), return_exceptions=True)
+        results = await asyncio.gather(*(self._control(fn, h) for h in healthy), return_exceptions=True)
         for h, r in zip(healthy, results):
             if isinstance(r, (aiohttp.ClientError, asyncio.TimeoutError, OSError)):
                 self._mark_down(h, f"{type(r).__name__}: {r}")
             elif isinstance(r, BaseException):
                 raise r
+
+    async def _control(self, fn: Callable[[ServerHandle], Awaitable[Any]], h: ServerHandle) -> Any:
+        """``fn(h)``, once more if the connection dropped but the server still answers (as in
+        agenerate); control calls are idempotent (pause, continue, load weights)."""
+        try:
+            return await fn(h)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionResetError) as e:
+            if isinstance(e, aiohttp.ClientConnectorError) or not await h.health_ok(paused=True):
+                raise
+            return await fn(h)
 
     def _mark_down(self, h: ServerHandle, reason: str) -> None:
         if h.healthy:

@@ -41,7 +41,7 @@ class FakeSGLang:
         self.requests: list[dict] = []  # every /generate body received (tests inspect them)
         self.num_generate = 0
         self.fail_next = 0  # tests: answer the next N /generate calls with HTTP 503
-        self.drop_next = 0  # tests: close the connection of the next N /generate calls unanswered
+        self.drop: dict[str, int] = {}  # tests: path -> close the connection of the next N calls unanswered
         # Benchmarks: hold /generate calls in rounds of ``hold_until`` -- none is answered before
         # the whole round has arrived, so that many are really in flight at once -- and record
         # when each round's last call arrived (wall clock).
@@ -68,6 +68,15 @@ class FakeSGLang:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
+        if self.drop.get(request.path, 0) > 0:
+            # What a client sees when the server closes an idle keep-alive connection just as
+            # a request is sent on it: the connection ends without an answer.
+            self.drop[request.path] -= 1
+            if request.path == "/generate":
+                self.num_generate += 1
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
         if self.api_key and not request.path.startswith("/health"):
             if request.headers.get("Authorization") != f"Bearer {self.api_key}":
                 return web.json_response({"error": "Unauthorized"}, status=401)
@@ -123,13 +132,6 @@ class FakeSGLang:
         if self.fail_next > 0:
             self.fail_next -= 1
             return web.Response(status=503, text="injected failure")
-        if self.drop_next > 0:
-            # What a client sees when the server closes an idle keep-alive connection just as
-            # a request is sent on it: the connection ends without an answer.
-            self.drop_next -= 1
-            assert request.transport is not None
-            request.transport.close()
-            return web.Response()
         await self._resumed.wait()  # SGLang holds new requests while paused
         ids = body["input_ids"]
         sp = body["sampling_params"]
