@@ -346,7 +346,10 @@ def test_real_server_tree_dies_with_sigkilled_parent(h, tmp_path):
         deadline = time.monotonic() + 60
         while group_pids(pgid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert group_pids(pgid) == [], "SGLang processes outlived their SIGKILLed parent"
+        left = group_pids(pgid)
+        ps = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "-p", ",".join(map(str, left))],
+                            capture_output=True, text=True).stdout if left else ""
+        assert left == [], f"SGLang processes outlived their SIGKILLed parent:\n{ps}"
     finally:
         if group_pids(pgid):
             os.killpg(pgid, signal.SIGKILL)

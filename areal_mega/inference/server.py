@@ -54,26 +54,40 @@ def server_base_env() -> dict[str, str]:
             if k not in _TORCH_DIST_ENV and not k.startswith(("TORCHELASTIC_", "TORCH_NCCL_"))}
 
 
-# Run in front of the server command (stdlib only, ``python -I``): ask the kernel to SIGKILL this
-# process when its parent dies (prctl PR_SET_PDEATHSIG, kept across exec), give up if the parent
-# is already gone, then exec the server. SGLang's scheduler and detokenizer carry the same
-# SIGKILL-on-parent-death, so a trainer killed with SIGKILL (OOM killer, scancel -s KILL) no longer
-# leaves servers holding ports and accelerators. SIGKILL, not SIGTERM: on SIGTERM SGLang drains its
-# requests first, which never ends while it is paused with requests held (weight sync, retract /
-# in_place) -- and with the parent gone nobody is left to escalate. Linux only; elsewhere the
-# command runs unchanged.
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "if sys.platform.startswith('linux'):\n"
-    "    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG\n"
-    "    if os.getppid() != int(sys.argv[1]):\n"
-    "        sys.exit('parent exited before the server started')\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
+# Runs in front of the server command (stdlib only, ``python -I``), as the leader of the server's
+# process group: it asks the kernel for SIGUSR2 when its parent dies (prctl PR_SET_PDEATHSIG),
+# starts the server as its child in the same group, waits for it and exits with its status. On
+# SIGUSR2 it SIGKILLs the whole group. So a trainer killed with SIGKILL (OOM killer, scancel -s
+# KILL) leaves no server holding ports and accelerators. Why not just exec the server with a
+# parent-death signal: SIGTERM makes SGLang drain its requests first, which never ends while it is
+# paused with requests held (weight sync, retract / in_place); and with SIGKILL of the main process
+# alone, SGLang's detokenizer was seen to survive (its own parent-death signal notwithstanding).
+# stop()'s SIGTERM to the group reaches the server directly; the wrapper ignores it and follows
+# the server out. Linux only; elsewhere the command is exec'ed unchanged.
+_DIE_WITH_PARENT = """\
+import os, signal, sys
+argv = sys.argv[2:]
+if not sys.platform.startswith("linux"):
+    os.execvp(argv[0], argv)
+import ctypes
+signal.signal(signal.SIGUSR2, lambda *_: os.killpg(0, signal.SIGKILL))
+ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGUSR2))  # 1 = PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("parent exited before the server started")
+for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, signal.SIG_IGN)
+pid = os.fork()
+if pid == 0:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    os.execvp(argv[0], argv)
+code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+sys.exit(code if code >= 0 else 128 - code)
+"""
 
 
 def die_with_parent(argv: list[str]) -> list[str]:
-    """``argv`` wrapped so that the process it starts is SIGKILLed when the calling THREAD exits
+    """``argv`` wrapped so that its whole process group is SIGKILLed when the calling THREAD exits
     (PR_SET_PDEATHSIG follows the thread that forked): start long-lived children from threads that
     live as long as they should -- the pool starts servers on its event-loop thread and restarts
     them in that loop's executor threads, which both live until the pool is closed."""
@@ -248,9 +262,11 @@ class SGLangServer:
         self.stop()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to the main server process only (tests use it to simulate a crash)."""
+        """Send ``sig`` to the main server process only (tests use it to simulate a crash): the
+        die-with-parent wrapper's child, or the process itself where there is no wrapper."""
         assert self._proc is not None
-        os.kill(self._proc.pid, sig)
+        children = [pid for pid, ppid in _group_members(self._proc.pid) if ppid == self._proc.pid]
+        os.kill(children[0] if children else self._proc.pid, sig)
 
     def restart(self, weight_version: int | str = 0) -> None:
         """Stop what is left of this server, start it again on the same port, wait until healthy."""
@@ -280,7 +296,12 @@ def _group_alive(pgid: int) -> bool:
 
 def group_pids(pgid: int) -> list[int]:
     """The live (non-zombie) processes of group ``pgid``, from /proc."""
-    pids = []
+    return [pid for pid, _ in _group_members(pgid)]
+
+
+def _group_members(pgid: int) -> list[tuple[int, int]]:
+    """(pid, parent pid) of the live (non-zombie) processes of group ``pgid``, from /proc."""
+    members = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -291,8 +312,8 @@ def group_pids(pgid: int) -> list[int]:
         # Fields after the parenthesised command: state, ppid, pgrp, ...
         fields = stat.rsplit(")", 1)[1].split()
         if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry))
-    return pids
+            members.append((int(entry), int(fields[1])))
+    return members
 
 
 def make_servers(cfg: InferenceConfig) -> list[SGLangServer]:
