@@ -73,6 +73,14 @@ class _ServerFailure(Exception):
         self.connection = connection
 
 
+def _connection_dropped(e: BaseException) -> bool:
+    """A connection that broke after it was opened (reset, closed before the answer): says little
+    about the server, unlike a refused connect (ClientConnectorError) or a timeout."""
+    broke = isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                           aiohttp.ClientPayloadError, ConnectionResetError))
+    return broke and not isinstance(e, aiohttp.ClientConnectorError)
+
+
 @dataclass(frozen=True)
 class ServerCapabilities:
     """What one server supports, detected at connect time.
@@ -487,12 +495,7 @@ class InferencePool(InferenceEngine):
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, OSError) as e:
-            # A connection that broke after it was opened (reset, closed before the answer) says
-            # little about the server; a refused connect (ClientConnectorError) or a timeout does.
-            broke = isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-                                   aiohttp.ClientPayloadError, ConnectionResetError))
-            raise _ServerFailure(f"{h.address}: {type(e).__name__}: {e}",
-                                 connection=broke and not isinstance(e, aiohttp.ClientConnectorError)) from None
+            raise _ServerFailure(f"{h.address}: {type(e).__name__}: {e}", connection=_connection_dropped(e)) from None
         if status >= 500:
             raise _ServerFailure(f"{h.address}: HTTP {status}: {raw[:300]!r}")
         if status >= 300:
@@ -559,8 +562,8 @@ class InferencePool(InferenceEngine):
         agenerate); control calls are idempotent (pause, continue, load weights)."""
         try:
             return await fn(h)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionResetError) as e:
-            if isinstance(e, aiohttp.ClientConnectorError) or not await h.health_ok(paused=True):
+        except (aiohttp.ClientError, OSError) as e:
+            if not (_connection_dropped(e) and await h.health_ok(paused=True)):
                 raise
             return await fn(h)
 
