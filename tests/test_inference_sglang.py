@@ -303,9 +303,9 @@ def _runs(mask, value):
 
 def test_real_server_tree_dies_with_sigkilled_parent(h, tmp_path):
     """A real SGLang server started by a process that is then SIGKILLed: the kernel's parent-death
-    signal reaches SGLang's main process, which takes its scheduler and detokenizer with it --
-    even paused with a request held (as in a weight sync), where a SIGTERM would wait forever
-    for the request to drain."""
+    signal reaches the wrapper leading the server's process group, which SIGKILLs the whole group
+    (main process, scheduler, detokenizer) -- even paused with a request held (as in a weight
+    sync), where a SIGTERM would wait forever for the request to drain."""
     import signal
     import subprocess
     import sys
