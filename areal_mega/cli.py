@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = ap.parse_known_args(argv)
 
     if args.cmd == "train":
-        from areal_mega.rl.trainer import run_train
+        from areal_mega.trainer.loop import run_train
 
         return run_train(args.config, _split_overrides(rest))
     if args.cmd == "sft":

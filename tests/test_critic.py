@@ -1,6 +1,6 @@
 """PPO critic (value head on the megatron trunk) and the frozen KL reference model.
 
-Single-process checks (< 5 s): config keys, value-head init, what ``Setup.ref_and_values`` puts
+Single-process checks (< 5 s): config keys, value-head init, what ``Trainer.ref_and_values`` puts
 into the batch (with stand-in engines). Then ONE 2-rank torchrun launch of
 tests/dist/critic_checks.py (~45-60 s on 2 busy cores) whose numbers are asserted here:
 critic values identical across TP1 / TP2 / PP2 (tied embeddings untied by the critic), one
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from areal_mega.config import ConfigError
-from areal_mega.rl.critic import CriticConfig, ValueHead
-from areal_mega.rl.experiment import load_experiment
-from areal_mega.rl.losses import kl_estimate
+from areal_mega.trainer.critic import CriticConfig, ValueHead
+from areal_mega.trainer.config import load_experiment
+from areal_mega.algo.losses import kl_estimate
 from tests import procs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,11 +64,11 @@ class _FakeEngine:
 
 
 def _setup_with(tmp_path, overrides, ref=None, critic=None):
-    from areal_mega.rl.setup import Setup
+    from areal_mega.trainer.trainer import Trainer
     from areal_mega.utils.metrics import Metrics
 
     cfg = load_experiment(str(REPO / "configs" / "grpo_tiny.yaml"), overrides)
-    return Setup(cfg=cfg, groups=None, actor=None, weight_sync=None, metrics=Metrics(None, enabled=False),
+    return Trainer(cfg=cfg, groups=None, actor=None, weight_sync=None, metrics=Metrics(None, enabled=False),
                  ctrl_group=None, start_step=0, ref=ref, critic=critic)
 
 

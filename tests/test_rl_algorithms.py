@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from areal_mega.config import ConfigError, from_dict
-from areal_mega.rl.advantages import (
+from areal_mega.algo.advantages import (
     compute_advantages,
     gae_advantages,
     group_index_of,
@@ -15,8 +15,8 @@ from areal_mega.rl.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from areal_mega.rl.config import AlgorithmConfig
-from areal_mega.rl.losses import (
+from areal_mega.algo.config import AlgorithmConfig
+from areal_mega.algo.losses import (
     PPOActorLoss,
     aggregate,
     global_counts,

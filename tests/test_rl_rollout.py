@@ -16,9 +16,9 @@ import pytest
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest, GenerationResult, SamplingParams
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
-from areal_mega.rl.config import RolloutConfig
-from areal_mega.rl.controller import RolloutController, StalenessViolation
-from areal_mega.rl.staleness import StalenessManager
+from areal_mega.rollout.config import RolloutConfig
+from areal_mega.rollout.controller import RolloutController, StalenessViolation
+from areal_mega.rollout.staleness import StalenessManager
 
 
 class FakeEngine(InferenceEngine):

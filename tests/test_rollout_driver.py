@@ -14,8 +14,8 @@ import pytest
 from areal_mega.config import from_dict
 from areal_mega.inference import InferenceConfig
 from areal_mega.inference.fake import FakeSGLang, serve
-from areal_mega.rl.config import RolloutConfig
-from areal_mega.rl.rollout_driver import RolloutDriver
+from areal_mega.rollout.config import RolloutConfig
+from areal_mega.rollout.driver import RolloutDriver
 from tests.test_rl_rollout import GroupWorkflow, dataset
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,7 +47,7 @@ def test_next_batch_asks_for_a_resync_when_every_server_waits_for_weights():
         driver.run(_mark_down(driver, h))
         got = ex.submit(driver.next_batch).result(timeout=10)  # blocked forever before the fix
         assert got is None and not h.healthy and h.address in driver._awaiting
-        # The learner's resync, in Setup.sync_weights' order: pause, pick the targets, push
+        # The learner's resync, in Trainer.sync_weights' order: pause, pick the targets, push
         # version 1, release the parked server, resume. The server rejoins while the pool
         # resumes; it must not be left paused (it was, before the pause lock).
         driver.pause()

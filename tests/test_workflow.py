@@ -9,11 +9,12 @@ import torch
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationResult, SamplingParams
 from areal_mega.reward.math import extract_answer
-from areal_mega.rl.advantages import compute_advantages
-from areal_mega.rl.batch import trajectories_to_batch
-from areal_mega.rl.config import AlgorithmConfig, RolloutConfig
-from areal_mega.rl.controller import RolloutController
-from areal_mega.rl.losses import PPOActorLoss, global_counts
+from areal_mega.algo.advantages import compute_advantages
+from areal_mega.rollout.batch import trajectories_to_batch
+from areal_mega.algo.config import AlgorithmConfig
+from areal_mega.rollout.config import RolloutConfig
+from areal_mega.rollout.controller import RolloutController
+from areal_mega.algo.losses import PPOActorLoss, global_counts
 from areal_mega.workflows import WorkflowConfig, build_workflow, calculator
 from areal_mega.workflows.tool import cut_after_tool_call
 
@@ -170,7 +171,7 @@ def test_trajectories_to_batch_accepts_groups_and_broadcasts(tmp_path):
     # the trainer's torchrun tests; a 2-process launch here would cost ~10 s of imports)
     import torch.distributed as dist
 
-    from areal_mega.rl.batch import broadcast_batch
+    from areal_mega.rollout.batch import broadcast_batch
 
     assert not dist.is_initialized()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -185,7 +186,7 @@ def test_engine_alignment_shifts_per_token_fields_within_each_sequence() -> None
     """[prompt p0 p1 | gen g0 g1] -> the prediction at i is of token i+1: loss_mask/logprobs/
     versions move one to the left, the last position of every sequence predicts nothing."""
     from areal_mega.api.workflow import Trajectory
-    from areal_mega.rl.batch import to_engine_alignment, trajectories_to_batch
+    from areal_mega.rollout.batch import to_engine_alignment, trajectories_to_batch
 
     a = Trajectory([5, 6, 7, 8], [0, 0, 1, 1], [0.0, 0.0, -0.5, -0.25], [-1, -1, 3, 4], reward=1.0, group_id="g")
     b = Trajectory([9, 10, 11], [0, 1, 1], [0.0, -1.0, -2.0], [-1, 2, 2], reward=0.0, group_id="g")

@@ -1,6 +1,6 @@
 """L=$(tools/env/make_venv.sh learner) && PYTHONPATH=. $L/bin/python tools/bench_async.py --sglang-python $(tools/env/make_venv.sh sglang)/bin/python
 
-Synchronous vs asynchronous RL throughput on the real trainer (``areal_mega.rl.trainer``: one
+Synchronous vs asynchronous RL throughput on the real trainer (``areal_mega.trainer.loop``: one
 SGLang CPU server, megatron learner, gloo weight sync, decoupled PPO), same workload, same seed,
 one invocation. Prints ONE JSON line:
 
@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from areal_mega.inference.server import SGLangServer, free_port  # noqa: E402
-from areal_mega.rl.experiment import load_experiment  # noqa: E402
+from areal_mega.trainer.config import load_experiment  # noqa: E402
 
 TRAIN_PHASES = ("prox_logp", "train", "weight_sync")
 

@@ -32,7 +32,7 @@ from areal_mega.inference.server import build_launch_command
 from areal_mega.launcher.config import LaunchConfig, ModelShape
 from areal_mega.launcher.memory import EngineMemory, LearnerMemory, estimate_engine, estimate_learner
 from areal_mega.parallel import ParallelConfig, ParallelLayout
-from areal_mega.rl.config import AlgorithmConfig
+from areal_mega.algo.config import AlgorithmConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ Dataflow of one ``train_batch`` (every rank calls it with the SAME global batch)
 
 Loss normalisation (the invariant that makes results independent of the micro-batch split
 and of the DP size): ``loss_fn`` returns this micro-batch's SHARE of the global objective
-(e.g. sum of its token losses / tokens in the whole global batch -- areal_mega.rl.losses does
+(e.g. sum of its token losses / tokens in the whole global batch -- areal_mega.algo.losses does
 this with ``global_counts``), and the engine SUMS shares over micro-batches and DP ranks.
 megatron's schedule divides each micro-batch loss by ``num_microbatches`` and DDP averages
 gradients over DP ranks, so the engine multiplies each share by ``num_microbatches * dp``

@@ -47,9 +47,9 @@ def main() -> int:
     from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
     from areal_mega.models import load_hf_config
     from areal_mega.parallel import ParallelConfig, ParallelLayout
-    from areal_mega.rl.config import AlgorithmConfig
-    from areal_mega.rl.critic import CriticConfig, CriticEngine
-    from areal_mega.rl.losses import PPOActorLoss, PPOCriticLoss, global_counts
+    from areal_mega.algo.config import AlgorithmConfig
+    from areal_mega.trainer.critic import CriticConfig, CriticEngine
+    from areal_mega.algo.losses import PPOActorLoss, PPOCriticLoss, global_counts
 
     hf_dir = os.path.join(args.workdir, "tiny")
     make_tiny_qwen2(hf_dir)

@@ -169,14 +169,14 @@ def one_step(engine, batch, loss_fn):
 
 
 def ppo_plugin_step(engine, batch) -> dict:
-    """areal_mega.rl.losses.PPOActorLoss (decoupled, entropy bonus) plugged in unchanged.
+    """areal_mega.algo.losses.PPOActorLoss (decoupled, entropy bonus) plugged in unchanged.
 
     prox_logprobs = the engine's own forward before the update (what the RL loop does). The
     engine's sum of micro-batch shares must equal the loss function applied to the WHOLE
     batch at once (computed from the same forward outputs); returned for the pytest side.
     """
-    from areal_mega.rl.config import AlgorithmConfig
-    from areal_mega.rl.losses import PPOActorLoss, global_counts
+    from areal_mega.algo.config import AlgorithmConfig
+    from areal_mega.algo.losses import PPOActorLoss, global_counts
 
     fwd = engine.forward(batch, temperature=TEMPERATURE)
     b = dict(batch, prox_logprobs=fwd["logprobs"])

@@ -15,41 +15,41 @@ synchronous RL. The decoupled PPO loss corrects for the policy gap (``algorithm.
 
 from __future__ import annotations
 
-from areal_mega.rl.experiment import load_experiment
-from areal_mega.rl.setup import Setup
+from areal_mega.trainer.config import load_experiment
+from areal_mega.trainer.trainer import Trainer
 
 
 def run_train(config_path: str, overrides: list[str]) -> int:
     cfg = load_experiment(config_path, overrides)
-    setup = Setup.create(cfg)  # process groups, actor engine, weight sync, rank-0 rollout driver
-    actor, m = setup.actor, setup.metrics
+    trainer = Trainer.create(cfg)  # process groups, actor engine, weight sync, rank-0 rollout driver
+    actor, m = trainer.actor, trainer.metrics
     if cfg.trainer.eval_at_start:
-        setup.evaluate(step=setup.start_step)
-    for step in range(setup.start_step, cfg.trainer.num_steps):
+        trainer.evaluate(step=trainer.start_step)
+    for step in range(trainer.start_step, cfg.trainer.num_steps):
         with m.phase("rollout"):
-            batch, rollout_stats = setup.next_batch()  # rank 0 samples, every rank receives
+            batch, rollout_stats = trainer.next_batch()  # rank 0 samples, every rank receives
         if cfg.algorithm.decoupled:  # pi_prox: the policy before this update (one extra forward)
             with m.phase("prox_logp"):
                 batch["prox_logprobs"] = actor.forward_logprobs(batch, cfg.workflow.sampling.temperature)
-        batch.update(setup.ref_and_values(batch))  # ref log-probs / KL (kl_coef > 0), critic values (gae)
-        batch.update(setup.advantages(batch))
+        batch.update(trainer.ref_and_values(batch))  # ref log-probs / KL (kl_coef > 0), critic values (gae)
+        batch.update(trainer.advantages(batch))
         with m.phase("train"):
-            train_stats = actor.train_batch(batch, setup.loss_fn(batch), cfg.workflow.sampling.temperature)
-        critic_stats = setup.train_critic(batch, version=step + 1)  # PPO critic on the returns; {} if none
+            train_stats = actor.train_batch(batch, trainer.loss_fn(batch), cfg.workflow.sampling.temperature)
+        critic_stats = trainer.train_critic(batch, version=step + 1)  # PPO critic on the returns; {} if none
         with m.phase("weight_sync"):
-            sync = setup.sync_weights(version=step + 1)  # every live server; bumps the rollout version
+            sync = trainer.sync_weights(version=step + 1)  # every live server; bumps the rollout version
         actor.set_version(step + 1)
-        stop = setup.stop_requested()  # trainer.stop_file appeared: finish this step cleanly
-        if setup.should_save(step + 1) or stop:
+        stop = trainer.stop_requested()  # trainer.stop_file appeared: finish this step cleanly
+        if trainer.should_save(step + 1) or stop:
             with m.phase("save"):
-                setup.save(step + 1)
+                trainer.save(step + 1)
         m.log({**rollout_stats, **{f"train/{k}": v for k, v in train_stats.items()}, **critic_stats,
                "weight_sync/seconds": sync.seconds, "weight_sync/GBps": sync.gbps,
-               "version": step + 1, **setup.throughput(batch, m)})
+               "version": step + 1, **trainer.throughput(batch, m)})
         m.commit(step + 1)
-        if setup.should_eval(step + 1) or (stop and cfg.trainer.eval_at_end):
-            setup.evaluate(step=step + 1)
+        if trainer.should_eval(step + 1) or (stop and cfg.trainer.eval_at_end):
+            trainer.evaluate(step=step + 1)
         if stop:
             break
-    setup.close()
+    trainer.close()
     return 0

@@ -12,7 +12,7 @@ version, oldest admission first, it lands in a batch trained at version <= v + e
 token it carries was sampled at a version >= v (versions only grow), hence is at most eta
 versions old. With eta = 0 no episode is admitted until the previous batch has been trained
 on: synchronous RL. Rejected episodes (filtered, failed) give their slot back. The controller
-(``areal_mega.rl.controller``) keeps the "oldest admission first" half of the argument and
+(``areal_mega.rollout.controller``) keeps the "oldest admission first" half of the argument and
 checks the bound on every batch it forms.
 """
 

@@ -1,4 +1,4 @@
-"""Everything the trainer loop (``areal_mega.rl.trainer``) calls, built once per learner rank.
+"""Everything the trainer loop (``areal_mega.trainer.loop``) calls, built once per learner rank.
 
 Rank 0 additionally owns the :class:`RolloutDriver` (inference pool + rollout controller) and
 writes metrics; every rank owns its share of the actor engine and of weight sync. Batches are
@@ -22,12 +22,12 @@ import torch.distributed as dist
 from areal_mega.megatron.engine import MegatronTrainEngine
 from areal_mega.megatron.parallel_state import ModelParallelGroups, init_model_parallel
 from areal_mega.parallel import ParallelLayout
-from areal_mega.rl.advantages import compute_advantages
-from areal_mega.rl.batch import broadcast_batch, to_engine_alignment, trajectories_to_batch
-from areal_mega.rl.critic import CriticEngine
-from areal_mega.rl.experiment import ExperimentConfig
-from areal_mega.rl.losses import PPOActorLoss, PPOCriticLoss, global_counts, kl_estimate
-from areal_mega.rl.rollout_driver import RolloutDriver
+from areal_mega.algo.advantages import compute_advantages
+from areal_mega.rollout.batch import broadcast_batch, to_engine_alignment, trajectories_to_batch
+from areal_mega.trainer.critic import CriticEngine
+from areal_mega.trainer.config import ExperimentConfig
+from areal_mega.algo.losses import PPOActorLoss, PPOCriticLoss, global_counts, kl_estimate
+from areal_mega.rollout.driver import RolloutDriver
 from areal_mega.utils.metrics import Metrics
 from areal_mega.weight_sync import ServerHandle, megatron_weight_sync
 from areal_mega.weight_sync.sync import SyncStats, WeightSync, WeightSyncError
@@ -40,7 +40,7 @@ def _backend(name: str) -> str:
 
 
 @dataclass
-class Setup:
+class Trainer:
     cfg: ExperimentConfig
     groups: ModelParallelGroups
     actor: MegatronTrainEngine
@@ -65,7 +65,7 @@ class Setup:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def create(cls, cfg: ExperimentConfig) -> "Setup":
+    def create(cls, cfg: ExperimentConfig) -> "Trainer":
         backend = _backend(cfg.trainer.backend)
         if not dist.is_initialized():
             dist.init_process_group(backend)
@@ -107,11 +107,11 @@ class Setup:
         if rank0:
             out.mkdir(parents=True, exist_ok=True)
         metrics = Metrics(str(out / "tb") if rank0 else None, enabled=rank0, jsonl_path=str(out / "metrics.jsonl"))
-        setup = cls(cfg=cfg, groups=groups, actor=actor, weight_sync=ws, metrics=metrics, ctrl_group=ctrl,
+        trainer = cls(cfg=cfg, groups=groups, actor=actor, weight_sync=ws, metrics=metrics, ctrl_group=ctrl,
                     start_step=start_step, driver=driver, ref=ref, critic=critic)
         if rank0:
-            setup._start_rollout()
-        return setup
+            trainer._start_rollout()
+        return trainer
 
     def _start_rollout(self) -> None:
         from transformers import AutoTokenizer

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from areal_mega.rl.config import AlgorithmConfig
+from areal_mega.algo.config import AlgorithmConfig
 
 
 def segment_ids(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Tensor:

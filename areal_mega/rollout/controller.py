@@ -13,7 +13,7 @@ Dataflow (one asyncio loop, in a background thread or the caller's loop)::
 Staleness bound, as an invariant: a batch formed at version v contains only trajectories
 whose every generated token has version >= v - max_staleness; ``get_batch`` checks each token
 and raises :class:`StalenessViolation` otherwise. Two rules make it hold (see
-``areal_mega.rl.staleness`` for the counting argument): admission by the staleness manager,
+``areal_mega.rollout.staleness`` for the counting argument): admission by the staleness manager,
 and batch formation that takes ready episodes oldest-admitted first and waits while taking
 them would leave older episodes (ready or still running) that no longer fit in the batches
 left before they would become too stale (``_can_form``; episodes admitted at version
@@ -41,8 +41,8 @@ import numpy as np
 
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
-from areal_mega.rl.config import RolloutConfig
-from areal_mega.rl.staleness import StalenessManager
+from areal_mega.rollout.config import RolloutConfig
+from areal_mega.rollout.staleness import StalenessManager
 
 
 class StalenessViolation(RuntimeError):

@@ -29,8 +29,8 @@ from typing import Any, Awaitable, Iterable, TypeVar
 from areal_mega.api.workflow import RolloutWorkflow
 from areal_mega.inference.client import InferencePool
 from areal_mega.inference.config import InferenceConfig
-from areal_mega.rl.config import RolloutConfig
-from areal_mega.rl.controller import RolloutBatch, RolloutController
+from areal_mega.rollout.config import RolloutConfig
+from areal_mega.rollout.controller import RolloutBatch, RolloutController
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

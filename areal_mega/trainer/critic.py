@@ -102,7 +102,7 @@ def attach_value_head(model: MegatronModel, *, init_std: float, seed: int) -> No
 class CriticEngine(MegatronTrainEngine):
     """A :class:`MegatronTrainEngine` whose per-token output is the value instead of
     (log-prob, entropy). ``train_batch(batch, loss_fn)`` calls ``loss_fn(values, zeros, mb)``,
-    the signature :class:`areal_mega.rl.losses.PPOCriticLoss` takes; everything else (micro-batch
+    the signature :class:`areal_mega.algo.losses.PPOCriticLoss` takes; everything else (micro-batch
     plan, DP/PP gathering, optimizer, checkpoints) is the actor engine's, unchanged."""
 
     @classmethod

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from areal_mega.rl.advantages import segment_ids
-from areal_mega.rl.config import AlgorithmConfig
+from areal_mega.algo.advantages import segment_ids
+from areal_mega.algo.config import AlgorithmConfig
 
 Stats = dict[str, torch.Tensor]
 

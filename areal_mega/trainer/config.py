@@ -15,8 +15,9 @@ from areal_mega.launcher.config import LaunchConfig
 from areal_mega.megatron.engine import MegatronEngineConfig
 from areal_mega.parallel import ParallelConfig
 from areal_mega.reward import RewardConfig
-from areal_mega.rl.config import AlgorithmConfig, RolloutConfig
-from areal_mega.rl.critic import CriticConfig
+from areal_mega.algo.config import AlgorithmConfig
+from areal_mega.rollout.config import RolloutConfig
+from areal_mega.trainer.critic import CriticConfig
 from areal_mega.weight_sync.config import WeightSyncConfig
 from areal_mega.workflows import WorkflowConfig
 

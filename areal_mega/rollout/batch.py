@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from areal_mega.api.workflow import Trajectory
 from areal_mega.megatron.packing import shift_to_next_token
-from areal_mega.rl.advantages import group_index_of
+from areal_mega.algo.advantages import group_index_of
 
 
 def trajectories_to_batch(trajs: Sequence[Trajectory] | Sequence[Sequence[Trajectory]]) -> dict[str, torch.Tensor]:
