@@ -22,6 +22,10 @@ megatron-core hard-codes CUDA in a handful of places that the CPU tests and the 
    types with their CUDA names. It costs roughly 2x step time on tiny models -- acceptable for
    tests; production runs on GPU where none of this is installed.
 
+megatron-core bugs that bite on GPU as well (optimizer checkpointing, interleaved-pipeline p2p)
+are worked around in :mod:`areal_mega.megatron.compat`, unconditionally; on a megatron-core
+upgrade revisit both modules (this one's list of call sites above, compat's list of bugs).
+
 Invariant: :func:`apply` is idempotent and must run on the thread that later calls megatron
 (torch function modes are thread-local); ``areal_mega.megatron.parallel_state.init_model_parallel``
 calls it for you.

@@ -5,7 +5,7 @@ Dataflow of one ``train_batch`` (every rank calls it with the SAME global batch)
     global packed batch ──plan_microbatches (pure, identical on all ranks)──► this DP rank's
     micro-batches (same count on every DP rank) ──forward_backward_func (megatron schedule;
     PP p2p with variable_seq_lengths; under VPP the interleaved schedule with micro-batches
-    padded to one length, see _configure_interleaved_p2p)──► last stage: logits [T_mb, V/tp]
+    padded to one length, see compat.configure_interleaved_p2p)──► last stage: logits [T_mb, V/tp]
     ──vocab-parallel log-softmax (3 all-reduces on the TP group)──► loss_fn(logprobs, entropy, mb) ──► backward
     ──finalize_model_grads (DP all-reduce, tied-embedding all-reduce)──► optimizer.step
     (Adam, optional distributed optimizer, grad clipping) with LR from OptimizerParamScheduler
@@ -33,7 +33,6 @@ logprobs) with them before calling train_batch.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field
 from functools import partial
@@ -43,10 +42,10 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.api.engine import TrainEngine
+from areal_mega.megatron import compat
 from areal_mega.megatron.logprobs import vocab_parallel_logprobs
 from areal_mega.megatron.model import MegatronModel, MegatronModelConfig, packed_causal_mask
 from areal_mega.megatron.packing import (
-    PAD_TOKEN_ID,
     last_token_mask,
     next_token_labels,
     plan_microbatches,
@@ -140,214 +139,6 @@ class MegatronEngineConfig:
             raise ValueError(f"attention: {self.attention!r} is not one of mask, thd")
 
 
-@contextlib.contextmanager
-def _skip_adam_step_on_param_state_load(optimizer: Any):
-    """Work around two megatron-core 0.16.1 bugs on the torch-Adam (no TE/apex) path.
-
-    DistributedOptimizer.load_state_dict writes the common ``step`` into every Adam state --
-    the SAME tensor object for all parameters -- then load_parameter_state_from_fully_reshardable
-    copies per-parameter tensors for every key of that state, but its source dict skips
-    "step" -> KeyError. We hide "step" during the per-parameter copy only (it was already set
-    from the common state). Afterwards every state gets its own copy of ``step``: torch Adam
-    increments it in place once per parameter, so a shared tensor would advance by
-    #params per optimizer step and break Adam's bias correction after a resume (caught by
-    the resume test: the second step diverged by 0.27 nats).
-    """
-    patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        orig = getattr(opt, "_set_main_param_and_optimizer_states", None)
-        if orig is None:  # not a DistributedOptimizer
-            continue
-
-        def set_states(model_param, tensors, _opt=opt, _orig=orig):
-            gi, go = _opt.model_param_group_index_map[model_param]
-            state = _opt.optimizer.state[_opt.optimizer.param_groups[gi]["params"][go]]
-            step = state.pop("step", None) if "step" not in tensors else None
-            try:
-                _orig(model_param, tensors)
-            finally:
-                if step is not None:
-                    state["step"] = step
-
-        opt._set_main_param_and_optimizer_states = set_states
-        patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states  # back to the class method
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for st in opt.optimizer.state.values():
-            if isinstance(st.get("step"), torch.Tensor):
-                st["step"] = st["step"].detach().clone()
-
-
-def _fix_param_group_index_map(optimizer: Any) -> None:
-    """Work around a megatron-core 0.16.1 DistributedOptimizer bug with mixed-dtype param groups.
-
-    Our bf16 models are mixed-dtype: the "local" layer spec's torch RMSNorm weights stay fp32
-    (megatron's own training loop would cast the whole model with Float16Module; we do not),
-    while linears, embeddings and Qwen2's qkv bias are bf16. megatron puts biases and norms in
-    the same (no weight-decay) param group, so for Qwen2 one group holds fp32 AND bf16 params
-    (Llama has no biases: each of its groups has one dtype, which is why only Qwen2 failed).
-
-    ``_build_optimizer_group_ranges`` records every param's (group_index, group_order) in
-    grad-buffer order (fp32 and bf16 params live in different buffers), but
-    ``_build_model_and_main_param_groups`` then installs each inner-optimizer group as
-    ``[*fp32 shards, *fp32-from-bf16 shards]`` and never rebuilds the map. Training is
-    unaffected (the step uses the parallel model/shard group lists), but checkpointing looks up
-    ``optimizer.param_groups[g]["params"][order]`` through the stale map and gets ANOTHER
-    param's main param / Adam state: ``get_parameter_state_dp_zero`` (behind
-    fully_reshardable save) fails with "The size of tensor a (128) must match the size of
-    tensor b (64)" (qkv bias vs an RMSNorm weight), and where sizes happen to agree the state
-    would be silently swapped; load (``_set_main_param_and_optimizer_states``) has the same flaw.
-    Upstream: NVIDIA/Megatron-LM issue #2777, fixed the same way in PR #5835 (rebuild the map
-    in the installed order). For single-dtype groups and fixed megatron versions the rebuilt
-    map is identical to megatron's, so this is a no-op there.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not hasattr(opt, "model_param_group_index_map"):  # not a DistributedOptimizer
-            continue
-        fixed = {}
-        for g, (fp32, f16) in enumerate(zip(opt.model_fp32_groups, opt.model_float16_groups)):
-            for order, p in enumerate([*fp32, *f16]):  # the order installed in param_groups[g]
-                fixed[p] = (g, order)
-        assert fixed.keys() == opt.model_param_group_index_map.keys()
-        for g, group in enumerate(opt.optimizer.param_groups):
-            assert len(group["params"]) == sum(1 for gi, _ in fixed.values() if gi == g)
-        opt.model_param_group_index_map = fixed
-
-
-def _fix_float16_optimizer_sharded_state_dict(optimizer: Any) -> None:
-    """Work around megatron-core 0.16.1's NON-distributed bf16/fp16 optimizer
-    (Float16OptimizerWithFloat16Params) being unable to checkpoint fp32 params.
-
-    Same root cause as :func:`_fix_param_group_index_map`: our bf16 models keep the RMSNorm
-    weights in fp32. ``Float16OptimizerWithFloat16Params.sharded_state_dict`` assumes every
-    optimized param is 16-bit: it numbers optimizer state ids by iterating ``float16_groups``
-    only, while torch numbers them over ALL params of ``param_groups`` (fp32 ones included, in
-    place), and it pairs each group's state ids with that group's fp32 master copies by
-    position. With fp32 params present the ids shift: Llama bf16 fails with "Param id 10 does
-    not match any model sharded param", Qwen2 bf16 with "Optimizer shape ((64,) does not match
-    model shape ((128,))" -- so no bf16 checkpoint could be saved without the distributed
-    optimizer. This replacement builds both mappings from the inner optimizer's real order; the
-    tensor keys (``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>`` + common_step)
-    are megatron's, only the fp32-master container becomes a dict (see below) and
-    ``load_state_dict`` converts it back before calling megatron's. Installed only on instances
-    that hold fp32 params (single-dtype models keep megatron's code path and format).
-    """
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        make_sharded_optimizer_tensor,
-        optim_state_to_sharding_state,
-    )
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
-
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(opt, Float16OptimizerWithFloat16Params) or not any(opt.fp32_from_fp32_groups):
-            continue
-
-        def sharded_state_dict(model_sharded_state_dict, is_loading=False, metadata=None, _opt=opt):
-            if is_loading:
-                _opt.init_state_fn(_opt.optimizer, _opt.config)
-            state_dict = _opt.state_dict()
-            # torch's state ids: params enumerated over param_groups in order. For 16-bit params
-            # the optimizer holds the fp32 master copy; map it back to the model param, whose
-            # sharded tensor (same id(.data)) carries the key/sharding.
-            model_of_main = {
-                id(main): p
-                for g16, g32 in zip(_opt.float16_groups, _opt.fp32_from_float16_groups)
-                for p, main in zip(g16, g32)
-            }
-            optim_params = [q for g in _opt.optimizer.param_groups for q in g["params"]]
-            state_id = {id(q): i for i, q in enumerate(optim_params)}
-            id_to_sharded = get_param_id_to_sharded_param_map(
-                model_sharded_state_dict, [model_of_main.get(id(q), q) for q in optim_params]
-            )
-            # A dict {group index: [...]}, not megatron's list of lists: a group with no 16-bit
-            # params (Llama's norms-only group) gives an empty inner list, and
-            # dist_checkpointing's extract_matching_values/merge shift list positions around
-            # empty lists, so load failed with "Cannot merge two lists with different lengths
-            # (0 and 10)". Dicts keep their keys; load_state_dict below turns it back.
-            state_dict["fp32_from_fp16_params"] = {
-                g: [
-                    make_sharded_optimizer_tensor(
-                        id_to_sharded[state_id[id(main)]], main, prefix="optimizer.state.fp32_param"
-                    )
-                    for main in g32
-                ]
-                for g, g32 in enumerate(_opt.fp32_from_float16_groups)
-            }
-            step = _opt._extract_common_per_param_step(state_dict["optimizer"])
-            optim_state_to_sharding_state(state_dict["optimizer"], id_to_sharded, exclude_keys="step")
-            if step:
-                state_dict["optimizer"]["state"]["common_step"] = step
-            return state_dict
-
-        def load_state_dict(state_dict, _opt=opt):
-            saved = state_dict.get("fp32_from_fp16_params")
-            if isinstance(saved, dict):
-                groups = [saved[g] for g in range(len(_opt.fp32_from_float16_groups))]
-                state_dict = {**state_dict, "fp32_from_fp16_params": groups}
-            return type(_opt).load_state_dict(_opt, state_dict)
-
-        opt.sharded_state_dict = sharded_state_dict
-        opt.load_state_dict = load_state_dict
-
-
-def _microbatch_group_size(num_microbatches: int, pp: int) -> int:
-    """megatron's ``microbatch_group_size_per_vp_stage`` for the interleaved schedule: micro-batches
-    each model chunk runs back to back. 0.16.1 requires pp <= N <= M and M % N == 0 or >= pp; the
-    smallest valid N (megatron's default is pp) keeps the warm-up, and so activation memory, lowest."""
-    for n in range(pp, num_microbatches + 1):
-        r = num_microbatches % n
-        if r == 0 or r >= pp:
-            return n
-    raise ValueError(f"interleaved pipeline: needs >= pp ({pp}) micro-batches, got {num_microbatches}")
-
-
-def _trimmed_loss(loss_func: Callable, mb: dict[str, torch.Tensor], num_tokens: int, output: torch.Tensor):
-    """loss_func on the real tokens of a padded micro-batch's output [1, T_pad, ...]."""
-    return loss_func(mb, output[:, :num_tokens])
-
-
-def _configure_interleaved_p2p(tcfg: Any) -> None:
-    """Pipeline p2p settings under which megatron-core 0.16.1's interleaved (VPP) schedule trains
-    correctly; applied to the model's (shared) TransformerConfig.
-
-    Why megatron's defaults give wrong gradients: in steady-state interleaved 1F1B a stage sends
-    activations to the NEXT stage and gradients to the PREVIOUS stage in one p2p call, and with
-    pp == 2 next and previous are the SAME rank. The default ``batch_p2p_comm=True`` posts every
-    rank's ops as send_prev, recv_prev, send_next, recv_next, so rank A sends (gradient,
-    activation) to B while B receives (activation, gradient) from A; messages between two ranks
-    match in posting order (gloo: same peer, same tag), so the activation lands in the gradient
-    buffer and vice versa. With one fixed shape this is silent: measured at PP2 x VPP2 with 4
-    micro-batches, grad norm 54.3 instead of 0.974 and loss off by 9.9e-4 (activations swapped
-    too). It needs M > pp micro-batches: with M == pp every step is warm-up or cool-down and no
-    call sends both ways. Megatron-LM's own argument check forbids it ("When interleaved schedule
-    is used and p2p communication overlap is disabled, pipeline-model-parallel size should be
-    greater than 2 ..."); its default for interleaving is overlap_p2p_comm=True and
-    batch_p2p_comm=False, which we use: ``_p2p_ops`` orders the ops by even/odd rank and, in a
-    2-rank pipeline group, sends the two directions over different process groups (pp vs
-    WORLD), so they cannot cross (tests/dist/engine_vpp.py: equal to plain PP2 within 1e-6).
-
-    Why no variable lengths: ``variable_seq_lengths`` first exchanges shapes, and that exchange is
-    always batched in the same crossing order, whatever ``batch_p2p_comm`` says. Measured with
-    packed micro-batches: batched p2p -> a rank receives another micro-batch's activation
-    ("size of tensor a (70) must match ... b (49)"); unbatched p2p -> the swapped shapes no
-    longer match the data (gloo "Received data size doesn't match expected size", 17920 vs 12544
-    bytes); an earlier attempt saw a hang. So under VPP ``_run_schedule`` pads every micro-batch
-    to the longest one of the step (fixed p2p shape). Cost: M * T_max token positions computed
-    instead of sum(T_i), plus a [T_max, T_max] mask per micro-batch on the mask path -- on the
-    test batch +24% (4 micro-batches: 70/61/49/45 tokens) and +56% (5: 70/61/40/28/26); a filler
-    micro-batch (fewer real ones than pp) costs a whole padded micro-batch. Keep micro-batches
-    even (sequences no longer than max_tokens_per_microbatch) to keep the waste small.
-    """
-    tcfg.batch_p2p_comm = False
-    tcfg.overlap_p2p_comm = True
-    tcfg.variable_seq_lengths = False
-
-
 class MegatronTrainEngine(TrainEngine):
     """A megatron-core policy/critic with Megatron DDP, optimizer and LR schedule.
 
@@ -376,7 +167,8 @@ class MegatronTrainEngine(TrainEngine):
                     "attention: 'thd' with virtual_pipeline_parallel is not supported (the interleaved "
                     "schedule pads micro-batches to one length; untested with TE's packed kernels)"
                 )
-            _configure_interleaved_p2p(model.config)
+            # megatron-core 0.16.1 VPP p2p crosses at PP = 2: unbatched, fixed-shape p2p (compat entries 6-7).
+            compat.configure_interleaved_p2p(model.config)
         self.cfg = cfg
         self.model = model
         self.groups = model.groups
@@ -393,7 +185,7 @@ class MegatronTrainEngine(TrainEngine):
             return
         tcfg = model.config
         # Packed micro-batches differ in length: PP p2p must send shapes -- except under VPP,
-        # where _run_schedule pads them to one length instead (see _configure_interleaved_p2p).
+        # where _run_schedule pads them to one length instead (see compat.configure_interleaved_p2p).
         assert tcfg.variable_seq_lengths != bool(self.layout.vpp)
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
@@ -423,9 +215,9 @@ class MegatronTrainEngine(TrainEngine):
             ),
             self.chunks,
         )
-        # megatron-core 0.16.1 checkpointing bugs with our mixed fp32/bf16 params (see each).
-        _fix_param_group_index_map(self.optimizer)
-        _fix_float16_optimizer_sharded_state_dict(self.optimizer)
+        # megatron-core 0.16.1 checkpointing bugs with our mixed fp32/bf16 params (compat entries 4, 5).
+        compat.fix_param_group_index_map(self.optimizer)  # dist-opt: stale param -> state map
+        compat.fix_float16_optimizer_sharded_state_dict(self.optimizer)  # non-dist bf16: state ids
         # megatron's scheduler asserts decay_steps > warmup even for "constant".
         decay_steps = o.lr_decay_steps if o.lr_decay_steps is not None else o.lr_warmup_steps + 1
         self.scheduler = OptimizerParamScheduler(
@@ -514,8 +306,10 @@ class MegatronTrainEngine(TrainEngine):
         many = len(self.chunks) > 1
         if many:
             # Interleaved 1F1B: fixed-shape p2p (no variable_seq_lengths, see
-            # _configure_interleaved_p2p), so every micro-batch runs padded to the longest one.
-            self.model.config.microbatch_group_size_per_vp_stage = _microbatch_group_size(len(mbs), self.layout.pp)
+            # compat.configure_interleaved_p2p), so every micro-batch runs padded to the longest one.
+            # megatron-core 0.16.1's rule for micro-batch groups (compat entry 8).
+            group = compat.microbatch_group_size(len(mbs), self.layout.pp)
+            self.model.config.microbatch_group_size_per_vp_stage = group
 
         def step(data_iterator, chunk):
             # Each chunk has its own iterator over the same list: megatron's interleaved schedule
@@ -525,14 +319,9 @@ class MegatronTrainEngine(TrainEngine):
             T = int(mb["input_ids"].numel())
             if not many or T == seq_length:
                 return self._model_forward(chunk, mb), partial(loss_func, mb)
-            # Padding = one extra "sequence" of pad tokens after the real ones: the block-diagonal
-            # mask keeps it out of the real tokens' attention, RoPE is relative, so the real
-            # positions compute exactly what they would unpadded; the loss sees only those.
-            padded = {
-                "input_ids": torch.cat([mb["input_ids"], mb["input_ids"].new_full((seq_length - T,), PAD_TOKEN_ID)]),
-                "cu_seqlens": torch.cat([mb["cu_seqlens"], mb["cu_seqlens"].new_full((1,), seq_length)]),
-            }
-            return self._model_forward(chunk, padded), partial(_trimmed_loss, loss_func, mb, T)
+            # VPP: pad to the fixed p2p shape, the loss sees only the real tokens (compat entry 7).
+            padded = compat.pad_microbatch(mb, seq_length)
+            return self._model_forward(chunk, padded), partial(compat.trimmed_loss, loss_func, mb, T)
 
         return get_forward_backward_func()(
             forward_step_func=step,
@@ -696,29 +485,12 @@ class MegatronTrainEngine(TrainEngine):
         # fully_reshardable: optimizer state keyed by model parameter in its canonical shape
         # (not by DP buffer layout), so a checkpoint saved at one TP/PP/DP loads at another.
         # (megatron's default, fully_sharded_model_space, uses flattened_range, which 0.16.1's
-        # dist_checkpointing rejects.)
+        # dist_checkpointing rejects; see the note at the end of compat's docstring.)
         sd["optimizer"] = self.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
         )
         sd["engine"] = {"version": self._version, "num_steps": self._num_steps, "scheduler": self.scheduler.state_dict()}
         return sd
-
-    def _materialise_optimizer_state(self) -> None:
-        """Give every parameter zero Adam state (step 0) if it has none yet.
-
-        Without TE/apex, megatron-core 0.16.1's DistributedOptimizer.state_dict() asserts that
-        all torch-Adam states share one 'step', which fails on a fresh optimizer (no state):
-        the very case of loading a checkpoint into a new engine. Values are overwritten by load.
-        """
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = opt.optimizer
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    st = inner.state[p]
-                    if not st:
-                        st["step"] = torch.tensor(0.0)
-                        st["exp_avg"] = torch.zeros_like(p.data)
-                        st["exp_avg_sq"] = torch.zeros_like(p.data)
 
     def save(self, path: str) -> None:
         """Model + optimizer + LR-schedule + version as a megatron distributed checkpoint in
@@ -740,7 +512,8 @@ class MegatronTrainEngine(TrainEngine):
         self._require_trainable("load")
         if not os.path.isdir(path):
             raise ValueError(f"load path: {path} is not a checkpoint directory")
-        self._materialise_optimizer_state()
+        # megatron-core 0.16.1 dist-opt + torch Adam: state_dict() needs Adam state (compat entry 1).
+        compat.materialise_optimizer_state(self.optimizer)
         sd = self._sharded_state_dict(is_loading=True)
         loaded = dist_checkpointing.load(sd, path)
         if len(self.model.chunks) == 1:
@@ -748,7 +521,8 @@ class MegatronTrainEngine(TrainEngine):
         else:
             for i, m in enumerate(self.model.chunks):
                 m.load_state_dict(loaded[f"model{i}"])
-        with _skip_adam_step_on_param_state_load(self.optimizer):
+        # megatron-core 0.16.1 dist-opt + torch Adam: 'step' KeyError, shared step (compat entries 2-3).
+        with compat.skip_adam_step_on_param_state_load(self.optimizer):
             self.optimizer.load_state_dict(loaded["optimizer"])
         eng = loaded["engine"]
         self.scheduler.load_state_dict(eng["scheduler"])

@@ -1,0 +1,331 @@
+"""Workarounds for megatron-core 0.16.1 bugs that the learner engine hits on EVERY device.
+
+This is the file to revisit on a megatron-core upgrade. Each function below works around one
+upstream problem; :class:`areal_mega.megatron.engine.MegatronTrainEngine` calls them at marked
+points (grep ``compat.`` in engine.py). The CPU-only CUDA shims are a separate module,
+:mod:`areal_mega.megatron.cpu_compat`, because they follow a different rule: they are installed
+only when ``not torch.cuda.is_available()`` and are a no-op on GPU, whereas everything here is
+applied on GPU and CPU alike (check both files on an upgrade).
+
+One entry per upstream bug -- what breaks in 0.16.1 / symptom seen / fix / call site / on upgrade:
+
+1. Distributed optimizer + torch Adam (no TE/apex), fresh optimizer: ``DistributedOptimizer.
+   state_dict()`` asserts all Adam states share one ``step``, which fails when there is no state
+   yet -- i.e. loading a checkpoint into a new engine. Fix: :func:`materialise_optimizer_state`
+   (zero state, overwritten by the load). Call site: ``MegatronTrainEngine.load``, before the
+   sharded state dict is built. Upgrade: drop the call; the resume tests
+   (tests/test_engine.py::test_save_tp2_load_pp2_continues, test_bf16_resume_is_exact) must pass.
+2. Distributed optimizer + torch Adam, load: ``load_parameter_state_from_fully_reshardable``
+   copies every key of each Adam state, but its source dict has no ``step`` -> KeyError 'step'.
+   Fix: :func:`skip_adam_step_on_param_state_load` hides ``step`` during that copy only. Call
+   site: ``MegatronTrainEngine.load``, around ``optimizer.load_state_dict``. Upgrade: remove the
+   hiding half and run the resume tests (as in 1).
+3. Distributed optimizer + torch Adam, after load: ``load_state_dict`` puts ONE ``step`` tensor
+   object into every param's state; torch Adam increments it in place per param, so it advances
+   by #params per step and breaks bias correction (the 2nd step after a resume diverged by 0.27
+   nats). Fix: the same context manager (2) gives every state its own copy on exit. Call site as
+   in 2. Upgrade: remove the cloning loop; the resume tests must still match the
+   uninterrupted run exactly.
+4. Distributed optimizer, param group mixing fp32 and bf16 params (our bf16 models keep the
+   local spec's RMSNorm weights fp32; Qwen2's qkv bias shares the no-decay group with them):
+   ``model_param_group_index_map`` goes stale, so checkpointing reads another param's state --
+   save failed with "The size of tensor a (128) must match the size of tensor b (64)", where
+   sizes agree state would be swapped silently. Fix: :func:`fix_param_group_index_map`
+   (upstream issue NVIDIA/Megatron-LM#2777, fixed the same way by PR #5835). Call site:
+   ``MegatronTrainEngine.__init__``, right after ``get_megatron_optimizer``. Upgrade: delete
+   once the release contains PR #5835 (then the function is a no-op); guard:
+   tests/test_engine.py::test_bf16_resume_is_exact (tests/dist/engine_bf16_resume.py).
+5. NON-distributed bf16/fp16 optimizer (``Float16OptimizerWithFloat16Params``) with fp32 params
+   (same fp32 norms): ``sharded_state_dict`` numbers state ids over 16-bit params only -- Llama
+   "Param id 10 does not match any model sharded param", Qwen2 "Optimizer shape ((64,) does not
+   match model shape ((128,))"; and a group without 16-bit params made load fail with "Cannot
+   merge two lists with different lengths (0 and 10)". Fix:
+   :func:`fix_float16_optimizer_sharded_state_dict` (per-instance replacement, only where fp32
+   params exist). Call site: ``MegatronTrainEngine.__init__``, after (4). Upgrade: drop it and
+   run test_bf16_resume_is_exact's non-distributed cases; delete if they pass.
+6. Interleaved pipeline (VPP) with PP = 2 and the default ``batch_p2p_comm=True``: the
+   steady-state send-next/send-prev call goes to one peer in crossed order, activations land in
+   gradient buffers -- silently: grad norm 54.3 instead of 0.974 (PP2 x VPP2, 4 micro-batches).
+   Fix: :func:`configure_interleaved_p2p` (``batch_p2p_comm=False, overlap_p2p_comm=True``,
+   Megatron-LM's own interleaving default). Call site: ``MegatronTrainEngine.__init__`` when the
+   layout has VPP. Upgrade: tests/test_engine.py::test_vpp_negative_control_batched_p2p_is_wrong
+   runs megatron's default; once it FAILS (batched p2p now correct) the override can go.
+7. VPP with ``variable_seq_lengths``: the shape exchange is always batched in the same crossing
+   order -- "size of tensor a (70) must match ... b (49)", gloo "Received data size doesn't match
+   expected size", once a hang. Fix: ``variable_seq_lengths=False`` (in 6) and every micro-batch
+   padded to the step's longest: :func:`pad_microbatch` + :func:`trimmed_loss` (cost +24% /
+   +56% token positions on the test batch). Call site: ``MegatronTrainEngine._run_schedule``
+   under VPP (and the ``variable_seq_lengths != vpp`` assert in ``__init__``). Upgrade: try
+   ``variable_seq_lengths=True`` under VPP without padding;
+   tests/test_engine.py::test_vpp_training_matches_plain_pp must pass before deleting both.
+8. VPP micro-batch groups: 0.16.1's interleaved schedule raises unless pp <= N <= M and
+   M % N == 0 or >= pp for ``microbatch_group_size_per_vp_stage`` = N ("The remainder of M ...
+   should be 0, or larger than or equal to the pipeline-parallel size"); its default N = pp
+   fails e.g. for M = 5 at PP2. Fix: :func:`microbatch_group_size` (smallest valid N, lowest
+   warm-up memory). Call site: ``MegatronTrainEngine._run_schedule``, per step. Upgrade: check
+   the rule in ``schedules.forward_backward_pipelining_with_interleaving``; keep in sync. (M >= pp
+   itself is a schedule requirement, met by filler micro-batches in ``MegatronTrainEngine._plan``.)
+
+Not a workaround that can be deleted, noted for upgrades: the engine saves the optimizer with
+``distrib_optim_sharding_type="fully_reshardable"`` (needed to reshard across layouts anyway);
+megatron's default, ``fully_sharded_model_space``, uses ``flattened_range``, which 0.16.1's
+dist_checkpointing rejects. Entry 2 lives on that fully_reshardable load path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from areal_mega.megatron.packing import PAD_TOKEN_ID
+
+
+# ---------------------------------------------------------------- torch Adam state (entries 1-3)
+
+def materialise_optimizer_state(optimizer: Any) -> None:
+    """Entry 1: give every parameter zero Adam state (step 0) if it has none yet.
+
+    Without TE/apex, megatron-core 0.16.1's DistributedOptimizer.state_dict() asserts that
+    all torch-Adam states share one 'step', which fails on a fresh optimizer (no state):
+    the very case of loading a checkpoint into a new engine. Values are overwritten by load.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
+@contextlib.contextmanager
+def skip_adam_step_on_param_state_load(optimizer: Any):
+    """Entries 2 and 3: two megatron-core 0.16.1 bugs on the torch-Adam (no TE/apex) path.
+
+    DistributedOptimizer.load_state_dict writes the common ``step`` into every Adam state --
+    the SAME tensor object for all parameters -- then load_parameter_state_from_fully_reshardable
+    copies per-parameter tensors for every key of that state, but its source dict skips
+    "step" -> KeyError. We hide "step" during the per-parameter copy only (it was already set
+    from the common state). Afterwards every state gets its own copy of ``step``: torch Adam
+    increments it in place once per parameter, so a shared tensor would advance by
+    #params per optimizer step and break Adam's bias correction after a resume (caught by
+    the resume test: the second step diverged by 0.27 nats).
+    """
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        orig = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if orig is None:  # not a DistributedOptimizer
+            continue
+
+        def set_states(model_param, tensors, _opt=opt, _orig=orig):
+            gi, go = _opt.model_param_group_index_map[model_param]
+            state = _opt.optimizer.state[_opt.optimizer.param_groups[gi]["params"][go]]
+            step = state.pop("step", None) if "step" not in tensors else None
+            try:
+                _orig(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class method
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for st in opt.optimizer.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].detach().clone()
+
+
+# ---------------------------------------------------------------- bf16 with fp32 norms (entries 4-5)
+
+def fix_param_group_index_map(optimizer: Any) -> None:
+    """Entry 4: a megatron-core 0.16.1 DistributedOptimizer bug with mixed-dtype param groups.
+
+    Our bf16 models are mixed-dtype: the "local" layer spec's torch RMSNorm weights stay fp32
+    (megatron's own training loop would cast the whole model with Float16Module; we do not),
+    while linears, embeddings and Qwen2's qkv bias are bf16. megatron puts biases and norms in
+    the same (no weight-decay) param group, so for Qwen2 one group holds fp32 AND bf16 params
+    (Llama has no biases: each of its groups has one dtype, which is why only Qwen2 failed).
+
+    ``_build_optimizer_group_ranges`` records every param's (group_index, group_order) in
+    grad-buffer order (fp32 and bf16 params live in different buffers), but
+    ``_build_model_and_main_param_groups`` then installs each inner-optimizer group as
+    ``[*fp32 shards, *fp32-from-bf16 shards]`` and never rebuilds the map. Training is
+    unaffected (the step uses the parallel model/shard group lists), but checkpointing looks up
+    ``optimizer.param_groups[g]["params"][order]`` through the stale map and gets ANOTHER
+    param's main param / Adam state: ``get_parameter_state_dp_zero`` (behind
+    fully_reshardable save) fails with "The size of tensor a (128) must match the size of
+    tensor b (64)" (qkv bias vs an RMSNorm weight), and where sizes happen to agree the state
+    would be silently swapped; load (``_set_main_param_and_optimizer_states``) has the same flaw.
+    Upstream: NVIDIA/Megatron-LM issue #2777, fixed the same way in PR #5835 (rebuild the map
+    in the installed order). For single-dtype groups and fixed megatron versions the rebuilt
+    map is identical to megatron's, so this is a no-op there.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not hasattr(opt, "model_param_group_index_map"):  # not a DistributedOptimizer
+            continue
+        fixed = {}
+        for g, (fp32, f16) in enumerate(zip(opt.model_fp32_groups, opt.model_float16_groups)):
+            for order, p in enumerate([*fp32, *f16]):  # the order installed in param_groups[g]
+                fixed[p] = (g, order)
+        assert fixed.keys() == opt.model_param_group_index_map.keys()
+        for g, group in enumerate(opt.optimizer.param_groups):
+            assert len(group["params"]) == sum(1 for gi, _ in fixed.values() if gi == g)
+        opt.model_param_group_index_map = fixed
+
+
+def fix_float16_optimizer_sharded_state_dict(optimizer: Any) -> None:
+    """Entry 5: work around megatron-core 0.16.1's NON-distributed bf16/fp16 optimizer
+    (Float16OptimizerWithFloat16Params) being unable to checkpoint fp32 params.
+
+    Same root cause as :func:`fix_param_group_index_map`: our bf16 models keep the RMSNorm
+    weights in fp32. ``Float16OptimizerWithFloat16Params.sharded_state_dict`` assumes every
+    optimized param is 16-bit: it numbers optimizer state ids by iterating ``float16_groups``
+    only, while torch numbers them over ALL params of ``param_groups`` (fp32 ones included, in
+    place), and it pairs each group's state ids with that group's fp32 master copies by
+    position. With fp32 params present the ids shift: Llama bf16 fails with "Param id 10 does
+    not match any model sharded param", Qwen2 bf16 with "Optimizer shape ((64,) does not match
+    model shape ((128,))" -- so no bf16 checkpoint could be saved without the distributed
+    optimizer. This replacement builds both mappings from the inner optimizer's real order; the
+    tensor keys (``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>`` + common_step)
+    are megatron's, only the fp32-master container becomes a dict (see below) and
+    ``load_state_dict`` converts it back before calling megatron's. Installed only on instances
+    that hold fp32 params (single-dtype models keep megatron's code path and format).
+    """
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        make_sharded_optimizer_tensor,
+        optim_state_to_sharding_state,
+    )
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, Float16OptimizerWithFloat16Params) or not any(opt.fp32_from_fp32_groups):
+            continue
+
+        def sharded_state_dict(model_sharded_state_dict, is_loading=False, metadata=None, _opt=opt):
+            if is_loading:
+                _opt.init_state_fn(_opt.optimizer, _opt.config)
+            state_dict = _opt.state_dict()
+            # torch's state ids: params enumerated over param_groups in order. For 16-bit params
+            # the optimizer holds the fp32 master copy; map it back to the model param, whose
+            # sharded tensor (same id(.data)) carries the key/sharding.
+            model_of_main = {
+                id(main): p
+                for g16, g32 in zip(_opt.float16_groups, _opt.fp32_from_float16_groups)
+                for p, main in zip(g16, g32)
+            }
+            optim_params = [q for g in _opt.optimizer.param_groups for q in g["params"]]
+            state_id = {id(q): i for i, q in enumerate(optim_params)}
+            id_to_sharded = get_param_id_to_sharded_param_map(
+                model_sharded_state_dict, [model_of_main.get(id(q), q) for q in optim_params]
+            )
+            # A dict {group index: [...]}, not megatron's list of lists: a group with no 16-bit
+            # params (Llama's norms-only group) gives an empty inner list, and
+            # dist_checkpointing's extract_matching_values/merge shift list positions around
+            # empty lists, so load failed with "Cannot merge two lists with different lengths
+            # (0 and 10)". Dicts keep their keys; load_state_dict below turns it back.
+            state_dict["fp32_from_fp16_params"] = {
+                g: [
+                    make_sharded_optimizer_tensor(
+                        id_to_sharded[state_id[id(main)]], main, prefix="optimizer.state.fp32_param"
+                    )
+                    for main in g32
+                ]
+                for g, g32 in enumerate(_opt.fp32_from_float16_groups)
+            }
+            step = _opt._extract_common_per_param_step(state_dict["optimizer"])
+            optim_state_to_sharding_state(state_dict["optimizer"], id_to_sharded, exclude_keys="step")
+            if step:
+                state_dict["optimizer"]["state"]["common_step"] = step
+            return state_dict
+
+        def load_state_dict(state_dict, _opt=opt):
+            saved = state_dict.get("fp32_from_fp16_params")
+            if isinstance(saved, dict):
+                groups = [saved[g] for g in range(len(_opt.fp32_from_float16_groups))]
+                state_dict = {**state_dict, "fp32_from_fp16_params": groups}
+            return type(_opt).load_state_dict(_opt, state_dict)
+
+        opt.sharded_state_dict = sharded_state_dict
+        opt.load_state_dict = load_state_dict
+
+
+# ---------------------------------------------------------------- interleaved pipeline (entries 6-8)
+
+def configure_interleaved_p2p(tcfg: Any) -> None:
+    """Entries 6 and 7: pipeline p2p settings under which megatron-core 0.16.1's interleaved (VPP)
+    schedule trains correctly; applied to the model's (shared) TransformerConfig.
+
+    Why megatron's defaults give wrong gradients: in steady-state interleaved 1F1B a stage sends
+    activations to the NEXT stage and gradients to the PREVIOUS stage in one p2p call, and with
+    pp == 2 next and previous are the SAME rank. The default ``batch_p2p_comm=True`` posts every
+    rank's ops as send_prev, recv_prev, send_next, recv_next, so rank A sends (gradient,
+    activation) to B while B receives (activation, gradient) from A; messages between two ranks
+    match in posting order (gloo: same peer, same tag), so the activation lands in the gradient
+    buffer and vice versa. With one fixed shape this is silent: measured at PP2 x VPP2 with 4
+    micro-batches, grad norm 54.3 instead of 0.974 and loss off by 9.9e-4 (activations swapped
+    too). It needs M > pp micro-batches: with M == pp every step is warm-up or cool-down and no
+    call sends both ways. Megatron-LM's own argument check forbids it ("When interleaved schedule
+    is used and p2p communication overlap is disabled, pipeline-model-parallel size should be
+    greater than 2 ..."); its default for interleaving is overlap_p2p_comm=True and
+    batch_p2p_comm=False, which we use: ``_p2p_ops`` orders the ops by even/odd rank and, in a
+    2-rank pipeline group, sends the two directions over different process groups (pp vs
+    WORLD), so they cannot cross (tests/dist/engine_vpp.py: equal to plain PP2 within 1e-6).
+
+    Why no variable lengths: ``variable_seq_lengths`` first exchanges shapes, and that exchange is
+    always batched in the same crossing order, whatever ``batch_p2p_comm`` says. Measured with
+    packed micro-batches: batched p2p -> a rank receives another micro-batch's activation
+    ("size of tensor a (70) must match ... b (49)"); unbatched p2p -> the swapped shapes no
+    longer match the data (gloo "Received data size doesn't match expected size", 17920 vs 12544
+    bytes); an earlier attempt saw a hang. So under VPP the engine's ``_run_schedule`` pads every
+    micro-batch to the longest one of the step (fixed p2p shape; :func:`pad_microbatch`,
+    :func:`trimmed_loss`). Cost: M * T_max token positions computed instead of sum(T_i), plus a
+    [T_max, T_max] mask per micro-batch on the mask path -- on the test batch +24% (4
+    micro-batches: 70/61/49/45 tokens) and +56% (5: 70/61/40/28/26); a filler micro-batch (fewer
+    real ones than pp) costs a whole padded micro-batch. Keep micro-batches even (sequences no
+    longer than max_tokens_per_microbatch) to keep the waste small.
+    """
+    tcfg.batch_p2p_comm = False
+    tcfg.overlap_p2p_comm = True
+    tcfg.variable_seq_lengths = False
+
+
+def pad_microbatch(mb: dict[str, torch.Tensor], seq_length: int) -> dict[str, torch.Tensor]:
+    """Entry 7: the model inputs of micro-batch ``mb`` padded to ``seq_length`` tokens (VPP's fixed
+    p2p shape). Pair it with :func:`trimmed_loss` so the loss sees only the real tokens.
+
+    Padding = one extra "sequence" of pad tokens after the real ones: the block-diagonal
+    mask keeps it out of the real tokens' attention, RoPE is relative, so the real
+    positions compute exactly what they would unpadded; the loss sees only those.
+    """
+    T = int(mb["input_ids"].numel())
+    return {
+        "input_ids": torch.cat([mb["input_ids"], mb["input_ids"].new_full((seq_length - T,), PAD_TOKEN_ID)]),
+        "cu_seqlens": torch.cat([mb["cu_seqlens"], mb["cu_seqlens"].new_full((1,), seq_length)]),
+    }
+
+
+def trimmed_loss(loss_func: Callable, mb: dict[str, torch.Tensor], num_tokens: int, output: torch.Tensor):
+    """Entry 7: loss_func on the real tokens of a padded micro-batch's output [1, T_pad, ...]."""
+    return loss_func(mb, output[:, :num_tokens])
+
+
+def microbatch_group_size(num_microbatches: int, pp: int) -> int:
+    """Entry 8: megatron's ``microbatch_group_size_per_vp_stage`` for the interleaved schedule:
+    micro-batches each model chunk runs back to back. 0.16.1 requires pp <= N <= M and M % N == 0
+    or >= pp; the smallest valid N (megatron's default is pp) keeps the warm-up, and so activation
+    memory, lowest."""
+    for n in range(pp, num_microbatches + 1):
+        r = num_microbatches % n
+        if r == 0 or r >= pp:
+            return n
+    raise ValueError(f"interleaved pipeline: needs >= pp ({pp}) micro-batches, got {num_microbatches}")
