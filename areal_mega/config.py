@@ -50,7 +50,9 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
                 return _coerce(value, arg, key, where)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(f"{where}{key}: {value!r} is not a valid {_type_name(tp)}")
+        if len(errors) == 1:  # an optional X: X's own error is the precise one
+            raise ConfigError(errors[0])
+        raise ConfigError(f"{where}{key}: {value!r} is not a valid {_type_name(tp)} ({'; '.join(errors)})")
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:

@@ -27,15 +27,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: the package lives beside this folder
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from areal_mega.utils import procs  # noqa: E402
 
 NODE_PREFIX = "amnode"
 HOSTS_FILE = Path("/etc/hosts")
@@ -48,23 +50,10 @@ class ClusterUnavailable(RuntimeError):
     """Slurm cannot be installed or started here (the caller may skip, naming this reason)."""
 
 
-def free_ports(n: int, low: int = 20000, high: int = 32000) -> list[int]:
-    """``n`` distinct ports that bind right now, drawn below the kernel's ephemeral range
-    (32768+ here), so that outgoing connections (srun, slurmd, HTTP clients) cannot take
-    them between this check and the server's bind."""
-    rng = random.Random()
-    ports: list[int] = []
-    while len(ports) < n:
-        port = rng.randrange(low, high)
-        if port in ports:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-        ports.append(port)
-    return ports
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports below the kernel's ephemeral range (32768+), so that outgoing
+    connections (srun, slurmd, HTTP clients) cannot take them before the daemons bind."""
+    return procs.free_ports(n, "", low=20000, high=32000)
 
 
 def ensure_installed(timeout_s: float = 600) -> None:
@@ -164,7 +153,7 @@ class LocalSlurmCluster:
         # slurmds first (they end their steps' stepds), then the controller, munge last.
         order = sorted(self.pids, key=lambda n: (n == "munged", n == "slurmctld"))
         for name in order:
-            _stop_pid(self.pids[name])
+            procs.stop_pids([self.pids[name]])
         self.pids = {}
         pid_file.unlink(missing_ok=True)
 
@@ -335,31 +324,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie child of ours still "exists"; reap it if it is ours.
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
-    except ChildProcessError:
-        return True
-
-
-def _stop_pid(pid: int, grace_s: float = 10) -> None:
-    if not _alive(pid):
-        return
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return
-        time.sleep(0.1)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    return bool(procs.alive([pid]))
 
 
 def _wait_for(cond, timeout_s: float, what: str) -> None:

@@ -1,4 +1,4 @@
-"""Client logic against in-process fake SGLang servers (areal_mega/inference/fake.py): launch
+"""Client logic against in-process fake SGLang servers (tests/support/fake_sglang.py): launch
 command, config errors, interruptible generation, failover, API key, load balancing.
 No SGLang needed; runtime ~3 s. The same features are tested on real SGLang in
 tests/test_inference_sglang.py."""
@@ -13,7 +13,8 @@ from areal_mega.api.io import GenerationRequest, SamplingParams
 from areal_mega.config import ConfigError, from_dict
 from areal_mega.inference import (InferenceConfig, InferenceError, InferencePool, InferenceServerError,
                                   SGLangServerConfig)
-from areal_mega.inference.fake import FakeSGLang, serve
+from tests.support.fake_sglang import FakeSGLang, serve
+from areal_mega.inference import sglang_api
 from areal_mega.inference.server import build_launch_command
 
 pytestmark = pytest.mark.timeout(60)
@@ -173,32 +174,36 @@ def test_api_key_sent_and_required():
         assert out.output_ids == expected([1, 2], 3)
         pool.servers[0]._headers = {}
         with pytest.raises(InferenceServerError) as e:
-            await pool.servers[0].model_info()
+            await pool.servers[0].send(sglang_api.model_info())
         assert e.value.status == 401
 
     asyncio.run(_with_fakes(1, body, api_key="s3cret"))
 
 
 def test_server_process_group_stop_and_start_error(tmp_path):
-    """stop() takes down the whole process tree, also a child that ignores SIGTERM (SIGKILL after
-    the grace period); wait_ready() fails fast with the log tail when the server exits."""
+    """stop() takes down the whole process tree, also when it ignores SIGTERM (SIGKILL after the
+    grace period); wait_ready() fails fast with the log tail when the server exits."""
     import time
 
-    from areal_mega.inference.server import SGLangServer, ServerStartError, _group_alive
+    from areal_mega.inference.server import SGLangServer, ServerStartError
+    from areal_mega.utils.procs import group_pids
 
     stubborn = tmp_path / "stubborn.sh"
-    stubborn.write_text("#!/bin/sh\n(trap '' TERM; sleep 300) &\nsleep 300\n")
+    trapped = tmp_path / "trapped"
+    stubborn.write_text(f"#!/bin/sh\ntrap '' TERM\n(touch {trapped}; sleep 300) &\nsleep 300\n")
     stubborn.chmod(0o755)
     srv = SGLangServer(SGLangServerConfig(python=str(stubborn), model_path="m", stop_grace_s=0.5), 1,
                        log_dir=tmp_path)
     srv.start()
     pgid = srv.pid
-    time.sleep(0.3)
-    assert srv.is_running() and _group_alive(pgid)
+    deadline = time.monotonic() + 10
+    while not trapped.exists() and time.monotonic() < deadline:  # the child ignores SIGTERM now
+        time.sleep(0.05)
+    assert srv.is_running() and len(group_pids(pgid)) >= 3  # the wrapper, the script, its child
     t0 = time.monotonic()
     srv.stop()
-    assert not _group_alive(pgid) and srv.pid is None
-    assert 0.4 < time.monotonic() - t0 < 5  # SIGTERM ignored by the child: SIGKILL after the grace
+    assert not group_pids(pgid) and srv.pid is None
+    assert 0.4 < time.monotonic() - t0 < 5  # SIGTERM ignored: SIGKILL after the grace (0.5 s)
     srv.close()
     with pytest.raises(ServerStartError, match="closed"):  # a racing restart cannot revive it
         srv.start()
@@ -214,49 +219,38 @@ def test_server_process_group_stop_and_start_error(tmp_path):
 
 
 def test_pool_owned_server_dies_with_its_parent(tmp_path):
-    """A server started by a process that is then SIGKILLed (no cleanup runs) is SIGTERMed by the
-    kernel (die_with_parent); the same command started plainly survives its parent (control)."""
+    """A server started by a process that is then SIGKILLed (no cleanup runs) dies with it
+    (areal_mega.utils.procs' die-with-parent wrapper; the generic mechanism and its control are in
+    tests/test_procs.py, the real SGLang server in tests/test_inference_sglang.py)."""
     import os
-    import signal
     import subprocess
     import sys
     import time
 
-    from areal_mega.inference.server import _group_alive
+    from areal_mega.utils.procs import group_pids
 
     fake = tmp_path / "server.sh"
     fake.write_text("#!/bin/sh\nexec sleep 300\n")
     fake.chmod(0o755)
     parent_code = (
-        "import sys, time, subprocess\n"
+        "import sys, time\n"
         "from areal_mega.inference.server import SGLangServer\n"
         "from areal_mega.inference.config import SGLangServerConfig\n"
-        "if sys.argv[1] == 'wrapped':\n"
-        f"    s = SGLangServer(SGLangServerConfig(python={str(fake)!r}, model_path='m'), 1, log_dir={str(tmp_path)!r})\n"
-        "    s.start(); pid = s.pid\n"
-        "else:\n"
-        f"    pid = subprocess.Popen([{str(fake)!r}], start_new_session=True).pid\n"
-        "print(pid, flush=True)\n"
+        f"s = SGLangServer(SGLangServerConfig(python={str(fake)!r}, model_path='m'), 1, log_dir={str(tmp_path)!r})\n"
+        "s.start()\n"
+        "print(s.pid, flush=True)\n"
         "time.sleep(300)\n"
     )
-
-    def server_after_parent_killed(mode: str, wait_s: float) -> tuple[int, bool]:
-        parent = subprocess.Popen([sys.executable, "-c", parent_code, mode], stdout=subprocess.PIPE, text=True,
-                                  env={**os.environ, "PYTHONPATH": os.getcwd()})
-        pid = int(parent.stdout.readline())
-        time.sleep(0.5)  # the wrapper has exec'd the server
-        assert _group_alive(pid)
-        parent.kill()
-        parent.wait()
-        deadline = time.monotonic() + wait_s
-        while _group_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return pid, _group_alive(pid)
-
-    pid, alive = server_after_parent_killed("wrapped", 10)
-    assert not alive, "the server outlived its SIGKILLed parent"
-    pid, alive = server_after_parent_killed("plain", 2)
-    try:
-        assert alive, "control: a plain child should outlive its parent"
-    finally:
-        os.killpg(pid, signal.SIGKILL)
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    pgid = int(parent.stdout.readline())
+    deadline = time.monotonic() + 10
+    while len(group_pids(pgid)) < 2 and time.monotonic() < deadline:  # the wrapper and the server
+        time.sleep(0.05)
+    assert len(group_pids(pgid)) == 2
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while group_pids(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not group_pids(pgid), "the server outlived its SIGKILLed parent"

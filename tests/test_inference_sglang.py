@@ -311,7 +311,7 @@ def test_real_server_tree_dies_with_sigkilled_parent(h, tmp_path):
     import sys
     from pathlib import Path
 
-    from areal_mega.inference.server import free_port, group_pids
+    from areal_mega.utils.procs import free_port, group_pids
 
     port = free_port()
     parent_code = (

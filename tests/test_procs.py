@@ -1,6 +1,9 @@
-"""tests/procs.py stops a torchrun tree, ranks included (~6 s). The control shows why it is
-needed: SIGKILL of torchrun's process group leaves the ranks running (each has a session of its
-own), which is how one failed test once slowed the rest of the suite from 17 to 30 minutes."""
+"""areal_mega.utils.procs: process trees stop completely, and die with their parent (~15 s).
+
+The controls show why each mechanism is needed: SIGKILL of torchrun's process group leaves the
+ranks running (each rank has a session of its own) -- how one failed test once slowed the rest
+of the suite from 17 to 30 minutes -- and a plainly started child outlives its SIGKILLed parent.
+"""
 
 from __future__ import annotations
 
@@ -13,50 +16,124 @@ from pathlib import Path
 
 import pytest
 
-from tests import procs
+from areal_mega.utils import procs
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-RANK = "import os, sys, time\nopen(os.path.join(sys.argv[1], 'pid.' + os.environ['RANK']), 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
+# A torchrun rank: writes its pid, then sleeps.
+RANK = ("import os, sys, time\n"
+        "p = os.path.join(sys.argv[1], 'pid.' + os.environ['RANK'])\n"
+        "open(p + '.tmp', 'w').write(str(os.getpid())); os.replace(p + '.tmp', p)\n"
+        "time.sleep(600)\n")
+
+# A command that leaves a detached daemon (double fork + setsid) and then keeps running (or exits).
+DAEMON = ("import os, sys, time\n"
+          "if os.fork() == 0:\n"
+          "    os.setsid()\n"
+          "    if os.fork() == 0:\n"
+          "        p = os.path.join(sys.argv[1], 'pid.daemon')\n"
+          "        open(p + '.tmp', 'w').write(str(os.getpid())); os.replace(p + '.tmp', p)\n"
+          "        time.sleep(600)\n"
+          "    os._exit(0)\n"
+          "os.wait()\n"
+          "if sys.argv[2] == 'stay':\n"
+          "    time.sleep(600)\n")
 
 
 def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return bool(procs.alive([pid]))
 
 
-def _start(tmp: Path) -> tuple[subprocess.Popen, list[int]]:
-    (tmp / "rank.py").write_text(RANK)
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(tmp / "rank.py"), str(tmp)], start_new_session=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while len(list(tmp.glob("pid.*"))) < 2:
-        assert time.monotonic() < deadline and p.poll() is None, "ranks did not start"
-        time.sleep(0.2)
-    time.sleep(0.2)  # the files are written in one call, but give it a moment to close
-    return p, [int(f.read_text()) for f in sorted(tmp.glob("pid.*"))]
+def _wait(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)
+
+
+def _pids(d: Path, n: int) -> list[int]:
+    """The pids written to ``d`` once there are ``n`` (each file appears complete: rename)."""
+    files = lambda: [f for f in sorted(d.glob("pid.*")) if not f.name.endswith(".tmp")]  # noqa: E731
+    _wait(lambda: len(files()) >= n, 60, f"{n} pid files in {d}")
+    return [int(f.read_text()) for f in files()]
+
+
+def _torchrun(d: Path) -> list[str]:
+    d.mkdir()
+    (d / "rank.py").write_text(RANK)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(d / "rank.py"), str(d)]
 
 
 def test_stop_tree_reaches_torchrun_ranks(tmp_path: Path) -> None:
-    (tmp_path / "control").mkdir()
-    control, ranks = _start(tmp_path / "control")
+    control = procs.spawn(_torchrun(tmp_path / "control"), wrap=False,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = _pids(tmp_path / "control", 2)
     try:
         os.killpg(control.pid, signal.SIGKILL)
         control.wait()
-        time.sleep(1)
+        # torchrun is gone once its ranks have been re-parented away from it.
+        _wait(lambda: all(pid not in procs.children(control.pid) for pid in ranks), 10, "re-parenting")
         assert all(_alive(r) for r in ranks), "control: the ranks died with torchrun's group"
     finally:
         for r in ranks:
             if _alive(r):
                 os.kill(r, signal.SIGKILL)
 
-    (tmp_path / "run").mkdir()
-    p, ranks = _start(tmp_path / "run")
+    p = procs.spawn(_torchrun(tmp_path / "run"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = _pids(tmp_path / "run", 2)
     procs.stop_tree(p, grace_s=30)
-    deadline = time.monotonic() + 10
-    while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # stop_tree returns once the tree is gone: no waiting here.
     assert not any(_alive(r) for r in ranks), "ranks outlived stop_tree"
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["control_plain", "die_with_parent"])
+def test_sigkilled_parent_leaves_no_tree(tmp_path: Path, wrapped: bool) -> None:
+    """A parent starts torchrun (2 ranks) and a command that leaves a setsid daemon, then is
+    SIGKILLed. With the wrapper nothing of either tree survives; without it (control) all do."""
+    d = tmp_path / "t"
+    parent_code = (
+        "import subprocess, sys, time\n"
+        "from areal_mega.utils import procs\n"
+        f"a = procs.spawn({_torchrun(d)!r}, wrap={wrapped}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        f"b = procs.spawn([sys.executable, '-c', {DAEMON!r}, {str(d)!r}, 'stay'], wrap={wrapped})\n"
+        f"open({str(tmp_path / 'leaders')!r}, 'w').write(f'{{a.pid}} {{b.pid}}')\n"
+        "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], cwd=Path(__file__).parents[1],
+                              start_new_session=True)
+    try:
+        pids = _pids(d, 3)  # two ranks and the daemon
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        if wrapped:
+            _wait(lambda: not procs.alive(pids), 15, "the trees to die with their parent")
+        else:
+            # Orphaned (nothing is a child of the dead parent any more), and still alive.
+            _wait(lambda: not procs.children(parent.pid), 10, "re-parenting")
+            assert procs.alive(pids) == set(pids), "control: the trees died without the wrapper"
+    finally:
+        if parent.poll() is None:
+            os.kill(parent.pid, signal.SIGKILL)
+        if (tmp_path / "leaders").exists():  # the control's survivors: both groups
+            for g in map(int, (tmp_path / "leaders").read_text().split()):
+                procs.signal_group(g, signal.SIGKILL)
+        for f in d.glob("pid.*"):
+            if not f.name.endswith(".tmp") and _alive(int(f.read_text())):
+                os.kill(int(f.read_text()), signal.SIGKILL)
+
+
+def test_wrapper_kills_what_its_command_leaves_behind(tmp_path: Path) -> None:
+    """The wrapped command exits after leaving a setsid daemon: the wrapper (a subreaper)
+    kills the daemon and exits with the command's status."""
+    d = tmp_path / "t"
+    d.mkdir()
+    p = procs.spawn([sys.executable, "-c", DAEMON + "sys.exit(3)\n", str(d), "exit"])
+    assert p.wait(timeout=60) == 3
+    daemon = _pids(d, 1)[0]
+    assert not _alive(daemon), "the daemon outlived the wrapped command"
+
+
+def test_free_ports_distinct() -> None:
+    assert len(set(procs.free_ports(16))) == 16
+    ranged = procs.free_ports(8, low=20000, high=32000)
+    assert len(set(ranged)) == 8 and all(20000 <= q < 32000 for q in ranged)

@@ -1,5 +1,5 @@
 """RolloutDriver (the trainer's generation side) against an in-process fake SGLang server
-(areal_mega/inference/fake.py), for the case the e2e failover test cannot force: the whole
+(tests/support/fake_sglang.py), for the case the e2e failover test cannot force: the whole
 pool restarted while the learner waits for a batch. ~3 s. The same path on real SGLang and
 megatron learners: tests/test_trainer_failover.py (the only server SIGKILLed mid-run)."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from areal_mega.config import from_dict
 from areal_mega.inference import InferenceConfig
-from areal_mega.inference.fake import FakeSGLang, serve
+from tests.support.fake_sglang import FakeSGLang, serve
 from areal_mega.rollout.config import RolloutConfig
 from areal_mega.rollout.driver import RolloutDriver
 from tests.test_rl_rollout import GroupWorkflow, dataset

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from areal_mega.demo.tiny import build_model, build_tokenizer, write_data
-from areal_mega.inference.server import free_port
+from areal_mega.utils.procs import free_port
 from tests import procs
 
 SGLANG_PYTHON = os.environ.get("AREAL_MEGA_SGLANG_PYTHON", "")

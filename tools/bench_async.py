@@ -54,7 +54,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -65,7 +64,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from areal_mega.inference.server import SGLangServer, free_port  # noqa: E402
+from areal_mega.inference.server import SGLangServer  # noqa: E402
+from areal_mega.utils import procs  # noqa: E402
 from areal_mega.trainer.config import load_experiment  # noqa: E402
 
 TRAIN_PHASES = ("prox_logp", "train", "weight_sync")
@@ -91,44 +91,6 @@ def _pinned_python(python: str, cpus: str, path: Path) -> str:
     return str(path)
 
 
-def _descendant_pgids(root: int) -> list[int]:
-    """Process-group ids of ``root`` and all its descendants (the SGLang server runs in a
-    session of its own, started by the learner rank)."""
-    parent: dict[int, int] = {}
-    pgid: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parent[int(d)], pgid[int(d)] = int(fields[1]), int(fields[2])
-    found, frontier = {root}, [root]
-    while frontier:
-        pid = frontier.pop()
-        kids = [c for c, pp in parent.items() if pp == pid and c not in found]
-        found.update(kids)
-        frontier += kids
-    return sorted({pgid[p] for p in found if p in pgid})
-
-
-def _stop_tree(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL, every process group under the run we started (by recorded ids)."""
-    groups = _descendant_pgids(proc.pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for g in groups:
-            try:
-                os.killpg(g, sig)
-            except ProcessLookupError:
-                pass
-        try:
-            proc.wait(timeout=30)
-            if sig == signal.SIGTERM:
-                time.sleep(2)  # give the server group its grace period before the SIGKILL sweep
-        except subprocess.TimeoutExpired:
-            pass
-
-
 def _start_server(python: str, model: str, overrides: list[str], args: argparse.Namespace,
                   work: Path) -> SGLangServer:
     """One SGLang server for both runs (startup costs minutes on a loaded core), configured from
@@ -136,7 +98,7 @@ def _start_server(python: str, model: str, overrides: list[str], args: argparse.
     cfg = load_experiment(str(ROOT / args.config), overrides).inference.server
     cfg = dataclasses.replace(cfg, python=python, model_path=model, port=0,
                               startup_timeout_s=args.server_startup_timeout_s)
-    server = SGLangServer(cfg, free_port(cfg.host), random_seed=cfg.random_seed, log_dir=work / "server-logs")
+    server = SGLangServer(cfg, procs.free_port(cfg.host), random_seed=cfg.random_seed, log_dir=work / "server-logs")
     t0 = time.time()
     server.start(weight_version=0)
     try:
@@ -198,16 +160,15 @@ def _run_mode(name: str, staleness: int, args: argparse.Namespace, common: list[
     with open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=lambda: os.sched_setaffinity(0, learner_cpus))
+        proc = procs.spawn(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                           preexec_fn=lambda: os.sched_setaffinity(0, learner_cpus))
         try:
             rc = proc.wait(timeout=args.run_timeout_s)
         except subprocess.TimeoutExpired:
             rc = None
         finally:
             if proc.poll() is None:
-                _stop_tree(proc)
+                procs.stop_tree(proc)  # torchrun, its ranks and the server they started
     rows = []
     for line in log.read_text().splitlines():
         if line.startswith('{"step"'):

@@ -1,7 +1,7 @@
 """L=$(tools/env/make_venv.sh learner) && PYTHONPATH=. $L/bin/python tools/bench_rollout_client.py --num-requests 8192
 
 Overhead of the inference client itself (areal_mega.inference.InferencePool), not of a model:
-a stub SGLang server (areal_mega/inference/fake.py, in a subprocess on its own core) answers at
+a stub SGLang server (tests/support/fake_sglang.py, in a subprocess on its own core) answers at
 once, but holds every /generate call until all N have arrived, so N requests are really in
 flight at the same time. The client runs pinned to one core. Prints ONE JSON line:
 
@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 from areal_mega.api.io import GenerationRequest, SamplingParams  # noqa: E402
 from areal_mega.config import from_dict  # noqa: E402
 from areal_mega.inference import InferenceConfig, InferencePool  # noqa: E402
-from areal_mega.inference.server import free_port  # noqa: E402
+from areal_mega.inference.sglang_api import Call  # noqa: E402
+from areal_mega.utils.procs import free_port  # noqa: E402
 
 
 def wait_http(url: str, timeout_s: float) -> None:
@@ -63,7 +64,7 @@ async def run(addr: str, n: int, new_tokens: int, prompt_len: int, rounds: int) 
             cpu0, t0 = time.process_time(), time.time()
             results = await asyncio.gather(*(pool.agenerate(r) for r in reqs))
             t_end, cpu1 = time.time(), time.process_time()
-            stats = await pool.servers[0].call("GET", "/fake_stats")
+            stats = await pool.servers[0].send(Call("GET", "/fake_stats"))
             assert len(results) == n and all(len(r.output_ids) == new_tokens for r in results)
             assert stats["num_generate"] == n * (rnd + 1), stats
             # Round 0 opens one TCP connection per in-flight request; later rounds reuse them
@@ -92,7 +93,7 @@ def main() -> None:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     stub = subprocess.Popen(
-        [sys.executable, "-m", "areal_mega.inference.fake", "--port", str(port),
+        [sys.executable, "-m", "tests.support.fake_sglang", "--port", str(port),
          "--hold-until", str(args.num_requests)],
         env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )

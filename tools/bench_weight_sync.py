@@ -46,8 +46,10 @@ import torch.multiprocessing as mp
 
 from areal_mega.models import get_adapter
 from areal_mega.parallel import ParallelLayout
-from areal_mega.weight_sync import ServerHandle, WeightSync, WeightSyncConfig
-from areal_mega.weight_sync.transport import free_port, join_update_group
+from areal_mega.inference.sglang_api import SGLangClient
+from areal_mega.weight_sync import WeightSync, WeightSyncConfig
+from areal_mega.utils.procs import free_port
+from areal_mega.weight_sync.transport import join_update_group
 
 
 def receiver(port: int, ready: "mp.Queue", load: bool) -> None:
@@ -151,7 +153,7 @@ def main() -> None:
         stage = adapter.plan(layout)[0]
         g = torch.Generator().manual_seed(0)
         weights = {t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in stage.tensors}
-        servers = [ServerHandle(f"127.0.0.1:{p}", timeout_s=600) for p in ports]
+        servers = [SGLangClient(f"127.0.0.1:{p}", timeout_s=600) for p in ports]
         cfg = WeightSyncConfig(backend="gloo", bucket_mib=args.bucket_mib, master_address="127.0.0.1", check_model=False)
         ws = WeightSync(
             cfg, layout=layout, rank=0, world_group=dist.group.WORLD, stage_metadata=[stage.tensors],

@@ -1,6 +1,6 @@
 """Small contracts between the components. Implementations live elsewhere."""
 
-from areal_mega.api.engine import InferenceEngine, TrainEngine, WeightUpdateMeta
+from areal_mega.api.engine import InferenceEngine, TrainEngine
 from areal_mega.api.io import GenerationRequest, GenerationResult, SamplingParams
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
 
@@ -12,5 +12,4 @@ __all__ = [
     "SamplingParams",
     "TrainEngine",
     "Trajectory",
-    "WeightUpdateMeta",
 ]

@@ -1,25 +1,15 @@
 """Engine contracts: the learner side (``TrainEngine``) and the generation side
-(``InferenceEngine``). Rollout methods stay off the train engine and vice versa; the two meet
-only in weight sync, described by ``WeightUpdateMeta``."""
+(``InferenceEngine``). Rollout methods stay off the train engine and vice versa. They meet only
+in weight sync (``areal_mega.weight_sync``), which is not a contract of either: it reads the
+learner's model chunks through the family adapter, talks to the servers through
+``inference.sglang_api``, and then both sides are told the new version (``set_version``)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from areal_mega.api.io import GenerationRequest, GenerationResult
-
-
-@dataclass
-class WeightUpdateMeta:
-    """How new weights reach the inference servers."""
-
-    kind: str  # "distributed" (NCCL/gloo broadcast) or "disk"
-    version: int
-    """Policy version the servers report after this update."""
-    path: str | None = None
-    """HF checkpoint directory, for kind == "disk"."""
 
 
 class TrainEngine(ABC):

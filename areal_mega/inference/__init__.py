@@ -1,12 +1,13 @@
-"""Inference side: SGLang server management (``server``) and the async pool client (``client``)."""
+"""Inference side: the SGLang HTTP API (``sglang_api``: routes, bodies, capabilities, the blocking
+client), server processes (``server``) and the async pool client (``client``)."""
 
 from areal_mega.inference.client import (
     InferenceError,
     InferencePool,
     InferenceServerError,
-    ServerCapabilities,
     ServerHandle,
 )
+from areal_mega.inference.sglang_api import SGLangClient, SGLangError, ServerCapabilities
 from areal_mega.inference.config import InferenceClientConfig, InferenceConfig, SGLangServerConfig
 from areal_mega.inference.server import (
     SGLangServer,
@@ -22,6 +23,8 @@ __all__ = [
     "InferenceError",
     "InferencePool",
     "InferenceServerError",
+    "SGLangClient",
+    "SGLangError",
     "SGLangServer",
     "SGLangServerConfig",
     "ServerCapabilities",

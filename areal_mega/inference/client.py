@@ -20,9 +20,10 @@ Invariants:
 * a server takes traffic only while ``handle.healthy``; a restarted server becomes healthy only
   after ``resync`` brought it to the pool's current version.
 
-Weight-update calls (init group, distributed/disk updates, begin/end session) live on
-``ServerHandle`` -- not on the ``InferenceEngine`` contract; the weight-sync layer iterates
-``pool.servers`` and checks ``handle.capabilities``.
+Every call is built by ``inference.sglang_api`` (the one route table, shared with weight sync);
+capabilities come from its one detection. Weight sync talks to the servers itself (blocking
+``SGLangClient``, from its sender threads) and tells the pool through ``set_version``; the pool
+only pauses/continues generation around it and loads disk checkpoints for restarted servers.
 """
 
 from __future__ import annotations
@@ -32,34 +33,24 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
 import aiohttp
 
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest, GenerationResult, SamplingParams
+from areal_mega.inference import sglang_api as api
 from areal_mega.inference.config import InferenceConfig
 from areal_mega.inference.server import SGLangServer, make_servers
 
 logger = logging.getLogger(__name__)
 
-# SGLang version in which we verified /begin_weight_update + /end_weight_update; used only when
-# the server hides its route list (/openapi.json disabled).
-_WEIGHT_UPDATE_SESSION_SINCE = (0, 5, 23)
-
-
 class InferenceError(RuntimeError):
     """A request could not be completed (all retries failed, or no server is healthy)."""
 
 
-class InferenceServerError(RuntimeError):
-    """A server answered a call with a non-2xx status. ``status`` is the HTTP code."""
-
-    def __init__(self, address: str, path: str, status: int, body: str) -> None:
-        super().__init__(f"{address}{path}: HTTP {status}: {body[:500]}")
-        self.status = status
-        self.body = body
+# A server's non-2xx answer: one error type for the pool and weight sync.
+InferenceServerError = api.SGLangError
 
 
 class _ServerFailure(Exception):
@@ -81,39 +72,9 @@ def _connection_dropped(e: BaseException) -> bool:
     return broke and not isinstance(e, aiohttp.ClientConnectorError)
 
 
-@dataclass(frozen=True)
-class ServerCapabilities:
-    """What one server supports, detected at connect time.
-
-    ``routes`` comes from the server's /openapi.json (the authoritative list of endpoints);
-    when that is disabled, from the version (``sglang_version``).
-    """
-
-    sglang_version: str
-    routes: frozenset[str]
-
-    @property
-    def weight_update_session(self) -> bool:
-        """True if distributed/tensor updates must be wrapped in /begin_weight_update and
-        /end_weight_update (SGLang 0.5.23 answers 400 otherwise; 0.5.9/0.5.15 lack both)."""
-        return "/begin_weight_update" in self.routes and "/end_weight_update" in self.routes
-
-    def has(self, path: str) -> bool:
-        return path in self.routes
-
-
-def _version_tuple(v: str) -> tuple[int, ...]:
-    out = []
-    for part in v.split(".")[:3]:
-        digits = "".join(c for c in part if c.isdigit())
-        out.append(int(digits) if digits else 0)
-    return tuple(out)
-
-
 class ServerHandle:
-    """One SGLang server as the pool sees it: address, state, and thin wrappers of the control
-    endpoints (request bodies as in SGLang 0.5.23's io_struct; each returns the JSON answer and
-    raises ``InferenceServerError`` on a non-2xx status).
+    """One SGLang server as the pool sees it: address, rotation state and load, and ``send`` for
+    the calls ``sglang_api`` builds.
 
     ``process`` is the managed ``SGLangServer`` (None for servers started by someone else, which
     the pool can route around but not restart).
@@ -129,7 +90,8 @@ class ServerHandle:
         self.num_restarts = 0
         self.num_failures = 0
         self.num_served = 0  # /generate calls answered (including interrupted ones)
-        self.capabilities: ServerCapabilities | None = None
+        self.capabilities: api.ServerCapabilities | None = None
+        self._api_key: str | None = None
         self._session: aiohttp.ClientSession | None = None
         self._headers: dict[str, str] = {}
         self._json_headers: dict[str, str] = {}
@@ -142,26 +104,25 @@ class ServerHandle:
 
     # -- plumbing -----------------------------------------------------------------------------
     def _bind(self, session: aiohttp.ClientSession, headers: dict[str, str],
-              control_timeout_s: float, health_timeout_s: float) -> None:
+              control_timeout_s: float, health_timeout_s: float, api_key: str | None) -> None:
         self._session = session
+        self._api_key = api_key
         self._headers = headers
         self._json_headers = {**headers, "Content-Type": "application/json"}
         self._control_timeout = aiohttp.ClientTimeout(total=control_timeout_s)
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
 
-    async def call(self, method: str, path: str, body: dict | None = None,
-                   timeout: aiohttp.ClientTimeout | None = None) -> Any:
-        """One HTTP call; JSON in, JSON (or text) out."""
+    async def send(self, call: api.Call, timeout: aiohttp.ClientTimeout | None = None) -> Any:
+        """One call from ``sglang_api``; JSON in, JSON (or text) out. Raises InferenceServerError
+        on a non-2xx status."""
         assert self._session is not None, "pool not started"
-        data = None if body is None else json.dumps(body)
-        headers = dict(self._headers)
-        if data is not None:
-            headers["Content-Type"] = "application/json"
-        async with self._session.request(method, self.url + path, data=data, headers=headers,
+        data = None if call.body is None else json.dumps(call.body)
+        headers = self._json_headers if data is not None else self._headers
+        async with self._session.request(call.method, self.url + call.path, data=data, headers=headers,
                                          timeout=timeout or self._control_timeout) as resp:
             text = await resp.text()
             if resp.status >= 300:
-                raise InferenceServerError(self.address, path, resp.status, text)
+                raise InferenceServerError(self.url, call.path, resp.status, text)
         try:
             return json.loads(text) if text else None
         except json.JSONDecodeError:
@@ -171,100 +132,20 @@ class ServerHandle:
         """True if the server answers. SGLang's /health runs a one-token generation, which cannot
         finish while the server is paused, so a paused server is only asked for /model_info."""
         try:
-            await self.call("GET", "/model_info" if paused else "/health", timeout=self._health_timeout)
+            await self.send(api.model_info() if paused else api.Call("GET", "/health"), timeout=self._health_timeout)
             return True
         except (aiohttp.ClientError, asyncio.TimeoutError, InferenceServerError, OSError):
             return False
 
-    async def detect_capabilities(self) -> ServerCapabilities:
-        info = await self.call("GET", "/server_info")
-        version = str(info.get("version", "")) if isinstance(info, dict) else ""
-        try:
-            spec = await self.call("GET", "/openapi.json")
-            routes = frozenset(spec.get("paths", {}))
-        except InferenceServerError as e:
-            if e.status != 404:
-                raise
-            # Route list hidden (DISABLE_OPENAPI_DOC): fall back to what this version is known to have.
-            routes = frozenset({"/generate", "/model_info", "/pause_generation", "/continue_generation",
-                                "/update_weights_from_disk", "/init_weights_update_group",
-                                "/update_weights_from_distributed", "/destroy_weights_update_group"})
-            if _version_tuple(version) >= _WEIGHT_UPDATE_SESSION_SINCE:
-                routes |= {"/begin_weight_update", "/end_weight_update"}
-        self.capabilities = ServerCapabilities(sglang_version=version, routes=routes)
+    async def detect_capabilities(self) -> api.ServerCapabilities:
+        """``sglang_api``'s one detection, run in a thread (it is blocking)."""
+        client = api.SGLangClient(self.url, timeout_s=self._control_timeout.total or 600, api_key=self._api_key)
+        self.capabilities = await asyncio.to_thread(client.capabilities)
         return self.capabilities
-
-    # -- generation control ---------------------------------------------------------------------
-    async def pause_generation(self, mode: str = "abort") -> Any:
-        """POST /pause_generation {mode: "abort" | "retract" | "in_place"}."""
-        return await self.call("POST", "/pause_generation", {"mode": mode})
-
-    async def continue_generation(self) -> Any:
-        """POST /continue_generation {}."""
-        return await self.call("POST", "/continue_generation", {})
-
-    async def abort_all(self) -> Any:
-        """POST /abort_request {abort_all: true}."""
-        return await self.call("POST", "/abort_request", {"abort_all": True})
-
-    async def flush_cache(self) -> Any:
-        """POST /flush_cache (400 while paused in in_place mode)."""
-        return await self.call("POST", "/flush_cache")
-
-    async def model_info(self) -> dict:
-        """GET /model_info: model_path, weight_version, ..."""
-        return await self.call("GET", "/model_info")
 
     async def get_weight_version(self) -> str:
         """The server's current weight_version string (0.5.23 has no /get_weight_version)."""
-        return str((await self.model_info())["weight_version"])
-
-    # -- weight updates (used by the weight-sync layer) -------------------------------------------
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = "weight_update_group",
-                                        backend: str = "nccl") -> Any:
-        """POST /init_weights_update_group. The trainer joins the same group at rank 0 at the same
-        time; the server's TP ranks join at ``rank_offset + tp_rank``."""
-        return await self.call("POST", "/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend,
-        })
-
-    async def begin_weight_update(self) -> Any:
-        """POST /begin_weight_update {} (only if ``capabilities.weight_update_session``)."""
-        return await self.call("POST", "/begin_weight_update", {})
-
-    async def end_weight_update(self) -> Any:
-        """POST /end_weight_update {}."""
-        return await self.call("POST", "/end_weight_update", {})
-
-    async def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-        group_name: str = "weight_update_group", flush_cache: bool = True,
-        weight_version: int | str | None = None, load_format: str | None = None,
-    ) -> Any:
-        """POST /update_weights_from_distributed: the server receives ``names`` (dtype strings like
-        "bfloat16", shapes) by broadcast from group rank 0, in this order. ``load_format
-        "flattened_bucket"`` = one uint8 buffer holding the tensors' bytes back to back."""
-        body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes,
-                                "group_name": group_name, "flush_cache": flush_cache}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        if load_format is not None:
-            body["load_format"] = load_format
-        return await self.call("POST", "/update_weights_from_distributed", body)
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
-                                       flush_cache: bool = True) -> Any:
-        """POST /update_weights_from_disk {model_path, weight_version, flush_cache} (no begin/end)."""
-        body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        return await self.call("POST", "/update_weights_from_disk", body)
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Any:
-        """POST /destroy_weights_update_group {group_name}."""
-        return await self.call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+        return str((await self.send(api.model_info()))["weight_version"])
 
 
 ResyncHook = Callable[[ServerHandle], Awaitable[None]]
@@ -347,7 +228,7 @@ class InferencePool(InferenceEngine):
         self._session = aiohttp.ClientSession(connector=connector)
         headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
         for h in self.servers:
-            h._bind(self._session, headers, ccfg.control_timeout_s, ccfg.health_check_timeout_s)
+            h._bind(self._session, headers, ccfg.control_timeout_s, ccfg.health_check_timeout_s, self.cfg.api_key)
 
         async def first_contact(h: ServerHandle) -> None:
             if not await h.health_ok():
@@ -398,22 +279,22 @@ class InferencePool(InferenceEngine):
         return in-flight requests at once; ``agenerate`` holds them (and new ones) until resume()."""
         async with self._pause_lock:
             self._resumed.clear()  # first, so that aborted requests see the pause and wait
-            await self._on_all(lambda h: h.pause_generation(self.cfg.client.pause_mode))
+            await self._on_all(lambda h: h.send(api.pause_generation(self.cfg.client.pause_mode)))
 
     async def resume(self) -> None:
         async with self._pause_lock:
-            await self._on_all(lambda h: h.continue_generation())
+            await self._on_all(lambda h: h.send(api.continue_generation()))
             self._resumed.set()
 
     async def update_weights_from_disk(self, model_path: str, version: int) -> None:
         """Load an HF checkpoint on every healthy server, tagged ``version``; remembered for the
         default resync of restarted servers."""
-        await self._on_all(lambda h: h.update_weights_from_disk(model_path, weight_version=version))
+        await self._on_all(lambda h: h.send(api.update_weights_from_disk(model_path, version)))
         self._last_disk_update = (model_path, version)
         self._version = version
 
     @property
-    def capabilities(self) -> ServerCapabilities:
+    def capabilities(self) -> api.ServerCapabilities:
         """Capabilities of the pool's servers (all run the same SGLang)."""
         caps = [h.capabilities for h in self.servers if h.capabilities is not None]
         assert caps, "pool not started"
@@ -438,12 +319,11 @@ class InferencePool(InferenceEngine):
             await self._resumed.wait()
             handle = await self._pick()
             sampling["max_new_tokens"] = max_new - len(out_ids)
-            body = {"input_ids": req.input_ids + out_ids, "sampling_params": sampling,
-                    "return_logprob": True, "rid": f"{req.rid}-{attempt}"}
+            call = api.generate(req.input_ids + out_ids, sampling, rid=f"{req.rid}-{attempt}")
             attempt += 1
             handle.in_flight += 1
             try:
-                data = await self._post_generate(handle, body)
+                data = await self._post_generate(handle, call)
             except _ServerFailure as e:
                 num_failures += 1
                 self.num_failovers += 1
@@ -462,7 +342,7 @@ class InferencePool(InferenceEngine):
             finally:
                 handle.in_flight -= 1
             handle.num_served += 1
-            ids, lps, vers, finish = self._parse(data)
+            ids, lps, vers, finish = self._parse(data, handle)
             out_ids += ids
             out_lps += lps
             out_vers += vers
@@ -487,10 +367,10 @@ class InferencePool(InferenceEngine):
         )
 
     # -- internals ------------------------------------------------------------------------------
-    async def _post_generate(self, h: ServerHandle, body: dict) -> dict:
+    async def _post_generate(self, h: ServerHandle, call: api.Call) -> dict:
         assert self._session is not None, "pool not started (call start() or use launch())"
         try:
-            async with self._session.post(h.url + "/generate", data=json.dumps(body), headers=h._json_headers,
+            async with self._session.post(h.url + call.path, data=json.dumps(call.body), headers=h._json_headers,
                                           timeout=self._generate_timeout) as resp:
                 raw = await resp.read()
                 status = resp.status
@@ -501,16 +381,21 @@ class InferencePool(InferenceEngine):
         if status >= 300:
             # 4xx is our request's fault (bad sampling key, prompt too long, missing API key):
             # retrying elsewhere would fail the same way.
-            raise InferenceServerError(h.address, "/generate", status, raw.decode(errors="replace"))
+            raise InferenceServerError(h.url, call.path, status, raw.decode(errors="replace"))
         return json.loads(raw)
 
-    def _parse(self, data: dict) -> tuple[list[int], list[float], list[int], str]:
+    def _parse(self, data: dict, h: ServerHandle) -> tuple[list[int], list[float], list[int], str]:
         ids = list(data["output_ids"])
         meta = data["meta_info"]
         n = len(ids)
         lp_triples = meta.get("output_token_logprobs") or []
+        if len(lp_triples) < n or any(t[0] is None for t in lp_triples[:n]):
+            # Behaviour log-probs feed the importance weights: a filled-in value (0.0 = prob 1)
+            # would bias every weight of the sequence. Never guess.
+            raise InferenceError(
+                f"{h.url}/generate: {n} tokens but {sum(t[0] is not None for t in lp_triples[:n])} log-probs "
+                "(return_logprob was sent; the server must return one per generated token)")
         lps = [float(t[0]) for t in lp_triples[:n]]
-        lps += [0.0] * (n - len(lps))
         fallback = self._parse_version(meta.get("weight_version"))
         vers = [fallback] * n
         for span in meta.get("weight_versions") or []:
@@ -612,7 +497,7 @@ class InferencePool(InferenceEngine):
             await (self.resync or self._default_resync)(h)
         async with self._pause_lock:
             if self.paused:
-                await h.pause_generation(self.cfg.client.pause_mode)
+                await h.send(api.pause_generation(self.cfg.client.pause_mode))
             h.healthy = True
         self._membership.set()
         logger.warning("inference server %s back in rotation", h.address)
@@ -620,7 +505,7 @@ class InferencePool(InferenceEngine):
     async def _default_resync(self, h: ServerHandle) -> None:
         if self._last_disk_update is not None:
             path, version = self._last_disk_update
-            await h.update_weights_from_disk(path, weight_version=version)
+            await h.send(api.update_weights_from_disk(path, version))
         else:
             logger.warning(
                 "server %s restarted with the initial weights (version %d) while the pool is at "

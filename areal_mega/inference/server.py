@@ -1,9 +1,7 @@
 """SGLang server processes: command line from config, start, wait for health, stop, restart.
 
-Each server runs in its own session (process group): SGLang forks a scheduler and a detokenizer
-(and one scheduler per TP rank), and the only reliable way to stop the whole tree -- including
-after the main process was SIGKILLed and its children were orphaned -- is to signal the group.
-We never signal processes by name: only the group whose id we recorded at start.
+Each server is one process tree (SGLang forks a scheduler per TP rank and a detokenizer), started,
+stopped and tied to its parent's life by ``areal_mega.utils.procs`` -- never signalled by name.
 
     servers = launch_servers(cfg)          # all start in parallel, then all are awaited
     ...
@@ -17,9 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,17 +24,11 @@ import urllib.request
 from pathlib import Path
 
 from areal_mega.inference.config import InferenceConfig, SGLangServerConfig
+from areal_mega.utils import procs
 
 
 class ServerStartError(RuntimeError):
     """A server did not become healthy; the message carries the tail of its log."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the usual bind-to-0 trick; racy but fine for tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # Set by torchrun / torch.distributed.elastic in a learner rank's environment. A server started
@@ -52,46 +42,6 @@ def server_base_env() -> dict[str, str]:
     """This process's environment minus torch.distributed's rendezvous variables."""
     return {k: v for k, v in os.environ.items()
             if k not in _TORCH_DIST_ENV and not k.startswith(("TORCHELASTIC_", "TORCH_NCCL_"))}
-
-
-# Runs in front of the server command (stdlib only, ``python -I``), as the leader of the server's
-# process group: it asks the kernel for SIGUSR2 when its parent dies (prctl PR_SET_PDEATHSIG),
-# starts the server as its child in the same group, waits for it and exits with its status. On
-# SIGUSR2 it SIGKILLs the whole group. So a trainer killed with SIGKILL (OOM killer, scancel -s
-# KILL) leaves no server holding ports and accelerators. Why not just exec the server with a
-# parent-death signal: SIGTERM makes SGLang drain its requests first, which never ends while it is
-# paused with requests held (weight sync, retract / in_place); and with SIGKILL of the main process
-# alone, SGLang's detokenizer was seen to survive (its own parent-death signal notwithstanding).
-# stop()'s SIGTERM to the group reaches the server directly; the wrapper ignores it and follows
-# the server out. Linux only; elsewhere the command is exec'ed unchanged.
-_DIE_WITH_PARENT = """\
-import os, signal, sys
-argv = sys.argv[2:]
-if not sys.platform.startswith("linux"):
-    os.execvp(argv[0], argv)
-import ctypes
-signal.signal(signal.SIGUSR2, lambda *_: os.killpg(0, signal.SIGKILL))
-ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGUSR2))  # 1 = PR_SET_PDEATHSIG
-if os.getppid() != int(sys.argv[1]):
-    sys.exit("parent exited before the server started")
-for sig in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(sig, signal.SIG_IGN)
-pid = os.fork()
-if pid == 0:
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_DFL)
-    os.execvp(argv[0], argv)
-code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-sys.exit(code if code >= 0 else 128 - code)
-"""
-
-
-def die_with_parent(argv: list[str]) -> list[str]:
-    """``argv`` wrapped so that its whole process group is SIGKILLed when the calling THREAD exits
-    (PR_SET_PDEATHSIG follows the thread that forked): start long-lived children from threads that
-    live as long as they should -- the pool starts servers on its event-loop thread and restarts
-    them in that loop's executor threads, which both live until the pool is closed."""
-    return [sys.executable, "-I", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 def build_launch_command(
@@ -185,10 +135,9 @@ class SGLangServer:
                 raise ServerStartError(f"SGLang server {self.address} was closed; not starting it again")
             log.write(f"\n=== start #{self.num_starts}: {' '.join(self.command(weight_version))}\n".encode())
             log.flush()
-            self._proc = subprocess.Popen(
-                die_with_parent(self.command(weight_version)), stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-            )
+            # Its own session, behind the die-with-parent wrapper (areal_mega.utils.procs): a
+            # trainer killed with SIGKILL leaves no server holding ports and accelerators.
+            self._proc = procs.spawn(self.command(weight_version), stdout=log, stderr=subprocess.STDOUT, env=env)
         self.num_starts += 1
 
     def is_running(self) -> bool:
@@ -232,27 +181,11 @@ class SGLangServer:
         return "\n".join(line if len(line) <= 400 else line[:400] + " ..." for line in lines)
 
     def stop(self) -> None:
-        """SIGTERM the whole process group, SIGKILL it after ``cfg.stop_grace_s``."""
+        """SIGTERM the server's tree, SIGKILL what is left after ``cfg.stop_grace_s``; returns once
+        the tree is gone, so a restart right after finds the port (and memory) free."""
         if self._proc is None:
             return
-        pgid = self._proc.pid  # == the group id, because of start_new_session=True
-        if _group_alive(pgid):
-            _signal_group(pgid, signal.SIGTERM)
-            deadline = time.monotonic() + self.cfg.stop_grace_s
-            while time.monotonic() < deadline and _group_alive(pgid):
-                self._proc.poll()  # reap the leader so it stops counting as alive
-                time.sleep(0.1)
-            if _group_alive(pgid):
-                _signal_group(pgid, signal.SIGKILL)
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # unkillable (D state); nothing more we can do
-            pass
-        # SIGKILL is asynchronous for the group's other members: wait until they are gone, so a
-        # restart right after stop() finds the port (and memory) free.
-        deadline = time.monotonic() + 10
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        procs.stop_tree(self._proc, self.cfg.stop_grace_s)
         self._proc = None
 
     def close(self) -> None:
@@ -263,57 +196,15 @@ class SGLangServer:
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the main server process only (tests use it to simulate a crash): the
-        die-with-parent wrapper's child, or the process itself where there is no wrapper."""
+        die-with-parent wrapper's child."""
         assert self._proc is not None
-        children = [pid for pid, ppid in _group_members(self._proc.pid) if ppid == self._proc.pid]
-        os.kill(children[0] if children else self._proc.pid, sig)
+        os.kill(procs.main_pid(self._proc), sig)
 
     def restart(self, weight_version: int | str = 0) -> None:
         """Stop what is left of this server, start it again on the same port, wait until healthy."""
         self.stop()
         self.start(weight_version)
         self.wait_ready()
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    """True if some non-zombie process is still in group ``pgid`` (zombies are harmless: they hold
-    no port or memory, and orphaned ones are reaped by init, not by us)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return bool(group_pids(pgid))
-
-
-def group_pids(pgid: int) -> list[int]:
-    """The live (non-zombie) processes of group ``pgid``, from /proc."""
-    return [pid for pid, _ in _group_members(pgid)]
-
-
-def _group_members(pgid: int) -> list[tuple[int, int]]:
-    """(pid, parent pid) of the live (non-zombie) processes of group ``pgid``, from /proc."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # Fields after the parenthesised command: state, ppid, pgrp, ...
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append((int(entry), int(fields[1])))
-    return members
 
 
 def make_servers(cfg: InferenceConfig) -> list[SGLangServer]:
@@ -324,7 +215,7 @@ def make_servers(cfg: InferenceConfig) -> list[SGLangServer]:
     log_dir = scfg.log_dir or tempfile.mkdtemp(prefix="sglang-logs-")
     servers = []
     for i in range(cfg.num_servers):
-        port = scfg.port + i if scfg.port else free_port(scfg.host)
+        port = scfg.port + i if scfg.port else procs.free_port(scfg.host)
         seed = None if scfg.random_seed is None else scfg.random_seed + i
         servers.append(SGLangServer(scfg, port, api_key=cfg.api_key, random_seed=seed, log_dir=log_dir))
     return servers

@@ -6,8 +6,11 @@
 Starts the server command as a child, polls ``http://host:port<health-path>`` (or only the TCP
 port when the path is empty) until it answers 200, then writes ``{"host", "port", "url", "pid"}``
 to the address file atomically (temp file + rename, so the launcher never reads half a file).
-SIGTERM/SIGINT are forwarded to the server; the exit status is the server's. A server that
-dies or is not ready within the timeout makes this exit non-zero without writing the file.
+The server runs as its own tree behind the die-with-parent wrapper (``areal_mega.utils.procs``,
+the same as the inference pool's servers): if this process is SIGKILLed (srun tearing the step
+down, the OOM killer), the server's whole tree dies with it. SIGTERM/SIGINT stop the server's
+tree (TERM, grace, KILL); the exit status is the server's. A server that dies or is not ready
+within the timeout makes this exit non-zero without writing the file.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from areal_mega.utils import procs
 
 
 def is_ready(host: str, port: int, health_path: str, timeout_s: float = 2.0) -> bool:
@@ -58,20 +62,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--health-path", default="/health")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--poll", type=float, default=0.5)
+    p.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL of the server")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         p.error("no server command after --")
 
-    child = subprocess.Popen(cmd)
+    child = procs.spawn(cmd, stdin=None)
 
-    def forward(signum, _frame):
-        if child.poll() is None:
-            child.send_signal(signum)
+    def stop(signum, _frame):
+        procs.stop_tree(child, args.grace, sig=signum)
+        sys.exit(_exit_code(child.returncode) if child.returncode is not None else 128 + signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
 
     t0 = time.monotonic()
     while not is_ready(args.host, args.port, args.health_path):
@@ -82,17 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() - t0 > args.timeout:
             print(f"engine_proc: {args.host}:{args.port}{args.health_path} not ready after "
                   f"{args.timeout} s; stopping the server", file=sys.stderr, flush=True)
-            child.terminate()
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+            procs.stop_tree(child, args.grace)
             return 1
         time.sleep(args.poll)
     url = f"http://{args.host}:{args.port}"
     write_atomic(args.address_file, {"host": args.host, "port": args.port, "url": url,
-                                     "pid": child.pid, "hostname": socket.gethostname()})
+                                     "pid": procs.main_pid(child), "hostname": socket.gethostname()})
     print(f"engine_proc: {url} ready after {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     return _exit_code(child.wait())
 

@@ -1,20 +1,16 @@
 """The plan on this one machine, without Slurm (what ``make demo`` uses).
 
-Each process is started in its own session, so its process-group id is its PID: stopping it
-signals the whole group (SGLang's scheduler and detokenizer processes) by that recorded id --
-never by name. torchrun's ranks run in sessions of their own: the SIGTERM reaches torchrun's
-agent, which stops them, so the SIGKILL after the grace period is the last resort only.
+Processes are started and stopped as trees by ``areal_mega.utils.procs`` (see ``LocalRunner``).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import time
 
 from areal_mega.launcher.plan import Allocation, ProcSpec
 from areal_mega.launcher.supervisor import Runner
+from areal_mega.utils import procs
 
 
 def run_local(config: str, overrides: list[str], *, dry_run: bool = False,
@@ -31,40 +27,15 @@ def local_allocation(gpus: int = 0, cpus: int | None = None) -> Allocation:
 
 
 class LocalRunner(Runner):
+    """Each process is its own tree (``areal_mega.utils.procs``): its own session, behind the
+    die-with-parent wrapper, so a launcher killed with SIGKILL leaves no engine or learner rank
+    behind; stopping it stops the tree (torchrun's ranks included) by recorded ids."""
+
     def start(self, spec: ProcSpec, log) -> subprocess.Popen:
         env = dict(os.environ, **spec.env)
         if spec.gpu_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.gpu_ids))
-        return subprocess.Popen(list(spec.argv), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return procs.spawn(spec.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
-    def stop(self, procs: list[subprocess.Popen], grace_s: float) -> None:
-        groups = [p.pid for p in procs]
-        _signal_groups(groups, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_group_alive(g) for g in groups):
-            for p in procs:
-                p.poll()  # reap the leaders so their group ids can disappear
-            time.sleep(0.1)
-        _signal_groups([g for g in groups if _group_alive(g)], signal.SIGKILL)
-        for p in procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def _signal_groups(pgids: list[int], sig: int) -> None:
-    for g in pgids:
-        try:
-            os.killpg(g, sig)
-        except ProcessLookupError:
-            pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+    def stop(self, started: list[subprocess.Popen], grace_s: float) -> None:
+        procs.stop_tree(started, grace_s)

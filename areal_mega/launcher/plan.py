@@ -20,19 +20,19 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import socket
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from areal_mega.algo.config import AlgorithmConfig
 from areal_mega.config import from_dict
 from areal_mega.inference.config import SGLangServerConfig
 from areal_mega.inference.server import build_launch_command
 from areal_mega.launcher.config import LaunchConfig, ModelShape
 from areal_mega.launcher.memory import EngineMemory, LearnerMemory, estimate_engine, estimate_learner
 from areal_mega.parallel import ParallelConfig, ParallelLayout
-from areal_mega.algo.config import AlgorithmConfig
+from areal_mega.utils.procs import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -218,18 +218,6 @@ def model_shape(cfg: LaunchConfig, raw: dict) -> ModelShape:
     return shape
 
 
-def _free_local_ports(n: int) -> list[int]:
-    """Ports the kernel says are free now (local launches with inference.server.port 0)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sk in socks:
-            sk.bind(("127.0.0.1", 0))
-        return [sk.getsockname()[1] for sk in socks]
-    finally:
-        for sk in socks:
-            sk.close()
-
-
 def _learner_world(cfg: LaunchConfig, par: ParallelConfig, gpus: int) -> tuple[int, int]:
     """(ranks per learner node, world size)."""
     lc = cfg.learner
@@ -320,7 +308,7 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
     env["PYTHONPATH"] = str(REPO_ROOT)
     engine_python = engine_python or srv.python
     if alloc.local and not srv.port:
-        ports = _free_local_ports(len(engine_slots))
+        ports = free_ports(len(engine_slots))
     else:
         first = srv.port or ec.default_port
         ports = [first + (i if alloc.local else k) for i, (_, _, k) in enumerate(engine_slots)]

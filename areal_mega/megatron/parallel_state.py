@@ -152,15 +152,13 @@ def init_process_group_for_script(backend: str = "gloo") -> bool:
     started as a plain ``python`` process, form a world of one on a free local port. Returns
     False (and does nothing) when a default group already exists, so tools can run in-process."""
     import os
-    import socket
+
+    from areal_mega.utils.procs import free_port
 
     if dist.is_initialized():
         return False
     if "RANK" in os.environ:
         dist.init_process_group(backend)
         return True
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return True

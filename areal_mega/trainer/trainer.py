@@ -29,7 +29,8 @@ from areal_mega.trainer.config import ExperimentConfig
 from areal_mega.algo.losses import PPOActorLoss, PPOCriticLoss, global_counts, kl_estimate
 from areal_mega.rollout.driver import RolloutDriver
 from areal_mega.utils.metrics import Metrics
-from areal_mega.weight_sync import ServerHandle, megatron_weight_sync
+from areal_mega.inference.sglang_api import SGLangClient
+from areal_mega.weight_sync import megatron_weight_sync
 from areal_mega.weight_sync.sync import SyncStats, WeightSync, WeightSyncError
 
 
@@ -94,7 +95,7 @@ class Trainer:
         driver = RolloutDriver(cfg.inference) if rank0 else None
         box: list[Any] = [driver.server_urls if driver else None]
         dist.broadcast_object_list(box, src=0, group=ctrl)
-        servers = [ServerHandle(u, timeout_s=cfg.weight_sync.http_timeout_s, api_key=cfg.inference.api_key)
+        servers = [SGLangClient(u, timeout_s=cfg.weight_sync.http_timeout_s, api_key=cfg.inference.api_key)
                    for u in box[0]]
         # Tensors travel in the servers' dtype (inference.server.dtype), whatever the learner trains in.
         wire = cfg.inference.server.dtype if cfg.inference.server.dtype != "auto" else None
@@ -217,7 +218,7 @@ class Trainer:
                 if not box[0]:
                     raise WeightSyncError(f"weight sync: no live inference server to push weights to "
                                           f"(waited weight_sync.server_wait_s={wait_s:g} s)")
-                self.weight_sync.set_servers([ServerHandle(u, timeout_s=self.cfg.weight_sync.http_timeout_s,
+                self.weight_sync.set_servers([SGLangClient(u, timeout_s=self.cfg.weight_sync.http_timeout_s,
                                                            api_key=self.cfg.inference.api_key) for u in box[0]])
                 try:
                     stats = self.weight_sync.sync(version=version)

@@ -3,11 +3,10 @@
 from areal_mega.weight_sync.config import WeightSyncConfig
 from areal_mega.weight_sync.planner import PlanMismatchError, SyncPlan, TensorSpec, check_plan_against, plan_weight_sync
 from areal_mega.weight_sync.sync import SyncStats, WeightSync, megatron_weight_sync
-from areal_mega.weight_sync.transport import ServerHandle, WeightSyncError
+from areal_mega.weight_sync.transport import WeightSyncError
 
 __all__ = [
     "PlanMismatchError",
-    "ServerHandle",
     "SyncPlan",
     "SyncStats",
     "TensorSpec",

@@ -48,16 +48,10 @@ from areal_mega.weight_sync.planner import (
     dtype_name,
     plan_weight_sync,
 )
-from areal_mega.weight_sync.transport import (
-    BroadcastSender,
-    ServerHandle,
-    WeightSyncError,
-    call_all,
-    check_bucket_tensors,
-    free_port,
-    host_address,
-    post_all,
-)
+from areal_mega.inference import sglang_api as api
+from areal_mega.inference.sglang_api import SGLangClient
+from areal_mega.utils.procs import free_port, host_address
+from areal_mega.weight_sync.transport import BroadcastSender, WeightSyncError, check_bucket_tensors, send_all
 
 ExportFn = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 """Collective over this rank's stage TP group: yields this stage's full HF tensors in plan order
@@ -81,7 +75,7 @@ class SyncStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def server_expected_specs(server: ServerHandle, expected_fn: ExpectedFn) -> tuple[dict[str, TensorSpec], str]:
+def server_expected_specs(server: SGLangClient, expected_fn: ExpectedFn) -> tuple[dict[str, TensorSpec], str]:
     """What ``server`` expects, from its model's config.json (model_path must be readable here:
     same host or shared filesystem) and its serving dtype. Returns (specs by name, description)."""
     info = server.model_info()
@@ -93,7 +87,7 @@ def server_expected_specs(server: ServerHandle, expected_fn: ExpectedFn) -> tupl
             "readable from the learner (set weight_sync.check_model=false to skip the check)"
         )
     hf_config = json.loads(cfg_file.read_text())
-    dtype = str(server.server_info().get("dtype", "auto"))
+    dtype = server.capabilities().dtype
     if dtype in ("auto", "None", ""):
         dtype = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
     dtype = dtype_name("bfloat16" if dtype == "bf16" else dtype)
@@ -123,7 +117,7 @@ class WeightSync:
         world_group: Any,
         stage_metadata: Sequence[Sequence[Any]],
         export: ExportFn,
-        servers: Sequence[ServerHandle],
+        servers: Sequence[SGLangClient],
         expected_fn: ExpectedFn | None = None,
         hf_config: dict | None = None,
     ) -> None:
@@ -180,8 +174,9 @@ class WeightSync:
         box: list[Any] = [None]
         if self.rank == 0:
             try:
-                tps = [int(i.get("tp_size", 1)) for i in call_all(self.servers, "server_info")]
-                session = all(call_all(self.servers, "has_update_session"))
+                caps = [s.capabilities() for s in self.servers]
+                tps = [c.tp_size for c in caps]
+                session = all(c.weight_update_session for c in caps)
                 box[0] = (tps, session, None)
             except Exception as e:  # noqa: BLE001 - shared below
                 box[0] = (None, None, f"{type(e).__name__}: {e}")
@@ -196,7 +191,7 @@ class WeightSync:
             err = None
             if self.stage_plan is stage:
                 try:
-                    port = self.cfg.master_port_base + stage.stage if self.cfg.master_port_base else free_port()
+                    port = self.cfg.master_port_base + stage.stage if self.cfg.master_port_base else free_port("")
                     self._sender = BroadcastSender(
                         self.servers,
                         tps,
@@ -224,18 +219,19 @@ class WeightSync:
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         if self.cfg.check_model:
-            err = None
+            err = None  # (is a plan mismatch, message): every rank raises the same type
             if self.rank == 0:
                 try:
                     self.check_servers()
                 except PlanMismatchError as e:
-                    err = str(e)
+                    err = (True, str(e))
                 except Exception as e:  # noqa: BLE001
-                    err = f"{type(e).__name__}: {e}"
+                    err = (False, f"{type(e).__name__}: {e}")
             msgs: list[Any] = [None] * self.layout.world_size
             dist.all_gather_object(msgs, err, group=self._ctrl)
             if msgs[0]:
-                raise PlanMismatchError(msgs[0]) if "refused before sending" in msgs[0] else WeightSyncError(msgs[0])
+                mismatch, message = msgs[0]
+                raise PlanMismatchError(message) if mismatch else WeightSyncError(message)
             phases["check"] = time.perf_counter() - t0
         if not self._connected:
             t = time.perf_counter()
@@ -260,7 +256,7 @@ class WeightSync:
             if self.rank == 0 and self._session and self.cfg.mode == "distributed":
                 for server in self.servers:
                     try:
-                        server.call("/end_weight_update", {})
+                        server.send(api.end_weight_update())
                     except Exception:  # noqa: BLE001 - the dead one, or no session open
                         pass
             raise
@@ -274,15 +270,15 @@ class WeightSync:
 
     def _pause_and_begin(self) -> None:
         if self.cfg.pause_servers:
-            call_all(self.servers, "pause", self.cfg.pause_mode)
+            send_all(self.servers, api.pause_generation(self.cfg.pause_mode))
         if self._session and self.cfg.mode == "distributed":
-            post_all(self.servers, "/begin_weight_update", {})
+            send_all(self.servers, api.begin_weight_update())
 
     def _end_and_continue(self) -> None:
         if self._session and self.cfg.mode == "distributed":
-            post_all(self.servers, "/end_weight_update", {})
+            send_all(self.servers, api.end_weight_update())
         if self.cfg.pause_servers:
-            call_all(self.servers, "resume")
+            send_all(self.servers, api.continue_generation())
 
     def _stage_tensors(self) -> Iterator[tuple[Any, list[torch.Tensor]]]:
         """(bucket, tensors) for this rank's stage, pulling the export lazily bucket by bucket
@@ -364,8 +360,8 @@ class WeightSync:
             else:  # the servers' own config (same model by the check above)
                 src = Path(self.servers[0].model_info()["model_path"]) / "config.json"
                 (out / "config.json").write_text(src.read_text())
-            body = {"model_path": str(out), "weight_version": str(version), "flush_cache": self.cfg.pause_mode != "in_place"}
-            post_all(self.servers, "/update_weights_from_disk", body)
+            send_all(self.servers, api.update_weights_from_disk(str(out), version,
+                                                                flush_cache=self.cfg.pause_mode != "in_place"))
 
         self._on_rank0(load)
 
@@ -373,7 +369,7 @@ class WeightSync:
     def server_urls(self) -> list[str]:
         return [s.url for s in self.servers]
 
-    def set_servers(self, servers: Sequence[ServerHandle]) -> None:
+    def set_servers(self, servers: Sequence[SGLangClient]) -> None:
         """Push to ``servers`` from now on (collective: the same list on every rank). When the
         membership changes (a server died, or came back and awaits weights) the current groups are
         torn down and the next ``sync`` connects afresh, so a dead server never blocks a sync."""
@@ -396,7 +392,7 @@ def megatron_weight_sync(
     adapter: Any,
     chunks: list[torch.nn.Module],
     groups: Any,
-    servers: Sequence[ServerHandle],
+    servers: Sequence[SGLangClient],
     world_group: Any = None,
     dtype: str | None = None,
 ) -> WeightSync:

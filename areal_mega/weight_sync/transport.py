@@ -18,18 +18,15 @@ uses the same private torch helper: the store keys must match exactly.
 
 from __future__ import annotations
 
-import json
-import socket
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from areal_mega.inference import sglang_api as api
+from areal_mega.inference.sglang_api import SGLangClient
 from areal_mega.weight_sync.planner import Bucket, TensorSpec, dtype_name
 
 
@@ -46,118 +43,19 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def free_port() -> int:
-    """A TCP port free on this host right now (the sender hosts its group's rendezvous store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def host_address() -> str:
-    """This host's address as other hosts should reach it (its hostname's IP)."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
 # ---------------------------------------------------------------------------------------------
-# HTTP side
+# HTTP side: the calls come from inference.sglang_api (the one route table)
 
 
-class ServerCallError(WeightSyncError):
-    """A server answered a control call with an error."""
-
-
-@dataclass
-class ServerHandle:
-    """Blocking JSON-over-HTTP access to the weight-update endpoints of ONE SGLang server.
-
-    Kept deliberately small and synchronous (stdlib only): weight-sync calls are few, long and
-    issued from sender threads that also drive collectives, where an event loop buys nothing.
-    """
-
-    url: str
-    """``http://host:port``."""
-    timeout_s: float = 600.0
-    api_key: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.url.startswith("http"):
-            self.url = "http://" + self.url
-        self.url = self.url.rstrip("/")
-
-    def call(self, path: str, body: dict | None = None, *, method: str | None = None) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method or ("GET" if body is None else "POST"))
-        req.add_header("Content-Type", "application/json")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:2000]
-            raise ServerCallError(f"{self.url}{path}: HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-            raise ServerCallError(f"{self.url}{path}: {e}") from None
-        if not raw:
-            return {}
-        try:
-            out = json.loads(raw)
-        except json.JSONDecodeError:
-            return {"text": raw.decode(errors="replace")}
-        if isinstance(out, dict) and out.get("success") is False:
-            raise ServerCallError(f"{self.url}{path}: {out.get('message')}")
-        return out if isinstance(out, dict) else {"result": out}
-
-    # -- the calls weight sync makes (SGLang 0.5.x HTTP API) --
-    def model_info(self) -> dict:
-        return self.call("/model_info")
-
-    def server_info(self) -> dict:
-        try:
-            return self.call("/server_info")
-        except ServerCallError:  # older servers only have the deprecated name
-            return self.call("/get_server_info")
-
-    def weight_version(self) -> str:
-        return str(self.model_info().get("weight_version"))
-
-    def has_update_session(self) -> bool:
-        """Whether this server has /begin_weight_update (0.5.23: required around distributed
-        updates; 0.5.9/0.5.15: absent). Read from the server's OpenAPI schema."""
-        try:
-            paths = self.call("/openapi.json").get("paths", {})
-        except ServerCallError:
-            return False
-        return "/begin_weight_update" in paths
-
-    def pause(self, mode: str) -> None:
-        self.call("/pause_generation", {"mode": mode})
-
-    def resume(self) -> None:
-        self.call("/continue_generation", {})
-
-
-def call_all(servers: Sequence[ServerHandle], fn_name: str, *args: Any, **kwargs: Any) -> list[Any]:
-    """Run ``server.<fn_name>(...)`` on every server concurrently; raise the first error after
-    all calls returned (so no call is left dangling)."""
+def send_all(servers: Sequence[SGLangClient], call: api.Call | Callable[[SGLangClient], api.Call]) -> list[dict]:
+    """Send ``call`` (or ``call(server)``, for per-server bodies) to every server concurrently;
+    raise the first error after all calls returned (so no call is left dangling)."""
     with ThreadPoolExecutor(max_workers=max(1, len(servers))) as ex:
-        futs = [ex.submit(getattr(s, fn_name), *args, **kwargs) for s in servers]
-        results, errors = [], []
-        for f in futs:
-            try:
-                results.append(f.result())
-            except Exception as e:  # noqa: BLE001 - collected and re-raised below
-                errors.append(e)
+        futs = [ex.submit(s.send, call(s) if callable(call) else call) for s in servers]
+        errors = _collect(futs)
     if errors:
         raise errors[0]
-    return results
-
-
-def post_all(servers: Sequence[ServerHandle], path: str, body: dict) -> list[dict]:
-    return call_all(servers, "call", path, body)
+    return [f.result() for f in futs]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +111,7 @@ class BroadcastSender:
 
     def __init__(
         self,
-        servers: Sequence[ServerHandle],
+        servers: Sequence[SGLangClient],
         server_tp_sizes: Sequence[int],
         *,
         group_name: str,
@@ -253,18 +151,9 @@ class BroadcastSender:
         each side blocks in the rendezvous until all ranks arrived)."""
         offsets = [1 + sum(self.server_tp_sizes[:i]) for i in range(len(self.servers))]
         futs = [
-            self._pool.submit(
-                s.call,
-                "/init_weights_update_group",
-                {
-                    "master_address": self.address,
-                    "master_port": self.port,
-                    "rank_offset": off,
-                    "world_size": self.world_size,
-                    "group_name": self.group_name,
-                    "backend": self.backend,
-                },
-            )
+            self._pool.submit(s.send, api.init_weights_update_group(
+                master_address=self.address, master_port=self.port, rank_offset=off,
+                world_size=self.world_size, group_name=self.group_name, backend=self.backend))
             for s, off in zip(self.servers, offsets)
         ]
         try:
@@ -324,17 +213,11 @@ class BroadcastSender:
         bucket. Callers pack the next bucket before calling ``wait()``: that overlaps the
         learner's gather/flatten with the servers' load of the previous bucket."""
         assert self.group is not None, "connect() first"
-        body = {
-            "names": bucket.names,
-            "dtypes": [t.dtype for t in bucket.tensors],
-            "shapes": [list(t.shape) for t in bucket.tensors],
-            "group_name": self.group_name,
-            "flush_cache": flush_cache,
-            "weight_version": weight_version,
-        }
-        if self.load_format == "flattened_bucket":
-            body["load_format"] = "flattened_bucket"
-        futs = [self._pool.submit(s.call, "/update_weights_from_distributed", body) for s in self.servers]
+        call = api.update_weights_from_distributed(
+            names=bucket.names, dtypes=[t.dtype for t in bucket.tensors], shapes=[t.shape for t in bucket.tensors],
+            group_name=self.group_name, flush_cache=flush_cache, weight_version=weight_version,
+            load_format="flattened_bucket" if self.load_format == "flattened_bucket" else None)
+        futs = [self._pool.submit(s.send, call) for s in self.servers]
         try:
             works = [dist.broadcast(p, group_src=0, group=self.group, async_op=True) for p in payload]
         except BaseException:
@@ -359,10 +242,7 @@ class BroadcastSender:
     def close(self) -> None:
         """Destroy the group on the servers and here (best effort: servers may be gone)."""
         if self.group is not None:
-            futs = [
-                self._pool.submit(s.call, "/destroy_weights_update_group", {"group_name": self.group_name})
-                for s in self.servers
-            ]
+            futs = [self._pool.submit(s.send, api.destroy_weights_update_group(self.group_name)) for s in self.servers]
             _collect(futs)
             dist.destroy_process_group(self.group)
             self.group = None

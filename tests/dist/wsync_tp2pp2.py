@@ -37,7 +37,8 @@ from areal_mega.megatron.model import MegatronModelConfig, build_model, forward_
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
-from areal_mega.weight_sync import PlanMismatchError, ServerHandle, WeightSyncConfig, megatron_weight_sync
+from areal_mega.inference.sglang_api import SGLangClient
+from areal_mega.weight_sync import PlanMismatchError, WeightSyncConfig, megatron_weight_sync
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import convert_mcore_to_hf  # noqa: E402  (a script in tools/, not a package)
@@ -94,7 +95,7 @@ def server_state(urls: list[str]) -> list[dict]:
             with urllib.request.urlopen(req, timeout=120) as r:
                 meta = json.loads(r.read())["meta_info"]
             lps.append([x[0] for x in meta["input_token_logprobs"][1:]])
-        res.append({"version": ServerHandle(u).weight_version(), "logprobs": lps})
+        res.append({"version": SGLangClient(u).weight_version(), "logprobs": lps})
     return res
 
 
@@ -119,7 +120,7 @@ def main() -> None:
     mcfg = MegatronModelConfig(dtype="bfloat16")
     model = build_model(args.hf_dir, groups, mcfg)
     load_hf_weights(model, args.hf_dir)
-    servers = [ServerHandle(u, timeout_s=120) for u in urls]
+    servers = [SGLangClient(u, timeout_s=120) for u in urls]
     cfg = WeightSyncConfig(backend="gloo", bucket_mib=0.25, master_address="127.0.0.1", pause_mode="retract")
     res: dict = {"plan": None}
     if rank == 0:

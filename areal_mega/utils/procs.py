@@ -1,0 +1,332 @@
+"""Process trees and ports: the one implementation, used by the inference pool's servers, the
+launchers (local and on Slurm nodes), the benchmarks and the tests.
+
+Three lessons are fixed here, once:
+
+* **Stop by recorded ids, never by name.** Every tree is started in a session of its own
+  (``start_new_session=True``), so its process-group id is the leader's pid. But a group is not
+  a tree: torchrun starts every rank in a session of its own, and a daemon can ``setsid``. So
+  :func:`stop_tree` snapshots the leader's group *and* its descendants (from /proc) before
+  signalling, SIGTERMs the group (torchrun forwards it to its ranks and waits for them; SGLang
+  shuts down), waits up to the grace period, then SIGKILLs whatever of that snapshot -- and of
+  the descendants that appeared since -- is still alive.
+* **Die with the parent.** :func:`die_with_parent` puts a small stdlib wrapper in front of a
+  command. The wrapper leads the tree's process group, asks the kernel for SIGUSR2 when its
+  parent dies (``PR_SET_PDEATHSIG``) and becomes a child subreaper (``PR_SET_CHILD_SUBREAPER``:
+  orphaned descendants, torchrun's ranks or a double-forked daemon, are re-parented to it, not
+  to init, so it can always find them). On SIGUSR2 it SIGKILLs its whole tree. So a parent
+  killed with SIGKILL (OOM killer, ``scancel -s KILL``, ``kill -9`` of the launcher) leaves no
+  server holding ports and accelerators and no rank training unsupervised. Why SIGKILL and not
+  SIGTERM: SGLang drains its requests on SIGTERM, which never ends while it is paused with
+  requests held (weight sync, retract / in_place); and with a SIGKILL of SGLang's main process
+  alone its detokenizer was seen to survive. When the wrapped command's main process exits,
+  the wrapper also kills what it left behind and exits with its status.
+* **Zombies are gone.** A zombie holds no port or memory: every liveness check here ignores
+  them (orphaned ones are reaped by init or by the wrapper, not by us).
+
+Linux only (/proc, prctl); elsewhere the wrapper execs the command unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+# ---------------------------------------------------------------------------------------------
+# ports
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (bind to 0; racy, so servers should retry on EADDRINUSE)."""
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1", *, low: int | None = None, high: int | None = None) -> list[int]:
+    """``n`` distinct ports that bind right now.
+
+    Without ``low``/``high`` the kernel picks them (all sockets stay open until every port is
+    chosen, so they are distinct). With a range, ports are drawn from it at random: a range below
+    the kernel's ephemeral range (32768+) cannot be taken by an outgoing connection (srun,
+    slurmd, HTTP clients) between this check and the server's bind."""
+    if low is None or high is None:
+        socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+        try:
+            for s in socks:
+                s.bind((host, 0))
+            return [s.getsockname()[1] for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+    rng = random.Random()
+    ports: list[int] = []
+    for _ in range(100 * n + 1000):
+        if len(ports) == n:
+            break
+        port = rng.randrange(low, high)
+        if port in ports:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        ports.append(port)
+    if len(ports) < n:
+        raise OSError(f"free_ports: fewer than {n} free ports in [{low}, {high})")
+    return ports
+
+
+def host_address() -> str:
+    """This host's address as other hosts should reach it (its hostname's IP)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------------------------
+# /proc
+
+
+def _proc_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, process group) of every live (non-zombie) process, from /proc."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state, ppid, pgrp, ...
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] not in ("Z", "X"):
+            table[int(entry)] = (int(fields[1]), int(fields[2]))
+    return table
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live (non-zombie) processes of process group ``pgid``."""
+    return [pid for pid, (_, g) in _proc_table().items() if g == pgid]
+
+
+def children(pid: int) -> list[int]:
+    """The live direct children of ``pid``."""
+    return [p for p, (ppid, _) in _proc_table().items() if ppid == pid]
+
+
+def tree_pids(pid: int, table: dict[int, tuple[int, int]] | None = None) -> set[int]:
+    """``pid`` (if alive), its live descendants, and the live members of the group it leads."""
+    table = _proc_table() if table is None else table
+    kids: dict[int, list[int]] = {}
+    for p, (ppid, _) in table.items():
+        kids.setdefault(ppid, []).append(p)
+    out = {p for p, (_, g) in table.items() if g == pid}
+    if pid in table:
+        out.add(pid)
+    todo = [pid, *out]
+    while todo:
+        for c in kids.get(todo.pop(), ()):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def alive(pids: Iterable[int]) -> set[int]:
+    """The pids of ``pids`` that are still live (non-zombie) processes."""
+    table = _proc_table()
+    return {p for p in pids if p in table}
+
+
+def _kill(pids: Iterable[int], sig: int) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# die with the parent
+
+# Runs in front of the command (``python -I -c``, stdlib only). See the module docstring.
+_DIE_WITH_PARENT = """\
+import os, signal, sys
+argv = sys.argv[2:]
+if not sys.platform.startswith("linux"):
+    os.execvp(argv[0], argv)
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def tree():
+    kids = {}
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                f = open("/proc/%s/stat" % e).read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if f[0] not in ("Z", "X"):
+                kids.setdefault(int(f[1]), []).append(int(e))
+    out, todo = [], [os.getpid()]
+    while todo:
+        for c in kids.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c)
+    return out
+def kill_tree():
+    for _ in range(100):
+        pids = tree()
+        if not pids:
+            return
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
+def on_parent_death(*_):
+    kill_tree()
+    os.killpg(0, signal.SIGKILL)
+signal.signal(signal.SIGUSR2, on_parent_death)
+libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+libc.prctl(1, int(signal.SIGUSR2))  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("die_with_parent: parent exited before the command started")
+for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, signal.SIG_IGN)
+pid = os.fork()
+if pid == 0:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    os.execvp(argv[0], argv)
+while True:
+    wpid, status = os.waitpid(-1, 0)
+    if wpid == pid:
+        break
+code = os.waitstatus_to_exitcode(status)
+kill_tree()
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
+def die_with_parent(argv: Sequence[str]) -> list[str]:
+    """``argv`` wrapped so that its whole tree is SIGKILLed when the calling THREAD exits
+    (PR_SET_PDEATHSIG follows the thread that forked): start long-lived children from threads
+    that live as long as they should -- the pool starts servers on its event-loop thread and
+    restarts them in that loop's executor threads, which both live until the pool is closed."""
+    return [sys.executable, "-I", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+
+
+def main_pid(proc: subprocess.Popen) -> int:
+    """The wrapped command's own process (the wrapper's child), or ``proc`` itself unwrapped."""
+    kids = children(proc.pid)
+    return kids[0] if kids else proc.pid
+
+
+# ---------------------------------------------------------------------------------------------
+# start and stop
+
+
+def spawn(argv: Sequence[str], *, wrap: bool = True, **popen_kwargs) -> subprocess.Popen:
+    """Start ``argv`` as the leader of a new session (its group id is its pid), wrapped by
+    :func:`die_with_parent` unless ``wrap=False``; stdin defaults to /dev/null."""
+    popen_kwargs.setdefault("stdin", subprocess.DEVNULL)
+    cmd = die_with_parent(argv) if wrap else list(argv)
+    return subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
+
+
+def stop_tree(procs: subprocess.Popen | Sequence[subprocess.Popen], grace_s: float = 30.0,
+              *, sig: int = signal.SIGTERM) -> None:
+    """Stop each process of ``procs`` (started by :func:`spawn`) and everything it started:
+    ``sig`` to its group, up to ``grace_s`` for the tree to exit, then SIGKILL of what is left.
+
+    Returns once every process of the trees is gone (or after a further 10 s for processes
+    that cannot die, e.g. in uninterruptible sleep)."""
+    procs = [procs] if isinstance(procs, subprocess.Popen) else list(procs)
+    table = _proc_table()
+    trees = set().union(*(tree_pids(p.pid, table) for p in procs)) if procs else set()
+    for p in procs:
+        if p.poll() is None:
+            signal_group(p.pid, sig)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        for p in procs:
+            p.poll()  # reap the leaders so that they stop counting as alive
+        table = _proc_table()
+        trees = {q for q in trees if q in table}.union(*(tree_pids(p.pid, table) for p in procs))
+        if not trees:
+            break
+        time.sleep(0.05)
+    deadline = time.monotonic() + 10.0
+    while trees and time.monotonic() < deadline:
+        for p in procs:
+            signal_group(p.pid, signal.SIGKILL)
+        _kill(trees, signal.SIGKILL)
+        for p in procs:
+            p.poll()
+        time.sleep(0.05)
+        table = _proc_table()
+        trees = {q for q in trees if q in table}.union(*(tree_pids(p.pid, table) for p in procs))
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # unkillable (D state); nothing more to do
+            pass
+
+
+def stop_pids(pids: Iterable[int], grace_s: float = 10.0) -> None:
+    """Stop single processes known only by recorded pid (e.g. daemons started by another
+    process): SIGTERM, up to ``grace_s`` for them to exit, then SIGKILL."""
+    pids = alive(pids)
+    _kill(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while pids and time.monotonic() < deadline:
+        _reap(pids)
+        time.sleep(0.05)
+        pids = alive(pids)
+    _kill(pids, signal.SIGKILL)
+
+
+def _reap(pids: Iterable[int]) -> None:
+    """Collect those of ``pids`` that are our own exited children (others are not ours to reap)."""
+    for p in pids:
+        try:
+            os.waitpid(p, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+def run(cmd: Sequence[str], *, timeout: float, grace_s: float = 30.0, **popen_kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` that never leaves a tree behind:
+    on timeout (or interruption) the whole tree is stopped with :func:`stop_tree` and
+    ``TimeoutError`` carries the output so far."""
+    popen_kwargs.setdefault("stdout", subprocess.PIPE)
+    popen_kwargs.setdefault("stderr", subprocess.PIPE)
+    p = spawn(cmd, text=True, **popen_kwargs)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except BaseException:  # the timeout, or an interruption (Ctrl-C, pytest's own timeout)
+        stop_tree(p, grace_s)
+        out, err = p.communicate()
+        raise TimeoutError(f"stopped after {timeout} s at most: {' '.join(cmd)}\n"
+                           f"{(out or '')[-4000:]}\n{(err or '')[-4000:]}") from None
+    return subprocess.CompletedProcess(list(cmd), p.returncode, out, err)

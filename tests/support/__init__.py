@@ -1,0 +1,1 @@
+"""Test support: builders, launchers, fakes and tolerances shared by the tests (not part of the package)."""
