@@ -13,6 +13,16 @@ is one episode whose steps skip over the environment's tokens.
 
 Group estimators (GRPO, Dr.GRPO, RLOO) take ``group_index`` [B]: sequences sampled from the
 same prompt share an index. Groups may have different sizes.
+
+Numerics of every normalising estimator (GRPO, Dr.GRPO, RLOO, and REINFORCE++'s batch-wide
+whitening, which is the same computation over one "group"): rewards/returns are float32; the
+mean, centring and std are computed in float64 and the result is rounded once to float32. A
+group whose values are numerically equal -- max - min <= ``EQUAL_ULPS`` * eps_float32 * max|r|,
+which includes max == min exactly -- gets advantage exactly 0. Without this, a group of 7
+rewards all equal to 0.7 got +0.056 each from float32 round-off in the mean (all 70.3: +0.88),
+because (r - mean) and the std are both round-off of the same size. A group of one is always
+numerically equal, so it gets 0 (verl instead gives a lone sample its raw reward).
+See docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -50,38 +60,65 @@ def shape_rewards(rewards: torch.Tensor, cfg: AlgorithmConfig) -> torch.Tensor:
     return ((rewards + cfg.reward_bias) * cfg.reward_scale).clamp(-cfg.reward_clip, cfg.reward_clip)
 
 
-def _group_mean_and_count(values: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    num_groups = int(group_index.max()) + 1 if group_index.numel() else 0
-    sums = torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, group_index, values)
-    counts = torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(
-        0, group_index, torch.ones_like(values)
-    )
-    return sums / counts.clamp(min=1), counts
+# Two members of a group whose rewards are "the same" number computed along different float32
+# paths (reward shaping = two float32 operations, each rounding by <= 1/2 ulp) differ by up to
+# ~2 ulps. eps_float32 * |r| (eps = ulp(1) = 2**-23) is 1 to 2 ulps of r, so the threshold
+# 4 * eps_float32 * max|r| is 4 to 8 ulps: a margin over that. Rewards closer than this are
+# indistinguishable from float32 round-off: their "signal" is noise, and dividing it by its
+# own std would turn it into advantages of order 1.
+EQUAL_ULPS = 4.0
+
+
+def _group_stats(
+    values: torch.Tensor, group_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-group statistics of float32 ``values`` [N] in float64.
+
+    Returns (centred [N] = v - group mean, std [N] (population, unbiased=False), count [N],
+    equal [N] bool: the member's group is numerically constant, see ``EQUAL_ULPS``), each
+    indexed per member. A float64 sum of n <= 2**29 copies of one float32 value is exact (24 +
+    29 bits), so the mean of a constant group is exactly its value and ``centred`` is exactly 0
+    there even without the ``equal`` test; ``equal`` also catches groups that differ only by
+    float32 round-off.
+    """
+    resolution = torch.finfo(values.dtype).eps if values.dtype.is_floating_point else 0.0
+    x = values.double()
+    gi = group_index.long()
+    num_groups = int(gi.max()) + 1 if gi.numel() else 0
+    zeros = torch.zeros(num_groups, dtype=torch.float64, device=x.device)
+    counts = zeros.index_add(0, gi, torch.ones_like(x))
+    mean = zeros.index_add(0, gi, x) / counts.clamp(min=1)
+    centred = x - mean[gi]
+    var = zeros.index_add(0, gi, centred * centred) / counts.clamp(min=1)
+    gmax = zeros.scatter_reduce(0, gi, x, reduce="amax", include_self=False)
+    gmin = zeros.scatter_reduce(0, gi, x, reduce="amin", include_self=False)
+    scale = torch.maximum(gmax.abs(), gmin.abs())
+    equal = (gmax - gmin) <= EQUAL_ULPS * resolution * scale
+    return centred, var.sqrt()[gi], counts[gi], equal[gi]
 
 
 def grpo_advantages(
     rewards: torch.Tensor, group_index: torch.Tensor, *, std_normalize: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
     """GRPO: A_i = (r_i - mean_g) / (std_g + eps), std over the group with unbiased=False
-    (DeepSeekMath). ``std_normalize=False`` gives Dr.GRPO's A_i = r_i - mean_g. [B] -> [B]."""
+    (population std; verl and TRL use the sample std, unbiased=True, which is larger by
+    sqrt(n / (n - 1))). ``std_normalize=False`` gives Dr.GRPO's A_i = r_i - mean_g.
+    Numerically constant groups (all rewards equal, groups of one included) get exactly 0.
+    Statistics in float64, result float32. [B] -> [B]."""
     rewards = rewards.float()
-    mean, _ = _group_mean_and_count(rewards, group_index)
-    centered = rewards - mean[group_index]
-    if not std_normalize:
-        return centered
-    var, _ = _group_mean_and_count(centered**2, group_index)
-    return centered / (var.sqrt()[group_index] + eps)
+    centred, std, _, equal = _group_stats(rewards, group_index)
+    adv = centred / (std + eps) if std_normalize else centred
+    return torch.where(equal, torch.zeros_like(adv), adv).float()
 
 
 def rloo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
     """RLOO: A_i = r_i - mean of the other samples of i's group = (n / (n - 1)) (r_i - mean_g).
-    A group of one sample has no baseline and gets advantage 0. [B] -> [B]."""
+    A group of one sample has no baseline and gets advantage 0, as does a numerically constant
+    group. Statistics in float64, result float32. [B] -> [B]."""
     rewards = rewards.float()
-    mean, counts = _group_mean_and_count(rewards, group_index)
-    n = counts[group_index]
-    sums = mean[group_index] * n
-    baseline = (sums - rewards) / (n - 1).clamp(min=1)
-    return torch.where(n > 1, rewards - baseline, torch.zeros_like(rewards))
+    centred, _, n, equal = _group_stats(rewards, group_index)
+    adv = centred * n / (n - 1).clamp(min=1)
+    return torch.where(equal | (n <= 1), torch.zeros_like(adv), adv).float()
 
 
 def last_action_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -170,16 +207,18 @@ def reinforce_pp_advantages(
     """REINFORCE++: per-token discounted returns G_t = r_t + gamma G_{t+1} within each sequence,
     then normalised over all masked tokens of the batch: A = (G - mean) / (std + eps), std
     unbiased=False. Returns (advantages [T], returns [T]); 0 outside the mask. Pass the whole
-    batch (the normalisation is global)."""
+    batch (the normalisation is global). The batch statistics are those of a single GRPO
+    group (float64; a numerically constant batch of returns gives exactly 0)."""
     r, valid, where = _to_action_grid(token_rewards, loss_mask, cu_seqlens)
     ret = _discounted_backward(r, torch.zeros_like(r), valid, gamma, 1.0)
     returns = _scatter_back(ret, where, loss_mask.numel())
     mask = loss_mask.bool()
     sel = returns[mask]
+    adv = torch.zeros_like(returns)
     if sel.numel() == 0:
-        return torch.zeros_like(returns), returns
-    adv = (returns - sel.mean()) / (sel.std(unbiased=False) + eps)
-    return torch.where(mask, adv, torch.zeros_like(adv)), returns
+        return adv, returns
+    adv[mask] = grpo_advantages(sel, torch.zeros(sel.numel(), dtype=torch.long, device=sel.device), eps=eps)
+    return adv, returns
 
 
 def compute_advantages(batch: dict[str, torch.Tensor], cfg: AlgorithmConfig) -> dict[str, torch.Tensor]:

@@ -1,7 +1,9 @@
 """Settings of the RL algorithm maths (advantages, losses): ``algorithm.*`` in the experiment YAML.
 
 The rollout side's settings (staleness, controller) are ``areal_mega.rollout.config.RolloutConfig``;
-datasets, rewards and workflows own their configs next to their code.
+datasets, rewards and workflows own their configs next to their code. The formulas, the numeric
+safeguards and how each convention compares with verl / TRL / OpenRLHF / AReaL are in
+docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -21,15 +23,26 @@ class AlgorithmConfig:
     "dr_grpo": r - group mean (no std, pair with aggregation "seq_mean_token_sum_norm");
     "rloo": r - mean of the *other* samples of the group; "reinforce_pp": per-token discounted
     returns (optionally with the KL penalty in the reward) normalised over the whole batch;
-    "gae": generalised advantage estimation with a critic (PPO)."""
+    "gae": generalised advantage estimation with a critic (PPO).
+    Group estimators: a group of ONE sample gets advantage 0 for all three (verl gives it its raw
+    reward), and a group whose rewards are all equal (up to float32 round-off: max - min <=
+    4 * eps_float32 * max|r|) gets exactly 0; group statistics are computed in float64."""
     std_normalize: bool = True
-    """GRPO only: divide by the group's reward std (unbiased=False). Off = Dr.GRPO-style."""
+    """GRPO only: divide by the group's reward std. Off = Dr.GRPO-style. The std is the
+    POPULATION std (unbiased=False, divide by n); verl's GRPO and TRL's GRPOTrainer use the
+    sample std (torch.std, divide by n - 1), so for a group of n our advantages are larger by
+    sqrt(n / (n - 1)) (1.069 for n = 8) before eps."""
     adv_eps: float = 1e-6
-    """Added to the std before dividing (group std for GRPO, batch std for REINFORCE++)."""
+    """Added to the std before dividing (group std for GRPO, batch std for REINFORCE++). 0 is
+    allowed: numerically constant groups get advantage 0 whatever eps is."""
     gamma: float = 1.0
-    """Discount for "reinforce_pp" and "gae" (per generated token)."""
+    """Discount for "reinforce_pp" and "gae" (per generated token; prompt / tool-output tokens
+    are not steps). After a sequence's last generated token the value is 0 whether it ended with
+    EOS or was truncated at max_new_tokens: truncated sequences are NOT bootstrapped with the
+    critic, they are treated as terminated (as verl and OpenRLHF do)."""
     lam: float = 1.0
-    """GAE lambda."""
+    """GAE lambda. GAE advantages are used as computed: NOT normalised (whitened) across the
+    batch, unlike verl's GAE, which whitens them. REINFORCE++ advantages are whitened."""
     reward_scale: float = 1.0
     """Rewards are mapped to clip(reward_scale * (r + reward_bias), -reward_clip, reward_clip)
     before advantages are computed."""
@@ -39,7 +52,9 @@ class AlgorithmConfig:
     """See ``reward_scale``."""
 
     eps_clip_low: float = 0.2
-    """PPO clip: the ratio is clipped to [1 - eps_clip_low, 1 + eps_clip_high]."""
+    """PPO clip: the ratio is clipped to [1 - eps_clip_low, 1 + eps_clip_high]. Before that,
+    log(pi_theta / pi_old) is clamped to [-20, 20] (as verl) so a stale token cannot give an
+    inf ratio; inside that range the gradient is unchanged."""
     eps_clip_high: float = 0.2
     """Upper clip; > eps_clip_low is DAPO's clip-higher (e.g. 0.28)."""
     dual_clip: float | None = None
@@ -48,27 +63,41 @@ class AlgorithmConfig:
     decoupled: bool = True
     """Decoupled PPO (AReaL): clip pi_theta / pi_prox where pi_prox is recomputed by the learner
     before the update, and weight each token's term by pi_prox / pi_behav (pi_behav = the
-    inference engine's log-probs). False: standard PPO with pi_old = pi_behav."""
+    inference engine's log-probs). False: standard PPO with pi_old = pi_behav.
+    Only the clipped policy-gradient term is weighted: the KL (kl_coef) and entropy
+    (entropy_coef) terms are NOT multiplied by pi_prox / pi_behav, and tokens dropped by the
+    "mask" mode keep their KL and entropy terms. log(pi_prox / pi_behav) is clamped to
+    [-20, 20] before exp (a -inf behaviour log-prob gives weight e^20, then capped / masked)."""
     behav_imp_weight_cap: float | None = 5.0
     """Cap C on pi_prox / pi_behav (decoupled only). None = no cap."""
     behav_imp_weight_mode: Literal["truncate", "mask"] = "mask"
     """"truncate": weight = min(w, C) (truncated importance sampling); "mask": tokens whose
-    weight exceeds C are dropped from the loss (weight 0), as AReaL does."""
+    weight exceeds C are dropped from the policy-gradient term (weight 0) but still count in
+    the normaliser, as AReaL does."""
     kl_coef: float = 0.0
-    """Coefficient of the KL to a reference model; 0 disables the reference model entirely."""
+    """Coefficient of the KL to a reference model; 0 disables the reference model entirely.
+    In the loss the term is kl_coef * KL per token, aggregated like the policy term and not
+    weighted by the behaviour importance weight."""
     kl_estimator: KLEstimator = "k3"
     """Estimator of KL(pi_theta || pi_ref) per token: k1 = log r, k2 = (log r)^2 / 2,
     k3 = exp(-log r) - 1 + log r (Schulman's unbiased, non-negative one), with
-    log r = logp_theta - logp_ref."""
+    log r = logp_theta - logp_ref. Clamped as verl's k3 / OpenRLHF: log r to [-20, 20], then the
+    estimate to [-10, 10]; a token at the clamp gives no KL gradient (k3 reaches 10 at
+    log r = -2.61 or 11, k2 at |log r| = 4.47, k1 at |log r| = 10)."""
     kl_in_reward: bool = False
     """Put the KL penalty into the per-token reward (REINFORCE++ / GAE) instead of the loss."""
     aggregation: Aggregation = "token_mean"
     """How per-token losses become one number. "token_mean": sum / total masked tokens of the
     global batch; "seq_mean_token_sum": mean over sequences of per-sequence sums;
     "seq_mean_token_mean": mean over sequences of per-sequence means;
-    "seq_mean_token_sum_norm": Dr.GRPO, sum / (num sequences * ``loss_norm_const``)."""
+    "seq_mean_token_sum_norm": Dr.GRPO, sum / (num sequences * ``loss_norm_const``).
+    Counts are of the whole global batch (tokens = masked tokens; sequences = those with one)."""
     loss_norm_const: float = 1024.0
-    """Dr.GRPO's constant normaliser (usually max_new_tokens)."""
+    """Dr.GRPO's constant normaliser L in sum / (num sequences * L), used only by
+    "seq_mean_token_sum_norm". A fixed number: it is NOT derived from the sampling's
+    max_new_tokens (Dr.GRPO uses the generation budget; verl defaults to the padded response
+    length), so set it to your budget -- per-turn max_new_tokens times turns for multi-turn.
+    It scales the whole loss uniformly; it never reweights tokens."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (the loss subtracts entropy_coef * entropy)."""
     value_eps_clip: float = 0.2
@@ -89,6 +118,10 @@ class AlgorithmConfig:
             raise ValueError(f"lam: must be in [0, 1], got {self.lam}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef: must be >= 0, got {self.kl_coef}")
+        if self.adv_eps < 0:
+            raise ValueError(f"adv_eps: must be >= 0, got {self.adv_eps}")
+        if self.value_eps_clip <= 0:
+            raise ValueError(f"value_eps_clip: must be > 0, got {self.value_eps_clip}")
         if self.loss_norm_const <= 0:
             raise ValueError(f"loss_norm_const: must be > 0, got {self.loss_norm_const}")
         if self.reward_clip <= 0:

@@ -14,6 +14,16 @@ With ``prox_logprobs=None`` it is standard PPO with pi_old = pi_behav (w = 1). T
 capped at C either by truncation (min(w, C)) or by masking tokens with w > C out of the loss.
 When pi_prox == pi_behav (synchronous RL) both forms are identical: tested.
 
+Extreme log-prob gaps (a very stale token, a -inf log-prob from the inference engine): every
+log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20] before ``exp`` -- the
+policy ratio log(pi_theta / pi_old), the behaviour weight log(pi_prox / pi_behav) and the KL's
+log(pi_theta / pi_ref) -- and KL estimates are clamped to [-KL_CLAMP, KL_CLAMP] = [-10, 10]
+(verl's and OpenRLHF's constants). Losses and gradients stay finite for any non-NaN input,
+including +-inf log-probs; inside the clamps the gradient is exactly the unclamped one, and a
+term whose clamp is active has zero gradient through it. Masked-out positions never reach the
+loss (``aggregate`` selects with ``where``, not a multiply), so garbage there cannot turn it
+into NaN. NaN inputs on action tokens are not hidden: they propagate, to be noticed.
+
 Aggregation (``aggregate``) normalises by counts of the WHOLE global batch, passed by the
 caller, so that summing the returned micro-batch losses over micro-batches and data-parallel
 ranks gives the global objective. The engine must therefore SUM (not average) gradient
@@ -31,18 +41,32 @@ from areal_mega.algo.config import AlgorithmConfig
 
 Stats = dict[str, torch.Tensor]
 
+LOG_RATIO_CLAMP = 20.0
+"""Bound on every log-ratio before ``exp`` (e^20 ~ 4.9e8, finite in float32 even multiplied
+by an advantage, a capped importance weight and the KL coefficient)."""
+KL_CLAMP = 10.0
+"""Bound on per-token KL estimates (k1 in [-10, 10], k2 / k3 in [0, 10])."""
+
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL
-    divergence"): with d = logp - logp_ref, k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d."""
-    d = logprobs - ref_logprobs
+    divergence"): with d = clamp(logp - logp_ref, -20, 20), k1 = d, k2 = d^2 / 2,
+    k3 = exp(-d) - 1 + d; the estimate is then clamped to [-10, 10].
+
+    The clamps (as verl's and OpenRLHF's, which apply them to k3 / to all three) keep the value
+    and its gradient finite for any gap, +-inf log-probs included; a token whose estimate hits
+    a clamp contributes no KL gradient. k1 hits it at |d| = 10, k2 at |d| = 4.47, k3 at
+    d = -2.61 (pi far below pi_ref) or d = 11. Inside, the value is the textbook estimator."""
+    if estimator not in ("k1", "k2", "k3"):
+        raise ValueError(f"kl_estimator: unknown estimator {estimator!r} (k1, k2, k3)")
+    d = (logprobs - ref_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d * d
-    if estimator == "k3":
-        return torch.expm1(-d) + d
-    raise ValueError(f"kl_estimator: unknown estimator {estimator!r} (k1, k2, k3)")
+        kl = d
+    elif estimator == "k2":
+        kl = 0.5 * d * d
+    else:
+        kl = torch.expm1(-d) + d
+    return kl.clamp(-KL_CLAMP, KL_CLAMP)
 
 
 def global_counts(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[int, int]:
@@ -77,7 +101,8 @@ def aggregate(
     Sequences are never split across micro-batches, so n_s is local.
     """
     mask = loss_mask.to(values.dtype)
-    masked = values * mask
+    # where, not values * mask: an inf/NaN at a masked-out position must not leak (inf * 0 = NaN).
+    masked = torch.where(loss_mask.bool(), values, torch.zeros_like(values))
     if mode == "token_mean":
         denom = total_tokens if total_tokens is not None else mask.sum().clamp(min=1)
         return masked.sum() / denom
@@ -99,7 +124,7 @@ def aggregate(
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+    return torch.where(mask.bool(), x, torch.zeros_like(x)).sum() / mask.sum().clamp(min=1)
 
 
 def ppo_policy_loss(
@@ -127,12 +152,19 @@ def ppo_policy_loss(
 ) -> tuple[torch.Tensor, Stats]:
     """(Decoupled) PPO clipped policy loss. All tensors [T], one alignment.
 
+    Log-ratios are clamped to +-``LOG_RATIO_CLAMP`` before ``exp`` (so ratio and importance
+    weight lie in [e^-20, e^20]) and the KL term goes through ``kl_estimate``'s clamps: see the
+    module docstring. The KL and entropy terms are NOT multiplied by the behaviour importance
+    weight, and tokens dropped by the weight cap ("mask" mode) keep their KL and entropy terms;
+    only the clipped policy-gradient term is weighted.
+
     Returns (loss, stats). ``stats`` are detached scalars over this micro-batch's masked tokens
     (weight them by ``stats["n_tokens"]`` to combine micro-batches): clip_frac (tokens whose
     clipped branch was active), dual_clip_frac, approx_kl = mean(log pi_old - log pi_theta)
     with pi_old = pi_prox (or pi_behav), ratio mean/max, importance weight
     pi_prox/pi_behav mean/max/min and capped_frac, behav_kl = mean(log pi_prox - log pi_behav),
-    entropy, ref_kl, pg_loss (token mean, unweighted by the aggregation).
+    entropy, ref_kl, pg_loss (token mean, unweighted by the aggregation), ratio/clamped_frac
+    (tokens whose policy log-ratio hit the clamp). Stats use the clamped log-ratios.
     """
     mask = loss_mask.bool()
     fmask = mask.float()
@@ -140,7 +172,8 @@ def ppo_policy_loss(
         raise ValueError(f"behav_imp_weight_mode: must be 'mask' or 'truncate', got {behav_imp_weight_mode!r}")
     old = (prox_logprobs if prox_logprobs is not None else behav_logprobs).detach()
     adv = advantages.detach()
-    log_ratio = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
+    raw_log_ratio = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
+    log_ratio = raw_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = log_ratio.exp()
     clipped = ratio.clamp(1.0 - eps_clip_low, 1.0 + eps_clip_high)
     loss1 = -adv * ratio
@@ -157,7 +190,8 @@ def ppo_policy_loss(
     stats: Stats = {}
     weight_mask = fmask
     if prox_logprobs is not None:
-        behav_kl = (prox_logprobs - behav_logprobs).detach()
+        behav_kl = torch.where(mask, prox_logprobs.detach() - behav_logprobs.detach(), torch.zeros_like(prox_logprobs))
+        behav_kl = behav_kl.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         w = torch.where(mask, behav_kl.exp(), torch.zeros_like(behav_kl))
         capped = torch.zeros_like(mask)
         if behav_imp_weight_cap is not None:
@@ -177,7 +211,10 @@ def ppo_policy_loss(
 
     per_token = pg
     if ref_logprobs is not None and kl_coef > 0:
-        kl = kl_estimate(logprobs, ref_logprobs.detach(), kl_estimator)
+        # Masked-out positions compare pi_theta with itself (d = 0): whatever ref holds there
+        # (-inf, NaN) cannot reach the loss or the gradient.
+        ref = torch.where(mask, ref_logprobs.detach(), logprobs.detach())
+        kl = kl_estimate(logprobs, ref, kl_estimator)
         per_token = per_token + kl_coef * kl
         stats["ref_kl"] = _masked_mean(kl.detach(), fmask)
     if entropy is not None:
@@ -202,6 +239,7 @@ def ppo_policy_loss(
         stats["approx_kl"] = _masked_mean(-log_ratio.detach(), fmask)
         stats["ratio/mean"] = _masked_mean(ratio.detach(), fmask)
         stats["ratio/max"] = ratio.detach()[mask].max() if mask.any() else torch.zeros(())
+        stats["ratio/clamped_frac"] = _masked_mean((raw_log_ratio.detach().abs() > LOG_RATIO_CLAMP).float(), fmask)
         stats["n_tokens"] = fmask.sum()
     return loss, stats
 
