@@ -171,7 +171,9 @@ class Trainer:
                 out["ref_logprobs"] = self.ref.forward_logprobs(batch, self.cfg.workflow.sampling.temperature)
             if alg.kl_in_reward:
                 pi = batch.get("prox_logprobs", batch["logprobs"])
-                out["kl"] = kl_estimate(pi, out["ref_logprobs"], alg.kl_estimator) * batch["loss_mask"].float()
+                kl = kl_estimate(pi, out["ref_logprobs"], alg.kl_estimator)
+                # where, not a product: a NaN at a prompt position must not survive as NaN * 0.
+                out["kl"] = torch.where(batch["loss_mask"].bool(), kl, torch.zeros_like(kl))
         if self.critic is not None:
             with self.metrics.phase("critic_values"):
                 out["values"] = self.critic.compute_values(batch)
