@@ -16,7 +16,8 @@ and raises :class:`StalenessViolation` otherwise. Two rules make it hold (see
 ``areal_mega.rollout.staleness`` for the counting argument): admission by the staleness manager,
 and batch formation that takes ready episodes oldest-admitted first and waits while taking
 them would leave older episodes (ready or still running) that no longer fit in the batches
-left before they would become too stale (``_can_form``; episodes admitted at version
+left before they would become too stale (``_can_form``, which calls the pure
+``staleness.can_form_batch`` that the throughput simulator shares; episodes admitted at version
 <= v - max_staleness are "due": this batch must hold all of them).
 The guarantee assumes the trainer takes ``batch_size`` episodes once per version, which is
 what the RL loop does; other usage is still checked.
@@ -42,7 +43,7 @@ import numpy as np
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
 from areal_mega.rollout.config import RolloutConfig
-from areal_mega.rollout.staleness import StalenessManager
+from areal_mega.rollout.staleness import StalenessManager, can_form_batch, take_oldest
 
 
 class StalenessViolation(RuntimeError):
@@ -223,8 +224,7 @@ class RolloutController:
                     f"rollout.batch_timeout_s: no batch of {n} episodes after {timeout} s "
                     f"({len(self._ready)} ready, {len(self._running)} running)"
                 )
-        self._ready.sort(key=lambda r: r.seq)
-        taken, self._ready = self._ready[:n], self._ready[n:]
+        taken, self._ready = take_oldest(self._ready, n, seq=lambda r: r.seq)
         batch = self._form_batch(taken, version)
         self._notify()
         return batch
@@ -232,29 +232,11 @@ class RolloutController:
     # ---- internals -------------------------------------------------------------------
 
     def _can_form(self, n: int, version: int) -> bool:
-        """True when taking the ``n`` oldest-admitted ready episodes keeps the bound reachable.
-
-        With eta = max_staleness, B = batch_size, c = version: the episodes still pending
-        afterwards (ready but not taken, or running: a running one may yet be accepted) that
-        were admitted at version <= w must fit in the batches c+1 .. w+eta, i.e.
-        pending(<= w) <= (w + eta - c) * B for every past admission version w in
-        [c - eta, c - 1] (for w = c - eta that is 0: those episodes are due now). Later versions
-        need no check: the admission rule caps them. Taking oldest first minimises every
-        pending(<= w) at once, and by induction over batches the condition becomes true as
-        soon as the running episodes it counts have finished, so this never deadlocks.
-        """
-        if len(self._ready) < n:
-            return False
-        eta, batch = self.config.max_staleness, self.staleness.batch_size
+        """True when taking the ``n`` oldest-admitted ready episodes keeps the bound reachable
+        (the rule and its argument: :func:`areal_mega.rollout.staleness.can_form_batch`)."""
         self._ready.sort(key=lambda r: r.seq)
-        pending = [r.admit_version for r in self._ready[n:]] + list(self._running.values())
-        if not pending:
-            return True
-        for w in range(version - eta, max(version - eta, version - 1) + 1):
-            limit = max(0, (w + eta - version) * batch)
-            if sum(1 for v in pending if v <= w) > limit:
-                return False
-        return True
+        return can_form_batch(n, version, self.config.max_staleness, self.staleness.batch_size,
+                              [r.admit_version for r in self._ready], list(self._running.values()))
 
     def _form_batch(self, taken: list[_Ready], version: int) -> RolloutBatch:
         oldest_allowed = version - self.config.max_staleness

@@ -12,13 +12,17 @@ version, oldest admission first, it lands in a batch trained at version <= v + e
 token it carries was sampled at a version >= v (versions only grow), hence is at most eta
 versions old. With eta = 0 no episode is admitted until the previous batch has been trained
 on: synchronous RL. Rejected episodes (filtered, failed) give their slot back. The controller
-(``areal_mega.rollout.controller``) keeps the "oldest admission first" half of the argument and
-checks the bound on every batch it forms.
+(``areal_mega.rollout.controller``) keeps the "oldest admission first" half of the argument
+(:func:`can_form_batch`, :func:`take_oldest`, pure functions that the throughput simulator
+``areal_mega.simulator`` calls too) and checks the bound on every batch it forms.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Callable, Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 class StalenessManager:
@@ -95,3 +99,41 @@ class StalenessManager:
                 "rejected": self._rejected,
                 "capacity": self._capacity_locked(),
             }
+
+
+# ---- batch formation (the controller's rule, shared with areal_mega.simulator) ----------------
+
+
+def can_form_batch(n: int, version: int, max_staleness: int, batch_size: int,
+                   ready_admit_versions: Sequence[int], running_admit_versions: Sequence[int]) -> bool:
+    """True when taking the ``n`` oldest-admitted ready episodes keeps the bound reachable.
+
+    ``ready_admit_versions``: admission versions of the finished, accepted episodes, in admission
+    order (oldest first); ``running_admit_versions``: those of the episodes still in flight.
+
+    With eta = max_staleness, B = batch_size, c = version: the episodes still pending
+    afterwards (ready but not taken, or running: a running one may yet be accepted) that
+    were admitted at version <= w must fit in the batches c+1 .. w+eta, i.e.
+    pending(<= w) <= (w + eta - c) * B for every past admission version w in
+    [c - eta, c - 1] (for w = c - eta that is 0: those episodes are due now). Later versions
+    need no check: the admission rule caps them. Taking oldest first minimises every
+    pending(<= w) at once, and by induction over batches the condition becomes true as
+    soon as the running episodes it counts have finished, so this never deadlocks.
+    """
+    if len(ready_admit_versions) < n:
+        return False
+    eta = max_staleness
+    pending = list(ready_admit_versions[n:]) + list(running_admit_versions)
+    if not pending:
+        return True
+    for w in range(version - eta, max(version - eta, version - 1) + 1):
+        limit = max(0, (w + eta - version) * batch_size)
+        if sum(1 for v in pending if v <= w) > limit:
+            return False
+    return True
+
+
+def take_oldest(ready: list[T], n: int, seq: Callable[[T], int]) -> tuple[list[T], list[T]]:
+    """(the ``n`` oldest-admitted of ``ready`` by ``seq``, the rest), each in admission order."""
+    ordered = sorted(ready, key=seq)
+    return ordered[:n], ordered[n:]
