@@ -1,0 +1,188 @@
+"""What the simulator simulates: typed, validated inputs (no torch, no numpy).
+
+Every field is a plain number with a unit in its name or docstring, so a simulation is fully
+described by one :class:`SimConfig` (``dataclasses.asdict`` gives the record to print or store).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+
+class SimulationError(ValueError):
+    """A simulation input is invalid, or the simulated pipeline stalled."""
+
+
+@dataclass
+class LengthModel:
+    """Generated tokens per trajectory (and the prompt in front of it)."""
+
+    kind: Literal["lognormal", "constant", "empirical"] = "lognormal"
+    """lognormal: heavy-tailed like reasoning traces; constant: every trajectory ``mean_tokens``;
+    empirical: drawn uniformly from ``samples`` (e.g. lengths a real run logged)."""
+    mean_tokens: float = 1000.0
+    """Mean of the untruncated distribution (lognormal, constant), tokens."""
+    sigma: float = 1.0
+    """Lognormal shape (std of log length): 0.5 mild, 1.0 heavy tail (p99/median ~ 10)."""
+    max_tokens: int = 16384
+    """Cap (``workflow.sampling.max_new_tokens``): longer draws are truncated to it."""
+    min_tokens: int = 1
+    """Floor: a trajectory generates at least this many tokens."""
+    samples: tuple[int, ...] = ()
+    """empirical: the lengths to draw from."""
+    prompt_tokens: int = 256
+    """Prompt length in front of every trajectory (KV footprint and learner tokens)."""
+
+    def validate(self) -> None:
+        if self.kind not in ("lognormal", "constant", "empirical"):
+            raise SimulationError(f"lengths.kind: must be lognormal, constant or empirical, got {self.kind!r}")
+        if self.kind == "empirical":
+            if not self.samples or min(self.samples) < 1:
+                raise SimulationError("lengths.samples: empirical lengths need >= 1 sample, each >= 1 token")
+        elif not self.mean_tokens >= 1:
+            raise SimulationError(f"lengths.mean_tokens: must be >= 1, got {self.mean_tokens}")
+        if self.sigma < 0:
+            raise SimulationError(f"lengths.sigma: must be >= 0, got {self.sigma}")
+        if self.min_tokens < 1 or self.max_tokens < self.min_tokens:
+            raise SimulationError(f"lengths: need 1 <= min_tokens <= max_tokens, got {self.min_tokens}, {self.max_tokens}")
+        if self.prompt_tokens < 0:
+            raise SimulationError(f"lengths.prompt_tokens: must be >= 0, got {self.prompt_tokens}")
+
+    def sampler(self, rng: random.Random) -> Callable[[], int]:
+        lo, hi = self.min_tokens, self.max_tokens
+        if self.kind == "constant":
+            n = min(hi, max(lo, int(round(self.mean_tokens))))
+            return lambda: n
+        if self.kind == "empirical":
+            s = self.samples
+            return lambda: min(hi, max(lo, s[rng.randrange(len(s))]))
+        mu = math.log(self.mean_tokens) - self.sigma ** 2 / 2  # E[exp(N(mu, s^2))] = mean
+        sig = self.sigma
+        return lambda: min(hi, max(lo, int(round(rng.lognormvariate(mu, sig)))))
+
+    def moments(self, n: int = 20000, seed: int = 12345) -> tuple[float, float]:
+        """(mean length, mean decode context): the second is the prompt plus the average position
+        a decode step works at, length-weighted (long traces take more steps): P + E[L^2]/(2E[L])."""
+        draw = self.sampler(random.Random(seed))
+        xs = [draw() for _ in range(n if self.kind == "lognormal" else min(n, 2000))]
+        m1 = sum(xs) / len(xs)
+        m2 = sum(x * x for x in xs) / len(xs)
+        return m1, self.prompt_tokens + m2 / (2 * m1)
+
+
+@dataclass
+class DecodeModel:
+    """One inference server (one SGLang process, all its TP GPUs): batch-dependent decode speed.
+
+    With n requests decoding, the server produces ``peak * n / (n + half_batch)`` tokens/s in
+    total, shared equally (each request at ``peak / (n + half_batch)`` tokens/s): an iteration
+    costs ``t0 + n * t1`` (weights read once, plus each sequence's KV and FLOPs), so
+    ``peak = 1 / t1`` and ``half_batch = t0 / t1``.
+    """
+
+    peak_tokens_per_s: float = 1000.0
+    """Saturated decode throughput of the whole server (n -> infinity), tokens/s."""
+    half_batch: float = 8.0
+    """Running requests at which the server reaches half of ``peak_tokens_per_s``."""
+    kv_capacity_tokens: int = 0
+    """KV-cache size in tokens (SGLang max_total_tokens); 0 = unlimited. A request holds
+    prompt + its final length from its start (SGLang's reservation with retraction, simplified);
+    requests that do not fit wait in the server's queue, first come first served."""
+    max_running: int = 0
+    """At most this many requests decode at once (SGLang max_running_requests); 0 = no limit."""
+    request_latency_s: float = 0.0
+    """Fixed time before a request starts decoding (HTTP, tokenisation, prefill), seconds."""
+
+    def validate(self) -> None:
+        if not self.peak_tokens_per_s > 0:
+            raise SimulationError(f"decode.peak_tokens_per_s: must be > 0, got {self.peak_tokens_per_s}")
+        if self.half_batch < 0:
+            raise SimulationError(f"decode.half_batch: must be >= 0, got {self.half_batch}")
+        if self.kv_capacity_tokens < 0 or self.max_running < 0 or self.request_latency_s < 0:
+            raise SimulationError("decode: kv_capacity_tokens, max_running, request_latency_s must be >= 0")
+
+    def throughput(self, n: int) -> float:
+        return self.peak_tokens_per_s * n / (n + self.half_batch) if n else 0.0
+
+
+@dataclass
+class LearnerModel:
+    """One learner step (everything between receiving a batch and starting the weight sync):
+    ``fixed_s + per_token_s * tokens``, tokens = prompt + generated tokens of the batch."""
+
+    fixed_s: float = 1.0
+    """Per-step constant (optimizer step, logging, batch packing), seconds."""
+    per_token_s: float = 0.0
+    """Seconds per batch token (forward + backward + proximal forward over all learner GPUs)."""
+
+    def validate(self) -> None:
+        if self.fixed_s < 0 or self.per_token_s < 0:
+            raise SimulationError("learner: fixed_s and per_token_s must be >= 0")
+
+    def step_s(self, tokens: float) -> float:
+        return self.fixed_s + self.per_token_s * tokens
+
+
+@dataclass
+class SyncModel:
+    """Weight sync: ``latency_s + weight_bytes / bandwidth_bytes_per_s``; the servers generate
+    nothing meanwhile (paused, in-flight requests resume after it with the new weights)."""
+
+    weight_bytes: float = 0.0
+    """Bytes on the critical path of one sync (per sender, senders working in parallel)."""
+    bandwidth_bytes_per_s: float = 1e9
+    """Effective bandwidth of one sender, bytes/s."""
+    latency_s: float = 0.0
+    """Fixed part: pause, cache flush, resume, version bump, seconds."""
+
+    def validate(self) -> None:
+        if self.weight_bytes < 0 or self.latency_s < 0 or not self.bandwidth_bytes_per_s > 0:
+            raise SimulationError("sync: need weight_bytes >= 0, latency_s >= 0, bandwidth_bytes_per_s > 0")
+
+    def seconds(self) -> float:
+        return self.latency_s + self.weight_bytes / self.bandwidth_bytes_per_s
+
+
+@dataclass
+class SimConfig:
+    """One simulated run: the rollout knobs of the real trainer plus the four cost models."""
+
+    batch_size: int = 4
+    """Episodes (prompts, GRPO groups) per training batch: ``rollout.batch_size``."""
+    group_size: int = 8
+    """Trajectories per episode: ``workflow.group_size``; an episode finishes with its last one."""
+    max_staleness: int = 0
+    """``rollout.max_staleness``: 0 = synchronous RL."""
+    max_concurrent: int = 0
+    """``rollout.max_concurrent`` episodes in flight; 0 = batch_size * (max_staleness + 1)."""
+    num_servers: int = 1
+    """Inference servers; requests go to the one with the fewest in flight (the pool's rule)."""
+    steps: int = 10
+    """Timed training steps."""
+    warmup_steps: int = 2
+    """Untimed steps first (the pipeline filling), as tools/bench_async.py does."""
+    reject_prob: float = 0.0
+    """Probability that a finished episode is rejected (filter_zero_variance) and refilled."""
+    seed: int = 0
+    lengths: LengthModel = field(default_factory=LengthModel)
+    decode: DecodeModel = field(default_factory=DecodeModel)
+    learner: LearnerModel = field(default_factory=LearnerModel)
+    sync: SyncModel = field(default_factory=SyncModel)
+
+    def validate(self) -> None:
+        for name in ("batch_size", "group_size", "num_servers", "steps"):
+            if getattr(self, name) < 1:
+                raise SimulationError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0 or self.warmup_steps < 0 or self.max_concurrent < 0:
+            raise SimulationError("max_staleness, warmup_steps, max_concurrent: must be >= 0")
+        if not 0 <= self.reject_prob < 0.99:
+            raise SimulationError(f"reject_prob: must be in [0, 0.99), got {self.reject_prob}")
+        for part in (self.lengths, self.decode, self.learner, self.sync):
+            part.validate()
+
+    @property
+    def concurrency(self) -> int:
+        return self.max_concurrent or self.batch_size * (self.max_staleness + 1)

@@ -1,0 +1,426 @@
+"""Discrete-event simulation of the asynchronous RL pipeline (pure Python).
+
+Actors and what drives them::
+
+    producer  -- StalenessManager.try_admit() (the real class) --> episode = group_size requests
+                 --> the server with the fewest requests in flight (the pool's rule)
+    server    -- n requests decode at DecodeModel.throughput(n) / n tokens/s each; KV capacity
+                 and max_running queue the rest; paused (no progress) during a weight sync
+    episode   -- finishes with its last request: on_accepted() / on_rejected() (refilled)
+    learner   -- waits until rollout.staleness.can_form_batch(...) (the real rule), takes the
+                 oldest-admitted batch (take_oldest), trains LearnerModel.step_s(tokens), then
+                 syncs weights SyncModel.seconds() with the servers and the producer paused,
+                 then set_version(v + 1): admission moves on, new tokens carry version v + 1
+
+Servers are fluid: between events every running request advances at the same rate, so each
+server keeps one progress counter P (tokens generated per running request since t = 0) and a
+heap of finishing values of P; an event costs O(log n). Token versions come from the values of
+P at which each server's weights changed, so an interrupted request carries mixed versions,
+as a real one does.
+
+Each trained episode is checked against the bound (admission version and oldest token >= train
+version - max_staleness); ``SimResult.violations`` counts failures (the tests want 0).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import random
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from areal_mega.rollout.staleness import StalenessManager, can_form_batch, take_oldest
+from areal_mega.simulator.model import SimConfig, SimulationError
+
+_EPS = 1e-9
+
+
+@dataclass
+class TrainedEpisode:
+    seq: int
+    train_version: int
+    admit_version: int
+    min_token_version: int
+    tokens: int
+    """Generated tokens of the episode (all its trajectories)."""
+
+
+@dataclass
+class SimResult:
+    samples_per_s: float
+    """Trajectories trained per second over the timed steps (bench_async's samples/s)."""
+    tokens_per_s: float
+    """Generated tokens trained per second over the timed steps."""
+    step_s: float
+    """Mean timed step (weight sync end to weight sync end)."""
+    gen_wait_s: float
+    """Mean time per timed step the learner waited for a batch (sync mode: the generation time)."""
+    gen_idle_frac: float
+    """Fraction of server time with nothing decoding (no request, or paused for a sync)."""
+    gen_paused_frac: float
+    """Fraction of server time paused by weight syncs (included in gen_idle_frac)."""
+    decode_util: float
+    """Mean of throughput(n) / peak over server time: how saturated decoding was."""
+    train_idle_frac: float
+    """Fraction of learner time not training (waiting for a batch or syncing weights)."""
+    learner_wait_frac: float
+    sync_frac: float
+    staleness_token_hist: dict[int, int]
+    """Generated tokens of trained batches by staleness (train version - token version)."""
+    staleness_episode_hist: dict[int, int]
+    """Trained episodes by train version - admission version."""
+    violations: int
+    """Trained episodes older than max_staleness (must be 0)."""
+    trained: list[TrainedEpisode] = field(default_factory=list)
+    step_end_s: list[float] = field(default_factory=list)
+    gen_intervals: list[tuple[float, float]] = field(default_factory=list)
+    """(start, end) of times any server was decoding (record=True only)."""
+    train_intervals: list[tuple[float, float]] = field(default_factory=list)
+    """(start, end) of learner steps (record=True only)."""
+
+    @property
+    def staleness_mean(self) -> float:
+        n = sum(self.staleness_token_hist.values())
+        return sum(k * v for k, v in self.staleness_token_hist.items()) / n if n else 0.0
+
+    @property
+    def staleness_max(self) -> int:
+        return max((k for k, v in self.staleness_token_hist.items() if v), default=0)
+
+    def summary(self) -> dict:
+        r = lambda x: round(x, 4)  # noqa: E731
+        return {
+            "samples_per_s": r(self.samples_per_s), "tokens_per_s": r(self.tokens_per_s), "step_s": r(self.step_s),
+            "gen_wait_s": r(self.gen_wait_s), "gen_idle_frac": r(self.gen_idle_frac),
+            "gen_paused_frac": r(self.gen_paused_frac), "decode_util": r(self.decode_util),
+            "train_idle_frac": r(self.train_idle_frac), "learner_wait_frac": r(self.learner_wait_frac),
+            "sync_frac": r(self.sync_frac), "staleness_mean": r(self.staleness_mean),
+            "staleness_max": self.staleness_max,
+            "staleness_tokens": {str(k): v for k, v in sorted(self.staleness_token_hist.items())},
+            "violations": self.violations,
+        }
+
+
+class _Req:
+    __slots__ = ("episode", "length", "footprint", "p_start", "server")
+
+    def __init__(self, episode: "_Episode", length: int, footprint: int) -> None:
+        self.episode, self.length, self.footprint = episode, length, footprint
+        self.p_start = 0.0
+        self.server = -1
+
+
+class _Episode:
+    __slots__ = ("seq", "admit_version", "remaining", "gen_tokens", "tokens", "versions")
+
+    def __init__(self, seq: int, admit_version: int, group: int) -> None:
+        self.seq, self.admit_version, self.remaining = seq, admit_version, group
+        self.gen_tokens = 0
+        self.tokens = 0
+        self.versions: Counter[int] = Counter()
+
+
+class _Server:
+    __slots__ = ("idx", "P", "last", "heap", "kv", "queue", "paused", "epoch", "marks_p", "marks_v",
+                 "inflight", "busy", "paused_t", "util", "tie")
+
+    def __init__(self, idx: int) -> None:
+        self.idx = idx
+        self.P = 0.0
+        self.last = 0.0
+        self.heap: list[tuple[float, int, _Req]] = []
+        self.kv = 0
+        self.queue: deque[_Req] = deque()
+        self.paused = False
+        self.epoch = 0
+        self.marks_p = [0.0]  # P at which the weights became marks_v[i]
+        self.marks_v = [0]
+        self.inflight = 0  # sent, not finished (queued, starting, decoding): the pool's load
+        self.busy = 0.0
+        self.paused_t = 0.0
+        self.util = 0.0
+        self.tie = 0
+
+
+def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_000) -> SimResult:
+    """Run ``warmup_steps + steps`` training steps of ``cfg``; raises SimulationError on bad input
+    or a stall (the learner waiting with nothing left to happen)."""
+    cfg.validate()
+    rng = random.Random(cfg.seed)
+    draw = cfg.lengths.sampler(rng)
+    prompt = cfg.lengths.prompt_tokens
+    dec, B, eta = cfg.decode, cfg.batch_size, cfg.max_staleness
+    peak, half = dec.peak_tokens_per_s, dec.half_batch
+    sm = StalenessManager(B, eta, cfg.concurrency)
+    total_steps = cfg.warmup_steps + cfg.steps
+    servers = [_Server(i) for i in range(cfg.num_servers)]
+    events: list[tuple[float, int, int, object]] = []  # (time, tiebreak, kind, payload)
+    tick = [0]
+    K_ARRIVE, K_SERVER, K_TRAIN_DONE, K_SYNC_DONE = 0, 1, 2, 3
+
+    def push(t: float, kind: int, payload: object) -> None:
+        tick[0] += 1
+        heapq.heappush(events, (t, tick[0], kind, payload))
+
+    now = 0.0
+    running: dict[int, int] = {}  # seq -> admit version (in flight)
+    ready: list[_Episode] = []
+    seq_counter = [0]
+    paused = [False]  # producer paused (weight sync)
+    learner = {"state": "wait", "since": 0.0, "wait": 0.0, "train": 0.0, "sync": 0.0}
+    trained: list[TrainedEpisode] = []
+    step_end: list[float] = []
+    step_wait: list[float] = []
+    violations = 0
+    token_hist: Counter[int] = Counter()
+    ep_hist: Counter[int] = Counter()
+    samples_timed = [0, 0]  # trajectories, generated tokens in timed steps
+    gen_open: list[float | None] = [None]
+    gen_intervals: list[tuple[float, float]] = []
+    train_intervals: list[tuple[float, float]] = []
+    snap: dict[str, tuple] = {}
+    wait_since = [0.0]
+
+    # ---- servers ---------------------------------------------------------------------------
+    def advance(s: _Server, t: float) -> None:
+        dt = t - s.last
+        if dt > 0:
+            n = len(s.heap)
+            if s.paused:
+                s.paused_t += dt
+            elif n:
+                s.P += dt * peak / (n + half)
+                s.busy += dt
+                s.util += dt * n / (n + half)
+        s.last = t
+
+    def decoding(s: _Server) -> bool:
+        return bool(s.heap) and not s.paused
+
+    def note_gen(t: float) -> None:
+        if not record:
+            return
+        on = any(decoding(s) for s in servers)
+        if on and gen_open[0] is None:
+            gen_open[0] = t
+        elif not on and gen_open[0] is not None:
+            if t > gen_open[0]:
+                gen_intervals.append((gen_open[0], t))
+            gen_open[0] = None
+
+    def reschedule(s: _Server) -> None:
+        s.epoch += 1
+        if s.heap and not s.paused:
+            n = len(s.heap)
+            dt = max(0.0, (s.heap[0][0] - s.P) * (n + half) / peak)
+            push(now + dt, K_SERVER, (s, s.epoch))
+
+    def fill(s: _Server) -> None:
+        cap, mr = dec.kv_capacity_tokens, dec.max_running
+        while s.queue:
+            r = s.queue[0]
+            n = len(s.heap)
+            if mr and n >= mr:
+                break
+            if cap and n and s.kv + r.footprint > cap:
+                break  # an oversized request runs alone rather than never
+            s.queue.popleft()
+            r.p_start = s.P
+            s.kv += r.footprint
+            s.tie += 1
+            heapq.heappush(s.heap, (s.P + r.length, s.tie, r))
+
+    def arrive(r: _Req) -> None:
+        s = servers[r.server]
+        advance(s, now)
+        s.queue.append(r)
+        fill(s)
+        reschedule(s)
+        note_gen(now)
+
+    def finish_request(s: _Server, r: _Req) -> bool:
+        """Account a finished request; True when it was its episode's last."""
+        s.kv -= r.footprint
+        s.inflight -= 1
+        ep = r.episode
+        # Tokens per weight version: the marks of P inside [p_start, p_start + length).
+        lo, hi = r.p_start, r.p_start + r.length
+        i = bisect.bisect_right(s.marks_p, lo + _EPS) - 1
+        done = 0
+        while done < r.length:
+            nxt = s.marks_p[i + 1] if i + 1 < len(s.marks_p) else float("inf")
+            upto = r.length if nxt >= hi - _EPS else min(r.length, max(done, int(round(nxt - lo))))
+            if upto > done:
+                ep.versions[s.marks_v[i]] += upto - done
+                done = upto
+            i += 1
+            if i >= len(s.marks_p):
+                break
+        ep.gen_tokens += r.length
+        ep.tokens += r.length + prompt
+        ep.remaining -= 1
+        if ep.remaining == 0:
+            finish_episode(ep)
+            return True
+        return False
+
+    # ---- controller ------------------------------------------------------------------------
+    def finish_episode(ep: _Episode) -> None:
+        running.pop(ep.seq, None)
+        if cfg.reject_prob and rng.random() < cfg.reject_prob:
+            sm.on_rejected()
+        else:
+            sm.on_accepted()
+            ready.append(ep)
+
+    def produce() -> None:
+        if paused[0]:
+            return
+        while True:
+            v = sm.try_admit()
+            if v is None:
+                return
+            ep = _Episode(seq_counter[0], v, cfg.group_size)
+            seq_counter[0] += 1
+            running[ep.seq] = v
+            for _ in range(cfg.group_size):
+                length = draw()
+                r = _Req(ep, length, prompt + length)
+                s = min(servers, key=lambda x: (x.inflight, x.idx))
+                s.inflight += 1
+                r.server = s.idx
+                if dec.request_latency_s > 0:
+                    push(now + dec.request_latency_s, K_ARRIVE, r)
+                else:
+                    arrive(r)
+
+    def set_learner(state: str) -> None:
+        learner[learner["state"]] += now - learner["since"]
+        learner["state"], learner["since"] = state, now
+
+    def try_train() -> None:
+        nonlocal violations
+        if learner["state"] != "wait":
+            return
+        version = sm.version
+        ready.sort(key=lambda e: e.seq)
+        if not can_form_batch(B, version, eta, B, [e.admit_version for e in ready], list(running.values())):
+            return
+        taken, rest = take_oldest(ready, B, seq=lambda e: e.seq)
+        ready[:] = rest
+        step = len(step_end)  # 0-based index of this step
+        timed = cfg.warmup_steps <= step < total_steps
+        tokens = 0
+        for ep in taken:
+            oldest = min(ep.versions) if ep.versions else version
+            if ep.admit_version < version - eta or oldest < version - eta:
+                violations += 1
+            trained.append(TrainedEpisode(ep.seq, version, ep.admit_version, oldest, ep.gen_tokens))
+            tokens += ep.tokens
+            if timed:
+                ep_hist[version - ep.admit_version] += 1
+                for v, c in ep.versions.items():
+                    token_hist[version - v] += c
+                samples_timed[0] += cfg.group_size
+                samples_timed[1] += ep.gen_tokens
+        step_wait.append(now - wait_since[0])
+        set_learner("train")
+        dt = cfg.learner.step_s(tokens)
+        if record:
+            train_intervals.append((now, now + dt))
+        push(now + dt, K_TRAIN_DONE, None)
+
+    def snapshot(name: str) -> None:
+        for s in servers:
+            advance(s, now)
+        set_learner(learner["state"])
+        snap[name] = (now, sum(s.busy for s in servers), sum(s.paused_t for s in servers),
+                      sum(s.util for s in servers), learner["wait"], learner["train"], learner["sync"])
+
+    # ---- main loop -------------------------------------------------------------------------
+    if cfg.warmup_steps == 0:
+        snapshot("start")
+    produce()
+    try_train()
+    n_events = 0
+    while len(step_end) < total_steps:
+        if not events:
+            raise SimulationError(
+                f"simulation stalled at t={now:.3f} s, step {len(step_end)}: learner {learner['state']}, "
+                f"{len(ready)} ready, {len(running)} running, capacity {sm.capacity()}")
+        n_events += 1
+        if n_events > max_events:
+            raise SimulationError(f"simulation exceeded {max_events} events (step {len(step_end)})")
+        t, _, kind, payload = heapq.heappop(events)
+        now = t
+        if kind == K_SERVER:
+            s, epoch = payload  # type: ignore[misc]
+            if epoch != s.epoch:
+                continue  # superseded by a later rate change
+            advance(s, now)
+            finished_eps = False
+            while s.heap and s.heap[0][0] <= s.P + _EPS * max(1.0, s.P):
+                _, _, r = heapq.heappop(s.heap)
+                finished_eps = finish_request(s, r) or finished_eps
+            fill(s)
+            reschedule(s)
+            note_gen(now)
+            if finished_eps:
+                produce()
+                try_train()
+        elif kind == K_ARRIVE:
+            arrive(payload)  # type: ignore[arg-type]
+        elif kind == K_TRAIN_DONE:
+            set_learner("sync")
+            paused[0] = True
+            for s in servers:
+                advance(s, now)
+                s.paused = True
+                reschedule(s)
+            note_gen(now)
+            push(now + cfg.sync.seconds(), K_SYNC_DONE, None)
+        elif kind == K_SYNC_DONE:
+            version = sm.version + 1
+            for s in servers:
+                advance(s, now)
+                s.paused = False
+                if s.marks_p[-1] >= s.P - _EPS:  # no progress since the last update
+                    s.marks_v[-1] = version
+                else:
+                    s.marks_p.append(s.P)
+                    s.marks_v.append(version)
+                reschedule(s)
+            sm.set_version(version)
+            paused[0] = False
+            set_learner("wait")
+            wait_since[0] = now
+            step_end.append(now)
+            if len(step_end) == cfg.warmup_steps:
+                snapshot("start")
+            if len(step_end) == total_steps:
+                snapshot("end")
+                break
+            note_gen(now)
+            produce()
+            try_train()
+    if record and gen_open[0] is not None and now > gen_open[0]:
+        gen_intervals.append((gen_open[0], now))
+
+    t0, busy0, paused0, util0, w0, tr0, sy0 = snap["start"]
+    t1, busy1, paused1, util1, w1, tr1, sy1 = snap["end"]
+    span = t1 - t0
+    if span <= 0:
+        raise SimulationError("simulation: timed steps took no time (all costs zero?)")
+    ns = cfg.num_servers
+    busy, paus, util = busy1 - busy0, paused1 - paused0, util1 - util0
+    return SimResult(
+        samples_per_s=samples_timed[0] / span, tokens_per_s=samples_timed[1] / span,
+        step_s=span / cfg.steps, gen_wait_s=sum(step_wait[cfg.warmup_steps:total_steps]) / cfg.steps,
+        gen_idle_frac=1.0 - busy / (span * ns), gen_paused_frac=paus / (span * ns),
+        decode_util=util / (span * ns),
+        train_idle_frac=1.0 - (tr1 - tr0) / span, learner_wait_frac=(w1 - w0) / span,
+        sync_frac=(sy1 - sy0) / span,
+        staleness_token_hist=dict(token_hist), staleness_episode_hist=dict(ep_hist), violations=violations,
+        trained=trained, step_end_s=step_end, gen_intervals=gen_intervals, train_intervals=train_intervals,
+    )
