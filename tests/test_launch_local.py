@@ -108,3 +108,40 @@ def test_local_launch_sigterm_stops_everything(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "received signal 15; stopping every process" in out
     assert _leftovers(marker) == []
+
+
+def test_local_launch_sigkill_leaves_nothing(tmp_path):
+    """kill -9 of the launcher alone (the OOM killer's favourite target): it runs no cleanup, yet
+    within seconds no engine, learner rank or wrapper of the run is left -- every process it
+    started sits behind areal_mega.utils.procs' die-with-parent wrapper, which kills its tree
+    (torchrun's ranks included: they are in sessions of their own) when the launcher dies."""
+    marker = f"amtest-{uuid.uuid4().hex[:8]}"
+    cfg = _config(tmp_path, marker, die_rank=None, engine_die_after=None)
+    data = yaml.safe_load(cfg.read_text())
+    data["launch"]["learner"]["command"][-1] = "300"  # --hold 300: learners would run for 5 min
+    cfg.write_text(yaml.safe_dump(data))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "areal_mega.launcher", "local", "--config", str(cfg)],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out_dir = tmp_path / "run-local" / "out"
+        deadline = time.monotonic() + 90
+        while not (out_dir / "rank1.json").exists() or not (out_dir / "rank0.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "learners did not start"
+            time.sleep(0.2)
+        before = _leftovers(marker)
+        assert len(before) >= 4, before  # 2 engines + 2 ranks (+ wrappers)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while _leftovers(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _leftovers(marker)
+        print(f"processes of the run: {len(before)} before the SIGKILL, {len(left)} after")
+        assert left == [], "\n".join(left)
+    finally:
+        for line in _leftovers(marker):
+            try:
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
