@@ -1,0 +1,180 @@
+"""Calibrate the simulator on a real run's ``metrics.jsonl`` (what the trainer logs every step).
+
+From each step row the trainer writes (``areal_mega/trainer/loop.py``):
+
+* ``time/rollout_s``: the learner's wait for a batch. In a synchronous run (max_staleness 0)
+  generation never overlaps training, so it *is* the generation time of one batch: the decode
+  model's ``peak_tokens_per_s`` is fitted so that the simulated synchronous generation time
+  matches it (bisection; ``half_batch`` is an input: one concurrency level cannot separate the
+  two parameters, see docs/simulator.md).
+* ``perf/step_s - time/rollout_s - time/weight_sync_s [- time/save_s]``: the learner's own work
+  per step (proximal forward, advantages, train step, logging): the learner model, fitted as
+  ``a + b * train/num_tokens`` (least squares; a constant when the batch sizes barely vary).
+* ``time/weight_sync_s``: the weight sync (a fixed latency: the bytes do not change).
+* ``rollout/num_generated_tokens / rollout/num_trajectories`` per step: generation lengths
+  (an empirical distribution of per-step means: per-trajectory lengths are not logged), and
+  ``(train/num_tokens - generated) / trajectories``: the prompt length.
+
+Timed steps are chosen as tools/bench_async.py does: ``rows[warmup:-1]`` (the last step also
+saves the final checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_mega.simulator.model import DecodeModel, LearnerModel, LengthModel, SimConfig, SimulationError, SyncModel
+from areal_mega.simulator.sim import simulate
+
+
+def load_rows(path: str | Path) -> list[dict]:
+    """The per-step rows of a metrics.jsonl (eval and other rows skipped)."""
+    rows = []
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise SimulationError(f"metrics: cannot read {p}: {e.strerror or e}") from None
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise SimulationError(f"metrics: {p}:{i} is not a JSON line") from None
+        if isinstance(row, dict) and "perf/step_s" in row and "time/rollout_s" in row:
+            rows.append(row)
+    if not rows:
+        raise SimulationError(f"metrics: {p} has no step rows (perf/step_s, time/rollout_s)")
+    return rows
+
+
+def timed(rows: list[dict], warmup: int) -> list[dict]:
+    out = rows[warmup:-1]
+    if not out:
+        raise SimulationError(f"metrics: no timed steps ({len(rows)} steps, {warmup} warm-up, last excluded)")
+    return out
+
+
+@dataclass
+class RunStats:
+    samples_per_s: float
+    step_s: float
+    rollout_s: float
+    learner_s: float
+    weight_sync_s: float
+    trajectories_per_step: float
+    staleness_mean: float
+
+
+def run_stats(rows: list[dict]) -> RunStats:
+    wall = sum(r["perf/step_s"] for r in rows)
+    mean = lambda k: statistics.fmean(float(r.get(k, 0.0)) for r in rows)  # noqa: E731
+    return RunStats(
+        samples_per_s=sum(r.get("rollout/num_trajectories", 0.0) for r in rows) / wall, step_s=wall / len(rows),
+        rollout_s=mean("time/rollout_s"), learner_s=statistics.fmean(_learner_s(r) for r in rows),
+        weight_sync_s=mean("time/weight_sync_s"), trajectories_per_step=mean("rollout/num_trajectories"),
+        staleness_mean=mean("staleness/mean"))
+
+
+def _learner_s(r: dict) -> float:
+    return max(0.0, r["perf/step_s"] - r["time/rollout_s"] - r.get("time/weight_sync_s", 0.0) - r.get("time/save_s", 0.0))
+
+
+def fit_lengths(rows: list[dict], max_tokens: int) -> LengthModel:
+    means, prompts = [], []
+    for r in rows:
+        n = r.get("rollout/num_trajectories", 0.0)
+        gen = r.get("rollout/num_generated_tokens", 0.0)
+        if n > 0 and gen > 0:
+            means.append(max(1, int(round(gen / n))))
+            if "train/num_tokens" in r:
+                prompts.append(max(0.0, (r["train/num_tokens"] - gen) / n))
+    if not means:
+        raise SimulationError("metrics: no rollout/num_generated_tokens to take generation lengths from")
+    return LengthModel(kind="empirical", samples=tuple(means), max_tokens=max(max_tokens, max(means)),
+                       prompt_tokens=int(round(statistics.fmean(prompts))) if prompts else 0)
+
+
+def fit_learner(rows: list[dict]) -> LearnerModel:
+    ys = [_learner_s(r) for r in rows]
+    xs = [float(r.get("train/num_tokens", 0.0)) for r in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    if mx > 0 and statistics.pstdev(xs) / mx > 0.05:
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        if b > 0 and my - b * mx >= 0:
+            return LearnerModel(fixed_s=my - b * mx, per_token_s=b)
+    return LearnerModel(fixed_s=my, per_token_s=0.0)
+
+
+def fit_decode(template: SimConfig, target_gen_s: float, *, half_batch: float,
+               request_latency_s: float = 0.0) -> DecodeModel:
+    """Peak decode throughput whose simulated synchronous generation time is ``target_gen_s``."""
+    if not target_gen_s > request_latency_s:
+        raise SimulationError(f"calibration: generation time {target_gen_s:.4f} s <= request latency")
+
+    def gen(peak: float) -> float:
+        d = DecodeModel(peak_tokens_per_s=peak, half_batch=half_batch, request_latency_s=request_latency_s,
+                        kv_capacity_tokens=template.decode.kv_capacity_tokens, max_running=template.decode.max_running)
+        return simulate(dataclasses.replace(template, max_staleness=0, decode=d)).gen_wait_s
+
+    lo, hi = 1e-3, 1e9  # tokens/s; gen() decreases with peak
+    for _ in range(80):
+        mid = math.sqrt(lo * hi)
+        if gen(mid) > target_gen_s:
+            lo = mid
+        else:
+            hi = mid
+        if hi / lo < 1 + 1e-7:
+            break
+    return DecodeModel(peak_tokens_per_s=math.sqrt(lo * hi), half_batch=half_batch, request_latency_s=request_latency_s,
+                       kv_capacity_tokens=template.decode.kv_capacity_tokens, max_running=template.decode.max_running)
+
+
+def calibrate_and_predict(sync_rows: list[dict], async_rows: list[dict], *, batch_size: int, group_size: int,
+                          max_staleness: int, max_concurrent: int, max_new_tokens: int, warmup_steps: int,
+                          half_batch: float = 32.0, num_servers: int = 1, seed: int = 0) -> dict:
+    """Fit on both runs' logged timings, simulate both modes, compare with what they measured.
+
+    ``predicted_async`` uses the decode model fitted on the synchronous run and the async run's
+    own learner and weight-sync timings; ``predicted_async_sync_timings_only`` uses the
+    synchronous run's timings for everything (a true out-of-sample prediction: it cannot see
+    the contention that overlapping generation adds to the learner)."""
+    s_t, a_t = timed(sync_rows, warmup_steps), timed(async_rows, warmup_steps)
+    s_stats, a_stats = run_stats(s_t), run_stats(a_t)
+    lengths = fit_lengths(sync_rows + async_rows, max_new_tokens)
+    steps = len(s_t)
+    base = SimConfig(batch_size=batch_size, group_size=group_size, max_staleness=0, max_concurrent=max_concurrent,
+                     num_servers=num_servers, steps=steps, warmup_steps=warmup_steps, seed=seed, lengths=lengths,
+                     learner=fit_learner(s_t), sync=SyncModel(latency_s=s_stats.weight_sync_s))
+    decode = fit_decode(base, s_stats.rollout_s, half_batch=half_batch)
+    sync_cfg = dataclasses.replace(base, decode=decode)
+    async_cfg = dataclasses.replace(sync_cfg, max_staleness=max_staleness, steps=len(a_t),
+                                    learner=fit_learner(a_t), sync=SyncModel(latency_s=a_stats.weight_sync_s))
+    cross_cfg = dataclasses.replace(sync_cfg, max_staleness=max_staleness, steps=len(a_t))
+    ps, pa, px = simulate(sync_cfg), simulate(async_cfg), simulate(cross_cfg)
+    ms, ma = s_stats.samples_per_s, a_stats.samples_per_s
+    err = max(abs(ps.samples_per_s - ms) / ms, abs(pa.samples_per_s - ma) / ma)
+    r4 = lambda x: round(x, 4)  # noqa: E731
+    return {
+        "predicted_sync": r4(ps.samples_per_s), "measured_sync": r4(ms),
+        "predicted_async": r4(pa.samples_per_s), "measured_async": r4(ma), "max_rel_error": r4(err),
+        "predicted_async_sync_timings_only": r4(px.samples_per_s),
+        "rel_error_async_sync_timings_only": r4(abs(px.samples_per_s - ma) / ma),
+        "predicted_speedup": r4(pa.samples_per_s / ps.samples_per_s), "measured_speedup": r4(ma / ms),
+        "predicted_staleness_mean": r4(pa.staleness_mean), "measured_staleness_mean": r4(a_stats.staleness_mean),
+        "calibration": {
+            "decode_peak_tokens_per_s": r4(decode.peak_tokens_per_s), "decode_half_batch": half_batch,
+            "gen_lengths": sorted(set(lengths.samples)), "prompt_tokens": lengths.prompt_tokens,
+            "learner_sync_run": dataclasses.asdict(sync_cfg.learner), "learner_async_run": dataclasses.asdict(async_cfg.learner),
+            "weight_sync_s_sync_run": r4(s_stats.weight_sync_s), "weight_sync_s_async_run": r4(a_stats.weight_sync_s),
+            "measured_gen_s_sync_run": r4(s_stats.rollout_s), "simulated_gen_s_sync_run": r4(ps.gen_wait_s),
+        },
+        "sim_sync": ps.summary(), "sim_async": pa.summary(),
+    }

@@ -1,0 +1,116 @@
+"""L=$(tools/env/make_venv.sh learner) && PYTHONPATH=. $L/bin/python tools/bench_simulator.py --sglang-python $(tools/env/make_venv.sh sglang)/bin/python
+
+Calibrate the throughput simulator (``areal_mega.simulator``) on the real trainer and check its
+prediction. Runs ``tools/bench_async.py`` itself (a subprocess: the synchronous and the
+asynchronous run of the real trainer, one SGLang CPU server, its JSON line parsed), reads the
+``metrics.jsonl`` each run's trainer wrote (``<work-dir>/{sync,async}<round>/``), fits the
+simulator's decode, learner and weight-sync models to those logged timings and generation
+lengths (``areal_mega.simulator.calibrate``), simulates both modes and prints ONE JSON line:
+
+  predicted_sync, measured_sync, predicted_async, measured_async   samples/s
+  max_rel_error        max over both modes of |predicted - measured| / measured (target <= 0.15)
+  predicted_async_sync_timings_only, rel_error_async_sync_timings_only
+                       the async run predicted from the SYNCHRONOUS run's timings only
+  predicted_speedup, measured_speedup, predicted/measured_staleness_mean, calibration, sim_*
+
+The synchronous prediction is close to exact by construction (its generation time is what the
+decode model is fitted to, its learner and sync times are inputs); the asynchronous one tests
+the simulated overlap, the pauses at weight sync and the staleness rules.
+``--reuse`` skips the measurement and recalibrates on the runs already in ``--work-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from areal_mega.simulator.calibrate import calibrate_and_predict, load_rows  # noqa: E402
+from areal_mega.simulator.model import SimulationError  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    p.add_argument("--sglang-python", help="python of the SGLang venv (required unless --reuse)")
+    p.add_argument("--learner-python", default=sys.executable)
+    p.add_argument("--work-dir", default="runs/bench_simulator")
+    p.add_argument("--reuse", action="store_true", help="do not measure: use <work-dir>/bench_async.json and the runs")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--staleness", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--half-batch", type=float, default=32.0,
+                   help="decode model: running requests at half the peak throughput (not identifiable "
+                        "from one concurrency level; see docs/simulator.md)")
+    p.add_argument("bench_args", nargs="*", help="more arguments for tools/bench_async.py")
+    args = p.parse_args()
+
+    work = (ROOT / args.work_dir) if not os.path.isabs(args.work_dir) else Path(args.work_dir)
+    out_json = work / "bench_async.json"
+    if not args.reuse:
+        if not args.sglang_python:
+            print("bench_simulator: --sglang-python is required (or --reuse)", file=sys.stderr)
+            return 2
+        work.mkdir(parents=True, exist_ok=True)
+        cmd = [args.learner_python, str(ROOT / "tools" / "bench_async.py"), "--sglang-python", args.sglang_python,
+               "--work-dir", str(work), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
+               "--rounds", str(args.rounds), "--staleness", str(args.staleness), "--batch-size", str(args.batch_size),
+               "--group-size", str(args.group_size), "--max-new-tokens", str(args.max_new_tokens), *args.bench_args]
+        print("[bench_simulator] $ " + " ".join(cmd), file=sys.stderr, flush=True)
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            print(f"bench_simulator: tools/bench_async.py failed (exit {proc.returncode})", file=sys.stderr)
+            return 1
+        out_json.write_text(lines[-1] + "\n")
+    try:
+        bench = json.loads(out_json.read_text().strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError) as e:
+        print(f"bench_simulator: no measurement in {out_json} ({e}); run without --reuse", file=sys.stderr)
+        return 1
+    try:
+        rounds = int(bench.get("rounds", args.rounds))
+        sync_rows, async_rows = [], []
+        for r in range(rounds):
+            # per round: drop warm-up and last step inside calibrate, so pool after trimming
+            sync_rows.append(load_rows(work / f"sync{r}" / "metrics.jsonl"))
+            async_rows.append(load_rows(work / f"async{r}" / "metrics.jsonl"))
+        warm = int(bench.get("warmup_steps", args.warmup_steps))
+        # Rounds pooled as bench_async pools them: each run's timed steps, concatenated (one
+        # leading warm-up block and one trailing row kept so calibrate's trimming applies once).
+        def pool(runs: list[list[dict]]) -> list[dict]:
+            if len(runs) == 1:
+                return runs[0]
+            mid = [row for run in runs for row in run[warm:-1]]
+            return runs[0][:warm] + mid + runs[-1][-1:]
+
+        res = calibrate_and_predict(
+            pool(sync_rows), pool(async_rows), batch_size=int(bench.get("batch_size", args.batch_size)),
+            group_size=int(bench.get("group_size", args.group_size)),
+            max_staleness=int(bench.get("max_staleness", args.staleness)),
+            max_concurrent=int(bench.get("batch_size", args.batch_size)),  # bench_async: max_concurrent = batch_size
+            max_new_tokens=int(bench.get("max_new_tokens", args.max_new_tokens)), warmup_steps=warm,
+            half_batch=args.half_batch)
+    except SimulationError as e:
+        print(f"bench_simulator: {e}", file=sys.stderr)
+        return 1
+    # bench_async's own figures are the measurement of record (same steps, same formula).
+    res["measured_sync_bench_async"] = bench.get("sync_samples_per_s")
+    res["measured_async_bench_async"] = bench.get("async_samples_per_s")
+    res["loadavg_before"], res["loadavg_after"] = bench.get("loadavg_before"), bench.get("loadavg_after")
+    print(json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
