@@ -4,6 +4,7 @@
     areal-mega sft    --config configs/sft_tiny.yaml  [key.sub=value ...]   # one learner rank (under torchrun)
     areal-mega launch --config configs/grpo_tiny.yaml [--dry-run] [key=value ...]  # local: servers + torchrun
     areal-mega demo                                                          # what `make demo` runs
+    areal-mega plan   --config configs/grpo_llama70b.yaml --nodes 16         # throughput planner (simulator)
 
 Subcommands import their modules lazily: `areal-mega launch --dry-run` must not pay for
 megatron/torch imports.
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="runs/demo")
     p.add_argument("--learner-python", default=sys.executable)
     p.add_argument("--sglang-python", default=None)
+    sub.add_parser("plan", add_help=False,
+                   help="predict the best inference/learner split and max_staleness (areal_mega.simulator)")
     args, rest = ap.parse_known_args(argv)
 
     if args.cmd == "train":
@@ -50,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         from areal_mega.launcher.cli import run
 
         return run("local", args.config, _split_overrides(rest), dry_run=args.dry_run)
+    if args.cmd == "plan":
+        from areal_mega.simulator.planner import main as plan_main
+
+        return plan_main(rest)
     if args.cmd == "demo":
         from areal_mega.demo.run import run_demo
 

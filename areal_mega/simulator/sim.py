@@ -123,7 +123,7 @@ class _Episode:
 
 class _Server:
     __slots__ = ("idx", "P", "last", "heap", "kv", "queue", "paused", "epoch", "marks_p", "marks_v",
-                 "inflight", "busy", "paused_t", "util", "tie")
+                 "busy", "paused_t", "util", "tie")
 
     def __init__(self, idx: int) -> None:
         self.idx = idx
@@ -136,7 +136,6 @@ class _Server:
         self.epoch = 0
         self.marks_p = [0.0]  # P at which the weights became marks_v[i]
         self.marks_v = [0]
-        self.inflight = 0  # sent, not finished (queued, starting, decoding): the pool's load
         self.busy = 0.0
         self.paused_t = 0.0
         self.util = 0.0
@@ -155,6 +154,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
     sm = StalenessManager(B, eta, cfg.concurrency)
     total_steps = cfg.warmup_steps + cfg.steps
     servers = [_Server(i) for i in range(cfg.num_servers)]
+    load = [0] * cfg.num_servers  # requests sent and not finished, per server: the pool's load
     events: list[tuple[float, int, int, object]] = []  # (time, tiebreak, kind, payload)
     tick = [0]
     K_ARRIVE, K_SERVER, K_TRAIN_DONE, K_SYNC_DONE = 0, 1, 2, 3
@@ -231,18 +231,24 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
             s.tie += 1
             heapq.heappush(s.heap, (s.P + r.length, s.tie, r))
 
-    def arrive(r: _Req) -> None:
-        s = servers[r.server]
-        advance(s, now)
-        s.queue.append(r)
-        fill(s)
-        reschedule(s)
+    def arrive(reqs: list[_Req]) -> None:
+        """Requests reach their servers (one episode's group at once: one rate change per server)."""
+        touched = {}
+        for r in reqs:
+            srv = servers[r.server]
+            if srv.idx not in touched:
+                advance(srv, now)
+                touched[srv.idx] = srv
+            srv.queue.append(r)
+        for srv in touched.values():
+            fill(srv)
+            reschedule(srv)
         note_gen(now)
 
     def finish_request(s: _Server, r: _Req) -> bool:
         """Account a finished request; True when it was its episode's last."""
         s.kv -= r.footprint
-        s.inflight -= 1
+        load[s.idx] -= 1
         ep = r.episode
         # Tokens per weight version: the marks of P inside [p_start, p_start + length).
         lo, hi = r.p_start, r.p_start + r.length
@@ -284,16 +290,18 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
             ep = _Episode(seq_counter[0], v, cfg.group_size)
             seq_counter[0] += 1
             running[ep.seq] = v
+            reqs = []
             for _ in range(cfg.group_size):
                 length = draw()
                 r = _Req(ep, length, prompt + length)
-                s = min(servers, key=lambda x: (x.inflight, x.idx))
-                s.inflight += 1
-                r.server = s.idx
-                if dec.request_latency_s > 0:
-                    push(now + dec.request_latency_s, K_ARRIVE, r)
-                else:
-                    arrive(r)
+                i = min(range(len(load)), key=load.__getitem__)  # fewest in flight, lowest index
+                load[i] += 1
+                r.server = i
+                reqs.append(r)
+            if dec.request_latency_s > 0:
+                push(now + dec.request_latency_s, K_ARRIVE, reqs)
+            else:
+                arrive(reqs)
 
     def set_learner(state: str) -> None:
         learner[learner["state"]] += now - learner["since"]

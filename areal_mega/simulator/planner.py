@@ -1,0 +1,315 @@
+"""``areal-mega plan``: choose the inference/learner node split and max_staleness by simulation.
+
+    python -m areal_mega.cli plan --config configs/grpo_llama70b.yaml --nodes 16 [--gpus-per-node 8]
+        [--staleness 0,1,2,4,8] [--out DIR] [--json] [cost.train_mfu=0.3 workload.gen_mean_tokens=8000 key=value ...]
+
+For every split (``k`` learner nodes, ``nodes - k`` engine nodes) the learner layout keeps the
+config's tensor (and context) parallel size and tries every pipeline size up to 16 that divides
+the layers and the learner GPUs (data parallel = what is left);
+a layout is admissible only if the launcher's own memory estimate says it fits
+(``areal_mega.launcher.memory.estimate_learner``, the check ``--dry-run`` enforces), and the
+engines must fit too (``estimate_engine``, whose KV-cache size becomes the servers' capacity).
+Among admissible layouts the one with the shortest modelled learner step is kept. Each
+(split, max_staleness) is then simulated (``areal_mega.simulator.sim``) with cost models
+derived from :class:`~areal_mega.simulator.costs.ClusterCostModel` and the workload from
+:class:`~areal_mega.simulator.costs.WorkloadModel`; the best predicted samples/s wins, and
+its speedup is reported against the best synchronous (max_staleness 0) configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from areal_mega.simulator.costs import (
+    ClusterCostModel, WorkloadModel, decode_model, learner_flops_per_token, learner_model, sync_model,
+)
+from areal_mega.simulator.model import SimConfig, SimulationError
+from areal_mega.simulator.sim import simulate
+
+DEFAULT_STALENESS = (0, 1, 2, 4, 8)
+MAX_PP = 16
+DEFAULT_GPUS_PER_NODE = 8
+
+
+@dataclass
+class SplitResult:
+    learner_nodes: int
+    engine_nodes: int
+    num_servers: int
+    layout: str = ""
+    learner_gib: float = 0.0
+    learner_step_s: float = 0.0
+    """Modelled learner step at the mean batch size (excluding weight sync)."""
+    sync_s: float = 0.0
+    reason: str = ""
+    """Why the split is not admissible ("" = admissible)."""
+    by_staleness: dict[int, dict] = field(default_factory=dict)
+    """max_staleness -> SimResult.summary()."""
+
+
+@dataclass
+class PlanReport:
+    config: str
+    nodes: int
+    gpus_per_node: int
+    gpus_per_node_source: str
+    model_params: float
+    engine_tp: int
+    engine_kv_tokens: int
+    batch_size: int
+    group_size: int
+    max_new_tokens: int
+    staleness: tuple[int, ...]
+    splits: list[SplitResult]
+    cost: ClusterCostModel
+    workload: WorkloadModel
+    configured: tuple[int, int] | None
+    """(learner nodes, max_staleness) the config itself asks for, when set."""
+    tolerance: float = 0.02
+    """Recommend the smallest max_staleness within this fraction of the best throughput."""
+
+    def feasible(self) -> list[SplitResult]:
+        return [s for s in self.splits if not s.reason]
+
+    def best(self, staleness: int | None = None) -> tuple[SplitResult, int] | None:
+        """The recommended (split, max_staleness): among the configurations within ``tolerance``
+        of the highest predicted samples/s, the smallest max_staleness (staler data costs
+        learning efficiency the simulator does not see), then the highest samples/s."""
+        cands = [(s, eta, r["samples_per_s"]) for s in self.feasible() for eta, r in s.by_staleness.items()
+                 if staleness is None or eta == staleness]
+        if not cands:
+            return None
+        top = max(c[2] for c in cands)
+        ok = [c for c in cands if c[2] >= (1 - self.tolerance) * top]
+        s, eta, _ = min(ok, key=lambda c: (c[1], -c[2], c[0].learner_nodes))
+        return s, eta
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        b, bs = self.best(), self.best(0)
+        if b is not None:
+            d["recommended"] = {"learner_nodes": b[0].learner_nodes, "engine_nodes": b[0].engine_nodes,
+                                "max_staleness": b[1], "layout": b[0].layout,
+                                "samples_per_s": b[0].by_staleness[b[1]]["samples_per_s"]}
+        if b is not None and bs is not None:
+            d["recommended"]["speedup_over_best_sync"] = round(
+                b[0].by_staleness[b[1]]["samples_per_s"] / bs[0].by_staleness[0]["samples_per_s"], 4)
+            d["best_sync"] = {"learner_nodes": bs[0].learner_nodes, "samples_per_s": bs[0].by_staleness[0]["samples_per_s"]}
+        return d
+
+
+def _split_overrides(overrides: list[str]) -> tuple[list[str], list[str], list[str]]:
+    cost, work, rest = [], [], []
+    for o in overrides:
+        if "=" not in o:
+            raise SimulationError(f"override {o!r}: expected key=value")
+        key = o.split("=", 1)[0].strip()
+        (cost if key.startswith("cost.") else work if key.startswith("workload.") else rest).append(o)
+    return cost, work, rest
+
+
+def _typed(cls, overrides: list[str], prefix: str):
+    from areal_mega.config import from_dict, parse_overrides
+
+    section = parse_overrides(overrides).get(prefix.rstrip("."), {}) if overrides else {}
+    return from_dict(cls, section, prefix=prefix)  # validates, naming prefix + field
+
+
+def build_plan_report(config: str, nodes: int, overrides: list[str] | None = None, *, gpus_per_node: int | None = None,
+                      staleness: tuple[int, ...] = DEFAULT_STALENESS, tolerance: float = 0.02,
+                      cost: ClusterCostModel | None = None, workload: WorkloadModel | None = None) -> PlanReport:
+    """Sweep splits x max_staleness (raises ValueError -- ConfigError, SimulationError -- on bad input)."""
+    from areal_mega.algo.config import AlgorithmConfig
+    from areal_mega.config import from_dict
+    from areal_mega.launcher.cli import load_launch_config
+    from areal_mega.launcher.memory import GIB, estimate_engine, estimate_learner, total_params
+    from areal_mega.launcher.plan import model_shape, parallel_config, server_config
+    from areal_mega.parallel import ParallelConfig, ParallelLayout
+    from areal_mega.rollout.config import RolloutConfig
+
+    cost_o, work_o, rest = _split_overrides(list(overrides or []))
+    cost = cost or _typed(ClusterCostModel, cost_o, "cost.")
+    workload = workload or _typed(WorkloadModel, work_o, "workload.")
+    if nodes < 2:
+        raise SimulationError(f"--nodes: need >= 2 (one learner and one engine node), got {nodes}")
+    if not 0 <= tolerance < 1:
+        raise SimulationError(f"--tolerance: must be in [0, 1), got {tolerance}")
+    if not staleness or min(staleness) < 0:
+        raise SimulationError(f"--staleness: need a list of values >= 0, got {list(staleness)}")
+    cfg, raw, _ = load_launch_config(config, rest)
+    src = "--gpus-per-node"
+    if gpus_per_node is None:
+        gpus_per_node, src = cfg.gpus_per_node, "launch.gpus_per_node"
+    if gpus_per_node is None:
+        gpus_per_node, src = DEFAULT_GPUS_PER_NODE, f"default {DEFAULT_GPUS_PER_NODE} (set --gpus-per-node)"
+    if gpus_per_node < 1:
+        raise SimulationError(f"{src}: the planner models GPU nodes, got {gpus_per_node} GPUs per node")
+    m = model_shape(cfg, raw)
+    P = total_params(m)
+    srv = server_config(raw)
+    et = srv.tp_size
+    if et > gpus_per_node:
+        raise SimulationError(f"inference.server.tp_size: {et} > {gpus_per_node} GPUs per node (a server never spans nodes)")
+    eng = estimate_engine(m, tp=et, max_total_tokens=srv.max_total_tokens,
+                          mem_fraction_static=srv.mem_fraction_static or cfg.engine.default_mem_fraction_static,
+                          kv_dtype_bytes=cfg.engine.kv_cache_dtype_bytes, gpu_memory_gib=cfg.gpu_memory_gib)
+    if not eng.fits:
+        raise SimulationError(f"engine does not fit: {eng.describe()}")
+    par = parallel_config(cfg, raw)
+    alg = from_dict(AlgorithmConfig, raw.get("algorithm") or {}, prefix="algorithm.")
+    ro = from_dict(RolloutConfig, raw.get("rollout") or {}, prefix="rollout.")
+    wf = raw.get("workflow") or {}
+    group = int(wf.get("group_size", 4))
+    max_new = int((wf.get("sampling") or {}).get("max_new_tokens", 256))
+    lengths = workload.lengths(max_new)
+    lengths.validate()
+    mean_gen, mean_ctx = lengths.moments()
+    tokens_per_step = ro.batch_size * group * (lengths.prompt_tokens + mean_gen)
+    fpt = learner_flops_per_token(params=P, layers=m.num_hidden_layers, hidden=m.hidden_size,
+                                  mean_context=(lengths.prompt_tokens + mean_gen) / 2, decoupled=alg.decoupled,
+                                  reference=alg.kl_coef > 0, critic=alg.adv_estimator == "gae",
+                                  recompute=cfg.learner.recompute)
+    dec = decode_model(cost, params=P, engine_tp=et, kv_bytes_per_token_per_gpu=eng.kv_bytes_per_token,
+                       mean_context=mean_ctx, kv_capacity_tokens=eng.kv_tokens)
+    per_node = gpus_per_node // et
+    splits = []
+    for k in range(1, nodes):
+        s = SplitResult(learner_nodes=k, engine_nodes=nodes - k, num_servers=(nodes - k) * per_node)
+        world = k * gpus_per_node
+        best = None
+        reasons = []
+        mp = par.tensor_parallel * par.context_parallel
+        pps = [q for q in range(1, MAX_PP + 1) if m.num_hidden_layers % q == 0 and world % (mp * q) == 0]
+        for pp in dict.fromkeys((par.pipeline_parallel, *pps)):
+            vpp = par.virtual_pipeline_parallel if pp == par.pipeline_parallel and pp > 1 else None
+            try:
+                layout = ParallelLayout.build(ParallelConfig(par.tensor_parallel, pp, par.context_parallel, vpp), world)
+                mem = estimate_learner(m, cfg.learner, layout, cfg.gpu_memory_gib,
+                                       reference=alg.kl_coef > 0, critic=alg.adv_estimator == "gae")
+            except ValueError as e:
+                reasons.append(f"pp{pp}: {e}")
+                continue
+            if not mem.fits:
+                reasons.append(f"pp{pp}: {mem.total / GIB:.0f} GiB > {cfg.gpu_memory_gib:g} GiB")
+                continue
+            lm = learner_model(cost, flops_per_token=fpt, world=world, pp=pp, vpp=layout.vpp, dp=layout.dp,
+                               tokens_per_step=tokens_per_step, micro_batch_tokens=cfg.learner.micro_batch_tokens)
+            t = lm.step_s(tokens_per_step)
+            if best is None or t < best[0] - 1e-12:
+                best = (t, layout, mem, lm, sync_model(cost, params=P, pp=pp))
+        if best is None:
+            s.reason = "no learner layout fits: " + "; ".join(reasons)
+            splits.append(s)
+            continue
+        t, layout, mem, lm, sm = best
+        s.layout = f"tp{layout.tp} pp{layout.pp} dp{layout.dp}" + (f" cp{layout.cp}" if layout.cp > 1 else "") \
+            + (f" vpp{layout.vpp}" if layout.vpp else "")
+        s.learner_gib, s.learner_step_s, s.sync_s = round(mem.total / GIB, 1), round(t, 3), round(sm.seconds(), 3)
+        for eta in staleness:
+            sim = SimConfig(batch_size=ro.batch_size, group_size=group, max_staleness=eta,
+                            max_concurrent=ro.max_concurrent, num_servers=s.num_servers, steps=workload.sim_steps,
+                            warmup_steps=eta + 2, reject_prob=workload.reject_prob, seed=0, lengths=lengths,
+                            decode=dec, learner=lm, sync=sm)
+            s.by_staleness[eta] = simulate(sim).summary()
+        splits.append(s)
+    configured = (cfg.learner.num_nodes, ro.max_staleness) if cfg.learner.num_nodes < nodes else None
+    return PlanReport(config=config, nodes=nodes, gpus_per_node=gpus_per_node, gpus_per_node_source=src,
+                      model_params=float(P), engine_tp=et, engine_kv_tokens=eng.kv_tokens, batch_size=ro.batch_size,
+                      group_size=group, max_new_tokens=max_new, staleness=tuple(staleness), splits=splits,
+                      cost=cost, workload=workload, configured=configured, tolerance=tolerance)
+
+
+def recommendation(rep: PlanReport) -> list[str]:
+    """The few lines the launcher's dry run prints."""
+    b, bs = rep.best(), rep.best(0)
+    if b is None:
+        return ["planner: no admissible split (no learner layout fits on any split)"]
+    s, eta = b
+    r = s.by_staleness[eta]
+    top = max(r["samples_per_s"] for x in rep.feasible() for r in x.by_staleness.values())
+    lines = [f"planner: recommended {s.learner_nodes} learner node(s) ({s.layout}) + {s.engine_nodes} engine node(s) "
+             f"({s.num_servers} servers x TP{rep.engine_tp}), max_staleness {eta}: "
+             f"{r['samples_per_s']:.3f} samples/s predicted (generation idle {r['gen_idle_frac']:.0%}, "
+             f"training idle {r['train_idle_frac']:.0%}, mean staleness {r['staleness_mean']:.2f}; "
+             f"the smallest bound within {rep.tolerance:.0%} of the best predicted, {top:.3f})"]
+    if bs is not None:
+        sync = bs[0].by_staleness[0]["samples_per_s"]
+        lines.append(f"planner: predicted speedup over the best synchronous plan ({bs[0].learner_nodes} learner node(s), "
+                     f"max_staleness 0: {sync:.3f} samples/s): {r['samples_per_s'] / sync:.2f}x")
+    if rep.configured is not None:
+        k, ceta = rep.configured
+        cs = next((x for x in rep.feasible() if x.learner_nodes == k), None)
+        if cs is not None and ceta in cs.by_staleness:
+            lines.append(f"planner: the config's own choice ({k} learner node(s), max_staleness {ceta}): "
+                         f"{cs.by_staleness[ceta]['samples_per_s']:.3f} samples/s predicted")
+    lines.append("planner: cost model " + ", ".join(f"{f.name}={getattr(rep.cost, f.name)}" for f in dataclasses.fields(rep.cost))
+                 + " (docs/simulator.md)")
+    return lines
+
+
+def describe(rep: PlanReport) -> str:
+    w = rep.workload
+    lines = [f"throughput plan: {rep.config} on {rep.nodes} nodes x {rep.gpus_per_node} GPUs ({rep.gpus_per_node_source}); "
+             f"{rep.model_params / 1e9:.1f}B params, batch {rep.batch_size} x {rep.group_size}, "
+             f"lengths lognormal mean {w.gen_mean_tokens or 0.4 * rep.max_new_tokens:.0f} sigma {w.gen_sigma} "
+             f"cap {rep.max_new_tokens}, engine TP{rep.engine_tp} KV {rep.engine_kv_tokens} tokens",
+             "  learner+engine nodes | learner layout (GiB/GPU) | learner step s | sync s | samples/s by max_staleness "
+             + " ".join(str(e) for e in rep.staleness)]
+    for s in rep.splits:
+        head = f"  {s.learner_nodes:>3} + {s.engine_nodes:<3}"
+        if s.reason:
+            lines.append(f"{head} | not admissible: {s.reason[:140]}")
+            continue
+        vals = " ".join(f"{s.by_staleness[e]['samples_per_s']:.3f}" for e in rep.staleness)
+        lines.append(f"{head} | {s.layout} ({s.learner_gib}) | {s.learner_step_s:.1f} | {s.sync_s:.1f} | {vals}")
+    return "\n".join(lines + recommendation(rep))
+
+
+def _staleness_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SimulationError(f"--staleness: expected comma-separated integers, got {text!r}") from None
+    return vals
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="areal-mega plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--nodes", type=int, required=True, help="nodes in the allocation")
+    p.add_argument("--gpus-per-node", type=int, help=f"default launch.gpus_per_node, else {DEFAULT_GPUS_PER_NODE}")
+    p.add_argument("--staleness", default=",".join(map(str, DEFAULT_STALENESS)), help="max_staleness values to sweep")
+    p.add_argument("--tolerance", type=float, default=0.02, help="recommend the smallest max_staleness whose "
+                   "predicted throughput is within this fraction of the best (default 0.02)")
+    p.add_argument("--out", help="write plan.json and throughput_plan.png (predicted throughput vs split and "
+                   "vs max_staleness) into this directory")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON line instead")
+    p.add_argument("overrides", nargs="*", help="cost.<field>=v, workload.<field>=v, or experiment key=value")
+    args = p.parse_intermixed_args(argv)
+    try:
+        rep = build_plan_report(args.config, args.nodes, args.overrides, gpus_per_node=args.gpus_per_node,
+                                staleness=_staleness_list(args.staleness), tolerance=args.tolerance)
+    except (ValueError, OSError) as e:  # ConfigError and SimulationError are ValueErrors
+        msg = " ".join(str(e).split())
+        print(f"areal-mega plan: {msg}", file=sys.stderr, flush=True)
+        return 1
+    print(json.dumps(rep.to_dict()) if args.json else describe(rep), flush=True)
+    if args.out:
+        out = Path(args.out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "plan.json").write_text(json.dumps(rep.to_dict(), indent=1) + "\n")
+        except OSError as e:
+            print(f"areal-mega plan: cannot write {out}: {e.strerror or e}", file=sys.stderr, flush=True)
+            return 1
+        from areal_mega.simulator.plot import plot_plan
+
+        png, why = plot_plan(rep, out / "throughput_plan.png")
+        print(f"plan written to {out / 'plan.json'}" + (f"; plot {png}" if png else f"; no plot: {why}"),
+              file=sys.stderr if args.json else sys.stdout, flush=True)
+    return 0
