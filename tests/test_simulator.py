@@ -159,3 +159,113 @@ def test_no_torch_import():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---- calibration ---------------------------------------------------------------------------------
+
+
+def _rows(n, *, rollout, learner, sync, traj=32, gen=250, total=540, staleness=0.0):
+    return [{"step": i + 1, "perf/step_s": rollout + learner + sync, "time/rollout_s": rollout,
+             "time/prox_logp_s": learner / 3, "time/train_s": learner * 2 / 3, "time/weight_sync_s": sync,
+             "rollout/num_trajectories": float(traj), "rollout/num_generated_tokens": float(gen),
+             "train/num_tokens": float(total), "staleness/mean": staleness} for i in range(n)]
+
+
+def test_calibration_reproduces_a_consistent_run(tmp_path):
+    from areal_mega.simulator.calibrate import calibrate_and_predict, load_rows
+
+    # A synthetic "measurement" made by the simulator itself: calibration must get it back.
+    true = _det(0, B=4, G=8, L=8, P=9, peak=3000.0, half=32.0, a=0.11, b=0.0, S=0.035, steps=8)
+    sync = simulate(true)
+    asyn = simulate(SimConfig(**{**true.__dict__, "max_staleness": 2, "max_concurrent": 4}))
+    sync_rows = _rows(11, rollout=sync.gen_wait_s, learner=0.11, sync=0.035, gen=256, total=32 * 17)
+    async_rows = _rows(11, rollout=asyn.gen_wait_s, learner=0.11, sync=0.035, gen=256, total=32 * 17)
+    p = tmp_path / "metrics.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in sync_rows) + "\n" + json.dumps({"eval_step": 3}) + "\n")
+    assert len(load_rows(p)) == 11
+    res = calibrate_and_predict(sync_rows, async_rows, batch_size=4, group_size=8, max_staleness=2, max_concurrent=4,
+                                max_new_tokens=8, warmup_steps=2, half_batch=32.0)
+    assert res["calibration"]["decode_peak_tokens_per_s"] == pytest.approx(3000.0, rel=1e-4)
+    assert res["predicted_sync"] == pytest.approx(sync.samples_per_s, rel=1e-4)
+    assert res["predicted_async"] == pytest.approx(asyn.samples_per_s, rel=1e-3)
+    assert res["max_rel_error"] < 0.01 + abs(asyn.samples_per_s - res["measured_async"]) / res["measured_async"]
+
+
+def test_calibration_bad_input(tmp_path):
+    from areal_mega.simulator.calibrate import load_rows
+
+    with pytest.raises(SimulationError, match="cannot read"):
+        load_rows(tmp_path / "missing.jsonl")
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(SimulationError, match="not a JSON line"):
+        load_rows(tmp_path / "bad.jsonl")
+
+
+# ---- planner ---------------------------------------------------------------------------------------
+
+CONFIG_70B = "configs/grpo_llama70b.yaml"
+
+
+def test_planner_70b_respects_memory_plan_and_recommends():
+    from areal_mega.launcher.cli import load_launch_config
+    from areal_mega.launcher.memory import estimate_learner
+    from areal_mega.launcher.plan import model_shape
+    from areal_mega.parallel import ParallelConfig, ParallelLayout
+    from areal_mega.simulator.costs import WorkloadModel
+    from areal_mega.simulator.planner import build_plan_report, recommendation
+
+    rep = build_plan_report(CONFIG_70B, 8, staleness=(0, 2), workload=WorkloadModel(sim_steps=3))
+    cfg, raw, _ = load_launch_config(CONFIG_70B, [])
+    m = model_shape(cfg, raw)
+    assert [s.learner_nodes for s in rep.splits] == list(range(1, 8))
+    assert rep.splits[0].reason.startswith("no learner layout fits")  # 8 GPUs cannot hold a 70B learner
+    for s in rep.feasible():
+        tp, pp, dp = (int(x[2:]) for x in s.layout.split()[:3])
+        lay = ParallelLayout.build(ParallelConfig(tp, pp), s.learner_nodes * 8)
+        assert lay.dp == dp and estimate_learner(m, cfg.learner, lay, cfg.gpu_memory_gib).fits
+        assert s.by_staleness[2]["samples_per_s"] >= 0.99 * s.by_staleness[0]["samples_per_s"]
+        assert all(r["violations"] == 0 for r in s.by_staleness.values())
+    best, eta = rep.best()
+    lines = recommendation(rep)
+    assert f"recommended {best.learner_nodes} learner node(s)" in lines[0] and "speedup" in lines[1]
+    d = rep.to_dict()
+    assert d["recommended"]["speedup_over_best_sync"] >= 1.0
+
+
+def test_plan_cli(tmp_path, capsys):
+    from areal_mega.cli import main
+
+    assert main(["plan", "--config", CONFIG_70B, "--nodes", "6", "--staleness", "0,1", "--out", str(tmp_path),
+                 "workload.sim_steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert "planner: recommended" in out and "speedup over the best synchronous plan" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["recommended"]["learner_nodes"] + plan["recommended"]["engine_nodes"] == 6
+    try:
+        import matplotlib  # noqa: F401
+        assert (tmp_path / "throughput_plan.png").stat().st_size > 1000
+    except ImportError:
+        assert "no plot: matplotlib is not installed" in out
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--nodes", "1"], "--nodes: need >= 2"),
+    (["--nodes", "8", "cost.train_mfu=2"], "cost.train_mfu: must be in (0, 1]"),
+    (["--nodes", "8", "cost.nope=1"], "unknown key 'cost.nope'"),
+    (["--nodes", "8", "--staleness", "x"], "--staleness: expected comma-separated integers"),
+    (["--nodes", "8", "--gpus-per-node", "4"], "tp_size: 8 > 4 GPUs per node"),
+    (["--nodes", "8", "rollout.batch_size=0"], "rollout.batch_size: must be >= 1"),
+])
+def test_plan_cli_bad_input_one_line(args, msg, capsys):
+    from areal_mega.cli import main
+
+    assert main(["plan", "--config", CONFIG_70B, *args]) == 1
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_plan_cli_missing_config(capsys):
+    from areal_mega.cli import main
+
+    assert main(["plan", "--config", "does/not/exist.yaml", "--nodes", "4"]) == 1
+    assert "does not exist" in capsys.readouterr().err
