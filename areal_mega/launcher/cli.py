@@ -80,11 +80,26 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
               file=sys.stderr, flush=True)
         return EXIT_DOES_NOT_FIT
     if dry_run:
+        if plan.checks_gpu_memory and not alloc.local and len(alloc.nodes) >= 2:
+            _print_throughput_plan(config, overrides, len(alloc.nodes), alloc.gpus_per_node)
         print("dry run: nothing started", flush=True)
         return 0
     return supervise(plan, runner, poll_s=cfg.poll_interval_s, grace_s=cfg.stop_grace_s,
                      tail_lines=cfg.log_tail_lines,
                      engine_timeout_s=cfg.engine.startup_timeout_s + 60, min_ready=cfg.engine.min_ready)
+
+
+def _print_throughput_plan(config: str, overrides: list[str], nodes: int, gpus_per_node: int) -> None:
+    """The throughput planner's recommendation for this allocation (``areal-mega plan``, see
+    docs/simulator.md); advisory: whatever goes wrong there is one line, never a failed dry run."""
+    try:
+        from areal_mega.simulator.planner import build_plan_report, recommendation
+
+        rep = build_plan_report(config, nodes, overrides, gpus_per_node=gpus_per_node)
+        lines = recommendation(rep)
+    except Exception as e:  # noqa: BLE001 -- advisory output only
+        lines = [f"planner: skipped ({type(e).__name__}: {' '.join(str(e).split())})"]
+    print("\n".join(lines), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
