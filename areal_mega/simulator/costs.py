@@ -88,6 +88,9 @@ class WorkloadModel:
     """Share of episodes filtered out (filter_zero_variance) and regenerated."""
     sim_steps: int = 8
     """Timed simulated steps per configuration."""
+    lengths_from: str = ""
+    """A trainer's metrics.jsonl: draw lengths (and the prompt length) from what that run logged
+    instead of the lognormal above (per-step means: the per-trajectory tail is not logged)."""
 
     def validate(self) -> None:
         if self.gen_mean_tokens < 0 or self.gen_sigma < 0 or self.prompt_tokens < 0:
@@ -98,6 +101,10 @@ class WorkloadModel:
             raise SimulationError(f"sim_steps: must be >= 2, got {self.sim_steps}")
 
     def lengths(self, max_new_tokens: int) -> LengthModel:
+        if self.lengths_from:
+            from areal_mega.simulator.calibrate import fit_lengths, load_rows
+
+            return fit_lengths(load_rows(self.lengths_from), max_new_tokens)
         mean = self.gen_mean_tokens or 0.4 * max_new_tokens
         return LengthModel(kind="lognormal", mean_tokens=max(1.0, mean), sigma=self.gen_sigma,
                            max_tokens=max_new_tokens, prompt_tokens=self.prompt_tokens)

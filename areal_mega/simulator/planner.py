@@ -254,10 +254,11 @@ def recommendation(rep: PlanReport) -> list[str]:
 
 def describe(rep: PlanReport) -> str:
     w = rep.workload
+    dist = (f"lengths from {w.lengths_from}" if w.lengths_from else
+            f"lengths lognormal mean {w.gen_mean_tokens or 0.4 * rep.max_new_tokens:.0f} sigma {w.gen_sigma}")
     lines = [f"throughput plan: {rep.config} on {rep.nodes} nodes x {rep.gpus_per_node} GPUs ({rep.gpus_per_node_source}); "
              f"{rep.model_params / 1e9:.1f}B params, batch {rep.batch_size} x {rep.group_size}, "
-             f"lengths lognormal mean {w.gen_mean_tokens or 0.4 * rep.max_new_tokens:.0f} sigma {w.gen_sigma} "
-             f"cap {rep.max_new_tokens}, engine TP{rep.engine_tp} KV {rep.engine_kv_tokens} tokens",
+             f"{dist} cap {rep.max_new_tokens}, engine TP{rep.engine_tp} KV {rep.engine_kv_tokens} tokens",
              "  learner+engine nodes | learner layout (GiB/GPU) | learner step s | sync s | samples/s by max_staleness "
              + " ".join(str(e) for e in rep.staleness)]
     for s in rep.splits:
