@@ -25,7 +25,7 @@ import torch
 
 from areal_mega.api.io import GenerationRequest, SamplingParams
 from areal_mega.config import from_dict
-from areal_mega.inference import InferenceConfig, InferencePool
+from areal_mega.inference import InferenceConfig, InferencePool, sglang_api
 
 SGLANG_PYTHON = os.environ.get("AREAL_MEGA_SGLANG_PYTHON", "")
 pytestmark = [
@@ -109,7 +109,7 @@ def test_capabilities(h):
     assert caps.sglang_version == "0.5.23"
     assert caps.weight_update_session  # 0.5.23 has /begin_weight_update and /end_weight_update
     assert caps.has("/update_weights_from_distributed") and caps.has("/init_weights_update_group")
-    info = h.run(h.pool.servers[0].model_info())
+    info = h.run(h.pool.servers[0].send(sglang_api.model_info()))
     assert info["weight_version"] == "0"
 
 
@@ -157,6 +157,15 @@ def test_api_key_required(h):
     assert h.run(probe()) == (401, 401, 200, 2)
     # ... and every call of the pool (which sends the key) works: generation above, and this
     assert h.run(h.pool.servers[1].get_weight_version()) == "0"
+    # The key reached SGLang through a 0600 --config file: not on any command line, not in its log.
+    import subprocess
+
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
+    assert "sglang.launch_server" in ps and API_KEY not in ps
+    server = h.pool.servers[0].process
+    assert API_KEY not in server.log_path.read_text(errors="replace")
+    secret = server.log_path.with_name(f"sglang-{server.port}.secret.yaml")
+    assert secret.stat().st_mode & 0o777 == 0o600
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract"])

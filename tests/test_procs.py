@@ -137,3 +137,16 @@ def test_free_ports_distinct() -> None:
     assert len(set(procs.free_ports(16))) == 16
     ranged = procs.free_ports(8, low=20000, high=32000)
     assert len(set(ranged)) == 8 and all(20000 <= q < 32000 for q in ranged)
+
+
+def test_wrapper_redacts_secrets_from_the_output(tmp_path: Path) -> None:
+    """The values of a redact file never reach the command's output (SGLang logs its API key)."""
+    secret_file = tmp_path / "secret.yaml"
+    secret_file.write_text('api-key: "s3cr3t-value"\n')
+    log = tmp_path / "out.log"
+    code = "import sys; print('key=s3cr3t-value ok'); print('err s3cr3t-value', file=sys.stderr)"
+    with open(log, "wb") as f:
+        p = procs.spawn([sys.executable, "-c", code], redact=secret_file, stdout=f, stderr=subprocess.STDOUT)
+        assert p.wait(timeout=60) == 0
+    out = log.read_text()
+    assert "key=*** ok" in out and "err ***" in out and "s3cr3t" not in out

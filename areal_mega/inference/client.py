@@ -226,9 +226,10 @@ class InferencePool(InferenceEngine):
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=ccfg.max_connections_per_server,
                                          keepalive_timeout=ccfg.keepalive_timeout_s)
         self._session = aiohttp.ClientSession(connector=connector)
-        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        key = self.cfg.resolved_api_key()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         for h in self.servers:
-            h._bind(self._session, headers, ccfg.control_timeout_s, ccfg.health_check_timeout_s, self.cfg.api_key)
+            h._bind(self._session, headers, ccfg.control_timeout_s, ccfg.health_check_timeout_s, key)
 
         async def first_contact(h: ServerHandle) -> None:
             if not await h.health_ok():

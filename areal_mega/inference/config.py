@@ -137,8 +137,20 @@ class InferenceConfig:
     """``host:port`` of servers started by someone else (e.g. a Slurm het-job component); when
     set, the pool launches nothing and cannot restart them."""
     api_key: str | None = None
-    """If set, servers are launched with ``--api-key`` and the client sends
-    ``Authorization: Bearer <key>`` on every call."""
+    """If set, servers require it (passed to SGLang in a 0600 config file, never on its command
+    line) and the client sends ``Authorization: Bearer <key>`` on every call. Prefer
+    ``api_key_file``: a key in the YAML is as secret as the YAML."""
+    api_key_file: str | None = None
+    """A file holding the API key (the launcher writes ``<run_dir>/secrets/api_key``, 0600, for
+    every launch that sets no key itself). Exclusive with ``api_key``."""
+
+    def resolved_api_key(self) -> str | None:
+        """``api_key``, or the key read from ``api_key_file``, or None (no key)."""
+        if self.api_key_file:
+            from areal_mega.utils.secrets import read_api_key
+
+            return read_api_key(self.api_key_file)
+        return self.api_key
 
     def validate(self) -> None:
         if self.num_servers < 1 and not self.addresses:
@@ -151,3 +163,5 @@ class InferenceConfig:
                 raise ValueError(f"addresses: {a!r} is not host:port")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key: must be non-empty when set (use null to disable)")
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("api_key_file: set either api_key or api_key_file, not both")

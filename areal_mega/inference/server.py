@@ -25,6 +25,7 @@ from pathlib import Path
 
 from areal_mega.inference.config import InferenceConfig, SGLangServerConfig
 from areal_mega.utils import procs
+from areal_mega.utils.secrets import sglang_key_config, write_private
 
 
 class ServerStartError(RuntimeError):
@@ -48,7 +49,7 @@ def build_launch_command(
     cfg: SGLangServerConfig,
     port: int,
     *,
-    api_key: str | None = None,
+    secret_config: str | None = None,
     weight_version: int | str = 0,
     random_seed: int | None = None,
 ) -> list[str]:
@@ -72,8 +73,9 @@ def build_launch_command(
         cmd += ["--random-seed", str(random_seed)]
     if cfg.skip_tokenizer_init:
         cmd += ["--skip-tokenizer-init"]
-    if api_key is not None:
-        cmd += ["--api-key", api_key]
+    if secret_config is not None:
+        # SGLang's --config YAML carries the API key (utils.secrets): never the key on argv.
+        cmd += ["--config", secret_config]
     return cmd + list(cfg.extra_args)
 
 
@@ -97,9 +99,13 @@ class SGLangServer:
         self.cfg = cfg
         self.host = cfg.host
         self.port = port
-        self.api_key = api_key
         self.random_seed = random_seed
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="sglang-logs-")) / f"sglang-{port}.log"
+        self._secret_config: str | None = None
+        if api_key is not None:
+            path = self.log_path.with_name(f"sglang-{port}.secret.yaml")
+            write_private(path, sglang_key_config(api_key))
+            self._secret_config = str(path)
         self.num_starts = 0
         self._proc: subprocess.Popen | None = None
         # close() may race with a restart running in a worker thread: the lock + flag make sure
@@ -121,7 +127,7 @@ class SGLangServer:
 
     def command(self, weight_version: int | str = 0) -> list[str]:
         return build_launch_command(
-            self.cfg, self.port, api_key=self.api_key, weight_version=weight_version,
+            self.cfg, self.port, secret_config=self._secret_config, weight_version=weight_version,
             random_seed=self.random_seed,
         )
 
@@ -137,7 +143,8 @@ class SGLangServer:
             log.flush()
             # Its own session, behind the die-with-parent wrapper (areal_mega.utils.procs): a
             # trainer killed with SIGKILL leaves no server holding ports and accelerators.
-            self._proc = procs.spawn(self.command(weight_version), stdout=log, stderr=subprocess.STDOUT, env=env)
+            self._proc = procs.spawn(self.command(weight_version), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     redact=self._secret_config)
         self.num_starts += 1
 
     def is_running(self) -> bool:
@@ -213,11 +220,12 @@ def make_servers(cfg: InferenceConfig) -> list[SGLangServer]:
     ``server.random_seed + i``."""
     scfg = cfg.server
     log_dir = scfg.log_dir or tempfile.mkdtemp(prefix="sglang-logs-")
+    key = cfg.resolved_api_key()
     servers = []
     for i in range(cfg.num_servers):
         port = scfg.port + i if scfg.port else procs.free_port(scfg.host)
         seed = None if scfg.random_seed is None else scfg.random_seed + i
-        servers.append(SGLangServer(scfg, port, api_key=cfg.api_key, random_seed=seed, log_dir=log_dir))
+        servers.append(SGLangServer(scfg, port, api_key=key, random_seed=seed, log_dir=log_dir))
     return servers
 
 

@@ -22,6 +22,7 @@ from areal_mega.config import ConfigError, from_dict, parse_overrides
 from areal_mega.launcher.config import LaunchConfig
 from areal_mega.launcher.plan import LaunchPlan, build_plan
 from areal_mega.launcher.supervisor import supervise
+from areal_mega.utils.secrets import write_api_key
 
 EXIT_DOES_NOT_FIT = 2
 
@@ -84,6 +85,8 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
             _print_throughput_plan(config, overrides, len(alloc.nodes), alloc.gpus_per_node)
         print("dry run: nothing started", flush=True)
         return 0
+    if plan.secrets_dir is not None:
+        write_api_key(plan.secrets_dir, plan.api_key)  # 0600; its path only goes on command lines
     return supervise(plan, runner, poll_s=cfg.poll_interval_s, grace_s=cfg.stop_grace_s,
                      tail_lines=cfg.log_tail_lines,
                      engine_timeout_s=cfg.engine.startup_timeout_s + 60, min_ready=cfg.engine.min_ready)

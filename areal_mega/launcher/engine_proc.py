@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     if not cmd:
         p.error("no server command after --")
 
-    child = procs.spawn(cmd, stdin=None)
+    # SGLang logs its arguments, API key included: mask the key of its --config file, if any.
+    secret = cmd[cmd.index("--config") + 1] if "--config" in cmd[:-1] else None
+    child = procs.spawn(cmd, stdin=None, redact=secret)
 
     def stop(signum, _frame):
         procs.stop_tree(child, args.grace, sig=signum)

@@ -32,6 +32,7 @@ from areal_mega.inference.server import build_launch_command
 from areal_mega.launcher.config import LaunchConfig, ModelShape
 from areal_mega.launcher.memory import EngineMemory, LearnerMemory, estimate_engine, estimate_learner
 from areal_mega.parallel import ParallelConfig, ParallelLayout
+from areal_mega.utils import secrets
 from areal_mega.utils.procs import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -117,6 +118,11 @@ class LaunchPlan:
     checks_gpu_memory: bool
     """False on CPU nodes: the estimate is printed, not enforced."""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    secrets_dir: Path | None = None
+    """Where the launch writes the servers' API key (utils.secrets) before starting anything;
+    None when the YAML's ``inference.api_key_file`` names the key file itself."""
+    api_key: str | None = field(default=None, repr=False)
+    """The YAML's own ``inference.api_key``, if any (else a random key per launch)."""
 
     @property
     def fits(self) -> bool:
@@ -152,6 +158,9 @@ class LaunchPlan:
             lines.append("  " + self.engine_memory.describe())
         if not self.checks_gpu_memory:
             lines.append("  (no GPUs: estimates shown, not enforced)")
+        if self.secrets_dir is not None:
+            lines.append(f"servers' API key: written at launch to {self.secrets_dir} (0600; "
+                         + ("the YAML's inference.api_key)" if self.api_key else "random, one per launch)"))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -250,6 +259,15 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
     run_dir = Path(cfg.run_dir.replace("{job_id}", job))
     logs = run_dir / "logs"
     engines_file = run_dir / "engines.json"
+    # The servers' API key: the YAML's own key file, or one written for this launch (the YAML's
+    # inline key, else a random one) -- every launch protects its servers, and the key never
+    # reaches a command line or a log (utils.secrets).
+    inf = raw.get("inference") or {}
+    secrets_dir = None if inf.get("api_key_file") else run_dir / "secrets"
+    key_file = inf.get("api_key_file") or str(secrets_dir / secrets.KEY_FILE)
+    sglang_secret = str(secrets_dir / secrets.SGLANG_CONFIG) if secrets_dir else None
+    if secrets_dir is not None:  # learners read the key from the file, never from the YAML
+        overrides = [*overrides, f"inference.api_key_file={key_file}", "inference.api_key=null"]
     par = parallel_config(cfg, raw)
     nproc, world = _learner_world(cfg, par, gpus)
     layout = ParallelLayout.build(par, world)
@@ -335,8 +353,10 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
         port = ports[i]
         if ec.command is None:
             seed = None if srv.random_seed is None else srv.random_seed + i
+            if sglang_secret is None:  # the user's own key file: SGLang reads a YAML next to it
+                sglang_secret = str(Path(key_file).with_name(secrets.SGLANG_CONFIG))
             cmd = build_launch_command(replace(srv, host=addr, python=engine_python), port, random_seed=seed,
-                                       api_key=(raw.get("inference") or {}).get("api_key"))
+                                       secret_config=sglang_secret)
             engine_env = {**env, **srv.env}
         else:
             engine_env = env
@@ -392,5 +412,5 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
         engine_nodes=tuple(dict.fromkeys(n for n, _, _ in engine_slots)),
         master_addr=f"{master_addr}:{lc.master_port}", engines=tuple(engines), learners=tuple(learners),
         engines_file=engines_file, env=env, learner_memory=learner_mem, engine_memory=engine_mem,
-        checks_gpu_memory=gpus > 0, notes=tuple(notes),
+        checks_gpu_memory=gpus > 0, notes=tuple(notes), secrets_dir=secrets_dir, api_key=inf.get("api_key"),
     )

@@ -213,27 +213,59 @@ if os.getppid() != int(sys.argv[1]):
     sys.exit("die_with_parent: parent exited before the command started")
 for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, signal.SIG_IGN)
+secrets = []
+if argv[0] == "--redact":  # values of "key: value" lines of a file: never written to the output
+    for line in open(argv[1]).read().splitlines():
+        value = line.partition(":")[2].strip().strip(chr(34) + chr(39))
+        if value:
+            secrets.append(value.encode())
+    argv = argv[2:]
+if secrets:
+    rfd, wfd = os.pipe()
 pid = os.fork()
 if pid == 0:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
+    if secrets:
+        os.dup2(wfd, 1)
+        os.dup2(wfd, 2)
+        os.close(rfd)
+        os.close(wfd)
     os.execvp(argv[0], argv)
+if secrets:
+    import threading
+    os.close(wfd)
+    def copy():
+        src, out = os.fdopen(rfd, "rb"), os.fdopen(1, "wb", buffering=0)
+        for line in src:
+            for secret in secrets:
+                line = line.replace(secret, b"***")
+            out.write(line)
+    copier = threading.Thread(target=copy, daemon=True)
+    copier.start()
 while True:
     wpid, status = os.waitpid(-1, 0)
     if wpid == pid:
         break
 code = os.waitstatus_to_exitcode(status)
 kill_tree()
+if secrets:
+    copier.join(10)  # the last lines (the pipe ends once the tree is gone)
 sys.exit(code if code >= 0 else 128 - code)
 """
 
 
-def die_with_parent(argv: Sequence[str]) -> list[str]:
+def die_with_parent(argv: Sequence[str], *, redact: str | Path | None = None) -> list[str]:
     """``argv`` wrapped so that its whole tree is SIGKILLed when the calling THREAD exits
     (PR_SET_PDEATHSIG follows the thread that forked): start long-lived children from threads
     that live as long as they should -- the pool starts servers on its event-loop thread and
-    restarts them in that loop's executor threads, which both live until the pool is closed."""
-    return [sys.executable, "-I", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+    restarts them in that loop's executor threads, which both live until the pool is closed.
+
+    ``redact``: a file of ``key: value`` lines whose values must never reach the output (the
+    command's stdout and stderr then pass through the wrapper, which masks them): SGLang logs its
+    full arguments, API key included."""
+    extra = ["--redact", str(redact)] if redact is not None else []
+    return [sys.executable, "-I", "-c", _DIE_WITH_PARENT, str(os.getpid()), *extra, *argv]
 
 
 def main_pid(proc: subprocess.Popen) -> int:
@@ -246,11 +278,13 @@ def main_pid(proc: subprocess.Popen) -> int:
 # start and stop
 
 
-def spawn(argv: Sequence[str], *, wrap: bool = True, **popen_kwargs) -> subprocess.Popen:
+def spawn(argv: Sequence[str], *, wrap: bool = True, redact: str | Path | None = None,
+          **popen_kwargs) -> subprocess.Popen:
     """Start ``argv`` as the leader of a new session (its group id is its pid), wrapped by
-    :func:`die_with_parent` unless ``wrap=False``; stdin defaults to /dev/null."""
+    :func:`die_with_parent` (with its ``redact``) unless ``wrap=False``; stdin defaults to
+    /dev/null."""
     popen_kwargs.setdefault("stdin", subprocess.DEVNULL)
-    cmd = die_with_parent(argv) if wrap else list(argv)
+    cmd = die_with_parent(argv, redact=redact) if wrap else list(argv)
     return subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
 
 
