@@ -3,36 +3,51 @@
 Export an areal_mega megatron checkpoint (any saved layout) as an HF model directory:
 safetensors (one file per pipeline stage, plus model.safetensors.index.json when pp > 1),
 config.json, and the tokenizer / generation files copied from the HF directory recorded in the
-checkpoint (or --tokenizer-dir). The tensors come from ModelAdapter.export_hf -- the same code
-path live weight sync uses. The checkpoint is validated against the model before the output
-directory is created.
+checkpoint (or --tokenizer-dir). ``--ckpt`` is any checkpoint in the one areal_mega format
+(areal_mega/megatron/checkpoint.py): a trainer's ``checkpoints/latest`` or ``stepNNNNNN``, an
+engine's save, or the output of convert_hf_to_mcore.py. The tensors come from
+ModelAdapter.export_hf -- the same code path live weight sync uses. The checkpoint and the
+layout are validated before the output directory is created; a bad argument prints one line to
+stderr and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
+PROG = "convert_mcore_to_hf"
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", required=True, help="checkpoint directory written by save_checkpoint")
-    ap.add_argument("--out", required=True, help="output HF directory (must not exist or be empty)")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here (default: the checkpoint's source HF dir)")
-    args = ap.parse_args(argv)
 
-    from areal_mega.megatron.checkpoint import read_metadata
+def _check_args(args: argparse.Namespace) -> dict:
+    """Everything checkable without a process group: the checkpoint's metadata, the layout
+    against the model, the output directory. Returns the metadata."""
+    from areal_mega.megatron.checkpoint import CheckpointError, read_metadata
     from areal_mega.models import get_adapter
+    from areal_mega.parallel import ParallelConfig, ParallelLayout
 
     meta = read_metadata(args.ckpt)
-    get_adapter(meta["hf_config"])
+    if meta["role"] != "policy":
+        raise CheckpointError(f"--ckpt: {args.ckpt} holds a {meta['role']} model (value head), which has no "
+                              f"HF form; convert the policy checkpoint it belongs to")
+    arch = get_adapter(meta["hf_config"]).arch
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp), world)
+    layout.check_model(arch.num_layers, arch.num_heads, arch.num_kv_heads)
+    if args.tokenizer_dir is not None and not Path(args.tokenizer_dir).is_dir():
+        raise ValueError(f"--tokenizer-dir: {args.tokenizer_dir} is not a directory")
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"--out: {out} exists and is not empty")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out: {out} exists and is not an empty directory")
+    return meta
+
+
+def convert(args: argparse.Namespace) -> int:
+    meta = _check_args(args)
+    out = Path(args.out)
 
     import torch.distributed as dist
 
@@ -50,13 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     layout = ParallelLayout.build(ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp), dist.get_world_size())
     groups = init_model_parallel(layout, backend="gloo")
     model = build_model_from_checkpoint(args.ckpt, groups)
-    load_checkpoint(model, args.ckpt)  # checks model_type and every shape first
+    load_checkpoint(model, args.ckpt)  # checks role, model_type and every shape first
     # The same writer the trainer uses for its final HF export (one shard per stage, index,
     # config.json, tokenizer files from the source HF dir).
     save_hf_checkpoint(model, str(out), hf_config=meta["hf_config"],
                        source_dir=args.tokenizer_dir or meta.get("source_hf_dir"))
     if dist.get_rank() == 0:
-        print(f"convert_mcore_to_hf: {args.ckpt} -> {out} ({layout}) in {time.time() - t0:.1f}s", flush=True)
+        print(f"{PROG}: {args.ckpt} -> {out} ({layout}) in {time.time() - t0:.1f}s", flush=True)
     destroy_model_parallel(groups)
     dist.barrier()
     if own_world:
@@ -64,5 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[2])
+    ap.add_argument("--ckpt", required=True, help="areal_mega checkpoint directory (e.g. a run's checkpoints/latest)")
+    ap.add_argument("--out", required=True, help="output HF directory (must not exist or be empty)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load the checkpoint at")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (one safetensors file per stage)")
+    ap.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here (default: the checkpoint's source HF dir)")
+    args = ap.parse_args(argv)
+    try:
+        return convert(args)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError: bad input, not a bug
+        print(f"{PROG}: error: " + " ".join(str(e).split()), file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":  # required: dist_checkpointing re-imports __main__
     sys.exit(main())

@@ -1,13 +1,40 @@
-"""Distributed checkpoints of model weights (megatron dist_checkpointing), loadable in any layout.
+"""The one checkpoint format of areal_mega: megatron distributed checkpoints plus ONE metadata file.
 
-    save_checkpoint(model, "ckpt/step_10", step=10, version=10, source_hf_dir=hf_dir)
+Every megatron checkpoint this project writes -- the trainer's ``checkpoints/stepNNNNNN`` (actor,
+and its ``critic/``), :meth:`MegatronTrainEngine.save`, ``tools/convert_hf_to_mcore.py`` -- is
+written by :func:`save_checkpoint` and read through :func:`read_metadata`; the conversion tools
+and the trainer's resume read nothing else.
+
+    save_checkpoint(model, "ckpt/step_10", step=10, version=10, source_hf_dir=hf_dir)   # weights
+    engine.save("ckpt/step_10")                       # + optimizer + LR schedule (same function)
     model = build_model_from_checkpoint("ckpt/step_10", groups)   # another TP/PP is fine
-    load_checkpoint(model, "ckpt/step_10")
+    load_checkpoint(model, "ckpt/step_10")            # weights of either kind
 
-On disk: megatron's ``torch_dist`` format (each rank writes its shards, keys are global, so a
-TP2 checkpoint loads at PP2) plus ``areal_mega.json`` with the HF config, step, policy version,
-dtype and the HF directory the weights came from (tokenizer files are copied from there on
-export). Optimizer state is the engine's (it can store it next to these files).
+On disk, one directory:
+
+* megatron's ``torch_dist`` files (``*.distcp``, ``common.pt``, ``.metadata``, megatron's own
+  ``metadata.json``): each rank writes its shards, keys are global, so a TP2 checkpoint loads at
+  PP2. Model tensors live under the same keys with or without optimizer state, so a training
+  checkpoint is also a weights checkpoint. The optimizer (when saved) is ``fully_reshardable``.
+* ``areal_mega.json`` (:data:`METADATA_FILE`), the metadata, written LAST (temp file + rename)::
+
+      format            "areal_mega.checkpoint.v2" (FORMAT; v1 = the older weights-only format,
+                        still read)
+      role              "policy" (an LM: exportable to HF) or "critic" (value head, not exportable)
+      contents          ["model"] or ["model", "optimizer"]
+      model_type, hf_config, dtype, padded_vocab_size, layer_spec   -- rebuild the model
+      source_hf_dir     the HF directory the weights started from (tokenizer files on export)
+      saved_layout      e.g. "dp=1 pp=1 cp=1 tp=2"
+      step, version     trainer step and policy (engine) version
+      train_state       null, or {"num_steps": optimizer steps, "lr_scheduler": megatron's
+                        OptimizerParamScheduler.state_dict()}  -- with contents "optimizer"
+      extra             the caller's (the trainer: model_path, critic subdirectory)
+
+A half-written checkpoint is never loaded: :func:`save_checkpoint` (and the trainer's
+:func:`save_run_checkpoint`) write into ``.<name>.partial`` next to the target and rank 0
+renames it into place after a barrier; a directory without ``areal_mega.json`` is incomplete.
+``latest`` is a relative symlink replaced by rename. Resume (:func:`find_resume_checkpoint`)
+takes the newest complete ``stepNNNNNN`` and skips incomplete ones.
 
 Trap (megatron-core 0.16.1): save starts a spawn-context multiprocessing Manager that re-imports
 ``__main__``; every script that saves must be guarded by ``if __name__ == "__main__":``.
@@ -16,8 +43,13 @@ Trap (megatron-core 0.16.1): save starts a spawn-context multiprocessing Manager
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
@@ -25,12 +57,168 @@ from areal_mega.megatron.model import MegatronModel, MegatronModelConfig, build_
 from areal_mega.megatron.parallel_state import ModelParallelGroups
 
 METADATA_FILE = "areal_mega.json"
-FORMAT = "areal_mega.mcore_weights.v1"
+"""The metadata file of every areal_mega megatron checkpoint (its presence = complete)."""
+FORMAT = "areal_mega.checkpoint.v2"
+"""Format version written by :func:`save_checkpoint`."""
+_FORMAT_V1 = "areal_mega.mcore_weights.v1"  # weights only, no role/contents/train_state: still read
+_LEGACY_TRAINER_FILE = "areal_meta.json"  # the trainer's old second format (no longer read)
+LATEST = "latest"
+"""Name of the symlink to the newest checkpoint in a run's checkpoint directory."""
+_STEP_DIR = re.compile(r"^step(\d+)$")
 
 
-def _sharded_state_dict(model: MegatronModel) -> dict:
-    # Per-chunk sub-dicts: chunk-local names collide under VPP; the on-disk keys are global.
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: the message is one line naming the path and the problem."""
+
+
+# ---------------------------------------------------------------------- metadata: one writer, one reader
+def write_metadata(path: str | Path, meta: dict[str, Any]) -> None:
+    """Write ``meta`` as ``path/areal_mega.json`` (temp file + fsync + rename: never half a file).
+    The only writer of the metadata file; ``meta`` gets ``format`` = :data:`FORMAT`."""
+    path = Path(path)
+    meta = {"format": FORMAT, **{k: v for k, v in meta.items() if k != "format"}}
+    tmp = path / f".{METADATA_FILE}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(meta, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / METADATA_FILE)
+
+
+def read_metadata(path: str | Path, *, role: str | None = None, training: bool = False) -> dict[str, Any]:
+    """The metadata of the checkpoint in directory ``path`` (the only reader of the file).
+
+    Raises :class:`CheckpointError` (one line, naming the path) when ``path`` is missing, is not
+    a checkpoint (or an incomplete one: no metadata), has another format version, holds another
+    ``role`` than the one given, or (``training``) has no optimizer state."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint: {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint: {path} is not a directory")
+    p = path / METADATA_FILE
+    if not p.is_file():
+        if (path / _LEGACY_TRAINER_FILE).is_file():
+            raise CheckpointError(f"checkpoint: {path} was written by an older trainer ({_LEGACY_TRAINER_FILE}, "
+                                  f"no {METADATA_FILE}); that format is no longer read")
+        if (path / LATEST).exists() or any(_STEP_DIR.match(c.name) for c in path.iterdir()):
+            raise CheckpointError(f"checkpoint: {path} is a run's checkpoint directory, not a checkpoint; "
+                                  f"pass {path / LATEST} or one of its step directories")
+        raise CheckpointError(f"checkpoint: {path} has no {METADATA_FILE} (not an areal_mega checkpoint, "
+                              f"or an incomplete one)")
+    try:
+        meta = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint: {p} is unreadable ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint: {p} is not a JSON object")
+    fmt = meta.get("format")
+    if fmt == _FORMAT_V1:
+        meta = {"role": "policy", "contents": ["model"], "layer_spec": None, "train_state": None, "extra": {}, **meta}
+    elif fmt != FORMAT:
+        raise CheckpointError(f"checkpoint: {p} has format {fmt!r}; this version of areal_mega reads {FORMAT!r}")
+    if role is not None and meta.get("role") != role:
+        raise CheckpointError(f"checkpoint: {path} holds a {meta.get('role')} model, not a {role} one")
+    if training and "optimizer" not in meta.get("contents", ()):
+        raise CheckpointError(f"checkpoint: {path} holds weights only (no optimizer state); it cannot resume training")
+    return meta
+
+
+def is_complete(path: str | Path) -> bool:
+    """Whether ``path`` is a finished checkpoint (its metadata file exists; it is written last)."""
+    return (Path(path) / METADATA_FILE).is_file()
+
+
+# ---------------------------------------------------------------------- atomic directories
+def _staging_dir(path: Path) -> Path:
+    return path.parent / f".{path.name}.partial"
+
+
+@contextmanager
+def staged(path: str | Path, *, replace: bool = True) -> Iterator[Path]:
+    """Collective: yields an empty staging directory ``.<name>.partial`` next to ``path``; on a
+    clean exit (after a barrier) rank 0 renames it to ``path``, replacing an existing ``path``
+    when ``replace``, else refusing (before anything is written) a non-empty one. On an
+    exception nothing is renamed; a leftover staging directory is removed by the next save."""
+    path = Path(path)
+    # Every rank checks (raising on rank 0 alone would leave the others waiting in a barrier).
+    if not replace and path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise CheckpointError(f"checkpoint: {path} exists and is not empty")
+    stage = _staging_dir(path)
+    rank0 = dist.get_rank() == 0
+    dist.barrier()
+    if rank0:
+        if stage.exists():
+            shutil.rmtree(stage)  # an earlier save that died half-way
+        stage.mkdir(parents=True)
+    dist.barrier()
+    yield stage
+    dist.barrier()
+    if rank0:
+        _commit(stage, path)
+    dist.barrier()
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(stage: Path, path: Path) -> None:
+    """Rank 0: move the finished ``stage`` to ``path``. An existing ``path`` is first renamed
+    aside (a crash between the two renames leaves no ``path``, never a mixed one)."""
+    old = path.parent / f".{path.name}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        os.rename(path, old)
+    os.rename(stage, path)
+    _fsync_dir(path.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+# ---------------------------------------------------------------------- save / load
+def model_sharded_state_dict(model: MegatronModel) -> dict:
+    """The model part of every checkpoint: one sub-dict per chunk (chunk-local names collide
+    under VPP; the tensors' on-disk keys are global, so any layout loads them)."""
     return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(model.chunks)}
+
+
+def checkpoint_metadata(
+    model: MegatronModel,
+    *,
+    role: str = "policy",
+    step: int = 0,
+    version: int = 0,
+    source_hf_dir: str | Path | None = None,
+    train_state: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The metadata :func:`save_checkpoint` writes for ``model`` (see the module docstring)."""
+    if role not in ("policy", "critic"):
+        raise ValueError(f"role: {role!r} is not one of policy, critic")
+    return {
+        "format": FORMAT,
+        "role": role,
+        "contents": ["model", "optimizer"] if train_state is not None else ["model"],
+        "model_type": model.arch.model_type,
+        "hf_config": model.adapter.hf_config,
+        "dtype": model.dtype,
+        "padded_vocab_size": model.padded_vocab_size,
+        "layer_spec": model.layer_spec,
+        "source_hf_dir": str(Path(source_hf_dir).resolve()) if source_hf_dir else None,
+        "saved_layout": str(model.groups.layout),
+        "step": int(step),
+        "version": int(version),
+        "train_state": train_state,
+        "extra": dict(extra or {}),
+    }
 
 
 def save_checkpoint(
@@ -40,53 +228,57 @@ def save_checkpoint(
     step: int = 0,
     version: int = 0,
     source_hf_dir: str | Path | None = None,
+    role: str = "policy",
+    optimizer: Callable[[dict], dict] | None = None,
+    train_state: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    atomic: bool = True,
+    replace: bool = False,
 ) -> None:
-    """Save this model's weights (collective over all ranks). ``path`` must not exist or be empty."""
+    """Save ``model`` (collective over all ranks) as a checkpoint in ``path``: the one writer.
+
+    ``optimizer(model_sharded_state_dict) -> sharded optimizer state`` adds optimizer state
+    (the engine's); then ``train_state`` (JSON: optimizer step count, LR schedule) is required.
+    ``atomic``: write into a staging directory renamed into place at the end (see
+    :func:`staged`; ``replace`` = an existing ``path`` is replaced, else it must not exist or be
+    empty); ``atomic=False`` writes straight into ``path`` -- for a caller staging a larger
+    directory itself (:func:`save_run_checkpoint`)."""
+    if (optimizer is None) != (train_state is None):
+        raise ValueError("save_checkpoint: optimizer and train_state come together")
+    path = Path(path)
+    meta = checkpoint_metadata(model, role=role, step=step, version=version, source_hf_dir=source_hf_dir,
+                               train_state=train_state, extra=extra)
+    if atomic:
+        with staged(path, replace=replace) as stage:
+            _write(model, stage, meta, optimizer)
+    else:
+        if dist.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        _write(model, path, meta, optimizer)
+
+
+def _write(model: MegatronModel, path: Path, meta: dict, optimizer: Callable[[dict], dict] | None) -> None:
     from megatron.core import dist_checkpointing
 
-    path = Path(path)
-    # Every rank checks (raising on rank 0 alone would leave the others waiting in a barrier).
-    if path.exists() and any(path.iterdir()):
-        raise ValueError(f"checkpoint path {path} is not empty")
+    sd = model_sharded_state_dict(model)
+    if optimizer is not None:
+        sd["optimizer"] = optimizer(dict(sd))
+    dist_checkpointing.save(sd, str(path))
     dist.barrier()
     if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
+        write_metadata(path, meta)  # last: its presence marks the checkpoint complete
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(model), str(path))
-    if dist.get_rank() == 0:
-        meta = {
-            "format": FORMAT,
-            "model_type": model.arch.model_type,
-            "hf_config": model.adapter.hf_config,
-            "dtype": model.dtype,
-            "padded_vocab_size": model.padded_vocab_size,
-            "step": step,
-            "version": version,
-            "source_hf_dir": str(Path(source_hf_dir).resolve()) if source_hf_dir else None,
-            "saved_layout": str(model.groups.layout),
-            **(extra or {}),
-        }
-        (path / METADATA_FILE).write_text(json.dumps(meta, indent=2))
-    dist.barrier()
-
-
-def read_metadata(path: str | Path) -> dict:
-    p = Path(path) / METADATA_FILE
-    if not p.exists():
-        raise ValueError(f"checkpoint: {p} does not exist (not an areal_mega checkpoint?)")
-    meta = json.loads(p.read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"checkpoint: {p} has format {meta.get('format')!r}, expected {FORMAT!r}")
-    return meta
 
 
 def build_model_from_checkpoint(
     path: str | Path, groups: ModelParallelGroups, cfg: MegatronModelConfig | None = None
 ) -> MegatronModel:
-    """Build (randomly initialised) chunks for the HF config recorded in the checkpoint."""
+    """Build (randomly initialised) chunks for the HF config recorded in the checkpoint, with
+    its dtype, layer spec and vocabulary padding (any TP dividing the padded vocab loads it)."""
     meta = read_metadata(path)
-    cfg = cfg or MegatronModelConfig(dtype=meta["dtype"])
+    cfg = cfg or MegatronModelConfig(dtype=meta["dtype"], layer_spec=meta.get("layer_spec") or "auto",
+                                     make_vocab_size_divisible_by=int(meta["padded_vocab_size"]))
     return build_model(meta["hf_config"], groups, cfg)
 
 
@@ -98,7 +290,7 @@ def check_compatible(model: MegatronModel, path: str | Path) -> None:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     saved = dist_checkpointing.load_tensors_metadata(str(path))
-    for sh in nested_values(_sharded_state_dict(model)):
+    for sh in nested_values(model_sharded_state_dict(model)):
         if not isinstance(sh, ShardedTensor):
             continue
         if sh.key not in saved:
@@ -108,16 +300,108 @@ def check_compatible(model: MegatronModel, path: str | Path) -> None:
             raise ValueError(f"{sh.key}: checkpoint shape {got} != model shape {want}")
 
 
-def load_checkpoint(model: MegatronModel, path: str | Path) -> dict:
-    """Load weights saved by :func:`save_checkpoint` (any layout) into ``model``; returns the
-    metadata. Architecture and every tensor shape are checked first."""
+def _load(model: MegatronModel, path: str | Path, role: str, optimizer: Callable[[dict], dict] | None):
     from megatron.core import dist_checkpointing
 
-    meta = read_metadata(path)
+    meta = read_metadata(path, role=role, training=optimizer is not None)
     if meta["model_type"] != model.arch.model_type:
         raise ValueError(f"model_type: checkpoint has {meta['model_type']!r}, model is {model.arch.model_type!r}")
     check_compatible(model, path)
-    loaded = dist_checkpointing.load(_sharded_state_dict(model), str(path))
+    sd = model_sharded_state_dict(model)
+    if optimizer is not None:
+        sd["optimizer"] = optimizer(dict(sd))
+    loaded = dist_checkpointing.load(sd, str(path))
     for i, c in enumerate(model.chunks):
         c.load_state_dict(loaded[f"model{i}"], strict=True)
-    return meta
+    return meta, loaded.get("optimizer")
+
+
+def load_checkpoint(model: MegatronModel, path: str | Path, *, role: str = "policy") -> dict:
+    """Load the weights of any checkpoint written by :func:`save_checkpoint` (any layout, with or
+    without optimizer state) into ``model``; returns the metadata. Role, architecture and every
+    tensor shape are checked first."""
+    return _load(model, path, role, None)[0]
+
+
+def load_training_checkpoint(
+    model: MegatronModel, path: str | Path, optimizer: Callable[[dict], dict], *, role: str = "policy"
+) -> tuple[dict, dict]:
+    """Load weights and optimizer state (one read) of a checkpoint saved with ``optimizer``;
+    returns (metadata, the loaded optimizer state dict for ``optimizer.load_state_dict``)."""
+    return _load(model, path, role, optimizer)
+
+
+# ---------------------------------------------------------------------- a run's checkpoint directory
+def step_dir_name(step: int) -> str:
+    """``step000010``: the name of step ``step``'s checkpoint in a run's checkpoint directory."""
+    return f"step{step:06d}"
+
+
+def update_latest(root: str | Path, target: str | Path) -> None:
+    """Point ``root/latest`` at ``target`` (a directory in ``root``): a relative symlink created
+    next to it and renamed over it, so ``latest`` is never missing or half-written. Rank 0 only."""
+    root = Path(root)
+    tmp = root / f".{LATEST}.tmp"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(Path(target).name)
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def find_resume_checkpoint(root: str | Path) -> tuple[Path | None, list[Path]]:
+    """(the newest complete ``stepNNNNNN`` checkpoint in ``root`` or None, the incomplete ones
+    skipped). ``latest`` is not trusted: it may point at a deleted or unfinished directory.
+    Staging (``.*.partial``) directories are never candidates."""
+    root = Path(root)
+    done: list[tuple[int, Path]] = []
+    skipped: list[Path] = []
+    if root.is_dir():
+        for d in root.iterdir():
+            m = _STEP_DIR.match(d.name)
+            if not m or d.is_symlink() or not d.is_dir():
+                continue
+            (done.append((int(m.group(1)), d)) if is_complete(d) else skipped.append(d))
+    return (max(done)[1] if done else None), sorted(skipped)
+
+
+def save_run_checkpoint(root: str | Path, step: int, actor: Any, critic: Any = None, *,
+                        extra: dict[str, Any] | None = None) -> Path:
+    """The trainer's checkpoint (collective): ``root/stepNNNNNN`` = the actor engine's checkpoint
+    with the critic's in ``critic/``, staged and renamed into place as ONE directory, then
+    ``root/latest`` moved to it. ``actor``/``critic``: MegatronTrainEngine (anything with
+    ``save(path, step=, extra=, atomic=)``). Returns the checkpoint's path."""
+    root = Path(root)
+    final = root / step_dir_name(step)
+    extra = {**(extra or {}), "critic": "critic" if critic is not None else None}
+    with staged(final, replace=True) as stage:
+        actor.save(str(stage), step=step, extra=extra, atomic=False)
+        if critic is not None:
+            critic.save(str(stage / "critic"), step=step, atomic=False)
+    if dist.get_rank() == 0:
+        update_latest(root, final)
+    dist.barrier()
+    return final
+
+
+def resume_run_checkpoint(root: str | Path, actor: Any, critic: Any = None, *, group: Any = None) -> Path | None:
+    """The trainer's resume (collective): rank 0 picks :func:`find_resume_checkpoint` in ``root``
+    and tells every rank (over ``group``, which must carry Python objects: gloo), which loads the
+    actor (and the critic from its ``critic/``). Returns the loaded path, None when there is
+    none (nothing is loaded)."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        path, skipped = find_resume_checkpoint(root)
+        for s in skipped:
+            print(f"resume: skipping {s} (incomplete: no {METADATA_FILE})", file=sys.stderr, flush=True)
+        if path is not None:
+            print(f"resume: loading {path}", file=sys.stderr, flush=True)
+        box[0] = str(path) if path is not None else None
+    dist.broadcast_object_list(box, src=0, group=group)
+    if box[0] is None:
+        return None
+    path = Path(box[0])
+    actor.load(str(path))
+    if critic is not None:
+        critic.load(str(path / "critic"))
+    return path

@@ -33,7 +33,6 @@ logprobs) with them before calling train_batch.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Literal
@@ -253,7 +252,9 @@ class MegatronTrainEngine(TrainEngine):
         model = build_model(hf_config, groups, cfg.model)
         if hf_weights_dir is not None:
             load_hf_weights(model, hf_weights_dir)
-        return cls(cfg, model, trainable=trainable)
+        engine = cls(cfg, model, trainable=trainable)
+        engine.source_hf_dir = str(hf_weights_dir) if hf_weights_dir is not None else None  # checkpoint metadata
+        return engine
 
     def _require_trainable(self, what: str) -> None:
         if not self.trainable:
@@ -474,60 +475,66 @@ class MegatronTrainEngine(TrainEngine):
         return out[0]
 
     # ------------------------------------------------------------------ checkpoints
-    def _sharded_state_dict(self, is_loading: bool) -> dict[str, Any]:
-        model_sd: dict[str, Any] = {}
-        if len(self.model.chunks) == 1:
-            model_sd["model"] = self.model.chunks[0].sharded_state_dict()
-        else:
-            for i, m in enumerate(self.model.chunks):
-                model_sd[f"model{i}"] = m.sharded_state_dict()
-        sd = dict(model_sd)
+    checkpoint_role = "policy"
+    """``role`` in this engine's checkpoint metadata (the critic's is "critic")."""
+    source_hf_dir: str | None = None
+    """The HF directory the weights were loaded from (set by :meth:`create`); recorded in the
+    checkpoint metadata, tokenizer files are copied from it on HF export."""
+
+    def _optimizer_sharded_state_dict(self, is_loading: bool) -> Callable[[dict], dict]:
         # fully_reshardable: optimizer state keyed by model parameter in its canonical shape
         # (not by DP buffer layout), so a checkpoint saved at one TP/PP/DP loads at another.
         # (megatron's default, fully_sharded_model_space, uses flattened_range, which 0.16.1's
         # dist_checkpointing rejects; see the note at the end of compat's docstring.)
-        sd["optimizer"] = self.optimizer.sharded_state_dict(
+        return lambda model_sd: self.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
         )
-        sd["engine"] = {"version": self._version, "num_steps": self._num_steps, "scheduler": self.scheduler.state_dict()}
-        return sd
 
-    def save(self, path: str) -> None:
-        """Model + optimizer + LR-schedule + version as a megatron distributed checkpoint in
-        ``path`` (loadable under any TP/PP/DP layout of the same model). The calling script
-        must be ``if __name__ == "__main__"``-guarded (dist_checkpointing spawns a Manager)."""
-        from megatron.core import dist_checkpointing
+    def save(self, path: str, *, step: int | None = None, source_hf_dir: str | None = None,
+             extra: dict[str, Any] | None = None, atomic: bool = True) -> None:
+        """Model + optimizer + LR schedule + version as an areal_mega checkpoint in ``path``
+        (areal_mega.megatron.checkpoint.save_checkpoint: megatron distributed checkpoint,
+        loadable under any TP/PP/DP layout of the same model, plus areal_mega.json). ``step``
+        defaults to the optimizer step count, ``source_hf_dir`` to the one :meth:`create` loaded;
+        ``atomic``: staged and renamed into place (an existing ``path`` is replaced), else
+        written straight into ``path``. The calling script must be
+        ``if __name__ == "__main__"``-guarded (dist_checkpointing spawns a Manager)."""
+        from areal_mega.megatron.checkpoint import save_checkpoint
 
         self._require_trainable("save")
-        if dist.get_rank() == 0:
-            os.makedirs(path, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), path)
-        dist.barrier()
+        save_checkpoint(
+            self.model, path,
+            step=self._num_steps if step is None else step,
+            version=self._version,
+            source_hf_dir=source_hf_dir or self.source_hf_dir,
+            role=self.checkpoint_role,
+            optimizer=self._optimizer_sharded_state_dict(is_loading=False),
+            train_state={"num_steps": self._num_steps, "lr_scheduler": self.scheduler.state_dict()},
+            extra=extra,
+            atomic=atomic,
+            replace=True,
+        )
 
     def load(self, path: str) -> None:
-        """Inverse of :meth:`save`, into this engine's (possibly different) layout."""
-        from megatron.core import dist_checkpointing
+        """Inverse of :meth:`save`, into this engine's (possibly different) layout. Refuses
+        (CheckpointError, one line) a missing or incomplete checkpoint, another format version,
+        another role (policy vs critic) and a weights-only checkpoint."""
+        from areal_mega.megatron.checkpoint import load_training_checkpoint, read_metadata
 
         self._require_trainable("load")
-        if not os.path.isdir(path):
-            raise ValueError(f"load path: {path} is not a checkpoint directory")
+        read_metadata(path, role=self.checkpoint_role, training=True)  # clean errors before any optimizer work
         # megatron-core 0.16.1 dist-opt + torch Adam: state_dict() needs Adam state (compat entry 1).
         compat.materialise_optimizer_state(self.optimizer)
-        sd = self._sharded_state_dict(is_loading=True)
-        loaded = dist_checkpointing.load(sd, path)
-        if len(self.model.chunks) == 1:
-            self.model.chunks[0].load_state_dict(loaded["model"])
-        else:
-            for i, m in enumerate(self.model.chunks):
-                m.load_state_dict(loaded[f"model{i}"])
+        meta, optimizer_state = load_training_checkpoint(
+            self.model, path, self._optimizer_sharded_state_dict(is_loading=True), role=self.checkpoint_role
+        )
         # megatron-core 0.16.1 dist-opt + torch Adam: 'step' KeyError, shared step (compat entries 2-3).
         with compat.skip_adam_step_on_param_state_load(self.optimizer):
-            self.optimizer.load_state_dict(loaded["optimizer"])
-        eng = loaded["engine"]
-        self.scheduler.load_state_dict(eng["scheduler"])
-        self._version = int(eng["version"])
-        self._num_steps = int(eng["num_steps"])
+            self.optimizer.load_state_dict(optimizer_state)
+        state = meta["train_state"]
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        self._version = int(meta["version"])
+        self._num_steps = int(state["num_steps"])
         dist.barrier()
 
     def get_version(self) -> int:

@@ -33,7 +33,8 @@ after tokens <= i) = the value of the state from which token i+1 is generated, w
 GAE needs at action position i (``loss_mask`` is shifted the same way); 0 at sequence ends.
 
 The critic is never synced to the inference servers; it is saved next to the actor as
-``checkpoints/stepN/critic`` (a megatron distributed checkpoint: model, Adam, LR schedule).
+``checkpoints/stepN/critic`` (an areal_mega checkpoint with role "critic": model, Adam, LR
+schedule; areal_mega/megatron/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ class CriticEngine(MegatronTrainEngine):
     the signature :class:`areal_mega.algo.losses.PPOCriticLoss` takes; everything else (micro-batch
     plan, DP/PP gathering, optimizer, checkpoints) is the actor engine's, unchanged."""
 
+    checkpoint_role = "critic"
+    """Its checkpoints say so: they cannot be exported to HF or loaded as a policy."""
+
     @classmethod
     def create(  # type: ignore[override]
         cls, cfg: CriticConfig, hf_config: Any, groups: Any, hf_weights_dir: str | None = None, *, seed: int = 1
@@ -116,7 +120,9 @@ class CriticEngine(MegatronTrainEngine):
         if hf_weights_dir is not None:
             load_hf_weights(model, hf_weights_dir)  # before the head swap: the adapter maps the LM head
         attach_value_head(model, init_std=cfg.value_head_init_std, seed=seed)
-        return cls(cfg, model)
+        critic = cls(cfg, model)
+        critic.source_hf_dir = str(hf_weights_dir) if hf_weights_dir is not None else None  # checkpoint metadata
+        return critic
 
     def _token_outputs(self, output: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
         """Last stage: values [1, T, 1] -> (values [T], zeros [T]), 0 at sequence ends."""

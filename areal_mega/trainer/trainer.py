@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from areal_mega.megatron.checkpoint import resume_run_checkpoint, save_run_checkpoint
 from areal_mega.megatron.engine import MegatronTrainEngine
 from areal_mega.megatron.parallel_state import ModelParallelGroups, init_model_parallel
 from areal_mega.parallel import ParallelLayout
@@ -84,12 +85,9 @@ class Trainer:
                   if cfg.algorithm.adv_estimator == "gae" else None)
         out = Path(cfg.output_dir)
         start_step = 0
-        latest = out / "checkpoints" / "latest"
-        if cfg.trainer.resume and (latest / "areal_meta.json").exists():
-            actor.load(str(latest))
+        # The newest COMPLETE checkpoint (areal_mega.json present); half-written ones are skipped.
+        if cfg.trainer.resume and resume_run_checkpoint(out / "checkpoints", actor, critic, group=ctrl) is not None:
             start_step = actor.get_version()
-            if critic is not None:
-                critic.load(str(latest / "critic"))
 
         rank0 = groups.rank == 0
         driver = RolloutDriver(cfg.inference) if rank0 else None
@@ -255,20 +253,10 @@ class Trainer:
         return (t.eval_every > 0 and step % t.eval_every == 0) or (t.eval_at_end and step == t.num_steps)
 
     def save(self, step: int) -> None:
-        ckpt_root = Path(self.cfg.output_dir) / "checkpoints"
-        path = ckpt_root / f"step{step:06d}"
-        self.actor.save(str(path))
-        if self.critic is not None:
-            self.critic.save(str(path / "critic"))
-        if self.is_driver:
-            (path / "areal_meta.json").write_text(json.dumps({"step": step, "version": step,
-                                                             "model_path": self.cfg.model_path}))
-            latest = ckpt_root / "latest"
-            tmp = ckpt_root / ".latest.tmp"
-            if tmp.is_symlink():
-                tmp.unlink()
-            tmp.symlink_to(path.name)
-            os.replace(tmp, latest)  # atomic: a crash never leaves "latest" half-written
+        """``checkpoints/stepNNNNNN`` (actor + ``critic/``) in the one checkpoint format, staged
+        and renamed into place, then ``checkpoints/latest`` moved to it (both atomic)."""
+        save_run_checkpoint(Path(self.cfg.output_dir) / "checkpoints", step, self.actor, self.critic,
+                            extra={"model_path": self.cfg.model_path})
         dist.barrier(group=self.ctrl_group)
 
     def evaluate(self, step: int) -> None:
