@@ -1,9 +1,10 @@
-# Two entry points (README "Quick start"): `make demo` and `make test`.
+# Two entry points (README "Quick start"): `make demo` and `make test` (`make test-fast`: the
+# pure-Python and single-process tests only, < 2 min; see tests/conftest.py).
 # Both build the virtualenvs they need (cached outside the clone, keyed by requirements hash).
 SHELL := /bin/bash
 PYTEST_ARGS ?=
 
-.PHONY: demo test envs learner-env sglang-env
+.PHONY: demo test test-fast envs learner-env sglang-env
 
 learner-env:
 	@tools/env/make_venv.sh learner
@@ -19,4 +20,9 @@ demo:
 
 test:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
-	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -x $(PYTEST_ARGS)
+	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE $(PYTEST_ARGS)
+
+# No process starts in this tier (no SGLang either): --audit-processes fails it if one does.
+test-fast:
+	@L=$$(tools/env/make_venv.sh learner) && \
+	  $$L/bin/python -m pytest -q -rfE -m "not slow" --audit-processes $(PYTEST_ARGS)

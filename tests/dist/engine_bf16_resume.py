@@ -19,7 +19,10 @@ areal_mega.megatron.engine._fix_param_group_index_map and _fix_float16_optimizer
 Per case: engine from the HF weights -> step 1 -> save -> step 2 -> forward -> step 3 (the
 uninterrupted run); then a fresh engine with random weights loads the checkpoint and takes
 steps 2 and 3. Step 2's loss checks the restored weights; the post-step-2 log-probs and step 3's
-loss check the restored fp32 master weights, Adam moments and step count.
+loss check the restored fp32 master weights, Adam moments and step count. Also recorded: step 1's
+stats and post-step log-probs (what a resume from the pre-step weights would reproduce: the size
+of the effect the step-2 comparison guards against) and the post-step-2 logit scale (for the
+tolerances of the resharded resume).
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
-from areal_mega.megatron.model import MegatronModelConfig
+from areal_mega.megatron.model import MegatronModelConfig, forward_logits
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
-from engine_checks import TEMPERATURE, finish_launch, make_batch, make_loss_fn, make_tiny, start_launch  # sibling script
+from engine_checks import TEMPERATURE, finish_launch, make_batch, make_loss_fn, start_launch  # sibling script
+from tests.support.models import save_tiny_model
 
 # (name, family, distributed optimizer, TP of the resumed engine: 2 = saved at TP1 x DP2, loaded
 # at TP2 x DP1, so weights AND optimizer state are resharded)
@@ -73,16 +77,19 @@ def main() -> None:
         hf_dir = os.path.join(args.work_dir, f"tiny_{arch}")
         ckpt = os.path.join(args.work_dir, f"ckpt_{name}")
         if rank == 0 and not os.path.isdir(hf_dir):
-            make_tiny(hf_dir, arch, num_layers=2, dtype=torch.bfloat16, scale=1.0)
+            save_tiny_model(hf_dir, arch, num_hidden_layers=2, dtype="bfloat16")  # HF init, unscaled
         dist.barrier()
         engine = build(hf_dir, distopt, load_weights=True)
         assert engine.model.chunks[0].decoder.final_layernorm.weight.dtype == torch.float32  # mixed model
         before = engine.forward_logprobs(batch, temperature=TEMPERATURE)
         step1 = engine.train_batch(batch, loss_fn, temperature=TEMPERATURE)
+        after1 = engine.forward_logprobs(batch, temperature=TEMPERATURE)
         engine.set_version(3)
         engine.save(ckpt)
         ref = {"step2": engine.train_batch(batch, loss_fn, temperature=TEMPERATURE)}
         ref["after2"] = engine.forward_logprobs(batch, temperature=TEMPERATURE).tolist()
+        # max |logits| / T of the post-step-2 model: the scale of the log-probs' rounding error
+        ref["logit_scale"] = float(forward_logits(engine.model, batch["input_ids"], batch["cu_seqlens"]).abs().max()) / TEMPERATURE
         ref["step3"] = engine.train_batch(batch, loss_fn, temperature=TEMPERATURE)
         destroy_model_parallel()
 
@@ -93,7 +100,8 @@ def main() -> None:
         got["step3"] = resumed.train_batch(batch, loss_fn, temperature=TEMPERATURE)
         destroy_model_parallel()
         res[name] = {
-            "distributed_optimizer": distopt, "resume_tp": resume_tp, "before": before.tolist(), "step1": step1,
+            "arch": arch, "distributed_optimizer": distopt, "resume_tp": resume_tp, "before": before.tolist(), "step1": step1,
+            "after1": after1.tolist(),
             "ref": ref, "resumed": got, "seconds": time.perf_counter() - t0,
         }
     finish_launch(res, args.out)

@@ -35,44 +35,17 @@ from areal_mega.megatron.packing import pack_sequences, shift_to_next_token
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
+from tests.support.models import DEFAULTS, save_tiny_model
 
-VOCAB = 200
+VOCAB = DEFAULTS["vocab_size"]  # 200, padded to 256 by the engine
+NUM_LAYERS = DEFAULTS["num_hidden_layers"]  # 4
+# HF's default init is tiny (std 0.02); widening it a little keeps log-probs from being uniform
+# (x3 made the model so sensitive that fp32 noise alone moved post-step log-probs 5e-5).
+SCALE = 1.5
 TEMPERATURE = 0.8
 LR = 5e-5
 WARMUP = 2
 ENT_COEF = 0.01
-
-
-def make_tiny(path: str, family: str = "qwen2", *, num_layers: int = 4, tied: bool = False,
-              dtype: torch.dtype = torch.float32, scale: float = 1.5) -> None:
-    """A tiny random HF model (vocab VOCAB, hidden 64, GQA 4/2 heads) saved to ``path``.
-
-    ``scale``: HF's default init is tiny (std 0.02); widening it a little keeps log-probs from
-    being uniform (x3 made the model so sensitive that fp32 noise alone moved post-step log-probs
-    5e-5)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    kw = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=tied,
-    )
-    if family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**kw))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**kw))
-    model = model.to(torch.float32)
-    if scale != 1.0:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(scale)
-    model.to(dtype).save_pretrained(path, safe_serialization=True)
-
-
-def make_tiny_qwen2(path: str) -> None:
-    """The fp32 4-layer Qwen2 (qkv bias, untied) every check here uses."""
-    make_tiny(path, "qwen2")
 
 
 def make_batch() -> dict[str, torch.Tensor]:
@@ -106,6 +79,8 @@ def make_loss_fn(batch):
             "n_tokens": m.sum(),
             "ratio": (ratio * m).sum() / m.sum().clamp(min=1),
             "ratio/max": (ratio * m).max(),
+            # mean |A * ratio| over loss tokens: the scale of the loss terms (for tolerances)
+            "abs_ratio_term": (mb["advantages"].abs() * ratio * m).sum() / m.sum().clamp(min=1),
         }
         return (per_tok * m).sum() / total, stats
 
@@ -185,7 +160,9 @@ def ppo_plugin_step(engine, batch) -> dict:
     loss_fn = PPOActorLoss(algo, total_tokens=tokens, total_seqs=seqs)
     whole, whole_stats = loss_fn(fwd["logprobs"], fwd["entropy"], b)
     stats = engine.train_batch(b, loss_fn, temperature=TEMPERATURE)
-    return {"stats": stats, "whole_loss": float(whole), "whole_clip_frac": float(whole_stats["clip_frac"])}
+    m = b["loss_mask"].float()
+    return {"stats": stats, "whole_loss": float(whole), "whole_clip_frac": float(whole_stats["clip_frac"]),
+            "adv_abs_mean": float((b["advantages"].abs() * m).sum() / m.sum())}
 
 
 def start_launch() -> argparse.Namespace:
@@ -214,7 +191,7 @@ def main() -> None:
     hf_dir = os.path.join(args.work_dir, "tiny_qwen2")
     ckpt = os.path.join(args.work_dir, "ckpt_tp2")
     if rank == 0:
-        make_tiny_qwen2(hf_dir)
+        save_tiny_model(hf_dir, scale=SCALE)  # fp32 Qwen2, qkv bias, untied
     dist.barrier()
     batch = make_batch()
     loss_fn, total = make_loss_fn(batch)

@@ -38,8 +38,9 @@ from areal_mega.megatron.parallel_state import destroy_model_parallel, init_mode
 from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from engine_checks import (  # sibling script
-    TEMPERATURE, engine_cfg, finish_launch, make_batch, make_loss_fn, make_tiny, make_tiny_qwen2, start_launch,
+    SCALE, TEMPERATURE, engine_cfg, finish_launch, make_batch, make_loss_fn, start_launch,
 )
+from tests.support.models import save_tiny_model
 
 CASES = {"mb4": 64, "mb5": 48, "mb1": 10_000}  # case -> token budget per micro-batch
 
@@ -78,8 +79,8 @@ def main() -> None:
     tied_dir = os.path.join(args.work_dir, "tiny_llama_tied")
     ckpt = os.path.join(args.work_dir, "ckpt_vpp2")
     if rank == 0:
-        make_tiny_qwen2(hf_dir)
-        make_tiny(tied_dir, "llama", tied=True)
+        save_tiny_model(hf_dir, scale=SCALE)
+        save_tiny_model(tied_dir, "llama", scale=SCALE, tie_word_embeddings=True)
     dist.barrier()
     batch = make_batch()
     loss_fn, _ = make_loss_fn(batch)

@@ -1,1 +1,10 @@
-"""Test support: builders, launchers, fakes and tolerances shared by the tests (not part of the package)."""
+"""Test support (not part of the package): what more than one test file needs, written once.
+
+* ``tests.support.numerics``: tolerances derived from the dtype and the size of the computation;
+* ``tests.support.models``: the tiny random HF models (and the tiny addition task) tests build;
+* ``tests.support.launch``: torchrun commands and runs, the SGLang skip guard;
+* ``tests.support.fake_sglang``: a deterministic in-process SGLang stand-in.
+
+``tests/conftest.py`` holds the pytest side (the ``slow`` tier, the process audit). Scripts under
+tests/dist/ run with the repository root on PYTHONPATH and import these modules too.
+"""
