@@ -33,21 +33,12 @@ from areal_mega.parallel import ParallelConfig, ParallelLayout
 from areal_mega.algo.config import AlgorithmConfig
 from areal_mega.trainer.critic import CriticConfig, CriticEngine
 from areal_mega.algo.losses import PPOActorLoss, PPOCriticLoss, global_counts
+from tests.support.models import save_tiny_model
 
 VOCAB = 120
+# The tiny Qwen2 with TIED embeddings (tests/support/models.py; HF init, 2 layers, hidden 64)
+MODEL = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=256, tie_word_embeddings=True)
 SEED = 3
-
-
-def make_tiny_qwen2(path: str) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-    )
-    Qwen2ForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
 
 
 def make_batch() -> dict[str, torch.Tensor]:
@@ -112,7 +103,7 @@ def main() -> None:
     hf_dir = os.path.join(args.work_dir, "tiny_qwen2_tied")
     ckpt = os.path.join(args.work_dir, "critic_tp2")
     if rank == 0:
-        make_tiny_qwen2(hf_dir)
+        save_tiny_model(hf_dir, **MODEL)
     dist.barrier()
     hf = load_hf_config(hf_dir)
     batch = make_batch()

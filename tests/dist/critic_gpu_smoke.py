@@ -23,7 +23,19 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from critic_checks import ALGO, make_batch, make_tiny_qwen2  # noqa: E402  (same tiny model and batch)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo: tests.support
+from critic_checks import ALGO, MODEL, make_batch  # noqa: E402  (same tiny model and batch)
+from tests.support.models import save_tiny_model  # noqa: E402
+from tests.support.numerics import fp32_tol, rounding_tol, transformer_reductions  # noqa: E402
+
+FWD = transformer_reductions(MODEL["num_hidden_layers"])  # reductions from the weights to a value / log-prob
+
+
+def same_weights_tol(dtype: str, ref: torch.Tensor) -> float:
+    """Values (or log-probs) of the same weights computed twice (tests/support/numerics.py): FWD
+    reductions relative to max |ref|; fp32 ones of up to K = 128 terms, bf16 ones accumulate in
+    fp32 and round once (K = 1)."""
+    return rounding_tol(dtype, 128 if dtype == "float32" else 1, float(ref.abs().max()), ops=FWD)
 
 
 def main() -> int:
@@ -52,7 +64,7 @@ def main() -> int:
     from areal_mega.algo.losses import PPOActorLoss, PPOCriticLoss, global_counts
 
     hf_dir = os.path.join(args.workdir, "tiny")
-    make_tiny_qwen2(hf_dir)
+    save_tiny_model(hf_dir, **MODEL)
     hf = load_hf_config(hf_dir)
     batch = make_batch()
     tokens, seqs = global_counts(batch["loss_mask"], batch["cu_seqlens"])
@@ -90,9 +102,13 @@ def main() -> int:
                           "head_device": str(critic.model.chunks[-1].output_layer.weight.device)}
             check(f"{dtype}: finite", bool(torch.isfinite(v0).all() and torch.isfinite(v1).all()))
             check(f"{dtype}: zero at sequence ends", bool((v0[ends] == 0).all()))
-            check(f"{dtype}: engine loss == objective", abs(stats["loss"] - before) <= 1e-4 * max(1.0, before))
+            # loss 0.5 (v - R)^2 moves by |v - R| |dv|, mean |v - R| <= sqrt(2 loss); plus the sum's order
+            v_t = same_weights_tol(dtype, v0)
+            loss_t = (2 * before) ** 0.5 * v_t + fp32_tol(int(batch["loss_mask"].sum()), before)
+            check(f"{dtype}: engine loss == objective", abs(stats["loss"] - before) <= loss_t)
+            # learning, not rounding: one Adam step lowers it by ~40% on CPU
             check(f"{dtype}: step lowers value loss", after < 0.9 * before)
-            check(f"{dtype}: save/load", reload_diff <= 1e-6)
+            check(f"{dtype}: save/load", reload_diff <= same_weights_tol(dtype, v1))
         except Exception:
             failures.append(f"{dtype}: {traceback.format_exc()}")
 
@@ -108,9 +124,10 @@ def main() -> int:
         ref1, act1 = ref.forward_logprobs(batch, 0.9), actor.forward_logprobs(batch, 0.9)
         res["ref"] = {"init_maxdiff": float((ref0 - act0).abs().max()), "ref_moved": float((ref1 - ref0).abs().max()),
                       "actor_moved": float((act1 - act0).abs().max()), "ref_kl_step2": s2["ref_kl"]}
-        check("ref == actor at init", res["ref"]["init_maxdiff"] <= 1e-5)
-        check("ref frozen", res["ref"]["ref_moved"] == 0.0)
-        check("actor moved", res["ref"]["actor_moved"] > 0.1)
+        lp_t = same_weights_tol("float32", ref0)
+        check("ref == actor at init", res["ref"]["init_maxdiff"] <= lp_t)
+        check("ref frozen", res["ref"]["ref_moved"] == 0.0)  # the same engine, the same inputs: exact
+        check("actor moved", res["ref"]["actor_moved"] > lp_t)
     except Exception:
         failures.append(f"ref: {traceback.format_exc()}")
 
