@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,8 +27,7 @@ from areal_mega.megatron.packing import (
     split_for_dp,
     validate_batch,
 )
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.launch import run_checked
 
 
 def _check_plan(lens, plan, budget, dp):
@@ -141,15 +138,15 @@ def test_validate_batch_errors_name_the_tensor():
 def test_pad_to_longest_hand_computed():
     # budget 8: [2,4] -> 2*4=8 ok; +3 -> 3*4=12 > 8, flush (6 real / 8); [3,1] -> 2*3=6 (4/6)
     eff, n = pad_to_longest_efficiency([2, 4, 3, 1], 8)
-    assert n == 2 and eff == pytest.approx(10 / 14)
+    assert n == 2 and eff == 10 / 14  # a ratio of integer token counts: exact
 
 
+@pytest.mark.slow  # a subprocess
 def test_bench_packing_meets_target():
-    """The benchmark script: one JSON line, packed efficiency >= 0.95 on the long tail."""
-    r = subprocess.run(
-        [sys.executable, "tools/bench_packing.py", "--num-seqs", "1024", "--max-tokens", "16384"],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=True,
-    )
+    """The benchmark script: one JSON line, packed efficiency >= 0.95 on the long tail (targets
+    of the packer, not tolerances: padding to the longest reaches < 0.6 on the same lengths)."""
+    r = run_checked([sys.executable, "tools/bench_packing.py", "--num-seqs", "1024", "--max-tokens", "16384"],
+                    timeout_s=60)
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1
     res = json.loads(lines[0])
