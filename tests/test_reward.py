@@ -1,5 +1,6 @@
 """Rewards: answer extraction, math-verify in worker processes, timeouts/crashes score 0,
-user functions by dotted path, the code sandbox (~8 s: worker start-up imports math-verify)."""
+user functions by dotted path, the code sandbox (~8 s: worker start-up imports math-verify).
+The worker-pool and sandbox tests start processes: ``slow``."""
 
 import asyncio
 import os
@@ -30,6 +31,7 @@ def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
 
+@pytest.mark.slow
 def test_math_reward_in_worker():
     reward = MathReward(num_workers=1, timeout_s=20.0)
     try:
@@ -65,6 +67,7 @@ def helper_module(tmp_path, monkeypatch):
     return "reward_helpers_t"
 
 
+@pytest.mark.slow
 def test_pool_timeout_crash_error_score_default(helper_module):
     m = helper_module
     with RewardWorkerPool(num_workers=1, timeout_s=1.0, default=0.0) as pool:
@@ -88,6 +91,7 @@ def test_user_function_registry(helper_module):
         from_dict(RewardConfig, {"kind": "function", "function": "no_colon"})
 
 
+@pytest.mark.slow
 def test_code_reward_sandbox():
     reward = CodeReward(timeout_s=1.0, memory_mb=256)
     tests = [{"input": "2 3\n", "output": "5"}, {"input": "10 -4\n", "output": "6"}]
