@@ -207,12 +207,12 @@ CONFIG_70B = "configs/grpo_llama70b.yaml"
 
 
 def test_planner_70b_respects_memory_plan_and_recommends():
+    from areal_mega.algo.config import AlgorithmConfig
     from areal_mega.launcher.cli import load_launch_config
-    from areal_mega.launcher.memory import estimate_learner
     from areal_mega.launcher.plan import model_shape
     from areal_mega.parallel import ParallelConfig, ParallelLayout
     from areal_mega.simulator.costs import WorkloadModel
-    from areal_mega.simulator.planner import build_plan_report, recommendation
+    from areal_mega.simulator.planner import build_plan_report, learner_memory, recommendation
 
     rep = build_plan_report(CONFIG_70B, 8, staleness=(0, 2), workload=WorkloadModel(sim_steps=3))
     cfg, raw, _ = load_launch_config(CONFIG_70B, [])
@@ -222,7 +222,7 @@ def test_planner_70b_respects_memory_plan_and_recommends():
     for s in rep.feasible():
         tp, pp, dp = (int(x[2:]) for x in s.layout.split()[:3])
         lay = ParallelLayout.build(ParallelConfig(tp, pp), s.learner_nodes * 8)
-        assert lay.dp == dp and estimate_learner(m, cfg.learner, lay, cfg.gpu_memory_gib).fits
+        assert lay.dp == dp and learner_memory(cfg, raw, m, lay, AlgorithmConfig())[0].fits  # the launcher's verdict
         assert s.by_staleness[2]["samples_per_s"] >= 0.99 * s.by_staleness[0]["samples_per_s"]
         assert all(r["violations"] == 0 for r in s.by_staleness.values())
     best, eta = rep.best()

@@ -13,6 +13,9 @@ lengths (``areal_mega.simulator.calibrate``), simulates both modes and prints ON
                        the async run predicted from the SYNCHRONOUS run's timings only
   predicted_speedup, measured_speedup, predicted/measured_staleness_mean, calibration, sim_*
 
+``measurement_warning`` is non-empty when the machine was overloaded or its speed changed between
+the two runs (the learner's own step differs by more than 2x): the decode model fitted on the
+sync run then does not describe the async run, and the comparison is void.
 The synchronous prediction is close to exact by construction (its generation time is what the
 decode model is fitted to, its learner and sync times are inputs); the asynchronous one tests
 the simulated overlap, the pauses at weight sync and the staleness rules.
@@ -108,6 +111,20 @@ def main() -> int:
     res["measured_sync_bench_async"] = bench.get("sync_samples_per_s")
     res["measured_async_bench_async"] = bench.get("async_samples_per_s")
     res["loadavg_before"], res["loadavg_after"] = bench.get("loadavg_before"), bench.get("loadavg_after")
+    # The calibration carries the sync run's decode speed over to the async run: it only means
+    # something if the machine ran at the same speed in both. Flag runs where it did not.
+    cal = res["calibration"]
+    ratio = cal["learner_sync_run"]["fixed_s"] / max(cal["learner_async_run"]["fixed_s"], 1e-9)
+    loads = [x[0] for x in (bench.get("loadavg_before"), bench.get("loadavg_after")) if x]
+    cores = os.cpu_count() or 1
+    warn = []
+    if loads and max(loads) > 2 * cores:
+        warn.append(f"load average {max(loads):.1f} on {cores} cores during the measurement")
+    if not 0.5 <= ratio <= 2.0:
+        warn.append(f"the learner's own step took {ratio:.2f}x as long in the sync run as in the async run "
+                    "(the machine's speed changed between the runs)")
+    res["learner_step_ratio_sync_over_async"] = round(ratio, 4)
+    res["measurement_warning"] = "; ".join(warn)
     print(json.dumps(res), flush=True)
     return 0
 

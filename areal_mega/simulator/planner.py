@@ -120,6 +120,22 @@ def _typed(cls, overrides: list[str], prefix: str):
     return from_dict(cls, section, prefix=prefix)  # validates, naming prefix + field
 
 
+def learner_memory(cfg, raw: dict, m, layout, alg):
+    """The launcher's own memory verdict for a learner layout (the check ``--dry-run`` enforces),
+    with the recompute mode and micro-batch tokens it assumed: (LearnerMemory, recompute, tokens).
+    Speaks both forms of the launcher's API: settings resolved from the trainer's sections
+    (``plan.learner_settings``), or the ``launch.learner`` section itself."""
+    from areal_mega.launcher import memory, plan
+
+    if hasattr(plan, "learner_settings"):
+        s, critic, reference = plan.learner_settings(cfg, raw, m, layout, on_gpu=True)
+        est = memory.estimate_learner(m, s, layout, cfg.gpu_memory_gib, reference=reference, critic=critic)
+        return est, s.recompute, s.micro_batch_tokens
+    est = memory.estimate_learner(m, cfg.learner, layout, cfg.gpu_memory_gib,
+                                  reference=alg.kl_coef > 0, critic=alg.adv_estimator == "gae")
+    return est, cfg.learner.recompute, cfg.learner.micro_batch_tokens
+
+
 def build_plan_report(config: str, nodes: int, overrides: list[str] | None = None, *, gpus_per_node: int | None = None,
                       staleness: tuple[int, ...] = DEFAULT_STALENESS, tolerance: float = 0.02,
                       cost: ClusterCostModel | None = None, workload: WorkloadModel | None = None) -> PlanReport:
@@ -127,7 +143,7 @@ def build_plan_report(config: str, nodes: int, overrides: list[str] | None = Non
     from areal_mega.algo.config import AlgorithmConfig
     from areal_mega.config import from_dict
     from areal_mega.launcher.cli import load_launch_config
-    from areal_mega.launcher.memory import GIB, estimate_engine, estimate_learner, total_params
+    from areal_mega.launcher.memory import GIB, estimate_engine, total_params
     from areal_mega.launcher.plan import model_shape, parallel_config, server_config
     from areal_mega.parallel import ParallelConfig, ParallelLayout
     from areal_mega.rollout.config import RolloutConfig
@@ -170,10 +186,12 @@ def build_plan_report(config: str, nodes: int, overrides: list[str] | None = Non
     lengths.validate()
     mean_gen, mean_ctx = lengths.moments()
     tokens_per_step = ro.batch_size * group * (lengths.prompt_tokens + mean_gen)
-    fpt = learner_flops_per_token(params=P, layers=m.num_hidden_layers, hidden=m.hidden_size,
-                                  mean_context=(lengths.prompt_tokens + mean_gen) / 2, decoupled=alg.decoupled,
-                                  reference=alg.kl_coef > 0, critic=alg.adv_estimator == "gae",
-                                  recompute=cfg.learner.recompute)
+
+    def flops_per_token(recompute: str) -> float:
+        return learner_flops_per_token(params=P, layers=m.num_hidden_layers, hidden=m.hidden_size,
+                                       mean_context=(lengths.prompt_tokens + mean_gen) / 2, decoupled=alg.decoupled,
+                                       reference=alg.kl_coef > 0, critic=alg.adv_estimator == "gae",
+                                       recompute=recompute)
     dec = decode_model(cost, params=P, engine_tp=et, kv_bytes_per_token_per_gpu=eng.kv_bytes_per_token,
                        mean_context=mean_ctx, kv_capacity_tokens=eng.kv_tokens)
     per_node = gpus_per_node // et
@@ -189,16 +207,15 @@ def build_plan_report(config: str, nodes: int, overrides: list[str] | None = Non
             vpp = par.virtual_pipeline_parallel if pp == par.pipeline_parallel and pp > 1 else None
             try:
                 layout = ParallelLayout.build(ParallelConfig(par.tensor_parallel, pp, par.context_parallel, vpp), world)
-                mem = estimate_learner(m, cfg.learner, layout, cfg.gpu_memory_gib,
-                                       reference=alg.kl_coef > 0, critic=alg.adv_estimator == "gae")
+                mem, recompute, mbt = learner_memory(cfg, raw, m, layout, alg)
             except ValueError as e:
                 reasons.append(f"pp{pp}: {e}")
                 continue
             if not mem.fits:
                 reasons.append(f"pp{pp}: {mem.total / GIB:.0f} GiB > {cfg.gpu_memory_gib:g} GiB")
                 continue
-            lm = learner_model(cost, flops_per_token=fpt, world=world, pp=pp, vpp=layout.vpp, dp=layout.dp,
-                               tokens_per_step=tokens_per_step, micro_batch_tokens=cfg.learner.micro_batch_tokens)
+            lm = learner_model(cost, flops_per_token=flops_per_token(recompute), world=world, pp=pp, vpp=layout.vpp,
+                               dp=layout.dp, tokens_per_step=tokens_per_step, micro_batch_tokens=mbt)
             t = lm.step_s(tokens_per_step)
             if best is None or t < best[0] - 1e-12:
                 best = (t, layout, mem, lm, sync_model(cost, params=P, pp=pp))
