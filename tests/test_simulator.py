@@ -269,3 +269,13 @@ def test_plan_cli_missing_config(capsys):
 
     assert main(["plan", "--config", "does/not/exist.yaml", "--nodes", "4"]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_launcher_dry_run_prints_recommendation(capsys):
+    from areal_mega.launcher.cli import _print_throughput_plan
+
+    _print_throughput_plan(CONFIG_70B, ["workload.sim_steps=2"], 6, 8)
+    out = capsys.readouterr().out
+    assert out.startswith("planner: recommended") and "predicted speedup over the best synchronous plan" in out
+    _print_throughput_plan("does/not/exist.yaml", [], 6, 8)  # advisory: one line, no exception
+    assert capsys.readouterr().out.startswith("planner: skipped (ConfigError: config file")
