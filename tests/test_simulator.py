@@ -152,6 +152,7 @@ def test_bad_input_is_a_simulation_error():
         simulate(SimConfig(lengths=LengthModel(kind="empirical")))
 
 
+@pytest.mark.slow  # a fresh interpreter (the only way to see what an import pulls in)
 def test_no_torch_import():
     import subprocess
 
