@@ -66,6 +66,21 @@ One entry per upstream bug -- what breaks in 0.16.1 / symptom seen / fix / call 
    the rule in ``schedules.forward_backward_pipelining_with_interleaving``; keep in sync. (M >= pp
    itself is a schedule requirement, met by filler micro-batches in ``MegatronTrainEngine._plan``.)
 
+9. Sequence parallelism with the local (torch) layer spec: ``WrappedTorchNorm`` -- the norm
+   ``get_gpt_layer_local_spec`` and ``TransformerBlock`` (final norm, without TE/apex) use --
+   asserts "sequence parallel not supported by torch LayerNorm". Nothing in a norm's math
+   depends on SP (it is per token); what SP needs is that the replicated norm weights, whose
+   gradients now come from 1/tp of the tokens on each TP rank, carry
+   ``param.sequence_parallel = True`` so that ``finalize_model_grads`` sums them over the TP
+   group (``_allreduce_non_tensor_model_parallel_grads``), as megatron's FusedLayerNorm/TENorm
+   do. Fix: :class:`SequenceParallelRMSNorm` (torch ``RMSNorm``, same parameter name and dtype as
+   before, that attribute set) swapped into the local layer spec
+   (:func:`local_spec_with_sp_norms`) and into the block spec's final norm
+   (:func:`block_spec_with_sp_final_norm`). Used with SP on and off (one model structure). Call
+   site: ``areal_mega.megatron.model.build_model`` (local spec). Upgrade: check whether
+   WrappedTorchNorm still asserts; tests/test_engine_sp.py (SP on == SP off, incl. the norm
+   gradients through the optimizer step) must pass either way.
+
 Not a workaround that can be deleted, noted for upgrades: the engine saves the optimizer with
 ``distrib_optim_sharding_type="fully_reshardable"`` (needed to reshard across layouts anyway);
 megatron's default, ``fully_sharded_model_space``, uses ``flattened_range``, which 0.16.1's
@@ -329,3 +344,45 @@ def microbatch_group_size(num_microbatches: int, pp: int) -> int:
         if r == 0 or r >= pp:
             return n
     raise ValueError(f"interleaved pipeline: needs >= pp ({pp}) micro-batches, got {num_microbatches}")
+
+
+# ---------------------------------------------------------------- sequence parallelism, local spec (entry 9)
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """Entry 9: torch RMSNorm built from megatron's norm arguments, usable under sequence
+    parallelism: identical math and parameters to what ``WrappedTorchNorm`` builds (torch
+    ``RMSNorm(hidden_size, eps)``, weight in torch's default dtype), plus
+    ``weight.sequence_parallel = config.sequence_parallel`` so that finalize_model_grads
+    all-reduces its gradient over the TP group when each rank saw only its sequence shard."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError(f"SequenceParallelRMSNorm: only plain RMSNorm, got {config.normalization}")
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+def local_spec_with_sp_norms(layer_spec: Any) -> Any:
+    """Entry 9: the local layer spec with its (input, pre-MLP) norms replaced by
+    :class:`SequenceParallelRMSNorm` (IdentityOp slots stay identity)."""
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    spec = copy.deepcopy(layer_spec)
+    sub = spec.submodules
+    for name in ("input_layernorm", "pre_mlp_layernorm", "pre_cross_attn_layernorm"):
+        if getattr(sub, name, None) is WrappedTorchNorm:
+            setattr(sub, name, SequenceParallelRMSNorm)
+    return spec
+
+
+def block_spec_with_sp_final_norm(layer_spec: Any, tcfg: Any, vp_stage: int | None, pp_rank: int) -> Any:
+    """Entry 9: a TransformerBlockSubmodules for this pipeline chunk -- the layer spec repeated as
+    megatron's ``_get_block_submodules`` would (same layer count) -- whose final norm is
+    :class:`SequenceParallelRMSNorm` instead of the module-level ``LayerNormImpl``."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    n = get_num_layers_to_build(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * n, layer_norm=SequenceParallelRMSNorm)

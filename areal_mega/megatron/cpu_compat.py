@@ -21,6 +21,14 @@ megatron-core hard-codes CUDA in a handful of places that the CPU tests and the 
    every CUDA device argument to CPU, turns ``.cuda()`` into identity, and reports CPU tensor
    types with their CUDA names. It costs roughly 2x step time on tiny models -- acceptable for
    tests; production runs on GPU where none of this is installed.
+5. ``tensor_parallel/random.py`` -- activation recompute (``CheckpointFunction``, used by
+   ``recompute: selective | full``) snapshots and restores ``_get_cuda_rng_state()`` /
+   ``_set_cuda_rng_state()`` (``torch.cuda.random.get_rng_state``: "Torch not compiled with
+   CUDA" on CPU) around the recomputed forward, next to the CPU RNG and the tracker states it
+   also saves. On CPU there is no CUDA generator to keep in step: the getter returns an empty
+   placeholder and the setter ignores it (the CPU RNG -- the one CPU dropout draws from -- and
+   the :class:`CpuRNGStatesTracker` states are still saved and restored by megatron itself, so a
+   recomputed dropout mask equals the original).
 
 megatron-core bugs that bite on GPU as well (optimizer checkpointing, interleaved-pipeline p2p)
 are worked around in :mod:`areal_mega.megatron.compat`, unconditionally; on a megatron-core
@@ -136,6 +144,14 @@ def install_rng_tracker() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
+def _patch_recompute_rng_state() -> None:
+    """Call site 5: CUDA RNG snapshots of megatron's activation checkpointing, as no-ops."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+
+
 def apply() -> bool:
     """Install the CPU patches on this thread if CUDA is unavailable. Returns True if active."""
     global _global_patched
@@ -146,6 +162,7 @@ def apply() -> bool:
             torch.cuda.current_device = lambda: "cpu"  # call site 2
             torch.cuda.synchronize = lambda *a, **k: None  # call site 3
             install_rng_tracker()  # call site 1
+            _patch_recompute_rng_state()  # call site 5
             _global_patched = True
         tid = threading.get_ident()
         if tid not in _applied_threads:

@@ -25,6 +25,15 @@ PackedSeqParams (qkv_format "thd", cu_seqlens) instead: transformer-engine's var
 kernels on GPU, no mask, no cross-sequence FLOPs. That path needs the TE layer spec and is NOT
 tested here (no GPU, TE does not import on CPU).
 
+Sequence parallelism (``actor.model.sequence_parallel``, on by default at TP > 1): megatron
+splits the token dimension over the TP ranks between the attention/MLP blocks, so every
+micro-batch row must hold a multiple of TP tokens. ``_run_schedule`` pads each one (one pad
+"sequence" after the real ones, its own block of the mask / its own cu_seqlens entry, so real
+tokens compute exactly what they would unpadded) and the loss sees only the real tokens
+(``compat.pad_microbatch`` / ``compat.trimmed_loss``, shared with the VPP padding). Activation
+recompute (``actor.model.recompute``: none | selective | full) is megatron's own
+(recompute_granularity / method / num_layers); forward-only engines never recompute.
+
 Alignment: outputs are next-token aligned (TrainEngine contract): position i holds
 log p(input_ids[i+1] | tokens <= i) and the last token of every sequence holds 0. Use
 packing.shift_to_next_token to align "this-token" trajectory fields (loss_mask, behaviour
@@ -43,7 +52,7 @@ import torch.distributed as dist
 from areal_mega.api.engine import TrainEngine
 from areal_mega.megatron import compat
 from areal_mega.megatron.logprobs import vocab_parallel_logprobs
-from areal_mega.megatron.model import MegatronModel, MegatronModelConfig, packed_causal_mask
+from areal_mega.megatron.model import MegatronModel, MegatronModelConfig, check_context_parallel, packed_causal_mask
 from areal_mega.megatron.packing import (
     last_token_mask,
     next_token_labels,
@@ -160,6 +169,7 @@ class MegatronTrainEngine(TrainEngine):
         cfg.optimizer.validate()
         if cfg.attention == "thd" and model.layer_spec != "te":
             raise ValueError("attention: 'thd' needs the transformer-engine layer spec (model.layer_spec='te')")
+        check_context_parallel(model.groups.layout, model.layer_spec, cfg.attention)
         if model.groups.layout.vpp:
             if cfg.attention == "thd":
                 raise ValueError(
@@ -247,9 +257,16 @@ class MegatronTrainEngine(TrainEngine):
         """Build the model for ``hf_config`` under ``groups`` (from parallel_state.init_model_parallel),
         load HF weights if ``hf_weights_dir`` is given, and wrap it in an engine
         (forward-only when ``trainable`` is False, see ``__init__``)."""
+        import dataclasses
+
         from areal_mega.megatron.model import build_model, load_hf_weights
 
-        model = build_model(hf_config, groups, cfg.model)
+        model_cfg = cfg.model
+        if not trainable and model_cfg.recompute != "none":
+            # Forward-only (no_grad): nothing is saved for backward, so recompute would only add
+            # checkpoint wrappers; the reference is built without it.
+            model_cfg = dataclasses.replace(model_cfg, recompute="none")
+        model = build_model(hf_config, groups, model_cfg)
         if hf_weights_dir is not None:
             load_hf_weights(model, hf_weights_dir)
         engine = cls(cfg, model, trainable=trainable)
@@ -300,10 +317,16 @@ class MegatronTrainEngine(TrainEngine):
         ends = last_token_mask(mb["cu_seqlens"], labels.numel())
         return lp.masked_fill(ends, 0.0), ent.masked_fill(ends, 0.0)
 
+    def _padded_length(self, num_tokens: int) -> int:
+        """Row length a micro-batch of ``num_tokens`` runs at: a multiple of TP under sequence
+        parallelism (megatron scatters the token dim over the TP ranks), else unchanged."""
+        m = self.layout.tp if self.model.config.sequence_parallel else 1
+        return -(-num_tokens // m) * m
+
     def _run_schedule(self, mbs: list[dict[str, torch.Tensor]], loss_func: Callable, forward_only: bool) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        seq_length = max(int(mb["input_ids"].numel()) for mb in mbs)
+        seq_length = max(self._padded_length(int(mb["input_ids"].numel())) for mb in mbs)
         many = len(self.chunks) > 1
         if many:
             # Interleaved 1F1B: fixed-shape p2p (no variable_seq_lengths, see
@@ -318,10 +341,12 @@ class MegatronTrainEngine(TrainEngine):
             # cool-down included, so the k-th next() of every chunk is micro-batch k.
             mb = {k: v.to(self._device) for k, v in next(data_iterator).items()}
             T = int(mb["input_ids"].numel())
-            if not many or T == seq_length:
+            # VPP: the fixed p2p shape (compat entry 7); else a multiple of TP under SP (or T).
+            target = seq_length if many else self._padded_length(T)
+            if T == target:
                 return self._model_forward(chunk, mb), partial(loss_func, mb)
-            # VPP: pad to the fixed p2p shape, the loss sees only the real tokens (compat entry 7).
-            padded = compat.pad_microbatch(mb, seq_length)
+            # Padded: the loss sees only the real tokens (compat.pad_microbatch / trimmed_loss).
+            padded = compat.pad_microbatch(mb, target)
             return self._model_forward(chunk, padded), partial(compat.trimmed_loss, loss_func, mb, T)
 
         return get_forward_backward_func()(

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from areal_mega.megatron import cpu_compat
+from areal_mega.megatron import compat, cpu_compat
 from areal_mega.megatron.parallel_state import ModelParallelGroups, tp_all_gather
 from areal_mega.models import get_adapter
 from areal_mega.models.base import ModelAdapter, ModelArch, StagePlan, padded_vocab_size, torch_dtype
@@ -45,12 +45,46 @@ class MegatronModelConfig:
     """Dropout after attention/MLP (HF Llama/Qwen2 use 0)."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
-    recompute_activations: bool = False
-    """Full activation recomputation of every layer (saves memory, costs one extra forward)."""
+    sequence_parallel: bool | Literal["auto"] = "auto"
+    """Megatron sequence parallelism: the activations outside attention/MLP (norms, residuals,
+    dropout) are split over the TP ranks along the sequence (all-gather before the column-parallel
+    linears, reduce-scatter after the row-parallel ones instead of an all-reduce), so they cost
+    1/tp of their memory. Same math as without it (tests/test_engine_sp.py). "auto" = on when
+    tensor_parallel > 1 (megatron users' expectation); at TP1 it is off whatever is set (nothing
+    to split). Packed
+    micro-batches are padded to a multiple of TP (a pad "sequence" the loss never sees)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute (megatron's recompute_granularity): "none" keeps every activation;
+    "selective" recomputes core attention in backward (drops the per-head [s, s] score and
+    probability tensors of the mask path, the cheap-to-recompute, memory-heavy part); "full"
+    keeps only the input of each recomputed group of layers and reruns its forward in backward
+    (see recompute_method). Gradients are identical (tests/test_engine_sp.py). A forward-only
+    engine (the KL reference) never recomputes: it keeps no activations."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """With recompute "full": "uniform" = every chunk's layers in groups of recompute_num_layers,
+    each group recomputed as one unit (only group inputs kept); "block" = the first
+    recompute_num_layers layers of each pipeline chunk recomputed one by one, the rest keep
+    everything (megatron's recompute_method)."""
+    recompute_num_layers: int = 1
+    """With recompute "full": layers per recompute unit ("uniform") or layers recomputed per
+    pipeline chunk ("block")."""
 
     def validate(self) -> None:
         if self.layer_spec not in ("auto", "local", "te"):
             raise ValueError(f"layer_spec: {self.layer_spec!r} is not one of auto, local, te")
+        if self.sequence_parallel not in (True, False, "auto"):
+            raise ValueError(f"sequence_parallel: {self.sequence_parallel!r} is not one of true, false, auto")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute: {self.recompute!r} is not one of none, selective, full")
+        if self.recompute_method not in ("uniform", "block"):
+            raise ValueError(f"recompute_method: {self.recompute_method!r} is not one of uniform, block")
+        if self.recompute_num_layers < 1:
+            raise ValueError(f"recompute_num_layers: must be >= 1, got {self.recompute_num_layers}")
+
+    def sequence_parallel_for(self, tp: int) -> bool:
+        """The resolved sequence_parallel setting at tensor-parallel size ``tp``: off at TP1
+        whatever was asked (there is nothing to split; megatron refuses SP without TP)."""
+        return tp > 1 and (self.sequence_parallel == "auto" or bool(self.sequence_parallel))
         if self.dtype is not None:
             torch_dtype(self.dtype)
         if self.make_vocab_size_divisible_by < 1:
@@ -123,7 +157,7 @@ def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: Megatr
         pipeline_model_parallel_size=lay.pp,
         virtual_pipeline_model_parallel_size=lay.vpp,
         context_parallel_size=lay.cp,
-        sequence_parallel=False,
+        sequence_parallel=cfg.sequence_parallel_for(lay.tp),
         params_dtype=dt,
         pipeline_dtype=dt,
         bf16=dt == torch.bfloat16,
@@ -139,9 +173,46 @@ def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: Megatr
         use_cpu_initialization=groups.cpu_compat,
         variable_seq_lengths=True,  # packed rows differ in length between micro-batches
         moe_token_dispatcher_type="alltoall",  # no MoE here; 0.16.1 rejects variable lengths + allgather
-        recompute_granularity="full" if cfg.recompute_activations else None,
-        recompute_method="uniform" if cfg.recompute_activations else None,
-        recompute_num_layers=1 if cfg.recompute_activations else None,
+        **recompute_kwargs(cfg),
+    )
+
+
+def recompute_kwargs(cfg: MegatronModelConfig) -> dict[str, Any]:
+    """megatron TransformerConfig recompute_* fields for ``cfg.recompute``."""
+    if cfg.recompute == "none":
+        return {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
+    if cfg.recompute == "selective":
+        # megatron's default recompute_modules for "selective" is ["core_attn"]: said explicitly.
+        return {"recompute_granularity": "selective", "recompute_method": None, "recompute_num_layers": None,
+                "recompute_modules": ["core_attn"]}
+    return {"recompute_granularity": "full", "recompute_method": cfg.recompute_method,
+            "recompute_num_layers": cfg.recompute_num_layers}
+
+
+def check_context_parallel(layout, spec_name: str, attention: str | None = None) -> None:
+    """Refuse cp > 1 where it cannot run, at start-up, naming the key (never silently ignored).
+
+    The engine does not split sequences over CP ranks: megatron's context parallelism needs
+    transformer-engine's TEDotProductAttention (the local spec's DotProductAttention asserts
+    cp == 1) AND per-rank load-balanced THD chunks of every packed sequence (2 x cp chunks,
+    cu_seqlens and positions per rank, outputs gathered back), which areal_mega does not
+    implement yet. So cp > 1 is refused with every spec; the message says what is missing."""
+    if layout.cp <= 1:
+        return
+    need = ("the transformer-engine layer spec (actor.model.layer_spec: te, needs transformer_engine "
+            "on GPU) with THD packed attention (actor.attention: thd)")
+    if spec_name != "te" or (attention is not None and attention != "thd"):
+        raise ValueError(
+            f"parallel.context_parallel: {layout.cp} > 1 cannot run with layer spec {spec_name!r}"
+            + (f" and attention {attention!r}" if attention is not None else "")
+            + f": context parallelism needs {need}, plus per-rank sequence chunking, which this "
+            "engine does not implement; set parallel.context_parallel: 1 (use tensor_parallel / "
+            "sequence_parallel for long sequences)"
+        )
+    raise ValueError(
+        f"parallel.context_parallel: {layout.cp} > 1 is not implemented by this engine (it needs "
+        f"{need} -- present -- and load-balanced 2 x cp chunking of each packed sequence with "
+        "per-rank cu_seqlens, which is not implemented); set parallel.context_parallel: 1"
     )
 
 
@@ -165,12 +236,15 @@ def build_model(
     lay = groups.layout
     lay.check_model(arch.num_layers, arch.num_heads, arch.num_kv_heads)
     spec_name = resolve_layer_spec(cfg.layer_spec)
+    check_context_parallel(lay, spec_name)
     dtype = cfg.dtype or arch.dtype
     tcfg = transformer_config(arch, groups, cfg, dtype)
     if spec_name == "te":
         layer_spec = get_gpt_layer_with_transformer_engine_spec()
     else:
         layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        # torch RMSNorm that works under sequence parallelism (megatron's asserts; compat entry 9).
+        layer_spec = compat.local_spec_with_sp_norms(layer_spec)
     vocab = padded_vocab_size(arch.vocab_size, lay.tp, cfg.make_vocab_size_divisible_by)
     vpp = lay.vpp or 1
     pp_rank = groups.coords.pp
@@ -180,7 +254,10 @@ def build_model(
         post = pp_rank == lay.pp - 1 and c == vpp - 1
         m = GPTModel(
             config=tcfg,
-            transformer_layer_spec=layer_spec,
+            transformer_layer_spec=(
+                compat.block_spec_with_sp_final_norm(layer_spec, tcfg, c if lay.vpp else None, pp_rank)
+                if spec_name == "local" else layer_spec
+            ),
             vocab_size=vocab,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre,
@@ -290,8 +367,13 @@ def forward_logits(
     cpu_compat.apply()
     g = model.groups
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    T = int(input_ids.numel())
-    tokens = input_ids.view(1, T).to(dev)
+    n_real = int(input_ids.numel())
+    # Sequence parallelism scatters the token dim over TP: pad the row to a multiple of tp with
+    # pad tokens that attend only to themselves (packed_causal_mask), dropped from the output.
+    m = g.layout.tp if model.config.sequence_parallel else 1
+    T = -(-n_real // m) * m
+    ids = torch.cat([input_ids.reshape(-1), input_ids.new_zeros(T - n_real)]) if T > n_real else input_ids
+    tokens = ids.view(1, T).to(dev)
     positions = torch.arange(T, device=dev).view(1, T)
     mask = packed_causal_mask(cu_seqlens, T).to(dev)
     out: list[torch.Tensor] = []
@@ -323,7 +405,7 @@ def forward_logits(
         )
     if not g.is_last_stage:
         return None
-    logits = out[0][0].float()  # [T, vocab/tp]
+    logits = out[0][0, :n_real].float()  # [T, vocab/tp]
     if not gather_vocab:
         return logits
     full = tp_all_gather(logits, g.tp, dim=-1)

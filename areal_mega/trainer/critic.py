@@ -12,11 +12,16 @@ DDP/optimizer/dist_checkpointing) with one change on the last pipeline stage: th
 plain torch ``Linear(hidden, 1)`` REPLICATED on every TP rank. GPTModel's post-process calls
 ``output_layer(hidden, weight=..., runtime_gather_output=...)`` after the final norm and returns
 ``[b, s, out]``; the head honours that call signature, so megatron's schedules, PP p2p and the
-engine's micro-batching work unchanged. Why this is correct under TP: with sequence parallelism
-off (the only mode here), the final hidden states are complete and identical on every TP rank,
-so every TP rank computes the same values and the same loss, the head's gradient is identical
-on every TP rank, and the gradient reaching the trunk is the full one (a column-parallel head
-would instead all-reduce partial input gradients). megatron's grad-norm counts a parameter
+engine's micro-batching work unchanged. Why this is correct under TP: the head sees the
+complete final hidden states, identical on every TP rank -- without sequence parallelism they
+are complete already; with it each rank holds 1/tp of the tokens and the head all-gathers them
+first (``gather_from_sequence_parallel_region`` with ``tensor_parallel_output_grad=False``: its
+backward keeps this rank's slice of the gradient instead of reduce-scattering, right because
+every rank computed the same loss on all tokens) -- so every TP rank computes the same values
+and the same loss, the head's gradient is identical on every TP rank, and the gradient reaching
+the trunk is the full one (a column-parallel head would instead all-reduce partial input
+gradients). Activation recompute (``critic.model.recompute``) is the actor's: megatron's, on
+the trunk. megatron's grad-norm counts a parameter
 without the ``tensor_model_parallel`` attribute once (TP rank 0), which is right for a replica.
 Tied embeddings: the critic unties them (``share_embeddings_and_output_weights = False`` on
 every chunk), otherwise megatron would treat the head's weight as the LM head's copy of the
@@ -74,8 +79,12 @@ class ValueHead(torch.nn.Module):
 
     Replicated on every TP rank (see the module docstring for why that is exact)."""
 
-    def __init__(self, hidden_size: int, *, init_std: float, seed: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, *, init_std: float, seed: int, device: torch.device, dtype: torch.dtype,
+                 sequence_parallel_group: Any = None):
+        """``sequence_parallel_group``: the TP group when the trunk runs sequence parallel (the
+        head then gathers the tokens first), None otherwise."""
         super().__init__()
+        self._sp_group = sequence_parallel_group
         g = torch.Generator().manual_seed(seed)
         # Named weight/bias directly on the module (not a nested Linear): megatron's
         # LanguageModule.sharded_state_dict looks up "output_layer.weight" on the last stage.
@@ -85,6 +94,12 @@ class ValueHead(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
         # ``weight`` is the tied embedding megatron would pass to an LM head: not ours (untied).
+        if self._sp_group is not None:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=self._sp_group
+            )
         return torch.nn.functional.linear(hidden_states.float(), self.weight.float(), self.bias.float()), None
 
 
@@ -97,7 +112,9 @@ def attach_value_head(model: MegatronModel, *, init_std: float, seed: int) -> No
         if last and i == len(model.chunks) - 1:
             assert chunk.post_process, "the last chunk of the last stage must own the output layer"
             p = next(chunk.parameters())
-            chunk.output_layer = ValueHead(model.arch.hidden_size, init_std=init_std, seed=seed, device=p.device, dtype=p.dtype)
+            sp_group = model.groups.tp if model.config.sequence_parallel else None
+            chunk.output_layer = ValueHead(model.arch.hidden_size, init_std=init_std, seed=seed, device=p.device,
+                                           dtype=p.dtype, sequence_parallel_group=sp_group)
 
 
 class CriticEngine(MegatronTrainEngine):
