@@ -1,22 +1,35 @@
 """Placement and memory estimator, pure logic (no processes, no cluster). Runtime ~3 s
-(one transformers import for the parameter-count cross-check)."""
+(one transformers import for the parameter-count cross-check). Plus one slow check: the
+estimator against what the engine really holds (tools/check_memory_model.py, 2 gloo ranks)."""
 
 from __future__ import annotations
 
 import json
+import math
+import sys
 
 import pytest
+import yaml
 
-from areal_mega.launcher.cli import load_launch_config
-from areal_mega.launcher.config import LaunchConfig, LearnerLaunchConfig, ModelShape
-from areal_mega.launcher.memory import GIB, activation_bytes_per_token, count_params, estimate_engine, \
-    estimate_learner, total_params
+from areal_mega.config import ConfigError
+from areal_mega.launcher.cli import load_launch_config, run
+from areal_mega.launcher.config import LaunchConfig, ModelShape
+from areal_mega.launcher.memory import (
+    GIB, LOGPROB_BYTES_PER_TOKEN, LearnerSettings, count_params, estimate_engine, estimate_learner,
+    layer_bytes_per_token, stage_activations, stage_state, total_params,
+)
 from areal_mega.launcher.plan import Allocation, build_plan, render
+from areal_mega.launcher.slurm import expand_nodelist
+from areal_mega.models import get_adapter
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 
-LLAMA3_70B = ModelShape(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
-                        num_key_value_heads=8, vocab_size=128256)
 CONFIG_70B = "configs/grpo_llama70b.yaml"
+# The model through the trainer's own adapter, from the config.json the YAML carries inline.
+LLAMA3_70B = ModelShape.from_arch(get_adapter(yaml.safe_load(open(CONFIG_70B))["launch"]["model_config"]).arch)
+# What configs/grpo_llama70b.yaml sets: bf16, TE spec (GPU), THD attention, SP, full recompute.
+S70 = LearnerSettings(dtype="bfloat16", layer_spec="te", attention="thd", sequence_parallel=True,
+                      recompute="full", recompute_method="uniform", recompute_num_layers=1,
+                      micro_batch_tokens=16384, distributed_optimizer=True, reserved_gib=6.0)
 
 
 def alloc(n: int, gpus: int, cpus: int | None = None) -> Allocation:
@@ -35,6 +48,7 @@ def test_llama3_70b_parameter_count_by_hand():
     # norms 2*8192. Embedding and output 128256*8192 each, final norm 8192.
     layer = 150_994_944 + 704_643_072 + 16_384
     assert total_params(LLAMA3_70B) == 80 * layer + 2 * 128_256 * 8192 + 8192 == 70_553_706_496
+    assert (LLAMA3_70B.d, LLAMA3_70B.dtype) == (128, "bfloat16")
 
 
 def test_parameter_count_matches_transformers():
@@ -42,51 +56,67 @@ def test_parameter_count_matches_transformers():
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=96,
-                                         num_attention_heads=8, num_key_value_heads=2, vocab_size=100,
-                                         tie_word_embeddings=False))
-    shape = ModelShape(num_hidden_layers=3, hidden_size=64, intermediate_size=96, num_attention_heads=8,
-                       num_key_value_heads=2, vocab_size=100)
-    assert total_params(shape) == sum(p.numel() for p in llama.parameters())
-    qwen = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=96,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                        tie_word_embeddings=True))
-    shape = ModelShape(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=100, tie_word_embeddings=True, attention_bias=True)
-    assert total_params(shape) == sum(p.numel() for p in qwen.parameters())
+    lcfg = LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                       num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
+    shape = ModelShape.from_arch(get_adapter(lcfg.to_dict()).arch)  # the trainer's parse, no other
+    assert total_params(shape) == sum(p.numel() for p in LlamaForCausalLM(lcfg).parameters())
+    qcfg = Qwen2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=100, tie_word_embeddings=True)
+    shape = ModelShape.from_arch(get_adapter(qcfg.to_dict()).arch)
+    assert shape.attention_bias and shape.tie_word_embeddings
+    assert total_params(shape) == sum(p.numel() for p in Qwen2ForCausalLM(qcfg).parameters())
 
 
 def test_learner_memory_70b_tp8_pp4_by_hand():
-    cfg = LearnerLaunchConfig(micro_batch_tokens=8192, recompute="selective", sequence_parallel=True,
-                              reserved_gib=6.0)
     layout = ParallelLayout.build(ParallelConfig(tensor_parallel=8, pipeline_parallel=4), 32)
-    est = estimate_learner(LLAMA3_70B, cfg, layout, 80.0)
-    # Stage 0 is the worst: 20 layers + the embedding, 4 micro-batches in flight.
+    est = estimate_learner(LLAMA3_70B, S70, layout, 80.0)
+    # Stage 0 is the worst: 20 layers + the embedding (128256 is a multiple of lcm(128, 8): no
+    # padding rows), 4 micro-batches in flight.
     params = 20 * (855_638_016 // 8 + 16_384) + 128_256 * 8192 // 8
     assert est.stage == 0 and est.params == params == 2_270_756_864
-    assert (est.weights, est.grads, est.optimizer) == (2 * params, 4 * params, 12 * params)  # dp = 1
-    # bytes/token/layer: (2*4*8192 + 2*(2*64*128 + 2*8*128 + 3*28672) + 4*64) / 8 = 274,688 / 8
-    assert activation_bytes_per_token(LLAMA3_70B, cfg, 8) == 34_336
-    assert est.activations == 4 * 20 * 8192 * 34_336
-    assert est.logits == 0
-    assert est.total / GIB == pytest.approx(65.0, abs=0.05) and est.fits
+    # TE spec: norms in bf16 too; fp32 grads; fp32 master + Adam m, v (dp = 1)
+    assert (est.weights, est.grads, est.optimizer) == (2 * params, 4 * params, 12 * params)
+    # One layer without recompute, bytes per token (TE + THD, SP at t = 8, b = 2, h 8192, d 128,
+    # a 64, g 8, f 28672): 2 fused norm+linear (2*2h + 4)/8 = 8193, RoPE 4*2*128 = 1024, rotated
+    # q, k 2*72*128/8 = 2304 + qkv buffer 2*80*128/8 = 2560 + lse 4*64/8 = 32, o-proj input
+    # 2*64*128/8 = 2048, MLP 3*2*28672/8 = 21504.
+    full = 8193 + 1024 + 2304 + 2560 + 32 + 2048 + 21504
+    assert layer_bytes_per_token(LLAMA3_70B, S70, 8) == full == 37_665
+    T = 16384
+    # Full recompute, 1-layer units: a micro-batch keeps 20 layer inputs 2h/8 per token, fp32
+    # RoPE freqs 4d once and the token ids (8 + 1 bytes); the peak adds one rematerialised layer.
+    kept = 20 * (2 * 8192 // 8) * T + 4 * 128 * T + 9 * T
+    assert est.activations == 4 * kept + full * T == 3_335_602_176
+    assert est.logits == 0  # the logits live on the last stage
+    assert est.total / GIB == pytest.approx(47.17, abs=0.01) and est.fits
 
 
 def test_learner_memory_variants():
     layout = ParallelLayout.build(ParallelConfig(tensor_parallel=8, pipeline_parallel=4), 64)  # dp = 2
-    base = estimate_learner(LLAMA3_70B, LearnerLaunchConfig(micro_batch_tokens=8192), layout, 80.0)
+    base = estimate_learner(LLAMA3_70B, S70, layout, 80.0)
     assert base.optimizer == 12 * base.params / 2
-    full = estimate_learner(LLAMA3_70B, LearnerLaunchConfig(micro_batch_tokens=8192, recompute="full"), layout, 80.0)
-    # full recompute: 2h/t bytes per token per layer kept, plus one layer rematerialised.
-    assert full.activations == 4 * 20 * 8192 * (2 * 8192 / 8) + 8192 * 34_336
-    no_sp = LearnerLaunchConfig(micro_batch_tokens=8192, sequence_parallel=False)
-    assert activation_bytes_per_token(LLAMA3_70B, no_sp, 8) == 2 * 4 * 8192 + (274_688 - 65_536) / 8
-    unfused = LearnerLaunchConfig(micro_batch_tokens=8192, flash_attention=False, recompute="none")
-    assert activation_bytes_per_token(LLAMA3_70B, unfused, 8) == 34_336 + 2 * 64 * 8192 / 8
-    # The last stage of PP keeps the output layer and one micro-batch of fp32+bf16 logits.
+    assert estimate_learner(LLAMA3_70B, S70.__class__(**{**S70.__dict__, "distributed_optimizer": False}),
+                            layout, 80.0).optimizer == 12 * base.params
+    t, T = 8, 16384
+    none = S70.__class__(**{**S70.__dict__, "recompute": "none"})
+    no_sp = none.__class__(**{**none.__dict__, "sequence_parallel": False})
+    # without SP the fused norm+linear terms stay whole: 2*(2*2h + 4) instead of that / 8
+    assert layer_bytes_per_token(LLAMA3_70B, no_sp, t) - layer_bytes_per_token(LLAMA3_70B, none, t) == \
+        2 * (4 * 8192 + 4) * (1 - 1 / 8)
+    # the dense mask path prices the attention that runs there: fp32 softmax + bf16 probabilities,
+    # (4 + 2) * a * s / t per token, k and v expanded to a heads, the [s, s] mask once
+    mask = none.__class__(**{**none.__dict__, "attention": "mask"})
+    extra = layer_bytes_per_token(LLAMA3_70B, mask, t) - layer_bytes_per_token(LLAMA3_70B, none, t)
+    thd_attn = 2 * 72 * 128 / 8 + 2 * 80 * 128 / 8 + 4 * 64 / 8
+    dense_attn = (2 * 64 * 128 + 2 * 2 * 64 * 128) / 8 + 6 * 64 * T / 8
+    assert extra == dense_attn - thd_attn
+    assert 6 * 64 * T / 8 * T / GIB == 12.0  # the issue's point: GiBs of scores per layer and micro-batch
+    # the last stage holds one micro-batch's fp32 logits: 4 V / t per token + final norm (TE:
+    # input + rstd 2*2h/8 + 4/8) + log-prob pieces
     one_stage = ParallelLayout.build(ParallelConfig(tensor_parallel=8), 8)
-    est = estimate_learner(LLAMA3_70B, LearnerLaunchConfig(micro_batch_tokens=1024), one_stage, 80.0)
-    assert est.logits == 1024 * 6 * 128_256 / 8
+    small = none.__class__(**{**none.__dict__, "micro_batch_tokens": 1024})
+    acts, logits = stage_activations(LLAMA3_70B, small, one_stage, 0)
+    assert logits == 1024 * ((4 * 8192 + 4) / 8 + 4 * 128_256 / 8 + LOGPROB_BYTES_PER_TOKEN)
 
 
 def test_engine_memory_70b():
@@ -127,7 +157,11 @@ def test_plan_70b_places_learners_then_engines():
 def test_plan_refuses_tp1_and_names_keys():
     plan = plan_70b(["parallel.tensor_parallel=1"])
     assert not plan.fits and not plan.learner_memory.fits
-    assert plan.learner_memory.total / GIB == pytest.approx(300.5, abs=0.05)
+    # 20 layers' 856M parameters + the 1.05B embedding on one GPU (dp = 32 / 4 = 8): 2 + 4 + 12/8
+    # bytes each = 127 GiB of state alone
+    assert plan.learner_memory.params == 20 * 855_654_400 + 128_256 * 8192
+    assert (plan.learner_memory.weights + plan.learner_memory.grads + plan.learner_memory.optimizer) == \
+        (6 + 12 / 8) * plan.learner_memory.params
     assert not plan_70b(["inference.server.tp_size=1"]).fits
     with pytest.raises(ValueError, match="launch.engine.num_nodes"):
         plan_70b(["launch.engine.num_nodes=13"])
@@ -170,9 +204,10 @@ def test_local_and_cpu_plans(tmp_path):
     assert str(plan.layout) == "dp=1 pp=2 cp=1 tp=2 (world_size=4)"
     # The Qwen2 shape checked against transformers above; worst = stage 0 (2 micro-batches in
     # flight): 1 layer (q,k,v,o + biases + MLP = 30,848 over TP2, norms 128) + embedding 6400 / 2.
-    assert count_params(ModelShape.from_hf_config(hf)).layer_sharded == 30_848
-    assert (plan.learner_memory.stage, plan.learner_memory.params) == (0, 30_848 // 2 + 128 + 6400 // 2)
-    assert list(plan.learners[0].argv[-1:]) == ["a.b=1"]
+    # vocab 100 is padded to 128 like the engine pads it (lcm(128, tp)).
+    assert count_params(ModelShape.from_arch(get_adapter(hf).arch)).layer_sharded == 30_848
+    assert (plan.learner_memory.stage, plan.learner_memory.params) == (0, 30_848 // 2 + 128 + 128 * 64 // 2)
+    assert "a.b=1" in plan.learners[0].argv
     # inference.server.port 0: free local ports.
     free = build_plan(cfg, local, raw={**raw, "inference": {}}, config_path="c.yaml", overrides=[], python="PY")
     ports = {int(e.url.rsplit(":", 1)[1]) for e in free.engines}
@@ -200,30 +235,114 @@ def test_render_placeholders():
 
 
 def test_learner_memory_counts_reference_and_critic():
-    """kl_coef > 0 adds a bf16 copy of the stage's weights; a PPO critic adds its own weights,
-    grads and optimizer state (value head h -> 1 instead of the output layer)."""
-    cfg = LearnerLaunchConfig(micro_batch_tokens=8192, recompute="selective", sequence_parallel=True,
-                              reserved_gib=6.0)
+    """kl_coef > 0 adds a forward-only copy of the stage's weights; a PPO critic adds its own
+    weights, grads and optimizer state (value head h + 1 instead of the output layer)."""
     layout = ParallelLayout.build(ParallelConfig(tensor_parallel=8, pipeline_parallel=4), 64)  # dp = 2
-    base = estimate_learner(LLAMA3_70B, cfg, layout, 80.0)
-    ref = estimate_learner(LLAMA3_70B, cfg, layout, 80.0, reference=True)
+    base = estimate_learner(LLAMA3_70B, S70, layout, 80.0)
+    ref = estimate_learner(LLAMA3_70B, S70, layout, 80.0, reference=True)
     assert ref.stage == base.stage == 0 and ref.reference == 2 * base.params
     assert ref.total == base.total + 2 * base.params
-    both = estimate_learner(LLAMA3_70B, cfg, layout, 80.0, reference=True, critic=True)
+    both = estimate_learner(LLAMA3_70B, S70, layout, 80.0, reference=True, critic=S70)
     assert both.critic == (6 + 12 / 2) * base.params  # stage 0: the critic's trunk == the actor's
-    assert not both.fits and "reference" in both.describe() and "critic" in both.describe()
-    # Last stage at PP1: the critic has no output layer, a value head of h parameters instead.
+    assert "reference" in both.describe() and "critic" in both.describe()
+    # Last stage at PP1: the critic has no output layer, a value head of h + 1 parameters instead.
     one = ParallelLayout.build(ParallelConfig(tensor_parallel=8), 8)
-    est = estimate_learner(LLAMA3_70B, LearnerLaunchConfig(micro_batch_tokens=1024), one, 80.0, critic=True)
-    assert est.critic == 18 * (est.params - 128_256 * 8192 // 8 + 8192)
+    est = estimate_learner(LLAMA3_70B, S70, one, 80.0, critic=S70)
+    assert est.critic == 18 * (est.params - 128_256 * 8192 // 8 + 8192 + 1)
 
 
 def test_plan_memory_counts_reference_from_experiment():
     """The plan reads algorithm.kl_coef / adv_estimator from the experiment config: the 70B GRPO
-    plan (65.0 GiB) with a KL reference still fits 80 GB; adding a PPO critic does not."""
+    plan (47.2 GiB) with a KL reference still fits 80 GB; adding a PPO critic does not."""
     base = plan_70b()
+    assert base.fits and base.learner_memory.total / GIB == pytest.approx(47.17, abs=0.01)
     ref = plan_70b(["algorithm.kl_coef=0.001"])
     assert ref.learner_memory.reference == 2 * base.learner_memory.params and ref.fits
     assert (ref.learner_memory.total - base.learner_memory.total) / GIB == pytest.approx(4.23, abs=0.01)
     ppo = plan_70b(["algorithm.kl_coef=0.001", "algorithm.adv_estimator=gae"])
     assert ppo.learner_memory.critic > 0 and not ppo.fits
+
+
+# ---------------------------------------------------------------- one source of truth
+def test_plan_prices_the_trainers_fields():
+    """Every assumption of the learner estimate is a trainer key: changing it there changes the
+    price, the dry run prints it, and the launcher has no copy of its own."""
+    base = plan_70b()
+    text = base.describe()
+    for key in ("actor.model.dtype=bfloat16", "layer_spec=te", "sequence_parallel=true", "recompute=full",
+                "actor.attention=thd", "actor.max_tokens_per_microbatch=16384"):
+        assert key in text, key
+    half = plan_70b(["actor.max_tokens_per_microbatch=8192"])
+    assert half.learner_memory.activations < base.learner_memory.activations
+    assert half.learner_memory.weights == base.learner_memory.weights
+    # the old launcher-side copies are gone: naming one is an error that names it
+    for override, key in (("launch.learner.micro_batch_tokens=8192", "launch.learner.micro_batch_tokens"),
+                          ("launch.learner.recompute=none", "launch.learner.recompute"),
+                          ("launch.learner.sequence_parallel=true", "launch.learner.sequence_parallel"),
+                          ("launch.model.hidden_size=1", "launch.model")):
+        with pytest.raises(ConfigError, match=f"unknown key '{key}'"):
+            plan_70b([override])
+
+
+def test_plan_without_sp_or_recompute_is_priced_without_and_refused():
+    """A plan that needs SP / recompute which the config switches off is priced as configured and
+    refused; the note says which of the trainer's switches would make it fit."""
+    no_rc = plan_70b(["actor.model.recompute=none"])
+    assert not no_rc.fits
+    assert any("would fit with actor.model.recompute: full" in n for n in no_rc.notes)
+    no_sp = plan_70b(["actor.model.sequence_parallel=false"])
+    assert no_sp.learner_memory.activations > plan_70b().learner_memory.activations
+    dense = plan_70b(["actor.attention=mask", "actor.model.recompute=none"])
+    assert not dense.fits and dense.learner_memory.activations / GIB > 900  # s^2 scores per head and layer
+
+
+def test_context_parallel_refused_by_the_plan():
+    with pytest.raises(ValueError, match=r"parallel\.context_parallel: 2 > 1.*not implemented"):
+        plan_70b(["parallel.context_parallel=2", "parallel.pipeline_parallel=2"])
+
+
+def test_nodelist_expands_without_slurm():
+    assert expand_nodelist("gpu[001-016]") == [f"gpu{k:03d}" for k in range(1, 17)]
+    assert expand_nodelist("n[1-3,5],m7,r[1-2]n[1-2]") == ["n1", "n2", "n3", "n5", "m7", "r1n1", "r1n2", "r2n1", "r2n2"]
+    for bad in ("n[1-", "n[3-1]", "n[a]"):
+        with pytest.raises(ValueError, match="nodelist"):
+            expand_nodelist(bad)
+
+
+def test_slurm_dry_run_on_a_laptop(capsys, monkeypatch):
+    """``--dry-run --nodelist 'gpu[001-016]'``: no scontrol, no Slurm config, no DNS lookups."""
+    import socket
+    import subprocess
+
+    def forbidden(*a, **k):
+        raise AssertionError("a dry run must not call out")
+
+    monkeypatch.setattr(socket, "gethostbyname", forbidden)
+    monkeypatch.setattr(subprocess, "run", forbidden)
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    rc = run("slurm", CONFIG_70B, [], dry_run=True, nodelist="gpu[001-016]", gpus_per_node=8)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "learners: 4 node(s) gpu001 gpu002 gpu003 gpu004" in out and "-> fits" in out
+    assert "sequence_parallel=true recompute=full" in out
+
+
+@pytest.mark.slow
+def test_estimator_matches_what_the_engine_holds(tmp_path):
+    """tools/check_memory_model.py: weights, grads and optimizer state exactly, activations
+    within 15% (the issue's bar; measured: within 1e-5, the residue being 4-byte loss scalars)."""
+    from tests.support.launch import run_checked, torchrun_cmd
+
+    out = tmp_path / "memory.jsonl"
+    run_checked(torchrun_cmd(2, "tools/check_memory_model.py", "--out", out), timeout_s=300)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    final = lines[-1]
+    assert final["exact_state_bytes"] is True and final["max_activation_error"] <= 0.15
+    by = {x["config"]: x for x in lines[:-1]}
+    assert {"tp1", "tp2_spoff", "tp2_spon", "tp2_spon_selective", "tp2_spon_full_block2", "pp2/stage0"} <= set(by)
+    acts = lambda k: by[k]["measured_bytes"]["activations"]  # noqa: E731
+    # SP and recompute measurably shrink what is saved, in the ratio the estimator predicts
+    for a, b in (("tp2_spon", "tp2_spoff"), ("tp2_spon_selective", "tp2_spon"), ("tp2_spon_full_uniform2", "tp2_spon")):
+        measured = acts(a) / acts(b)
+        predicted = by[a]["predicted_bytes"]["activations"] / by[b]["predicted_bytes"]["activations"]
+        assert measured < 1 and abs(measured / predicted - 1) <= 0.15, (a, b, measured, predicted)

@@ -61,7 +61,7 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
         if mode == "slurm":
             from areal_mega.launcher.slurm import SrunRunner, slurm_allocation
 
-            alloc = slurm_allocation(nodelist=nodelist, gpus_per_node=gpus)
+            alloc = slurm_allocation(nodelist=nodelist, gpus_per_node=gpus, resolve=not dry_run)
             runner = SrunRunner(alloc.job_id, cfg.srun_args)
         else:
             from areal_mega.launcher.local import LocalRunner, local_allocation

@@ -13,26 +13,28 @@ YAML; an element that is exactly ``{overrides}`` expands to the overrides given 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
-
-from areal_mega.parallel import ParallelConfig
+from typing import Any
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelShape:
-    """Transformer shape for the memory estimate, named as in a HF ``config.json`` (Llama/Qwen2)."""
+    """Transformer shape for the memory estimate, named as in a HF ``config.json`` (Llama/Qwen2).
 
-    num_hidden_layers: int = 2
+    Never parsed from a config here: :meth:`from_arch` takes the model adapter's
+    :class:`~areal_mega.models.ModelArch` (``areal_mega.models.get_adapter(hf_config).arch``), the
+    parse ``build_model`` uses, so the plan and the trainer see the same model."""
+
+    num_hidden_layers: int
     """Decoder layers (L)."""
-    hidden_size: int = 128
+    hidden_size: int
     """Model width (h)."""
-    intermediate_size: int = 512
+    intermediate_size: int
     """MLP inner width (f); the MLP is gated (SwiGLU: gate, up, down = 3*h*f weights)."""
-    num_attention_heads: int = 4
+    num_attention_heads: int
     """Query heads (a)."""
-    num_key_value_heads: int = 2
+    num_key_value_heads: int
     """KV heads (g, GQA groups); equal to num_attention_heads for MHA."""
-    vocab_size: int = 128
+    vocab_size: int
     """Vocabulary (V); input embedding V*h, output layer V*h unless tied."""
     head_dim: int | None = None
     """Per-head width (d); None = hidden_size // num_attention_heads."""
@@ -40,50 +42,33 @@ class ModelShape:
     """Output layer shares the input embedding (one V*h matrix; under PP the last stage keeps a copy)."""
     attention_bias: bool = False
     """Biases on the q/k/v projections (Qwen2: true; Llama: false)."""
+    dtype: str = "bfloat16"
+    """The checkpoint's storage dtype (what the engine trains in when actor.model.dtype is null)."""
 
     @classmethod
-    def from_hf_config(cls, hf: dict) -> "ModelShape":
-        """The fields of this class picked from a HF ``config.json`` dict (same names)."""
-        names = {f for f in cls.__dataclass_fields__}
-        picked = {k: v for k, v in hf.items() if k in names}
-        if "num_key_value_heads" not in picked and "num_attention_heads" in picked:
-            picked["num_key_value_heads"] = picked["num_attention_heads"]  # MHA checkpoints omit it
-        picked.setdefault("attention_bias", hf.get("model_type") == "qwen2")  # Qwen2 q/k/v biases
-        return cls(**picked)
+    def from_arch(cls, arch) -> "ModelShape":
+        """The shape of a :class:`~areal_mega.models.ModelArch` (the adapter's parse)."""
+        return cls(num_hidden_layers=arch.num_layers, hidden_size=arch.hidden_size,
+                   intermediate_size=arch.ffn_hidden_size, num_attention_heads=arch.num_heads,
+                   num_key_value_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, head_dim=arch.head_dim,
+                   tie_word_embeddings=arch.tie_word_embeddings, attention_bias=arch.qkv_bias, dtype=arch.dtype)
 
     @property
     def d(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
-    def validate(self) -> None:
-        for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                     "num_key_value_heads", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_key_value_heads: {self.num_key_value_heads} must divide "
-                f"num_attention_heads ({self.num_attention_heads})"
-            )
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"head_dim: hidden_size ({self.hidden_size}) % num_attention_heads "
-                f"({self.num_attention_heads}) != 0; set head_dim explicitly"
-            )
-
 
 @dataclass
 class LearnerLaunchConfig:
-    """Where and how the megatron learner ranks run (one torchrun per learner node)."""
+    """Where and how the megatron learner ranks run (one torchrun per learner node). What the
+    learner IS -- layout, model settings, micro-batch budget -- is the trainer's own config
+    (``parallel``, ``actor``, ``critic``, ``algorithm``); the memory estimate reads it there."""
 
     num_nodes: int = 1
     """Nodes given to learners (the first nodes of the allocation)."""
     nproc_per_node: int | None = None
     """Ranks per learner node; None = the node's GPUs, or on CPU nodes the model-parallel size
     (tp*pp*cp*dp) divided by num_nodes."""
-    parallel: ParallelConfig | None = None
-    """Learner layout for placement and the memory estimate; None = the trainer's own top-level
-    ``parallel`` section (set it here only to plan a layout the trainer is not configured for)."""
     master_port: int = 29500
     """torchrun static-rendezvous port on the first learner node."""
     command: list[str] = field(default_factory=lambda: [
@@ -92,14 +77,6 @@ class LearnerLaunchConfig:
     ])
     """What torchrun runs on every rank (after torchrun's own options: a script or ``-m mod``).
     The default hands the trainer the planned engines through its ``inference.addresses``."""
-    micro_batch_tokens: int = 4096
-    """Tokens in one micro-batch (s*b in the activation formula)."""
-    recompute: Literal["none", "selective", "full"] = "selective"
-    """Activation recompute: selective = core attention only; full = every layer's input only."""
-    sequence_parallel: bool = True
-    """Megatron sequence parallelism (activations outside attention/MLP split over TP)."""
-    flash_attention: bool = True
-    """Fused attention (no s^2 score matrix kept); False adds 2*a*s^2*b bytes per layer."""
     reserved_gib: float = 6.0
     """Per-GPU headroom: CUDA context, NCCL buffers, allocator fragmentation, weight-sync bucket."""
 
@@ -108,8 +85,8 @@ class LearnerLaunchConfig:
             raise ValueError(f"num_nodes: must be >= 1, got {self.num_nodes}")
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise ValueError(f"nproc_per_node: must be >= 1, got {self.nproc_per_node}")
-        if self.micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens: must be >= 1, got {self.micro_batch_tokens}")
+        if self.reserved_gib < 0:
+            raise ValueError(f"reserved_gib: must be >= 0, got {self.reserved_gib}")
         if not self.command:
             raise ValueError("command: must not be empty")
 
@@ -156,9 +133,11 @@ class EngineLaunchConfig:
 class LaunchConfig:
     """The ``launch:`` section: placement of learners and engines, their commands, memory limits."""
 
-    model: ModelShape | None = None
-    """Model shape for the memory estimate; None = read ``<model_path>/config.json`` (top-level
-    ``model_path``, else ``inference.server.model_path``). Set it to plan without the weights."""
+    model_config: dict[str, Any] | None = None
+    """The model's HF ``config.json`` content, inline, for planning where ``model_path`` is not
+    readable (a laptop); None = read ``<model_path>/config.json`` (top-level ``model_path``, else
+    ``inference.server.model_path``). Either way it goes through the trainer's model adapter
+    (areal_mega.models.get_adapter), never a launcher-side parser."""
     learner: LearnerLaunchConfig = field(default_factory=LearnerLaunchConfig)
     """Learner placement, command and activation settings."""
     engine: EngineLaunchConfig = field(default_factory=EngineLaunchConfig)

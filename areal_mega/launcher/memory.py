@@ -1,9 +1,17 @@
 """Per-GPU memory estimates for learners (megatron) and engines (SGLang), in bytes.
 
-Everything is a closed formula of the model shape (:class:`ModelShape`, HF names) and the
-layout, so a plan can be refused before any node is touched. Notation: L layers, h hidden,
-f MLP width, a query heads, g KV heads, d head dim, V vocab, t TP, p PP, v virtual stages,
-dp data-parallel, T tokens per micro-batch (s*b), s the longest sequence (taken = T).
+Everything is a closed formula of the model shape (:class:`ModelShape`, built from the model
+adapter's :class:`~areal_mega.models.ModelArch` -- the parse the trainer uses), the layout and
+:class:`LearnerSettings` -- the trainer's own config fields (``actor.model.*``,
+``actor.max_tokens_per_microbatch``, ``actor.attention``, ``actor.optimizer.*``, ``critic.*``,
+``algorithm.kl_coef``; see :func:`learner_settings`), so the plan prices what the trainer builds
+and can refuse it before any node is touched. Notation: L layers, h hidden, f MLP width, a query
+heads, g KV heads, d head dim, V vocab padded as the engine pads it (lcm(128, t)), t TP,
+sigma = t with sequence parallelism else 1, p PP, v virtual stages, dp data parallel,
+T = s tokens of one packed micro-batch (``max_tokens_per_microbatch``), b bytes of the
+parameter dtype (2 bf16, 4 fp32). docs/launch.md explains every term; the formula is checked
+against the engine's real tensors by tools/check_memory_model.py (state bytes exact,
+activations within 15%).
 
 Parameters (Llama/Qwen2 decoder, gated MLP, RMSNorm):
     per layer   h*a*d + 2*h*g*d (+ a*d + 2*g*d biases)  [q, k, v]  + a*d*h [o]  + 3*h*f [MLP]
@@ -11,32 +19,48 @@ Parameters (Llama/Qwen2 decoder, gated MLP, RMSNorm):
     embedding   V*h (vocab-parallel over TP), output layer V*h unless tied, final norm h.
     Llama-3-70B (L=80, h=8192, f=28672, a=64, g=8, V=128256): 70,553,706,496.
 
-Learner, per GPU of pipeline stage k (layers split evenly; embedding on stage 0, output layer
-on stage p-1, which keeps its own copy when embeddings are tied):
-    weights + grads + optimizer = P_k * (2 + 4 + 12/dp) bytes
-        bf16 weights, fp32 main grads (megatron DDP grad buffer), fp32 master weights and
-        Adam m, v sharded over DP by the distributed optimizer -- the "6 + 12/d" of
-        megatron-core's distributed-optimizer documentation.
-    activations = m_k * (L/p) * T * A_layer, with 1F1B keeping m_k = p - k micro-batches in
-        flight on stage k (interleaved: + (p-1)/v, Korthikanti et al. 2022 "Reducing
-        Activation Recomputation in Large Transformer Models").
-    A_layer, bytes per token, bf16 tensors saved for backward in a pre-norm layer with fused
-        (flash) attention and no dropout -- the paper's 34*s*b*h counted for GQA + SwiGLU:
-            norm inputs 2h, linear inputs 2h, q/k/v a*d + 2*g*d, attention output a*d,
-            fc1 output 2f (gate, up), SwiGLU output f  -> 2*(4h + 2ad + 2gd + 3f)
-            + 4a (fp32 softmax statistics)
-        all divided by t with sequence parallelism; without it the 4h norm/linear inputs stay
-        whole. Unfused attention adds the softmax output 2*a*s/t per token (dropped by
-        selective recompute). Full recompute keeps only each layer's input (2h/t per token)
-        plus one layer recomputed at a time.
-    logits (last stage, one micro-batch) = T * 6 * V/t: bf16 logits + fp32 log-softmax.
+Learner state, per GPU of pipeline stage k (layers split evenly; embedding on stage 0, output
+layer on stage p-1, which keeps its own copy when embeddings are tied under PP):
+    weights     b per TP-sharded parameter; norms 4 bytes with the local spec (torch RMSNorm
+                weights stay fp32 in bf16 models), b with transformer-engine
+    grads       megatron DDP grad buffer: 4 bytes per parameter with grad_reduce_in_fp32 (or
+                fp32 params), else the parameter's bytes
+    optimizer   Adam m and v in fp32 (8) + an fp32 master copy (4) of every 16-bit parameter,
+                divided by dp with the distributed optimizer -- for bf16 the "6 + 12/dp" of
+                megatron-core's distributed-optimizer documentation.
+
+Activations, bytes saved for backward (counted tensor by tensor from megatron-core 0.16.1's
+local spec on CPU; transformer-engine terms from TE's saved-tensor lists, see docs/launch.md):
+    per layer and token, no recompute, local spec:
+        2 norms (fp32 input + fp32 normalised + rstd)      2 * (8h + 4) / sigma
+        qkv and fc1 linear inputs                           2 * b*h / sigma
+        RoPE cos/sin for q and k                            4 * b*d
+        q, k and v as attention reads them (k, v expanded
+        to a heads under GQA) and the o-proj input          4 * b*a*d / t
+        attention "mask": fp32 softmax + probabilities      (4 + b) * a*s / t   (b = 0 in fp32)
+        MLP: fc1 output, SwiGLU halves, fc2 input           5 * b*f / t
+      transformer-engine + THD (fused varlen attention, no s^2 term):
+        2 fused norm+linear (input, ln_out, rstd)           2 * (2b*h + 4) / sigma
+        RoPE                                                4 * b*d
+        rotated q, k + qkv buffer (v) + output + lse        b*(2a + 3g)*d/t + b*a*d/t + 4a/t
+        MLP: fc1 output, SwiGLU output                      3 * b*f / t
+    once per micro-batch and chunk: the block-diagonal mask s^2 bytes (attention "mask").
+    recompute "selective" (core attention): the layer keeps q, k and the qkv buffer instead
+        of the attention internals; one layer's attention is rematerialised at a time.
+    recompute "full": a recompute unit keeps only its input b*h/sigma per token (+ fp32 RoPE
+        freqs 4d once); one unit (recompute_num_layers layers) is rematerialised at a time;
+        "block" recomputes only the first recompute_num_layers layers of each chunk.
+    in flight: 1F1B keeps min(p - k, M) micro-batches on stage k (interleaved: + (p-1)/v,
+        Korthikanti et al. 2022); plus one micro-batch's transient peak: the last stage's
+        final norm, output-layer input and fp32 logits (4 V/t + 26 bytes per token: targets,
+        log-prob and entropy pieces), or the rematerialised layer(s), whichever is larger.
+    first stage: token ids 8 bytes per token (+ 1 byte vocab mask at t > 1).
     + reserved_gib (CUDA context, NCCL buffers, fragmentation).
-    + KL reference (algorithm.kl_coef > 0): a frozen forward-only copy, P_k * 2 (no grads, no
-      optimizer, no activations kept).
-    + PPO critic (adv_estimator gae): the same trunk with a value head (h -> 1) in place of the
-      output layer, trained with its own optimizer: P'_k * (2 + 4 + 12/dp). Its activations are
-      not added: actor and critic train one after the other, and the actor's (with logits) are
-      the larger.
+    + KL reference (algorithm.kl_coef > 0): a frozen forward-only copy: weights only.
+    + PPO critic (adv_estimator gae): the same trunk with a value head (h + 1, replicated) in
+      place of the output layer, with its own grads and optimizer state (critic.* settings).
+      Its activations are not added: actor and critic train one after the other, and the
+      actor's (with logits) are the larger.
 
 Engine, per GPU of a TP-t server: weights 2*P/t (norms replicated), KV cache
     max_total_tokens * 2 (K, V) * L * max(1, g/t) * d * kv_bytes;  SGLang must fit
@@ -45,12 +69,18 @@ Engine, per GPU of a TP-t server: weights 2*P/t (norms replicated), KV cache
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
 
-from areal_mega.launcher.config import LearnerLaunchConfig, ModelShape
+from areal_mega.launcher.config import ModelShape
 from areal_mega.parallel import ParallelLayout
 
 GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LOGPROB_BYTES_PER_TOKEN = 26
+"""The vocab-parallel log-prob's per-token saves besides the fp32 logits: fp32 max and sum-exp
+(4 + 4), int64 target index (8), two bool masks (1 + 1), int64 labels (8) -- counted on CPU."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +88,7 @@ class ParamCount:
     """Parameters split into what TP shards and what every TP rank replicates."""
 
     layer_sharded: int
-    """One decoder layer's TP-sharded weights (q, k, v, o, MLP)."""
+    """One decoder layer's TP-sharded weights (q, k, v, o, MLP, qkv biases)."""
     layer_replicated: int
     """One decoder layer's norms."""
     embedding: int
@@ -72,18 +102,70 @@ class ParamCount:
         return layers + self.embedding + self.output + self.final_norm
 
 
-def count_params(m: ModelShape) -> ParamCount:
+def count_params(m: ModelShape, vocab: int | None = None) -> ParamCount:
+    """``vocab``: the (padded) vocabulary to count; default the model's own."""
     h, f, d = m.hidden_size, m.intermediate_size, m.d
     qd, kvd = m.num_attention_heads * d, m.num_key_value_heads * d
     attn = h * qd + 2 * h * kvd + qd * h + ((qd + 2 * kvd) if m.attention_bias else 0)
     mlp = 3 * h * f
-    emb = m.vocab_size * h
+    emb = (vocab or m.vocab_size) * h
     return ParamCount(layer_sharded=attn + mlp, layer_replicated=2 * h, embedding=emb,
                       output=0 if m.tie_word_embeddings else emb, final_norm=h)
 
 
 def total_params(m: ModelShape) -> int:
     return count_params(m).total(m.num_hidden_layers)
+
+
+@dataclass(frozen=True)
+class LearnerSettings:
+    """One megatron engine as the trainer builds it: every field is the resolved value of a
+    trainer config key (built by :func:`learner_settings`; never a launcher-side copy)."""
+
+    dtype: str = "bfloat16"
+    """``actor.model.dtype`` (None there = the HF checkpoint's dtype)."""
+    layer_spec: Literal["local", "te"] = "te"
+    """``actor.model.layer_spec`` resolved ("auto" = te on GPU nodes, local on CPU)."""
+    attention: Literal["mask", "thd"] = "thd"
+    """``actor.attention``: "mask" prices the dense [s, s] scores, "thd" fused varlen attention."""
+    sequence_parallel: bool = True
+    """``actor.model.sequence_parallel`` resolved at the layout's TP."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """``actor.model.recompute``."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    recompute_num_layers: int = 1
+    micro_batch_tokens: int = 8192
+    """``actor.max_tokens_per_microbatch``: T (= s, the packed row) of one micro-batch."""
+    grad_reduce_in_fp32: bool = True
+    """``actor.grad_reduce_in_fp32``."""
+    distributed_optimizer: bool = True
+    """``actor.optimizer.use_distributed_optimizer``."""
+    make_vocab_size_divisible_by: int = 128
+    """``actor.model.make_vocab_size_divisible_by``."""
+    num_microbatches: int | None = None
+    """Micro-batches per step and DP rank (caps the 1F1B in-flight count); None = at least pp."""
+    reserved_gib: float = 6.0
+    """``launch.learner.reserved_gib`` (not a trainer setting: CUDA context, NCCL, fragmentation)."""
+
+    @property
+    def b(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+def settings_from_engine_config(engine_cfg, arch_dtype: str, tp: int, *, on_gpu: bool,
+                                reserved_gib: float = 6.0) -> LearnerSettings:
+    """The :class:`LearnerSettings` of a MegatronEngineConfig (``actor`` / ``critic`` section):
+    the same fields, resolved the way ``build_model`` resolves them."""
+    mc = engine_cfg.model
+    spec = mc.layer_spec if mc.layer_spec != "auto" else ("te" if on_gpu else "local")
+    return LearnerSettings(
+        dtype=mc.dtype or arch_dtype, layer_spec=spec, attention=engine_cfg.attention,
+        sequence_parallel=mc.sequence_parallel_for(tp), recompute=mc.recompute,
+        recompute_method=mc.recompute_method, recompute_num_layers=mc.recompute_num_layers,
+        micro_batch_tokens=engine_cfg.max_tokens_per_microbatch, grad_reduce_in_fp32=engine_cfg.grad_reduce_in_fp32,
+        distributed_optimizer=engine_cfg.optimizer.use_distributed_optimizer,
+        make_vocab_size_divisible_by=mc.make_vocab_size_divisible_by, reserved_gib=reserved_gib,
+    )
 
 
 @dataclass(frozen=True)
@@ -97,13 +179,18 @@ class LearnerMemory:
     grads: float
     optimizer: float
     activations: float
+    """Peak bytes saved for backward (layers, masks, transients) except the logits term."""
     logits: float
+    """The last stage's transient: final norm, output-layer input and fp32 logits of one micro-batch."""
     reserved: float
     limit: float
     reference: float = 0.0
     """The frozen KL reference model's weights (0 without one)."""
     critic: float = 0.0
     """The PPO critic's weights, grads and optimizer state (0 without one)."""
+    settings: LearnerSettings | None = None
+    notes: tuple[str, ...] = ()
+    """What the estimate assumed, in the trainer's key names (printed by the dry run)."""
 
     @property
     def total(self) -> float:
@@ -117,7 +204,7 @@ class LearnerMemory:
     def describe(self) -> str:
         g = lambda x: f"{x / GIB:.1f}"  # noqa: E731
         verdict = "fits" if self.fits else "DOES NOT FIT"
-        return (
+        out = (
             f"learner per-GPU memory (worst stage {self.stage}, {self.params / 1e9:.2f}B params/GPU): "
             f"weights {g(self.weights)} + grads {g(self.grads)} + optimizer {g(self.optimizer)} + "
             f"activations {g(self.activations)} + logits {g(self.logits)} + reserved {g(self.reserved)} "
@@ -125,55 +212,225 @@ class LearnerMemory:
             + (f"+ critic {g(self.critic)} " if self.critic else "") +
             f"= {g(self.total)} GiB of {g(self.limit)} GiB -> {verdict}"
         )
+        s = self.settings
+        if s is not None:
+            out += (
+                f"\n  priced as the trainer builds it: actor.model.dtype={s.dtype} layer_spec={s.layer_spec} "
+                f"sequence_parallel={str(s.sequence_parallel).lower()} recompute={s.recompute}"
+                + (f" ({s.recompute_method}, {s.recompute_num_layers} layers)" if s.recompute == "full" else "")
+                + f"; actor.attention={s.attention}; actor.max_tokens_per_microbatch={s.micro_batch_tokens}; "
+                f"actor.optimizer.use_distributed_optimizer={str(s.distributed_optimizer).lower()}"
+            )
+        out += "".join(f"\n  note: {n}" for n in self.notes)
+        return out
 
 
-def activation_bytes_per_token(m: ModelShape, cfg: LearnerLaunchConfig, tp: int) -> float:
-    """Bytes one layer keeps per micro-batch token for backward (see module docstring)."""
-    h, f, d = m.hidden_size, m.intermediate_size, m.d
-    a, g = m.num_attention_heads, m.num_key_value_heads
-    inputs = 2 * 4 * h  # two norm inputs + two linear inputs (bf16)
-    sharded = 2 * (2 * a * d + 2 * g * d + 3 * f) + 4 * a
-    if not cfg.flash_attention and cfg.recompute == "none":
-        sharded += 2 * a * cfg.micro_batch_tokens  # softmax output, 2*a*s^2*b bytes per micro-batch
-    if cfg.sequence_parallel:
-        return (inputs + sharded) / tp
-    return inputs + sharded / tp
+def _norm_bytes(s: LearnerSettings) -> int:
+    return 4 if s.layer_spec == "local" else s.b
 
 
-def estimate_learner(m: ModelShape, cfg: LearnerLaunchConfig, layout: ParallelLayout,
-                     gpu_memory_gib: float, *, reference: bool = False, critic: bool = False) -> LearnerMemory:
-    """Worst stage's per-GPU bytes; ``reference``/``critic``: the KL reference model and the PPO
-    critic share the actor's GPUs (see the module docstring)."""
-    layout.check_model(m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads)
-    pc = count_params(m)
-    t, p, v = layout.tp, layout.pp, layout.vpp or 1
-    layers = m.num_hidden_layers // p
-    per_token = activation_bytes_per_token(m, cfg, t)
-    tokens = cfg.micro_batch_tokens
-    worst: LearnerMemory | None = None
-    for k in range(p):
-        params = layers * (pc.layer_sharded // t + pc.layer_replicated)
-        if k == 0:
-            params += pc.embedding // t
-        critic_params = params
-        if k == p - 1:
-            params += pc.final_norm
-            critic_params = params + m.hidden_size  # value head instead of the output layer
-            # Tied embeddings under PP: the last stage holds its own copy of the embedding.
-            params += (pc.output or (pc.embedding if p > 1 else 0)) // t
-        in_flight = (p - k) + ((p - 1) / v if v > 1 else 0.0)
-        if cfg.recompute == "full":
-            acts = in_flight * layers * tokens * (2 * m.hidden_size / (t if cfg.sequence_parallel else 1))
-            acts += tokens * per_token  # the one layer being recomputed
+def _attention_mask_terms(m: ModelShape, s: LearnerSettings, t: int) -> tuple[float, float]:
+    """(bytes per token kept by a layer's core attention, bytes per token of its rematerialisation
+    under selective recompute)."""
+    a, g, d, T, b = m.num_attention_heads, m.num_key_value_heads, m.d, s.micro_batch_tokens, s.b
+    probs = 4 + (b if s.dtype != "float32" else 0)  # fp32 softmax (+ its cast to the compute dtype)
+    if s.attention == "thd":
+        # fused varlen kernel: rotated q and k, the qkv buffer (v is a view of it), softmax lse
+        return b * (a + g) * d / t + b * (a + 2 * g) * d / t + 4 * a / t, 0.0
+    # dense: q (a heads), k and v expanded to a heads (copies under GQA; without GQA, k is
+    # rotated and v a view of the qkv buffer), fp32 softmax + probabilities, a*s each
+    kv = 2 * b * a * d if a > g else b * a * d + b * (a + 2 * g) * d
+    inner = (b * a * d + kv) / t + probs * a * T / t
+    return inner, inner
+
+
+def layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int) -> float:
+    """Bytes one layer keeps per micro-batch token for backward without recompute."""
+    h, f, d, a, b = m.hidden_size, m.intermediate_size, m.d, m.num_attention_heads, s.b
+    sig = t if s.sequence_parallel else 1
+    rope = 4 * b * d
+    attn, _ = _attention_mask_terms(m, s, t)
+    if s.layer_spec == "te":
+        norms_linears = 2 * (2 * b * h + 4) / sig
+        mlp = 3 * b * f / t
+    else:
+        norms_linears = 2 * (8 * h + 4) / sig + 2 * b * h / sig
+        mlp = 5 * b * f / t
+    return norms_linears + rope + attn + b * a * d / t + mlp
+
+
+def selective_layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int) -> float:
+    """A layer under selective (core attention) recompute: the attention internals are dropped;
+    its checkpoint keeps rotated q (a heads), k (g heads) and the qkv buffer (v is a view)."""
+    b, a, g, d = s.b, m.num_attention_heads, m.num_key_value_heads, m.d
+    attn, _ = _attention_mask_terms(m, s, t)
+    kept = b * (a + g) * d / t + b * (a + 2 * g) * d / t
+    return layer_bytes_per_token(m, s, t) - attn + kept
+
+
+def activation_bytes_per_token(m: ModelShape, s: LearnerSettings, tp: int) -> float:
+    """Bytes one layer keeps per micro-batch token for backward under ``s.recompute`` (the
+    per-layer term of the module docstring; "full" = the kept input of a 1-layer unit)."""
+    if s.recompute == "selective":
+        return selective_layer_bytes_per_token(m, s, tp)
+    if s.recompute == "full":
+        return s.b * m.hidden_size / (tp if s.sequence_parallel else 1)
+    return layer_bytes_per_token(m, s, tp)
+
+
+def _mlp_half_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int) -> float:
+    """What a layer's MLP half keeps (pre-MLP norm, fc1 input, MLP internals): freed by the time
+    backward reaches that layer's attention."""
+    h, f, b = m.hidden_size, m.intermediate_size, s.b
+    sig = t if s.sequence_parallel else 1
+    if s.layer_spec == "te":
+        return (2 * b * h + 4) / sig + 3 * b * f / t
+    return (8 * h + 4) / sig + b * h / sig + 5 * b * f / t
+
+
+def _chunk_bytes(m: ModelShape, s: LearnerSettings, t: int, layers: int) -> tuple[float, float]:
+    """(bytes one pipeline chunk keeps for one micro-batch after its forward, its peak during the
+    backward's rematerialisation), both per micro-batch (the module docstring's terms). Backward
+    runs the layers last to first and frees each layer's saves after its backward, so a
+    rematerialised unit coexists only with what the EARLIER layers keep."""
+    T = s.micro_batch_tokens
+    sig = t if s.sequence_parallel else 1
+    full = layer_bytes_per_token(m, s, t) * T
+    mask = T * T if s.attention == "mask" else 0.0
+    if s.recompute == "none":
+        kept = mask + layers * full
+        return kept, kept
+    if s.recompute == "selective":
+        kept = mask + layers * selective_layer_bytes_per_token(m, s, t) * T
+        inner = _attention_mask_terms(m, s, t)[1] * T
+        return kept, kept - _mlp_half_bytes_per_token(m, s, t) * T + inner
+    unit_input = s.b * m.hidden_size / sig * T
+    freqs = 4 * m.d * T  # fp32 RoPE freqs, an argument of every checkpoint (one storage)
+    n = min(s.recompute_num_layers, layers)
+    if s.recompute_method == "uniform":
+        sizes = [min(n, layers - i) for i in range(0, layers, n)]  # units in forward order
+        kept = mask + freqs + len(sizes) * unit_input
+        # unit j (1-based) is rematerialised with the inputs of units 1..j still alive
+        peak = max(mask + freqs + (j + 1) * unit_input + sizes[j] * full for j in range(len(sizes)))
+        return kept, peak
+    kept = mask + (freqs if n else 0.0) + n * unit_input + (layers - n) * full
+    peak = mask + freqs + n * unit_input + full if n else kept
+    return kept, peak
+
+
+def microbatch_activation_bytes(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, stage: int,
+                                *, chunk_layers: int, chunks: int) -> tuple[float, float, float]:
+    """(bytes one micro-batch keeps on ``stage`` after its forward, its peak during the layers'
+    backward, the last stage's transient logits term) -- see the module docstring."""
+    t = layout.tp
+    T = s.micro_batch_tokens
+    sig = t if s.sequence_parallel else 1
+    kept_c, peak_c = _chunk_bytes(m, s, t, chunk_layers)
+    kept = chunks * kept_c
+    peak = (chunks - 1) * kept_c + peak_c  # the last chunk rematerialises while the others keep
+    if stage == 0:
+        ids = T * (8 + (1 if t > 1 else 0))  # token ids (+ the vocab-parallel input mask)
+        kept += ids
+        peak += ids
+    logits = 0.0
+    if stage == layout.pp - 1:
+        vocab = _padded_vocab(m, s, t)
+        h, b = m.hidden_size, s.b
+        if s.layer_spec == "te":
+            final = (2 * b * h + 4) / sig  # TE norm (input, rstd) + output-layer input
         else:
-            acts = in_flight * layers * tokens * per_token
-        logits = tokens * 6 * m.vocab_size / t if k == p - 1 else 0.0
+            final = (8 * h + 4) / sig + b * h / sig
+        logits = T * (final + 4 * vocab / t + LOGPROB_BYTES_PER_TOKEN)
+    return kept, peak, logits
+
+
+def _padded_vocab(m: ModelShape, s: LearnerSettings, t: int) -> int:
+    q = math.lcm(s.make_vocab_size_divisible_by, t)
+    return ((m.vocab_size + q - 1) // q) * q
+
+
+@dataclass(frozen=True)
+class StageState:
+    """Parameter state of one GPU of one pipeline stage (exact: same count as the engine)."""
+
+    params: int
+    weights: int
+    grads: int
+    optimizer: float
+    """Per GPU; with the distributed optimizer the DP-mean share (12 or 8 bytes/param / dp)."""
+
+
+def stage_state(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, stage: int, *,
+                value_head: bool = False, trainable: bool = True) -> StageState:
+    """Weights / grads / optimizer bytes of one GPU of ``stage``."""
+    t, p = layout.tp, layout.pp
+    pc = count_params(m, _padded_vocab(m, s, t))
+    layers = m.num_hidden_layers // p
+    sharded = layers * pc.layer_sharded // t
+    norms = layers * pc.layer_replicated
+    head = 0
+    if stage == 0:
+        sharded += pc.embedding // t
+    if stage == p - 1:
+        norms += pc.final_norm
+        if value_head:
+            head = m.hidden_size + 1  # ValueHead weight + bias, replicated, trunk dtype
+        else:
+            # Tied embeddings under PP: the last stage holds its own copy of the embedding.
+            sharded += (pc.output or (pc.embedding if p > 1 else 0)) // t
+    nb = _norm_bytes(s)
+    weights = (sharded + head) * s.b + norms * nb
+    n = sharded + head + norms
+    if not trainable:
+        return StageState(params=n, weights=weights, grads=0, optimizer=0.0)
+    grads = 4 * n if s.grad_reduce_in_fp32 else weights
+    sixteen = (sharded + head) if s.b == 2 else 0  # params with an fp32 master copy
+    opt = 8 * n + 4 * sixteen
+    if nb == 2:
+        opt += 4 * norms
+    return StageState(params=n, weights=weights, grads=grads,
+                      optimizer=opt / layout.dp if s.distributed_optimizer else float(opt))
+
+
+def in_flight(layout: ParallelLayout, stage: int, num_microbatches: int | None) -> float:
+    """Micro-batches whose activations stage ``stage`` holds at once under 1F1B."""
+    p, v = layout.pp, layout.vpp or 1
+    n = (p - stage) + ((p - 1) / v if v > 1 else 0.0)
+    return n if num_microbatches is None else min(n, float(num_microbatches))
+
+
+def stage_activations(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, stage: int) -> tuple[float, float]:
+    """(activations without the logits term, logits term) of one GPU of ``stage``: the other
+    in-flight micro-batches keep their forward's saves while one runs its peak -- the end of
+    its forward with the logits (last stage), or a rematerialisation in its backward."""
+    v = layout.vpp or 1
+    chunk_layers = m.num_hidden_layers // (layout.pp * v)
+    kept, peak, logits = microbatch_activation_bytes(m, s, layout, stage, chunk_layers=chunk_layers, chunks=v)
+    others = (in_flight(layout, stage, s.num_microbatches) - 1) * kept
+    if kept + logits >= peak:
+        return others + kept, logits
+    return others + peak, 0.0
+
+
+def estimate_learner(m: ModelShape, s: LearnerSettings, layout: ParallelLayout,
+                     gpu_memory_gib: float, *, reference: bool = False,
+                     critic: LearnerSettings | None = None, notes: tuple[str, ...] = ()) -> LearnerMemory:
+    """Worst stage's per-GPU bytes; ``reference``: the KL reference model (forward-only, same
+    settings); ``critic``: the PPO critic's settings (see the module docstring)."""
+    layout.check_model(m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads)
+    worst: LearnerMemory | None = None
+    for k in range(layout.pp):
+        st = stage_state(m, s, layout, k)
+        acts, logits = stage_activations(m, s, layout, k)
+        ref = stage_state(m, s, layout, k, trainable=False).weights if reference else 0
+        crit = 0.0
+        if critic is not None:
+            c = stage_state(m, critic, layout, k, value_head=True)
+            crit = c.weights + c.grads + c.optimizer
         est = LearnerMemory(
-            stage=k, params=params, weights=2.0 * params, grads=4.0 * params,
-            optimizer=12.0 * params / layout.dp, activations=acts, logits=logits,
-            reserved=cfg.reserved_gib * GIB, limit=gpu_memory_gib * GIB,
-            reference=2.0 * params if reference else 0.0,
-            critic=(6.0 + 12.0 / layout.dp) * critic_params if critic else 0.0,
+            stage=k, params=st.params, weights=float(st.weights), grads=float(st.grads), optimizer=st.optimizer,
+            activations=acts, logits=logits, reserved=s.reserved_gib * GIB, limit=gpu_memory_gib * GIB,
+            reference=float(ref), critic=crit, settings=s, notes=notes,
         )
         if worst is None or est.total > worst.total:
             worst = est

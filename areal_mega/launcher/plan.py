@@ -30,7 +30,9 @@ from areal_mega.config import from_dict
 from areal_mega.inference.config import SGLangServerConfig
 from areal_mega.inference.server import build_launch_command
 from areal_mega.launcher.config import LaunchConfig, ModelShape
-from areal_mega.launcher.memory import EngineMemory, LearnerMemory, estimate_engine, estimate_learner
+from areal_mega.launcher.memory import (
+    EngineMemory, LearnerMemory, LearnerSettings, estimate_engine, estimate_learner, settings_from_engine_config,
+)
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from areal_mega.utils import secrets
 from areal_mega.utils.procs import free_ports
@@ -205,26 +207,77 @@ def server_config(raw: dict) -> SGLangServerConfig:
 
 
 def parallel_config(cfg: LaunchConfig, raw: dict) -> ParallelConfig:
-    """launch.learner.parallel, else the trainer's top-level ``parallel`` section."""
-    if cfg.learner.parallel is not None:
-        return cfg.learner.parallel
+    """The trainer's top-level ``parallel`` section (the layout the learners are built with)."""
     return from_dict(ParallelConfig, raw.get("parallel") or {}, prefix="parallel.")
 
 
 def model_shape(cfg: LaunchConfig, raw: dict) -> ModelShape:
-    """launch.model, else the shape in ``<model_path>/config.json``."""
-    if cfg.model is not None:
-        return cfg.model
+    """The model as the trainer's adapter parses it: ``<model_path>/config.json``, or
+    ``launch.model_config`` (the same JSON inline) where model_path is not readable here."""
+    from areal_mega.models import get_adapter
+
     path = raw.get("model_path") or ((raw.get("inference") or {}).get("server") or {}).get("model_path")
-    if not path:
-        raise ValueError("launch.model: not set and no model_path to read config.json from")
-    hf = Path(path) / "config.json"
+    hf_config = None
+    if path and (Path(path) / "config.json").is_file():
+        try:
+            hf_config = json.loads((Path(path) / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model_path: {path}/config.json is unreadable ({e})") from None
+    elif cfg.model_config is not None:
+        hf_config = dict(cfg.model_config)
+    if hf_config is None:
+        where = f"{path}/config.json does not exist here" if path else "no model_path"
+        raise ValueError(f"launch.model_config: not set and {where}; set launch.model_config to the model's "
+                         "config.json content to plan without the weights")
     try:
-        shape = ModelShape.from_hf_config(json.loads(hf.read_text()))
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"launch.model: not set and {hf} is unreadable ({e}); set launch.model") from None
-    shape.validate()
-    return shape
+        return ModelShape.from_arch(get_adapter(hf_config).arch)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"model config ({'model_path' if path and Path(path).is_dir() else 'launch.model_config'}): {e}") from None
+
+
+def learner_settings(cfg: LaunchConfig, raw: dict, m: ModelShape, layout: ParallelLayout, *,
+                     on_gpu: bool) -> tuple[LearnerSettings, LearnerSettings | None, bool]:
+    """(actor settings, critic settings or None, KL reference?) from the trainer's own typed
+    sections -- ``actor``, ``critic``, ``algorithm`` -- resolved as the trainer resolves them
+    (layer_spec "auto" = te on GPU nodes, local on CPU; sequence_parallel at the layout's TP)."""
+    from areal_mega.megatron.engine import MegatronEngineConfig
+    from areal_mega.megatron.model import check_context_parallel
+    from areal_mega.trainer.critic import CriticConfig
+
+    actor = from_dict(MegatronEngineConfig, raw.get("actor") or {}, prefix="actor.")
+    alg = from_dict(AlgorithmConfig, raw.get("algorithm") or {}, prefix="algorithm.")
+    res = cfg.learner.reserved_gib
+    s = settings_from_engine_config(actor, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res)
+    check_context_parallel(layout, s.layer_spec, s.attention)  # cp > 1: refused here as at start-up
+    critic = None
+    if alg.adv_estimator == "gae":
+        c = from_dict(CriticConfig, raw.get("critic") or {}, prefix="critic.")
+        critic = settings_from_engine_config(c, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res)
+    return s, critic, alg.kl_coef > 0
+
+
+def _what_would_fit(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, gib: float, *,
+                    reference: bool, critic: LearnerSettings | None) -> str | None:
+    """A hint for a plan that does not fit: the first of the config's own switches (SP,
+    recompute, THD attention) that would make it fit -- priced, not applied."""
+    tries = []
+    if not s.sequence_parallel and layout.tp > 1:
+        tries.append(("actor.model.sequence_parallel: true", dict(sequence_parallel=True)))
+    if s.attention == "mask" and s.layer_spec == "te":
+        tries.append(("actor.attention: thd", dict(attention="thd")))
+    if s.recompute == "none":
+        tries.append(("actor.model.recompute: selective", dict(recompute="selective")))
+    if s.recompute != "full":
+        tries.append(("actor.model.recompute: full", dict(recompute="full", recompute_method="uniform",
+                                                          recompute_num_layers=1)))
+    changes: dict = {}
+    said: dict[str, str] = {}
+    for text, ch in tries:
+        changes.update(ch)
+        said[text.split(":")[0]] = text  # a later recompute level replaces the earlier one
+        if estimate_learner(m, replace(s, **changes), layout, gib, reference=reference, critic=critic).fits:
+            return "would fit with " + ", ".join(said.values())
+    return None
 
 
 def _learner_world(cfg: LaunchConfig, par: ParallelConfig, gpus: int) -> tuple[int, int]:
@@ -397,10 +450,12 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
         ))
 
     m = model_shape(cfg, raw)
-    # The same typed section the trainer reads (so defaults and value checks agree with it).
-    alg = from_dict(AlgorithmConfig, raw.get("algorithm") or {}, prefix="algorithm.")
-    learner_mem = estimate_learner(m, lc, layout, cfg.gpu_memory_gib,
-                                   reference=alg.kl_coef > 0, critic=alg.adv_estimator == "gae")
+    settings, critic, reference = learner_settings(cfg, raw, m, layout, on_gpu=gpus > 0)
+    learner_mem = estimate_learner(m, settings, layout, cfg.gpu_memory_gib, reference=reference, critic=critic)
+    if gpus and not learner_mem.fits:
+        hint = _what_would_fit(m, settings, layout, cfg.gpu_memory_gib, reference=reference, critic=critic)
+        if hint:
+            notes.append(f"the learner plan does not fit as configured; it {hint}")
     engine_mem = None
     if engines:
         engine_mem = estimate_engine(

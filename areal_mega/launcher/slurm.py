@@ -1,7 +1,7 @@
 """The plan inside a Slurm allocation: every process is one ``srun`` job step on its node.
 
 The allocation comes from the batch environment Slurm documents: SLURM_JOB_ID,
-SLURM_JOB_NODELIST (expanded with ``scontrol show hostnames``), SLURM_GPUS_ON_NODE and
+SLURM_JOB_NODELIST (expanded in Python: :func:`expand_nodelist`), SLURM_GPUS_ON_NODE and
 SLURM_CPUS_ON_NODE. Steps are named ``am-<job>-<process>``; stopping one sends SIGTERM to its
 srun (srun then cancels the step: SIGTERM to the tasks, SIGKILL after KillWait), and any step
 still listed afterwards is ``scancel``-ed by its step id.
@@ -22,11 +22,61 @@ STEP_PREFIX = "am-"
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """``amnode[1-3,5]`` -> ["amnode1", "amnode2", "amnode3", "amnode5"] via scontrol."""
-    r = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
-    if r.returncode != 0:
-        raise ValueError(f"scontrol show hostnames {nodelist!r} failed: {r.stderr.strip()}")
-    return r.stdout.split()
+    """Slurm hostlist -> names, in Python (no ``scontrol``, no Slurm configuration: a dry run
+    works on a laptop): ``gpu[001-003,7]`` -> gpu001 gpu002 gpu003 gpu007 (zero padding kept),
+    several bracket groups multiply (``r[1-2]n[1-2]`` -> r1n1 r1n2 r2n1 r2n2), commas outside
+    brackets separate entries. Raises ValueError naming the list on bad syntax."""
+    def split_top(text: str) -> list[str]:
+        parts, depth, cur = [], 0, ""
+        for ch in text:
+            if ch == "[":
+                depth += 1
+            elif ch == "]":
+                depth -= 1
+                if depth < 0:
+                    raise ValueError(f"nodelist {nodelist!r}: unbalanced ']'")
+            if ch == "," and depth == 0:
+                parts.append(cur)
+                cur = ""
+            else:
+                cur += ch
+        if depth:
+            raise ValueError(f"nodelist {nodelist!r}: unbalanced '['")
+        return parts + [cur]
+
+    def ranges(body: str) -> list[str]:
+        out = []
+        for item in body.split(","):
+            lo, _, hi = item.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise ValueError(f"nodelist {nodelist!r}: bad range {item!r}")
+            if not hi:
+                out.append(lo)
+                continue
+            if int(hi) < int(lo):
+                raise ValueError(f"nodelist {nodelist!r}: range {item!r} runs backwards")
+            out += [str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]
+        return out
+
+    names: list[str] = []
+    for entry in split_top(nodelist.strip()):
+        entry = entry.strip()
+        if not entry:
+            continue
+        expanded = [""]
+        rest = entry
+        while rest:
+            i = rest.find("[")
+            if i < 0:
+                expanded = [e + rest for e in expanded]
+                break
+            j = rest.index("]", i)
+            expanded = [e + rest[:i] + r for e in expanded for r in ranges(rest[i + 1:j])]
+            rest = rest[j + 1:]
+        names += expanded
+    if not names:
+        raise ValueError(f"nodelist {nodelist!r}: no node names")
+    return names
 
 
 def _gpus_from_env(env: dict[str, str]) -> int:
@@ -44,8 +94,10 @@ def _cpus_from_env(env: dict[str, str]) -> int | None:
 
 
 def slurm_allocation(env: dict[str, str] | None = None, *, nodelist: str | None = None,
-                     gpus_per_node: int | None = None, job_id: str | None = None) -> Allocation:
-    """The current allocation; explicit arguments (for --dry-run outside a job) take precedence."""
+                     gpus_per_node: int | None = None, job_id: str | None = None,
+                     resolve: bool = True) -> Allocation:
+    """The current allocation; explicit arguments (for --dry-run outside a job) take precedence.
+    ``resolve=False`` (dry runs) keeps node names as their addresses: no DNS lookups."""
     env = dict(os.environ) if env is None else env
     nodelist = nodelist or env.get("SLURM_JOB_NODELIST")
     if not nodelist:
@@ -54,8 +106,8 @@ def slurm_allocation(env: dict[str, str] | None = None, *, nodelist: str | None 
             "or pass --nodelist (and --gpus-per-node) for a dry run"
         )
     nodes = expand_nodelist(nodelist)
-    addresses = []
-    for n in nodes:
+    addresses = [] if resolve else list(nodes)
+    for n in (nodes if resolve else ()):
         try:
             addresses.append(socket.gethostbyname(n))
         except OSError as e:
