@@ -19,6 +19,7 @@ from areal_mega.weight_sync.planner import (
     check_plan_against,
     plan_weight_sync,
 )
+from tests.support.models import WSYNC_QWEN2, tiny_config
 
 MiB = 1 << 20
 LLAMA_70B = dict(
@@ -31,18 +32,7 @@ LLAMA_70B = dict(
     vocab_size=128256,
     torch_dtype="bfloat16",
 )
-TINY_QWEN2 = dict(
-    model_type="qwen2",
-    num_hidden_layers=4,
-    hidden_size=128,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    head_dim=64,
-    intermediate_size=256,
-    vocab_size=512,
-    tie_word_embeddings=True,
-    torch_dtype="bfloat16",
-)
+TINY_QWEN2 = dict(tiny_config("qwen2", **WSYNC_QWEN2), torch_dtype="bfloat16")  # the live sync test's model
 
 
 def _plan(hf: dict, tp: int, pp: int, dp: int = 1, bucket: int = 512 * MiB, vpp=None):
