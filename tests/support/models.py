@@ -26,6 +26,10 @@ DEFAULTS = dict(
     tie_word_embeddings=False,
 )
 FAMILIES = ("qwen2", "llama")
+# The weight-sync tests' model (the live TP2 x PP2 sync and the pure planner): bf16 on disk,
+# head_dim 64 (what SGLang's CPU attention takes), tied embeddings, qkv bias.
+WSYNC_QWEN2 = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+                   num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
 
 
 def tiny_config(family: str = "qwen2", **overrides) -> dict:
