@@ -346,3 +346,19 @@ def test_estimator_matches_what_the_engine_holds(tmp_path):
         measured = acts(a) / acts(b)
         predicted = by[a]["predicted_bytes"]["activations"] / by[b]["predicted_bytes"]["activations"]
         assert measured < 1 and abs(measured / predicted - 1) <= 0.15, (a, b, measured, predicted)
+
+
+def test_plan_without_a_model_config():
+    """CPU nodes (tests, demos) plan without a model config: nothing estimated, nothing enforced;
+    a GPU plan needs one and names the key."""
+    cfg = LaunchConfig()
+    cfg.learner.nproc_per_node = 2
+    cfg.engine.num_engines = 1
+    cfg.engine.command = ["srv", "{host}", "{port}"]
+    raw = {"inference": {"server": {"port": 30000}}}
+    local = Allocation(job_id="local", nodes=("localhost",), addresses=("127.0.0.1",), gpus_per_node=0, local=True)
+    plan = build_plan(cfg, local, raw=raw, config_path="c.yaml", overrides=[], python="PY")
+    assert plan.fits and plan.learner_memory is None and plan.engine_memory is None
+    assert any("memory not estimated" in n and "launch.model_config" in n for n in plan.notes)
+    with pytest.raises(ValueError, match="launch.model_config"):
+        build_plan(cfg, alloc(2, 8), raw=raw, config_path="c.yaml", overrides=[], python="PY")

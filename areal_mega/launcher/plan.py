@@ -115,7 +115,8 @@ class LaunchPlan:
     learners: tuple[ProcSpec, ...]
     engines_file: Path
     env: dict[str, str]
-    learner_memory: LearnerMemory
+    learner_memory: LearnerMemory | None
+    """None only on CPU nodes without a model config (nothing to estimate, nothing enforced)."""
     engine_memory: EngineMemory | None
     checks_gpu_memory: bool
     """False on CPU nodes: the estimate is printed, not enforced."""
@@ -130,7 +131,8 @@ class LaunchPlan:
     def fits(self) -> bool:
         if not self.checks_gpu_memory:
             return True
-        return self.learner_memory.fits and (self.engine_memory is None or self.engine_memory.fits)
+        return (self.learner_memory is not None and self.learner_memory.fits
+                and (self.engine_memory is None or self.engine_memory.fits))
 
     def describe(self) -> str:
         a = self.allocation
@@ -155,7 +157,8 @@ class LaunchPlan:
             extra = f"; env {extra}" if extra else ""
             lines.append(f"    {p.name} @ {p.node} ({res}; log {p.log_path}{extra}): {p.shell()}")
         lines.append("memory estimate per GPU:")
-        lines.append("  " + self.learner_memory.describe())
+        lines.append("  " + (self.learner_memory.describe() if self.learner_memory is not None
+                             else "learner: not estimated (no model config)"))
         if self.engine_memory is not None:
             lines.append("  " + self.engine_memory.describe())
         if not self.checks_gpu_memory:
@@ -449,15 +452,23 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
             node_rank=r, nproc=local_nproc,
         ))
 
-    m = model_shape(cfg, raw)
-    settings, critic, reference = learner_settings(cfg, raw, m, layout, on_gpu=gpus > 0)
-    learner_mem = estimate_learner(m, settings, layout, cfg.gpu_memory_gib, reference=reference, critic=critic)
-    if gpus and not learner_mem.fits:
+    try:
+        m = model_shape(cfg, raw)
+    except ValueError as e:
+        if gpus:  # GPU plans are refused without an estimate
+            raise
+        m = None  # CPU nodes (tests, demos): the estimate is informational only
+        notes.append(f"memory not estimated: {e}")
+    learner_mem = None
+    if m is not None:
+        settings, critic, reference = learner_settings(cfg, raw, m, layout, on_gpu=gpus > 0)
+        learner_mem = estimate_learner(m, settings, layout, cfg.gpu_memory_gib, reference=reference, critic=critic)
+    if gpus and learner_mem is not None and not learner_mem.fits:
         hint = _what_would_fit(m, settings, layout, cfg.gpu_memory_gib, reference=reference, critic=critic)
         if hint:
             notes.append(f"the learner plan does not fit as configured; it {hint}")
     engine_mem = None
-    if engines:
+    if engines and m is not None:
         engine_mem = estimate_engine(
             m, tp=tp, max_total_tokens=srv.max_total_tokens,
             mem_fraction_static=srv.mem_fraction_static or ec.default_mem_fraction_static,
