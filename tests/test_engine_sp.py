@@ -145,6 +145,38 @@ def test_recompute_same_loss_and_grads_fewer_saved_bytes(res):
     assert R["reference_granularity"] is None  # the forward-only reference never recomputes
 
 
+@pytest.mark.slow
+def test_recompute_saved_bytes_as_the_estimator_predicts(res):
+    """The launcher's estimator (areal_mega.launcher.memory) for this very run -- fp32 Qwen2,
+    local spec, mask attention, TP2 with SP, the largest micro-batch of the plan (the meter
+    reports the peak over ranks; micro-batches run one after another at PP1) -- predicts each
+    mode's peak saved bytes, and so their ratios, within the issue's 15% (measured: within 3.2%)."""
+    from areal_mega.launcher.config import ModelShape
+    from areal_mega.launcher.memory import LearnerSettings, stage_activations
+    from areal_mega.megatron.packing import plan_microbatches
+    from areal_mega.models import get_adapter
+    from tests.support.models import tiny_config
+
+    R = res["recompute"]
+    shape = ModelShape.from_arch(get_adapter(tiny_config("qwen2")).arch)
+    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=2), 4)
+    plan = plan_microbatches(LENS, 64, dp_size=layout.dp)
+    T = max(-(-mb.num_tokens // 2) * 2 for mbs in plan.per_rank for mb in mbs)  # padded to a multiple of TP
+    modes = {"none": ("none", "uniform", 1), "selective": ("selective", "uniform", 1),
+             "full_uniform": ("full", "uniform", 1), "full_block2": ("full", "block", 2)}
+    predicted = {}
+    for k, (rc, method, n) in modes.items():
+        s = LearnerSettings(dtype="float32", layer_spec="local", attention="mask", sequence_parallel=True,
+                            recompute=rc, recompute_method=method, recompute_num_layers=n, micro_batch_tokens=T,
+                            num_microbatches=1)
+        acts, logits = stage_activations(shape, s, layout, 0)
+        predicted[k] = acts + logits
+        assert abs(R[k]["saved_bytes_peak"] / predicted[k] - 1) <= 0.15, (k, R[k]["saved_bytes_peak"], predicted[k])
+    for k in ("selective", "full_uniform", "full_block2"):
+        measured_ratio = R[k]["saved_bytes_peak"] / R["none"]["saved_bytes_peak"]
+        assert abs(measured_ratio / (predicted[k] / predicted["none"]) - 1) <= 0.15, k
+
+
 # ---------------------------------------------------------------- single process
 def test_sequence_parallel_config():
     cfg = MegatronModelConfig()
