@@ -201,3 +201,15 @@ def test_context_parallel_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"parallel\.context_parallel.*not implemented"):
         check_context_parallel(layout, "te", "thd")
     check_context_parallel(ParallelLayout.build(ParallelConfig(), 1), "local")  # cp 1: fine
+
+
+def test_attention_auto_is_fused_varlen_with_transformer_engine():
+    from areal_mega.megatron.engine import MegatronEngineConfig, resolve_attention
+
+    assert MegatronEngineConfig().attention == "auto"
+    assert resolve_attention("auto", "te", None) == "thd"  # TE present: the scalable kernel
+    assert resolve_attention("auto", "te", 2) == "mask"  # thd is refused under VPP
+    assert resolve_attention("auto", "local", None) == "mask"  # CPU / local spec: the dense mask
+    assert resolve_attention("mask", "te", None) == "mask" and resolve_attention("thd", "local", None) == "thd"
+    with pytest.raises(ValueError, match="attention"):
+        MegatronEngineConfig(attention="flash").validate()

@@ -127,7 +127,8 @@ class LearnerSettings:
     layer_spec: Literal["local", "te"] = "te"
     """``actor.model.layer_spec`` resolved ("auto" = te on GPU nodes, local on CPU)."""
     attention: Literal["mask", "thd"] = "thd"
-    """``actor.attention``: "mask" prices the dense [s, s] scores, "thd" fused varlen attention."""
+    """``actor.attention`` resolved ("auto" = thd with the TE spec unless interleaved, else mask):
+    "mask" prices the dense [s, s] scores, "thd" fused varlen attention."""
     sequence_parallel: bool = True
     """``actor.model.sequence_parallel`` resolved at the layout's TP."""
     recompute: Literal["none", "selective", "full"] = "none"
@@ -153,13 +154,15 @@ class LearnerSettings:
 
 
 def settings_from_engine_config(engine_cfg, arch_dtype: str, tp: int, *, on_gpu: bool,
-                                reserved_gib: float = 6.0) -> LearnerSettings:
+                                reserved_gib: float = 6.0, vpp: int | None = None) -> LearnerSettings:
     """The :class:`LearnerSettings` of a MegatronEngineConfig (``actor`` / ``critic`` section):
-    the same fields, resolved the way ``build_model`` resolves them."""
+    the same fields, resolved the way ``build_model`` and the engine resolve them."""
+    from areal_mega.megatron.engine import resolve_attention
+
     mc = engine_cfg.model
     spec = mc.layer_spec if mc.layer_spec != "auto" else ("te" if on_gpu else "local")
     return LearnerSettings(
-        dtype=mc.dtype or arch_dtype, layer_spec=spec, attention=engine_cfg.attention,
+        dtype=mc.dtype or arch_dtype, layer_spec=spec, attention=resolve_attention(engine_cfg.attention, spec, vpp),
         sequence_parallel=mc.sequence_parallel_for(tp), recompute=mc.recompute,
         recompute_method=mc.recompute_method, recompute_num_layers=mc.recompute_num_layers,
         micro_batch_tokens=engine_cfg.max_tokens_per_microbatch, grad_reduce_in_fp32=engine_cfg.grad_reduce_in_fp32,

@@ -250,12 +250,12 @@ def learner_settings(cfg: LaunchConfig, raw: dict, m: ModelShape, layout: Parall
     actor = from_dict(MegatronEngineConfig, raw.get("actor") or {}, prefix="actor.")
     alg = from_dict(AlgorithmConfig, raw.get("algorithm") or {}, prefix="algorithm.")
     res = cfg.learner.reserved_gib
-    s = settings_from_engine_config(actor, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res)
+    s = settings_from_engine_config(actor, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res, vpp=layout.vpp)
     check_context_parallel(layout, s.layer_spec, s.attention)  # cp > 1: refused here as at start-up
     critic = None
     if alg.adv_estimator == "gae":
         c = from_dict(CriticConfig, raw.get("critic") or {}, prefix="critic.")
-        critic = settings_from_engine_config(c, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res)
+        critic = settings_from_engine_config(c, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res, vpp=layout.vpp)
     return s, critic, alg.kl_coef > 0
 
 

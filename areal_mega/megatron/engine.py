@@ -130,10 +130,12 @@ class MegatronEngineConfig:
     max_tokens_per_microbatch: int = 8192
     """Token budget of one packed micro-batch; a longer sequence gets a micro-batch of its
     own (never split). Memory per micro-batch ~ this (x T with the CPU attention mask)."""
-    attention: Literal["mask", "thd"] = "mask"
-    """Packed attention: "mask" = block-diagonal causal mask (works everywhere, O(T^2));
-    "thd" = PackedSeqParams for transformer-engine's varlen kernels (GPU + TE spec only;
-    untested on CPU)."""
+    attention: Literal["auto", "mask", "thd"] = "auto"
+    """Packed attention: "thd" = PackedSeqParams for transformer-engine's variable-length fused
+    kernels (no [T, T] mask, no cross-sequence FLOPs, linear memory; GPU + TE spec only, untested
+    on CPU); "mask" = block-diagonal causal mask (works everywhere, keeps [T, T] scores per head:
+    the CPU/test path); "auto" = "thd" with the TE spec (except under VPP, where thd is refused),
+    else "mask" (:func:`resolve_attention`)."""
     grad_reduce_in_fp32: bool = True
     """Accumulate and all-reduce gradients in fp32 even for bf16 parameters."""
     compute_entropy: bool = True
@@ -143,8 +145,16 @@ class MegatronEngineConfig:
     def validate(self) -> None:
         if self.max_tokens_per_microbatch < 1:
             raise ValueError(f"max_tokens_per_microbatch: must be >= 1, got {self.max_tokens_per_microbatch}")
-        if self.attention not in ("mask", "thd"):
-            raise ValueError(f"attention: {self.attention!r} is not one of mask, thd")
+        if self.attention not in ("auto", "mask", "thd"):
+            raise ValueError(f"attention: {self.attention!r} is not one of auto, mask, thd")
+
+
+def resolve_attention(attention: str, layer_spec: str, vpp: int | None) -> Literal["mask", "thd"]:
+    """``attention`` "auto" resolved: "thd" (fused varlen) with the TE spec unless interleaved,
+    else "mask"; explicit values unchanged (the engine validates them)."""
+    if attention == "auto":
+        return "thd" if layer_spec == "te" and not vpp else "mask"
+    return attention  # type: ignore[return-value]
 
 
 class MegatronTrainEngine(TrainEngine):
@@ -167,11 +177,12 @@ class MegatronTrainEngine(TrainEngine):
 
         cfg.validate()
         cfg.optimizer.validate()
-        if cfg.attention == "thd" and model.layer_spec != "te":
+        self.attention = resolve_attention(cfg.attention, model.layer_spec, model.groups.layout.vpp)
+        if self.attention == "thd" and model.layer_spec != "te":
             raise ValueError("attention: 'thd' needs the transformer-engine layer spec (model.layer_spec='te')")
-        check_context_parallel(model.groups.layout, model.layer_spec, cfg.attention)
+        check_context_parallel(model.groups.layout, model.layer_spec, self.attention)
         if model.groups.layout.vpp:
-            if cfg.attention == "thd":
+            if self.attention == "thd":
                 raise ValueError(
                     "attention: 'thd' with virtual_pipeline_parallel is not supported (the interleaved "
                     "schedule pads micro-batches to one length; untested with TE's packed kernels)"
@@ -291,7 +302,7 @@ class MegatronTrainEngine(TrainEngine):
         T = int(mb["input_ids"].numel())
         tokens = mb["input_ids"].view(1, T).to(self._device)
         positions = torch.arange(T, device=self._device).view(1, T)
-        if self.cfg.attention == "thd":
+        if self.attention == "thd":
             from megatron.core.packed_seq_params import PackedSeqParams
 
             cu = mb["cu_seqlens"].to(self._device, torch.int32)
