@@ -5,8 +5,8 @@ differently on AVX2, AVX512 and AVX512-BF16/AMX machines (and on GPUs), so a mea
 nothing about the next machine. Instead:
 
 * a format with p significand bits rounds each result to a relative error of at most its unit
-  roundoff u = 2^-p: bf16 2^-8 = 3.9e-3, fp16 2^-11 = 4.9e-4, fp32 2^-24 = 6.0e-8,
-  fp64 2^-53 = 1.1e-16;
+  roundoff u = 2^-p: bf16 2^-8 = 3.9e-3, fp16 and TF32 (GPU matmul inputs) 2^-11 = 4.9e-4,
+  fp32 2^-24 = 6.0e-8, fp64 2^-53 = 1.1e-16;
 * a K-term reduction (dot product, sum, softmax normaliser) rounds once per term; independent
   round-to-nearest errors add like a random walk, so it is off by about u * sqrt(K) times the
   magnitude of its terms (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed.,
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "tfloat32": 2.0**-11, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 
 def unit_roundoff(dtype) -> float:
