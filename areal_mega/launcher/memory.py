@@ -4,7 +4,8 @@ Everything is a closed formula of the model shape (:class:`ModelShape`, built fr
 adapter's :class:`~areal_mega.models.ModelArch` -- the parse the trainer uses), the layout and
 :class:`LearnerSettings` -- the trainer's own config fields (``actor.model.*``,
 ``actor.max_tokens_per_microbatch``, ``actor.attention``, ``actor.optimizer.*``, ``critic.*``,
-``algorithm.kl_coef``; see :func:`learner_settings`), so the plan prices what the trainer builds
+``algorithm.kl_coef``; see ``areal_mega.launcher.plan.learner_settings``), so the plan prices
+what the trainer builds
 and can refuse it before any node is touched. Notation: L layers, h hidden, f MLP width, a query
 heads, g KV heads, d head dim, V vocab padded as the engine pads it (lcm(128, t)), t TP,
 sigma = t with sequence parallelism else 1, p PP, v virtual stages, dp data parallel,
@@ -37,7 +38,7 @@ local spec on CPU; transformer-engine terms from TE's saved-tensor lists, see do
         RoPE cos/sin for q and k                            4 * b*d
         q, k and v as attention reads them (k, v expanded
         to a heads under GQA) and the o-proj input          4 * b*a*d / t
-        attention "mask": fp32 softmax + probabilities      (4 + b) * a*s / t   (b = 0 in fp32)
+        attention "mask": fp32 softmax + its b-byte copy    (4 + b) * a*s / t   (fp32: 4 * a*s / t)
         MLP: fc1 output, SwiGLU halves, fc2 input           5 * b*f / t
       transformer-engine + THD (fused varlen attention, no s^2 term):
         2 fused norm+linear (input, ln_out, rstd)           2 * (2b*h + 4) / sigma
@@ -51,9 +52,11 @@ local spec on CPU; transformer-engine terms from TE's saved-tensor lists, see do
         freqs 4d once); one unit (recompute_num_layers layers) is rematerialised at a time;
         "block" recomputes only the first recompute_num_layers layers of each chunk.
     in flight: 1F1B keeps min(p - k, M) micro-batches on stage k (interleaved: + (p-1)/v,
-        Korthikanti et al. 2022); plus one micro-batch's transient peak: the last stage's
-        final norm, output-layer input and fp32 logits (4 V/t + 26 bytes per token: targets,
-        log-prob and entropy pieces), or the rematerialised layer(s), whichever is larger.
+        Korthikanti et al. 2022), all but one at their forward's saves; that one at its peak,
+        the larger of two phases: the end of its forward (on the last stage with the final
+        norm, output-layer input and fp32 logits, 4 V/t + 26 bytes per token: targets, log-prob
+        and entropy pieces), or a rematerialisation in its backward, which coexists only with
+        the EARLIER layers' saves (backward frees each layer's saves after that layer).
     first stage: token ids 8 bytes per token (+ 1 byte vocab mask at t > 1).
     + reserved_gib (CUDA context, NCCL buffers, fragmentation).
     + KL reference (algorithm.kl_coef > 0): a frozen forward-only copy: weights only.
@@ -120,7 +123,7 @@ def total_params(m: ModelShape) -> int:
 @dataclass(frozen=True)
 class LearnerSettings:
     """One megatron engine as the trainer builds it: every field is the resolved value of a
-    trainer config key (built by :func:`learner_settings`; never a launcher-side copy)."""
+    trainer config key (built by ``plan.learner_settings``; never a launcher-side copy)."""
 
     dtype: str = "bfloat16"
     """``actor.model.dtype`` (None there = the HF checkpoint's dtype)."""
