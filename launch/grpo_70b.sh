@@ -10,6 +10,11 @@
 #SBATCH --exclusive
 #SBATCH --time=48:00:00
 #SBATCH --output=slurm-%x-%j.out
+#SBATCH --open-mode=append
+# Survive the time limit: USR1 to the batch shell 10 min before it, so the learners checkpoint
+# within launch.preempt_grace_s (300 s) and the job requeues itself (slurm/run_launcher.sh).
+#SBATCH --signal=B:USR1@600
+#SBATCH --requeue
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-.}"
-exec python -m areal_mega.launcher slurm --config configs/grpo_llama70b.yaml "$@"
+exec slurm/run_launcher.sh --config configs/grpo_llama70b.yaml "$@"

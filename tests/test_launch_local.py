@@ -1,7 +1,7 @@
 """The local launcher end to end with stand-in engines and learners (no torch in the children):
 an engine crash is logged and tolerated; a learner rank's death stops everything with that
-rank's log tail and a non-zero exit; SIGTERM to the launcher stops everything; nothing is left
-behind. Runtime ~30 s (three torchrun launches; up to ~80 s on a loaded machine).
+rank's log tail and a non-zero exit; SIGINT stops everything, SIGTERM/SIGUSR1 first ask the
+learners to checkpoint (exit 75 once they did); kill -9 of the launcher leaves nothing behind. Runtime ~30 s (three torchrun launches; up to ~80 s on a loaded machine).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 import yaml
 
 from slurm.local_cluster import free_ports
@@ -31,7 +32,7 @@ def _config(tmp: Path, marker: str, *, die_rank: int | None, engine_die_after: f
     engine = ["{python}", "tests/launch_standins/engine.py", "--host", "{host}", "--port", "{port}",
               "--marker", marker, "--lifetime", "120"]
     cfg = {"launch": {
-        "model": {}, "run_dir": str(tmp / "run-{job_id}"), "stop_grace_s": 5, "poll_interval_s": 0.2,
+        "run_dir": str(tmp / "run-{job_id}"), "stop_grace_s": 5, "poll_interval_s": 0.2,
         "learner": {"num_nodes": 1, "nproc_per_node": 2, "master_port": master, "command": learner},
         "engine": {"num_engines": 2, "command": engine, "startup_timeout_s": 60},
     }, "inference": {"server": {"port": p0}}}
@@ -79,12 +80,16 @@ def test_local_launch_learner_death_stops_everything(tmp_path):
     assert _leftovers(marker) == []
 
 
-def test_local_launch_sigterm_stops_everything(tmp_path):
-    """What scancel / Ctrl-C do to the launcher: it stops every process group it started."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_local_launch_signal_stops_everything(tmp_path, sig):
+    """Ctrl-C (SIGINT) stops every process tree at once; SIGTERM (scancel, preemption) first asks
+    the learners to checkpoint and stop -- these stand-ins ignore that -- and stops everything
+    when launch.preempt_grace_s (here 2 s) has passed. Either way nothing is left."""
     marker = f"amtest-{uuid.uuid4().hex[:8]}"
     cfg = _config(tmp_path, marker, die_rank=None, engine_die_after=None)
     data = yaml.safe_load(cfg.read_text())
     data["launch"]["learner"]["command"][-1] = "300"  # --hold 300: learners would run for 5 min
+    data["launch"]["preempt_grace_s"] = 2
     cfg.write_text(yaml.safe_dump(data))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "areal_mega.launcher", "local", "--config", str(cfg)],
@@ -96,17 +101,21 @@ def test_local_launch_sigterm_stops_everything(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
             time.sleep(0.2)
         assert len(_leftovers(marker)) >= 4  # 2 engines + 2 ranks (+ wrappers)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:  # the test failed before SIGTERM: still let the launcher clean up
-            proc.send_signal(signal.SIGTERM)
+        if proc.poll() is None:  # the test failed before the signal: still let the launcher clean up
+            proc.send_signal(signal.SIGINT)
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, out
-    assert "received signal 15; stopping every process" in out
+    assert proc.returncode == 128 + sig, out
+    if sig == signal.SIGINT:
+        assert "received signal 2; stopping every process" in out
+    else:
+        assert "asked the learners to checkpoint and stop" in out
+        assert "did not stop within launch.preempt_grace_s=2 s of signal 15" in out
     assert _leftovers(marker) == []
 
 
@@ -145,3 +154,36 @@ def test_local_launch_sigkill_leaves_nothing(tmp_path):
                 os.kill(int(line.split()[0]), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_local_launch_usr1_checkpoints_and_exits_requeue(tmp_path):
+    """SIGUSR1 (Slurm's time-limit warning) to the launcher: it creates the learners' stop file,
+    they "checkpoint" and exit 0, and the launcher exits 75 (requeue) with nothing left behind."""
+    marker = f"amtest-{uuid.uuid4().hex[:8]}"
+    cfg = _config(tmp_path, marker, die_rank=None, engine_die_after=None)
+    data = yaml.safe_load(cfg.read_text())
+    data["launch"]["learner"]["command"][-1] = "300"  # --hold 300: learners would run for 5 min
+    data["launch"]["learner"]["command"] += ["--stop-file", "{stop_file}"]
+    data["launch"]["preempt_grace_s"] = 60
+    cfg.write_text(yaml.safe_dump(data))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "areal_mega.launcher", "local", "--config", str(cfg)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out_dir = tmp_path / "run-local" / "out"
+        deadline = time.monotonic() + 90
+        while not (out_dir / "rank1.json").exists() or not (out_dir / "rank0.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=30)
+    assert proc.returncode == 75, out
+    assert (out_dir / "saved0").exists() and (out_dir / "saved1").exists(), out
+    assert "checkpointed and stopped after signal 10" in out and took < 30, (took, out)
+    assert _leftovers(marker) == []

@@ -89,7 +89,8 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
         write_api_key(plan.secrets_dir, plan.api_key)  # 0600; its path only goes on command lines
     return supervise(plan, runner, poll_s=cfg.poll_interval_s, grace_s=cfg.stop_grace_s,
                      tail_lines=cfg.log_tail_lines,
-                     engine_timeout_s=cfg.engine.startup_timeout_s + 60, min_ready=cfg.engine.min_ready)
+                     engine_timeout_s=cfg.engine.startup_timeout_s + 60, min_ready=cfg.engine.min_ready,
+                     preempt_grace_s=cfg.preempt_grace_s)
 
 
 def _print_throughput_plan(config: str, overrides: list[str], nodes: int, gpus_per_node: int) -> None:

@@ -159,12 +159,20 @@ class LaunchConfig:
     """How often the supervisor checks its processes."""
     stop_grace_s: float = 15.0
     """After SIGTERM, wait this long before SIGKILL."""
+    preempt_grace_s: float = 300.0
+    """On SIGUSR1 or SIGTERM (Slurm's time-limit warning ``--signal=B:USR1@N``, a preemption) the
+    launcher asks the learners to finish their step and checkpoint (it creates the trainer's
+    stop file) and waits up to this long for them before stopping everything. It then exits with
+    EXIT_REQUEUE (75), which launch/*.sh turn into ``scontrol requeue``. Keep it below the
+    ``--signal`` lead time minus ``stop_grace_s``; the dry run prints it."""
     log_tail_lines: int = 40
     """Lines of a failed process's log printed by the launcher."""
 
     def validate(self) -> None:
         if self.gpus_per_node is not None and self.gpus_per_node < 0:
             raise ValueError(f"gpus_per_node: must be >= 0, got {self.gpus_per_node}")
+        if self.preempt_grace_s < 0:
+            raise ValueError(f"preempt_grace_s: must be >= 0, got {self.preempt_grace_s}")
         if self.gpu_memory_gib <= 0:
             raise ValueError(f"gpu_memory_gib: must be > 0, got {self.gpu_memory_gib}")
         for key in list(self.env) + list(self.nccl_env):

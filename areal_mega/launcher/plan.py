@@ -47,6 +47,7 @@ PLACEHOLDERS = {
     "run_dir": "the job directory",
     "job_id": "Slurm job id ('local' for the local launcher)",
     "engines_file": "JSON list of ready engines, written before learners start",
+    "stop_file": "the trainer's stop file: created on SIGUSR1/SIGTERM (checkpoint and stop)",
     "engine_addresses": "YAML list [host:port, ...] of all planned engines (for inference.addresses)",
     "num_engines": "number of engines",
     "host": "engine: its node's address", "port": "engine: its port", "tp": "engine: TP size",
@@ -126,6 +127,10 @@ class LaunchPlan:
     None when the YAML's ``inference.api_key_file`` names the key file itself."""
     api_key: str | None = field(default=None, repr=False)
     """The YAML's own ``inference.api_key``, if any (else a random key per launch)."""
+    stop_file: Path | None = None
+    """The trainer's stop file (``trainer.stop_file``): the launcher creates it on SIGUSR1/SIGTERM."""
+    preempt_grace_s: float = 0.0
+    """``launch.preempt_grace_s``: how long a checkpoint-and-stop may take."""
 
     @property
     def fits(self) -> bool:
@@ -163,6 +168,9 @@ class LaunchPlan:
             lines.append("  " + self.engine_memory.describe())
         if not self.checks_gpu_memory:
             lines.append("  (no GPUs: estimates shown, not enforced)")
+        if self.stop_file is not None:
+            lines.append(f"preemption: SIGUSR1/SIGTERM -> {self.stop_file}; the learners checkpoint and stop "
+                         f"within launch.preempt_grace_s = {self.preempt_grace_s:g} s, then exit 75 (requeue)")
         if self.secrets_dir is not None:
             lines.append(f"servers' API key: written at launch to {self.secrets_dir} (0600; "
                          + ("the YAML's inference.api_key)" if self.api_key else "random, one per launch)"))
@@ -324,6 +332,9 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
     sglang_secret = str(secrets_dir / secrets.SGLANG_CONFIG) if secrets_dir else None
     if secrets_dir is not None:  # learners read the key from the file, never from the YAML
         overrides = [*overrides, f"inference.api_key_file={key_file}", "inference.api_key=null"]
+    # Checkpoint-and-stop on SIGUSR1/SIGTERM goes through the trainer's stop file.
+    stop_file = Path(((raw.get("trainer") or {}).get("stop_file")) or run_dir / "STOP")
+    overrides = [*overrides, f"trainer.stop_file={stop_file}"]
     par = parallel_config(cfg, raw)
     nproc, world = _learner_world(cfg, par, gpus)
     layout = ParallelLayout.build(par, world)
@@ -389,7 +400,8 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
     addresses = [f"{addr}:{port}" for (_, addr, _), port in zip(engine_slots, ports)]
     base = {"python": python, "engine_python": engine_python, "config": config_path,
             "run_dir": str(run_dir), "job_id": job, "engines_file": str(engines_file),
-            "engine_addresses": "[" + ",".join(addresses) + "]", "num_engines": num_engines}
+            "engine_addresses": "[" + ",".join(addresses) + "]", "num_engines": num_engines,
+            "stop_file": str(stop_file)}
 
     # Steps sharing a node split its CPUs (srun --exact), else one step takes the whole node.
     steps_on: dict[str, int] = {}
@@ -479,4 +491,5 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
         master_addr=f"{master_addr}:{lc.master_port}", engines=tuple(engines), learners=tuple(learners),
         engines_file=engines_file, env=env, learner_memory=learner_mem, engine_memory=engine_mem,
         checks_gpu_memory=gpus > 0, notes=tuple(notes), secrets_dir=secrets_dir, api_key=inf.get("api_key"),
+        stop_file=stop_file, preempt_grace_s=cfg.preempt_grace_s,
     )

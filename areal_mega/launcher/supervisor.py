@@ -8,6 +8,9 @@
       a learner node exits != 0  -> print that rank's log tail, stop everything, exit non-zero
       all learner nodes exit 0   -> stop engines, exit 0
       an engine exits            -> log it and keep going (the inference pool fails over)
+    SIGUSR1 / SIGTERM (time-limit warning, preemption): create the trainer's stop file, wait up to
+      launch.preempt_grace_s for the learners to checkpoint and exit, stop everything, exit
+      EXIT_REQUEUE (75) -- launch/*.sh requeue the job on it; SIGINT: stop everything at once
 
 Where processes run is the :class:`Runner`'s business (srun steps or local process groups);
 this loop is the same for both. Whatever happens -- including SIGTERM from ``scancel`` or
@@ -41,6 +44,11 @@ class Runner(ABC):
 
     def cleanup(self) -> None:
         """Last resort after stop(), e.g. cancel job steps whose srun could not be stopped."""
+
+
+EXIT_REQUEUE = 75
+"""The launcher's exit code after a checkpoint-and-stop on SIGUSR1/SIGTERM (EX_TEMPFAIL): run it
+again (launch/*.sh: ``scontrol requeue``) and the trainer resumes from that checkpoint."""
 
 
 class _Stop(Exception):
@@ -91,16 +99,27 @@ def failed_rank_report(spec: ProcSpec, rc: int, lines: int) -> str:
 
 
 def supervise(plan: LaunchPlan, runner: Runner, *, poll_s: float, grace_s: float, tail_lines: int,
-              engine_timeout_s: float, min_ready: int | None = None,
+              engine_timeout_s: float, min_ready: int | None = None, preempt_grace_s: float = 0.0,
               say: Callable[[str], None] = lambda s: print(s, flush=True)) -> int:
     """Run the plan to completion; returns the exit code the launcher should exit with."""
     (plan.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     procs: dict[str, subprocess.Popen] = {}
+    preempt: dict[str, float] = {}  # {"signum", "deadline"} once a checkpoint-and-stop began
 
     def on_signal(signum, _frame):
-        raise _Stop(signum)
+        started = any(s.name in procs for s in plan.learners)
+        if signum == signal.SIGINT or plan.stop_file is None or not started or preempt:
+            raise _Stop(signum)
+        # Checkpoint and stop: the trainer looks for its stop file after every step.
+        Path(plan.stop_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(plan.stop_file).write_text(f"signal {signum}\n")
+        preempt.update(signum=signum, deadline=time.monotonic() + preempt_grace_s)
+        say(f"launcher: received signal {signum}; asked the learners to checkpoint and stop "
+            f"({plan.stop_file}; waiting up to launch.preempt_grace_s={preempt_grace_s:g} s)")
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    if plan.stop_file is not None:  # a stale one from a previous attempt would stop us at once
+        Path(plan.stop_file).unlink(missing_ok=True)
     t0 = time.monotonic()
     try:
         for spec in plan.engines:
@@ -140,8 +159,16 @@ def supervise(plan: LaunchPlan, runner: Runner, *, poll_s: float, grace_s: float
                 say("launcher: a learner failed; stopping every process of this launch")
                 return failed[0][1] if 0 < failed[0][1] < 256 else 1
             if len(done) == len(plan.learners):
+                if preempt:
+                    say(f"launcher: the learners checkpointed and stopped after signal {int(preempt['signum'])}; "
+                        f"exiting {EXIT_REQUEUE} (requeue: the next run resumes from that checkpoint)")
+                    return EXIT_REQUEUE
                 say(f"launcher: all learners finished after {time.monotonic() - t0:.1f} s; stopping engines")
                 return 0
+            if preempt and time.monotonic() > preempt["deadline"]:
+                say(f"launcher: the learners did not stop within launch.preempt_grace_s="
+                    f"{preempt_grace_s:g} s of signal {int(preempt['signum'])}; stopping every process")
+                return 128 + int(preempt["signum"])
             for spec in plan.engines:
                 rc = procs[spec.name].poll()
                 if rc is not None and spec.name not in dead_engines:
@@ -154,7 +181,7 @@ def supervise(plan: LaunchPlan, runner: Runner, *, poll_s: float, grace_s: float
         say(f"launcher: received signal {e.signum}; stopping every process of this launch")
         return 128 + e.signum
     finally:
-        # Ignore further TERM/INT while stopping, so cleanup itself is not interrupted.
+        # Ignore further signals while stopping, so cleanup itself is not interrupted.
         for s in old:
             signal.signal(s, signal.SIG_IGN)
         live = [p for p in procs.values() if p.poll() is None]

@@ -4,7 +4,8 @@
         [--die-rank R --exit-code 3] [--hold 4]
 
 Every rank GETs /health from every engine and writes DIR/rank<R>.json with what it saw, then
-holds for --hold seconds. With --die-rank R, rank R prints a last words line to stderr and exits
+holds for --hold seconds -- or, with --stop-file F, until F appears, then writes
+DIR/saved<R> (its "checkpoint") and exits 0, as the trainer does. With --die-rank R, rank R prints a last words line to stderr and exits
 with --exit-code while the other ranks keep running (until the launcher stops them).
 """
 
@@ -25,6 +26,7 @@ def main() -> int:
     p.add_argument("--die-rank", type=int, default=None)
     p.add_argument("--exit-code", type=int, default=3)
     p.add_argument("--hold", type=float, default=2.0)
+    p.add_argument("--stop-file", default=None)
     a = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     engines = [e for e in a.engines.strip("[]").split(",") if e]
@@ -47,7 +49,12 @@ def main() -> int:
             print(f"rank {rank} last words: simulated failure {a.marker}", file=sys.stderr, flush=True)
             return a.exit_code
         time.sleep(300)  # a peer blocked in a collective: only the launcher can end it
-    time.sleep(a.hold)
+    deadline = time.monotonic() + a.hold
+    while time.monotonic() < deadline:
+        if a.stop_file and os.path.exists(a.stop_file):
+            open(os.path.join(a.out, f"saved{rank}"), "w").close()
+            return 0
+        time.sleep(0.1)
     return 0
 
 
