@@ -51,8 +51,8 @@ class MegatronModelConfig:
     linears, reduce-scatter after the row-parallel ones instead of an all-reduce), so they cost
     1/tp of their memory. Same math as without it (tests/test_engine_sp.py). "auto" = on when
     tensor_parallel > 1 (megatron users' expectation); at TP1 it is off whatever is set (nothing
-    to split). Packed
-    micro-batches are padded to a multiple of TP (a pad "sequence" the loss never sees)."""
+    to split). Packed micro-batches are padded to a multiple of TP (a pad "sequence" the loss
+    never sees)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recompute (megatron's recompute_granularity): "none" keeps every activation;
     "selective" recomputes core attention in backward (drops the per-head [s, s] score and
