@@ -118,8 +118,10 @@ def test_critic_under_sp(res):
     assert on["stats"]["loss"] == pytest.approx(off["stats"]["loss"], rel=GRAD_REL_TOL)
     # the head's input gradient is this rank's slice, not a TP sum: a reduce-scatter would double it
     assert on["stats"]["grad_norm"] == pytest.approx(off["stats"]["grad_norm"], rel=GRAD_REL_TOL)
-    assert _maxdiff(on["after"], off["after"]) <= 2 * v_tol
-    assert _maxdiff(on["after"], on["values"]) > 100 * v_tol  # the value step moved the values
+    # after one step the weights differ by a rounding too: the forward chain counted twice
+    after_tol = fp32_tol(VOCAB, max(_absmax(off["after"]), 1.0), ops=2 * FWD)
+    assert _maxdiff(on["after"], off["after"]) <= after_tol
+    assert _maxdiff(on["after"], on["values"]) > 100 * after_tol  # the value step moved the values
 
 
 # ---------------------------------------------------------------- activation recompute
