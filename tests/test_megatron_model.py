@@ -6,7 +6,8 @@ conversion tools. One 4-rank torchrun launch plus two short plain-python runs:
   dist checkpoint TP2 -> PP2, shape-mismatch errors;
   and, in the same launch, tools/convert_hf_to_mcore.py at TP2xPP2 then tools/convert_mcore_to_hf.py
   at PP2: HF -> megatron -> HF is bit-exact;
-* two single-process tool runs that must fail before writing anything (no megatron import).
+* two single-process tool runs that must fail before writing anything, with one error line (exit
+  2, no traceback). The checkpoint format itself: tests/test_checkpoint.py.
 
 Upstream behaviour pinned here: transformers' Qwen2/Llama forward (eager attention, fp32) is the
 reference; packed sequences with a block-diagonal causal mask must equal per-sequence HF logits
@@ -160,7 +161,12 @@ def test_conversion_tools_roundtrip_bit_exact(layouts):
 
     work, _, _ = layouts
     src, ck, out = work / "llama_tied", work / "tool_ckpt", work / "tool_hf"
-    assert json.loads((ck / "areal_mega.json").read_text())["saved_layout"].startswith("dp=1 pp=2 cp=1 tp=2")
+    from areal_mega.megatron.checkpoint import FORMAT, read_metadata
+
+    meta = read_metadata(ck)  # the one format (tests/test_checkpoint.py): weights only, a policy
+    assert meta["format"] == FORMAT and meta["role"] == "policy" and meta["contents"] == ["model"]
+    assert meta["saved_layout"].startswith("dp=1 pp=2 cp=1 tp=2") and meta["train_state"] is None
+    assert not (work / ".tool_ckpt.partial").exists()  # staged, then renamed into place
     a = load_file(src / "model.safetensors")
     b = {}
     for f in sorted(out.glob("*.safetensors")):
@@ -184,7 +190,8 @@ def test_conversion_tool_errors_before_writing(layouts, tmp_path):
     d = tmp_path / "gpt2"
     transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(d)
     r = _run([sys.executable, "tools/convert_hf_to_mcore.py", "--hf-dir", str(d), "--out", str(tmp_path / "o1")], 120)
-    assert r.returncode != 0 and "known model types: ['llama', 'qwen2']" in r.stdout, r.stdout[-3000:]
+    assert r.returncode == 2 and "known model types: ['llama', 'qwen2']" in r.stdout, r.stdout[-3000:]
+    assert "Traceback" not in r.stdout, r.stdout[-3000:]  # one line, not a stack
     assert not (tmp_path / "o1").exists()
 
     src = tmp_path / "qwen2_untied"
@@ -194,5 +201,5 @@ def test_conversion_tool_errors_before_writing(layouts, tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     r = _run([sys.executable, "tools/convert_hf_to_mcore.py", "--hf-dir", str(src), "--out", str(tmp_path / "o2")], 200)
     want = "model.layers.0.mlp.gate_proj.weight: checkpoint shape (96, 64) != model shape (128, 64)"
-    assert r.returncode != 0 and want in r.stdout, r.stdout[-3000:]
+    assert r.returncode == 2 and want in r.stdout and "Traceback" not in r.stdout, r.stdout[-3000:]
     assert not (tmp_path / "o2").exists()
