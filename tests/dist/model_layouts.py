@@ -1,9 +1,9 @@
-"""PYTHONPATH=. python -m torch.distributed.run --nproc-per-node 4 tests/dist/model_layouts.py --workdir W
+"""PYTHONPATH=. python -m torch.distributed.run --nproc-per-node 4 tests/dist/model_layouts.py --work-dir W --out R.pt
 
 One 4-rank gloo launch that, for each tiny HF model in W (written by tests/test_megatron_model.py
 together with HF reference logits in W/ref.pt), walks the layouts TP1, TP2, PP2, TP2xPP2, PP2xVPP2 (dp fills
 the rest), re-initialising megatron's parallel state each time, and records on rank 0 into
-W/results.pt:
+R.pt (torch.save):
 
 * logits[model][layout]: packed-batch logits from megatron (last stage, TP-gathered);
 * export[model][layout]: per rank (pp, tp, dp, #tensors bit-identical to the HF file,
@@ -81,9 +81,10 @@ def last_stage_value(out):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--work-dir", required=True)
+    ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    work = Path(args.workdir)
+    work = Path(args.work_dir)
     dist.init_process_group("gloo")
     ws = dist.get_world_size()
     ref = torch.load(work / "ref.pt")
@@ -149,7 +150,7 @@ def main() -> None:
     convert_hf_to_mcore.main(["--hf-dir", str(src), "--out", str(work / "tool_ckpt"), "--tp", "2", "--pp", "2"])
     convert_mcore_to_hf.main(["--ckpt", str(work / "tool_ckpt"), "--out", str(work / "tool_hf"), "--pp", "2"])
     if dist.get_rank() == 0:
-        torch.save(res, work / "results.pt")
+        torch.save(res, args.out)
     dist.barrier()
     dist.destroy_process_group()
 
