@@ -21,6 +21,7 @@ import yaml
 from slurm.local_cluster import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # every test runs the launcher with its torchrun and engine processes
 
 
 def _config(tmp: Path, marker: str, *, die_rank: int | None, engine_die_after: float | None) -> Path:
