@@ -24,6 +24,17 @@ def _split_overrides(rest: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Bad input (a config key, a YAML file, a checkpoint) ends in one line naming it, exit 2."""
+    from areal_mega.errors import UserError
+
+    try:
+        return _main(argv)
+    except UserError as e:
+        print(f"areal-mega: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="areal-mega", description="Megatron-backed asynchronous RL")
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, help_ in (("train", "run the RL trainer on this learner rank (under torchrun)"),

@@ -22,10 +22,12 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from areal_mega.errors import UserError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A user-facing configuration error; the message names the key (and file)."""
 
 
@@ -171,6 +173,13 @@ def from_dict(cls: type[T], data: dict, where: str = "", prefix: str = "") -> T:
     return obj
 
 
+def yaml_error_line(e: yaml.YAMLError) -> str:
+    """A YAML parse error on one line: what is wrong and where (PyYAML's message spans lines)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
+
+
 def load_dict(path: str | Path | None = None, overrides: list[str] | None = None) -> tuple[dict, str]:
     """YAML file (optional) + dotted overrides -> (plain dict, error-message prefix)."""
     data: dict = {}
@@ -182,7 +191,7 @@ def load_dict(path: str | Path | None = None, overrides: list[str] | None = None
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+            raise ConfigError(f"{path}: not valid YAML: {yaml_error_line(e)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
         data = loaded or {}

@@ -16,21 +16,25 @@ import sys
 import time
 from pathlib import Path
 
+# Runnable from the repository root without PYTHONPATH (like the other tools).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 PROG = "convert_hf_to_mcore"
 
 
 def _check_args(args: argparse.Namespace) -> None:
     """Everything checkable without a process group (safetensors headers only, no weights)."""
+    hf = Path(args.hf_dir)
+    if not hf.is_dir():  # before torch is imported: a wrong path fails in a blink
+        raise ValueError(f"--hf-dir: {hf} {'is not a directory' if hf.exists() else 'does not exist'}")
+    if not (hf / "config.json").is_file():
+        raise ValueError(f"--hf-dir: {hf} has no config.json (not an HF model directory)")
+
     from areal_mega.megatron.model import HFCheckpointReader, MegatronModelConfig
     from areal_mega.models import get_adapter
     from areal_mega.models.base import torch_dtype
     from areal_mega.parallel import ParallelConfig, ParallelLayout
 
-    hf = Path(args.hf_dir)
-    if not hf.is_dir():
-        raise ValueError(f"--hf-dir: {hf} {'is not a directory' if hf.exists() else 'does not exist'}")
-    if not (hf / "config.json").is_file():
-        raise ValueError(f"--hf-dir: {hf} has no config.json (not an HF model directory)")
     adapter = get_adapter(hf)
     adapter.check_hf_shapes(HFCheckpointReader(hf).shape)
     if args.dtype is not None:

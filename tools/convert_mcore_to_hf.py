@@ -19,6 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+# Runnable from the repository root without PYTHONPATH (like the other tools).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 PROG = "convert_mcore_to_hf"
 
 
@@ -26,13 +29,14 @@ def _check_args(args: argparse.Namespace) -> dict:
     """Everything checkable without a process group: the checkpoint's metadata, the layout
     against the model, the output directory. Returns the metadata."""
     from areal_mega.megatron.checkpoint import CheckpointError, read_metadata
-    from areal_mega.models import get_adapter
-    from areal_mega.parallel import ParallelConfig, ParallelLayout
 
-    meta = read_metadata(args.ckpt)
+    meta = read_metadata(args.ckpt)  # plain Python: a bad --ckpt fails before torch is imported
     if meta["role"] != "policy":
         raise CheckpointError(f"--ckpt: {args.ckpt} holds a {meta['role']} model (value head), which has no "
                               f"HF form; convert the policy checkpoint it belongs to")
+    from areal_mega.models import get_adapter
+    from areal_mega.parallel import ParallelConfig, ParallelLayout
+
     arch = get_adapter(meta["hf_config"]).arch
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = ParallelLayout.build(ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp), world)

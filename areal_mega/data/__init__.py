@@ -12,6 +12,6 @@ template, needs ``tokenizer``; "raw": the question as is). ``answer`` is what th
 compares against. Everything is deterministic given ``seed``.
 """
 
-from areal_mega.data.dataset import DatasetConfig, DatasetSplit, PromptDataset, format_prompt, load_dataset
+from areal_mega.data.dataset import DatasetConfig, DatasetSplit, PromptDataset, PromptStream, format_prompt, load_dataset
 
-__all__ = ["DatasetConfig", "DatasetSplit", "PromptDataset", "format_prompt", "load_dataset"]
+__all__ = ["DatasetConfig", "DatasetSplit", "PromptDataset", "PromptStream", "format_prompt", "load_dataset"]

@@ -171,6 +171,64 @@ class PromptDataset:
         return (self.samples[i] for i in order)
 
 
+class PromptStream:
+    """The training prompts as the rollout consumes them: epoch after epoch (each reshuffled with
+    seed + epoch, as :class:`PromptDataset`), with a position that a checkpoint can hold.
+
+    A prompt's position is ``(epoch, index)``: the ``index``-th sample of that epoch's order.
+    ``state_dict(in_flight)`` records where the stream stands and which positions were drawn but
+    not trained (episodes running or finished but not yet in a batch); after
+    ``load_state_dict`` those come first, in the order given, then the stream continues where it
+    stood. So a run resumed from a checkpoint trains every prompt of an epoch exactly once
+    (prompts rejected by the controller's filter count as used, as they do without a restart).
+    """
+
+    def __init__(self, dataset: PromptDataset) -> None:
+        if len(dataset) == 0:
+            raise ValueError("rollout dataset is empty")
+        self.dataset = dataset
+        self.epoch = 0
+        self.cursor = 0
+        self._requeued: list[tuple[int, int]] = []
+        self._orders: dict[int, list[int]] = {}
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.dataset)))
+            if self.dataset.shuffle:
+                random.Random(self.dataset.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}  # keep it small
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+    def next(self) -> tuple[tuple[int, int], dict[str, Any]]:
+        """The next ``(position, sample)``."""
+        if self._requeued:
+            pos = self._requeued.pop(0)
+        else:
+            if self.cursor == len(self.dataset):
+                self.epoch, self.cursor = self.epoch + 1, 0
+            pos = (self.epoch, self.cursor)
+            self.cursor += 1
+        return pos, self.dataset[self._order(pos[0])[pos[1]]]
+
+    def state_dict(self, in_flight: list[tuple[int, int]]) -> dict[str, Any]:
+        return {"epoch": self.epoch, "cursor": self.cursor, "size": len(self.dataset),
+                "seed": self.dataset.seed, "shuffle": self.dataset.shuffle,
+                "requeue": [list(p) for p in [*in_flight, *self._requeued]]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        same = (state["size"], state["seed"], state["shuffle"]) == (len(self.dataset), self.dataset.seed,
+                                                                    self.dataset.shuffle)
+        if not same:
+            raise ValueError(
+                f"data: the checkpoint's prompt stream was over {state['size']} samples (seed {state['seed']}, "
+                f"shuffle {state['shuffle']}), this run's is over {len(self.dataset)} (seed {self.dataset.seed}, "
+                f"shuffle {self.dataset.shuffle}): resume with the same data settings")
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._requeued = [tuple(p) for p in state["requeue"]]
+
+
 @dataclass
 class DatasetSplit:
     train: PromptDataset

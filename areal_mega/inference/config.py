@@ -163,5 +163,7 @@ class InferenceConfig:
                 raise ValueError(f"addresses: {a!r} is not host:port")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key: must be non-empty when set (use null to disable)")
+        if self.api_key is not None and self.api_key.startswith("-"):
+            raise ValueError("api_key: must not start with '-' (SGLang would read it as an option)")
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("api_key_file: set either api_key or api_key_file, not both")

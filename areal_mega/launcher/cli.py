@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-import yaml
 
-from areal_mega.config import ConfigError, from_dict, parse_overrides
+from areal_mega.config import from_dict, load_dict
 from areal_mega.launcher.config import LaunchConfig
 from areal_mega.launcher.plan import LaunchPlan, build_plan
 from areal_mega.launcher.supervisor import supervise
@@ -27,25 +25,9 @@ from areal_mega.utils.secrets import write_api_key
 EXIT_DOES_NOT_FIT = 2
 
 
-def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def load_launch_config(path: str, overrides: list[str]) -> tuple[LaunchConfig, dict, list[str]]:
     """(launch section, whole YAML with overrides applied, overrides for the other components)."""
-    try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
-    where = f"{path}: "
-    if overrides:
-        raw = _merge(raw, parse_overrides(overrides))
-        where = f"{path} (with overrides): "
+    raw, where = load_dict(path, overrides)  # the trainer's own YAML loader and errors
     cfg = from_dict(LaunchConfig, raw.get("launch") or {}, where, prefix="launch.")
     passthrough = [o for o in overrides if not o.split("=", 1)[0].strip().startswith("launch.")]
     return cfg, raw, passthrough

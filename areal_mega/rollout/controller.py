@@ -60,6 +60,11 @@ class RolloutBatch:
     """Scalars for TensorBoard: rewards, rejections, staleness (mean / max / fraction stale)."""
     staleness_counts: dict[int, int] = field(default_factory=dict)
     """Histogram over generated tokens: staleness (version - token version) -> token count."""
+    positions: list[tuple[int, int] | None] = field(default_factory=list)
+    """Per episode, its prompt's ``(epoch, index)`` in the :class:`PromptStream` (None when the
+    dataset is a plain iterable)."""
+    prompt_ids: list[Any] = field(default_factory=list)
+    """Per episode, its sample's ``id`` (None where the sample has none)."""
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -71,6 +76,8 @@ class _Ready:
     seq: int
     admit_version: int
     group: list[Trajectory]
+    pos: tuple[int, int] | None = None
+    prompt_id: Any = None
 
 
 def zero_variance(group: list[Trajectory]) -> bool:
@@ -80,6 +87,10 @@ def zero_variance(group: list[Trajectory]) -> bool:
 
 class RolloutController:
     """Runs ``workflow`` over ``dataset`` (cycled forever, epoch after epoch) on ``engine``.
+
+    ``dataset`` is a :class:`~areal_mega.data.PromptStream` (the trainer's: every episode then
+    carries its prompt's position, and :meth:`in_flight_positions` says which prompts a
+    checkpoint must give back) or any re-iterable of samples.
 
     Synchronous callers (the trainer): ``start()``, then ``get_batch()`` / ``set_version(v)`` /
     ``pause()`` / ``resume()`` / ``close()`` from any thread. Async callers: ``await astart()``
@@ -115,6 +126,7 @@ class RolloutController:
         self.epoch = 0
         self._seq = 0
         self._running: dict[int, int] = {}  # seq -> admit version
+        self._positions: dict[int, tuple[int, int] | None] = {}  # seq -> prompt position (running)
         self._ready: list[_Ready] = []
         self._tasks: set[asyncio.Task] = set()
         self._waiters: list[asyncio.Future] = []
@@ -226,8 +238,18 @@ class RolloutController:
                 )
         taken, self._ready = take_oldest(self._ready, n, seq=lambda r: r.seq)
         batch = self._form_batch(taken, version)
+        batch.positions = [r.pos for r in taken]
+        batch.prompt_ids = [r.prompt_id for r in taken]
         self._notify()
         return batch
+
+    def in_flight_positions(self) -> list[tuple[int, int]]:
+        """Prompt positions drawn but not yet handed out in a batch (running or ready episodes),
+        oldest admission first: what a checkpoint gives back to the stream. Loop thread only
+        (``run_coroutine`` from other threads)."""
+        held = [(seq, pos) for seq, pos in self._positions.items()]
+        held += [(r.seq, r.pos) for r in self._ready]
+        return [pos for _, pos in sorted(held) if pos is not None]
 
     # ---- internals -------------------------------------------------------------------
 
@@ -285,12 +307,18 @@ class RolloutController:
         if self._closed:
             raise RuntimeError("rollout controller is closed")
 
-    def _next_data(self) -> dict[str, Any]:
+    def _next_data(self) -> tuple[tuple[int, int] | None, dict[str, Any]]:
+        from areal_mega.data.dataset import PromptStream
+
+        if isinstance(self.dataset, PromptStream):
+            pos, data = self.dataset.next()
+            self.epoch = self.dataset.epoch
+            return pos, data
         for _ in range(2):
             if self._data_iter is None:
                 self._data_iter = iter(self.dataset)
             try:
-                return next(self._data_iter)
+                return None, next(self._data_iter)
             except StopIteration:
                 self._data_iter = None
                 self.epoch += 1
@@ -307,14 +335,15 @@ class RolloutController:
                     await self._wait(None)
                     continue
                 try:
-                    data = self._next_data()
+                    pos, data = self._next_data()
                 except BaseException:
                     self.staleness.on_rejected()
                     raise
                 seq = self._seq
                 self._seq += 1
                 self._running[seq] = admit_version
-                task = asyncio.create_task(self._run_episode(seq, admit_version, data))
+                self._positions[seq] = pos
+                task = asyncio.create_task(self._run_episode(seq, admit_version, pos, data))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 self._show_progress()
@@ -324,24 +353,28 @@ class RolloutController:
             self._error = e
             self._notify()
 
-    async def _run_episode(self, seq: int, admit_version: int, data: dict[str, Any]) -> None:
+    async def _run_episode(self, seq: int, admit_version: int, pos: tuple[int, int] | None,
+                           data: dict[str, Any]) -> None:
         try:
             group = await self.workflow.arun_episode(self.engine, data)
             keep = bool(group) and (self._accept is None or self._accept(group))
         except asyncio.CancelledError:
             self._running.pop(seq, None)
+            self._positions.pop(seq, None)
             raise
         except BaseException as e:
             self._running.pop(seq, None)
+            self._positions.pop(seq, None)
             self.staleness.on_rejected()
             self._error = e
             self._notify()
             return
         self._running.pop(seq, None)
+        self._positions.pop(seq, None)
         if keep:
             assert group is not None
             self.staleness.on_accepted()
-            self._ready.append(_Ready(seq, admit_version, group))
+            self._ready.append(_Ready(seq, admit_version, group, pos, data.get("id")))
             self._consecutive_rejects = 0
             self._accepted_since_batch += 1
         else:

@@ -67,6 +67,18 @@ class RolloutDriver:
 
         self.controller = self.run(start())
 
+    def prompt_state(self) -> dict[str, Any]:
+        """The prompt stream's ``state_dict`` with the prompts drawn but not yet in a batch given
+        back -- taken on the controller's loop, the only thread that draws prompts, so no prompt
+        is drawn between the two reads (it would be lost on resume)."""
+        assert self.controller is not None, "start_rollout() first"
+        c = self.controller
+
+        async def get() -> dict[str, Any]:
+            return c.dataset.state_dict(c.in_flight_positions())
+
+        return self.run(get())
+
     def next_batch(self) -> RolloutBatch | None:
         """The next rollout batch, or None when none can come before a weight sync: no server
         is in rotation and those that answer are parked waiting for the current weights (the

@@ -45,7 +45,9 @@ class TrainerLoopConfig:
     """Also write the final weights as an HF checkpoint (``<output_dir>/hf``) via the adapter."""
     stop_file: str = ""
     """Graceful stop: when this file exists (checked after every step), the trainer saves a
-    checkpoint, evaluates and exits 0 -- for preemption notices and operators. Empty = off."""
+    checkpoint and exits 0 -- for preemption notices and operators (the launcher creates
+    ``<run_dir>/STOP`` on SIGUSR1/SIGTERM). SIGTERM/SIGUSR1 to a learner rank do the same.
+    Empty = only the signals."""
 
     def validate(self) -> None:
         if self.num_steps < 0:

@@ -39,7 +39,7 @@ def run_train(config_path: str, overrides: list[str]) -> int:
         with m.phase("weight_sync"):
             sync = trainer.sync_weights(version=step + 1)  # every live server; bumps the rollout version
         actor.set_version(step + 1)
-        stop = trainer.stop_requested()  # trainer.stop_file appeared: finish this step cleanly
+        stop = trainer.stop_requested()  # SIGTERM/SIGUSR1 or trainer.stop_file: checkpoint, then stop
         if trainer.should_save(step + 1) or stop:
             with m.phase("save"):
                 trainer.save(step + 1)
@@ -47,9 +47,10 @@ def run_train(config_path: str, overrides: list[str]) -> int:
                "weight_sync/seconds": sync.seconds, "weight_sync/GBps": sync.gbps,
                "version": step + 1, **trainer.throughput(batch, m)})
         m.commit(step + 1)
-        if trainer.should_eval(step + 1) or (stop and cfg.trainer.eval_at_end):
-            trainer.evaluate(step=step + 1)
-        if stop:
+        if stop:  # no evaluation: a preemption's grace period is for the checkpoint
+            trainer.announce_stop(step + 1)
             break
+        if trainer.should_eval(step + 1):
+            trainer.evaluate(step=step + 1)
     trainer.close()
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areal_mega.megatron.checkpoint import resume_run_checkpoint, save_run_checkpoint
+from areal_mega.megatron.checkpoint import read_run_state, resume_run_checkpoint, save_run_checkpoint, set_rng_state
 from areal_mega.megatron.engine import MegatronTrainEngine
 from areal_mega.megatron.parallel_state import ModelParallelGroups, init_model_parallel
 from areal_mega.parallel import ParallelLayout
@@ -53,6 +54,10 @@ class Trainer:
     driver: RolloutDriver | None = None
     eval_workflow: Any = None
     eval_set: list[dict[str, Any]] = field(default_factory=list)
+    prompts: Any = None
+    """Rank 0's PromptStream (areal_mega.data): the training prompts with a resumable position."""
+    stop_signal: int | None = None
+    """The SIGTERM/SIGUSR1 this rank received, if any (a stop after the current step)."""
     ref: MegatronTrainEngine | None = None
     """Frozen forward-only initial policy (algorithm.kl_coef > 0), same layout as the actor."""
     critic: CriticEngine | None = None
@@ -85,15 +90,20 @@ class Trainer:
                   if cfg.algorithm.adv_estimator == "gae" else None)
         out = Path(cfg.output_dir)
         start_step = 0
+        run_state = None
         # The newest COMPLETE checkpoint (areal_mega.json present); half-written ones are skipped.
-        if cfg.trainer.resume and resume_run_checkpoint(out / "checkpoints", actor, critic, group=ctrl) is not None:
+        resumed = resume_run_checkpoint(out / "checkpoints", actor, critic, group=ctrl) if cfg.trainer.resume else None
+        if resumed is not None:
             start_step = actor.get_version()
+            run_state, rng = read_run_state(resumed)
+            if rng is not None:  # every rank continues its generators where the checkpoint left them
+                set_rng_state(rng)
 
         rank0 = groups.rank == 0
         driver = RolloutDriver(cfg.inference) if rank0 else None
         box: list[Any] = [driver.server_urls if driver else None]
         dist.broadcast_object_list(box, src=0, group=ctrl)
-        servers = [SGLangClient(u, timeout_s=cfg.weight_sync.http_timeout_s, api_key=cfg.inference.api_key)
+        servers = [SGLangClient(u, timeout_s=cfg.weight_sync.http_timeout_s, api_key=cfg.inference.resolved_api_key())
                    for u in box[0]]
         # Tensors travel in the servers' dtype (inference.server.dtype), whatever the learner trains in.
         wire = cfg.inference.server.dtype if cfg.inference.server.dtype != "auto" else None
@@ -108,14 +118,15 @@ class Trainer:
         metrics = Metrics(str(out / "tb") if rank0 else None, enabled=rank0, jsonl_path=str(out / "metrics.jsonl"))
         trainer = cls(cfg=cfg, groups=groups, actor=actor, weight_sync=ws, metrics=metrics, ctrl_group=ctrl,
                     start_step=start_step, driver=driver, ref=ref, critic=critic)
+        trainer._catch_stop_signals()
         if rank0:
-            trainer._start_rollout()
+            trainer._start_rollout(run_state)
         return trainer
 
-    def _start_rollout(self) -> None:
+    def _start_rollout(self, run_state: dict[str, Any] | None) -> None:
         from transformers import AutoTokenizer
 
-        from areal_mega.data import load_dataset
+        from areal_mega.data import PromptStream, load_dataset
         from areal_mega.reward import build_reward
         from areal_mega.workflows import build_workflow
 
@@ -132,7 +143,13 @@ class Trainer:
         greedy = dataclasses.replace(cfg.workflow.sampling, temperature=0.0)
         self.eval_workflow = build_workflow(dataclasses.replace(cfg.workflow, group_size=1, sampling=greedy), tok, reward)
         assert self.driver is not None
-        self.driver.start_rollout(workflow, split.train, cfg.rollout, version=self.start_step)
+        # Resumed: the prompt stream continues where the checkpoint stood, the prompts that were
+        # in flight then (dropped with the episodes) first -- every prompt trained once per epoch.
+        # The staleness counters start afresh at the resumed version: nothing is in flight.
+        self.prompts = PromptStream(split.train)
+        if run_state is not None and run_state.get("prompts") is not None:
+            self.prompts.load_state_dict(run_state["prompts"])
+        self.driver.start_rollout(workflow, self.prompts, cfg.rollout, version=self.start_step)
 
     # ------------------------------------------------------------------ loop pieces
     def next_batch(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -145,6 +162,7 @@ class Trainer:
                     payload = {"resync": True}
                 else:
                     self.metrics.histogram("rollout/token_staleness", rb.staleness_counts)
+                    self._log_prompts(rb)
                     payload = {"batch": to_engine_alignment(trajectories_to_batch(rb.groups)),
                                "stats": {**rb.stats, **self.driver.pool_stats()}}
             got = broadcast_batch(payload, src=0, group=self.ctrl_group)
@@ -156,6 +174,13 @@ class Trainer:
                 print(f"weight sync: no server in rotation, all wait for weights; pushing version "
                       f"{self.actor.get_version()} again", file=sys.stderr, flush=True)
             self.sync_weights(version=self.actor.get_version())
+
+    def _log_prompts(self, rb: Any) -> None:
+        """``prompts.jsonl``: the prompts each batch trains, by stream position and sample id
+        (what lets a resumed or failed-over run be checked for prompts lost or trained twice)."""
+        rows = [[*pos, pid] for pos, pid in zip(rb.positions, rb.prompt_ids) if pos is not None]
+        with open(Path(self.cfg.output_dir) / "prompts.jsonl", "a") as f:
+            f.write(json.dumps({"version": rb.version, "prompts": rows}) + "\n")
 
     def ref_and_values(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the advantages and losses need from the extra models, {} when neither is built:
@@ -219,7 +244,7 @@ class Trainer:
                     raise WeightSyncError(f"weight sync: no live inference server to push weights to "
                                           f"(waited weight_sync.server_wait_s={wait_s:g} s)")
                 self.weight_sync.set_servers([SGLangClient(u, timeout_s=self.cfg.weight_sync.http_timeout_s,
-                                                           api_key=self.cfg.inference.api_key) for u in box[0]])
+                                                           api_key=self.cfg.inference.resolved_api_key()) for u in box[0]])
                 try:
                     stats = self.weight_sync.sync(version=version)
                     break
@@ -236,13 +261,30 @@ class Trainer:
         return stats
 
     def stop_requested(self) -> bool:
-        """Collective: rank 0 looks for ``trainer.stop_file`` and tells everyone."""
+        """Collective: True on every rank if any rank received SIGTERM/SIGUSR1 or rank 0 sees
+        ``trainer.stop_file`` (the launcher creates it on the same signals)."""
         path = self.cfg.trainer.stop_file
-        if not path:
-            return False
-        box: list[Any] = [os.path.exists(path) if self.is_driver else None]
-        dist.broadcast_object_list(box, src=0, group=self.ctrl_group)
-        return bool(box[0])
+        local = self.stop_signal is not None or (self.is_driver and bool(path) and os.path.exists(path))
+        flag = torch.tensor([int(local)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctrl_group)
+        return bool(flag.item())
+
+    def _catch_stop_signals(self) -> None:
+        """SIGTERM (torchrun forwards its own; preemption) and SIGUSR1 (Slurm's time-limit
+        warning) no longer kill the rank: they ask for a stop after the current step, which the
+        loop answers with a checkpoint (``stop_requested``). torchrun SIGKILLs its ranks 30 s
+        after forwarding a SIGTERM; the launcher's stop file has ``launch.preempt_grace_s``."""
+        def on_signal(signum: int, _frame: Any) -> None:
+            self.stop_signal = signum
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, on_signal)
+
+    def announce_stop(self, step: int) -> None:
+        if self.is_driver:
+            why = f"signal {self.stop_signal}" if self.stop_signal else f"stop file {self.cfg.trainer.stop_file}"
+            print(f"trainer: stopped after step {step} ({why}); checkpoint {step} written: run again to resume",
+                  file=sys.stderr, flush=True)
 
     def should_save(self, step: int) -> bool:
         t = self.cfg.trainer
@@ -255,8 +297,11 @@ class Trainer:
     def save(self, step: int) -> None:
         """``checkpoints/stepNNNNNN`` (actor + ``critic/``) in the one checkpoint format, staged
         and renamed into place, then ``checkpoints/latest`` moved to it (both atomic)."""
+        run_state = None
+        if self.driver is not None:
+            run_state = {"step": step, "prompts": self.driver.prompt_state()}
         save_run_checkpoint(Path(self.cfg.output_dir) / "checkpoints", step, self.actor, self.critic,
-                            extra={"model_path": self.cfg.model_path})
+                            extra={"model_path": self.cfg.model_path}, run_state=run_state)
         dist.barrier(group=self.ctrl_group)
 
     def evaluate(self, step: int) -> None:

@@ -36,7 +36,9 @@ def sglang_key_config(key: str) -> str:
 
 def write_api_key(directory: Path, key: str | None = None) -> str:
     """Write ``key`` (a fresh random one when None) as both files in ``directory``; returns it."""
-    key = key or secrets.token_urlsafe(32)
+    # Hex: SGLang's --config turns the YAML into argv, where a key starting with "-" (which
+    # token_urlsafe can produce) would parse as an option ("--api-key: expected one argument").
+    key = key or secrets.token_hex(32)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(directory, 0o700)
     write_private(directory / KEY_FILE, key + "\n")

@@ -1,0 +1,9 @@
+"""The error users get for bad input: one line naming the key, the file or the path at fault.
+
+Command-line entry points catch :class:`UserError` and print its message alone (exit 2); any
+other exception is a bug and keeps its traceback.
+"""
+
+
+class UserError(ValueError):
+    """Bad input (a config key, a YAML file, a checkpoint path): the message is the whole story."""

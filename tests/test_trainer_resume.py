@@ -1,0 +1,177 @@
+"""Runs that survive (the real trainer, a real SGLang CPU server, the local launcher; ~6 min).
+
+* kill -9 and rerun: the launcher's whole process tree is SIGKILLed after a checkpoint; the same
+  command resumes from it. In synchronous mode (max_staleness 0) with a deterministic server
+  (greedy decoding: top_k 1), the steps after the resume equal those of an uninterrupted run -- the same
+  prompts in the same order (prompts.jsonl), rewards exactly, losses within 1e-6 -- and every
+  prompt of an epoch is trained once.
+* SIGUSR1 during a run: the launcher has the learners checkpoint within launch.preempt_grace_s
+  and exits 75 (requeue); rerunning resumes from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from areal_mega.utils import procs
+from tests.support.launch import REPO, SGLANG_PYTHON, child_env, needs_sglang
+from tests.support.models import write_tiny_task
+
+pytestmark = [pytest.mark.slow, needs_sglang, pytest.mark.timeout(1800)]
+
+STEPS = 6
+SAVE_EVERY = 2
+
+
+def _command(tmp: Path, work: Path, name: str, port: int) -> list[str]:
+    model, data = work / "model", work / "data"
+    return [sys.executable, "-m", "areal_mega.launcher", "local", "--config", "configs/grpo_tiny.yaml",
+            f"model_path={model}", f"output_dir={tmp / name}", f"data.path={data / 'train.jsonl'}",
+            f"eval_data.path={data / 'test.jsonl'}", f"launch.run_dir={tmp / (name + '-run')}",
+            "parallel.tensor_parallel=1", "launch.learner.nproc_per_node=1", f"inference.server.port={port}",
+            f"launch.learner.master_port={procs.free_ports(1, low=20000, high=32000)[0]}",
+            f"inference.server.python={SGLANG_PYTHON}", "inference.server.startup_timeout_s=900",
+            f"trainer.num_steps={STEPS}", f"trainer.save_every={SAVE_EVERY}", "trainer.eval_every=0",
+            "trainer.eval_at_start=false", "trainer.eval_at_end=false", "trainer.export_hf_at_end=false",
+            # Deterministic: synchronous RL, greedy decoding (top_k 1: the learner's log-probs stay
+            # at temperature 1); REINFORCE++ so that greedy samples (one per prompt) still carry a
+            # learning signal (rewards differ between prompts).
+            "rollout.max_staleness=0", "rollout.batch_size=6", "workflow.group_size=1",
+            "workflow.sampling.top_k=1", "algorithm.adv_estimator=reinforce_pp"]
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _by_version(rows: list[dict], key: str = "version") -> dict[int, dict]:
+    """The LAST row of each version (a resumed run re-logs the steps after its checkpoint)."""
+    return {int(r[key]): r for r in rows}
+
+
+def _start(cmd: list[str], log: Path) -> subprocess.Popen:
+    f = open(log, "ab")
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=f, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _wait(cond, proc: subprocess.Popen, log: Path, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert proc.poll() is None, f"exited {proc.returncode} before {what}:\n{log.read_text()[-6000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text()[-6000:]}"
+        time.sleep(0.5)
+
+
+def _kill_tree_now(proc: subprocess.Popen) -> None:
+    """SIGKILL every process of the launcher's tree at once (no one gets to clean up)."""
+    pids = procs.tree_pids(proc.pid)
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while procs.alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _compare(ref: Path, got: Path, from_version: int) -> None:
+    a, b = _by_version(_rows(ref / "metrics.jsonl")), _by_version(_rows(got / "metrics.jsonl"))
+    assert sorted(b) == list(range(1, STEPS + 1)), sorted(b)
+    for v in range(from_version, STEPS + 1):
+        assert b[v]["rollout/reward_mean"] == a[v]["rollout/reward_mean"], (v, a[v], b[v])
+        # fp32 learner on the same machine and the same batch: the resumed step is the same
+        # computation; 1e-6 leaves room for a reduction order only.
+        assert abs(b[v]["train/loss"] - a[v]["train/loss"]) <= 1e-6, (v, a[v]["train/loss"], b[v]["train/loss"])
+    pa, pb = _by_version(_rows(ref / "prompts.jsonl")), _by_version(_rows(got / "prompts.jsonl"))
+    assert {v: pb[v]["prompts"] for v in pb} == {v: pa[v]["prompts"] for v in pa}
+    # Every prompt of an epoch at most once (the uninterrupted run's epoch 0 covers them all once).
+    seen = Counter((e, pid) for v in pb for e, _, pid in pb[v]["prompts"])
+    assert max(seen.values()) == 1, [k for k, n in seen.items() if n > 1]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run, shared by both tests."""
+    tmp = tmp_path_factory.mktemp("resume")
+    work = tmp / "task"
+    write_tiny_task(work)
+    log = tmp / "ref.log"
+    proc = _start(_command(tmp, work, "ref", procs.free_port()), log)
+    try:
+        assert proc.wait(timeout=1500) == 0, log.read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            procs.stop_tree(proc)
+    return tmp, work
+
+
+def test_kill9_of_the_whole_tree_then_rerun_resumes_exactly(reference):
+    tmp, work = reference
+    cmd = _command(tmp, work, "killed", procs.free_port())
+    log = tmp / "killed.log"
+    proc = _start(cmd, log)
+    metrics = tmp / "killed" / "metrics.jsonl"
+    ckpt = tmp / "killed" / "checkpoints" / f"step{SAVE_EVERY:06d}"
+    try:
+        # After the first checkpoint and at least one more step: steps to redo after the resume.
+        _wait(lambda: (ckpt / "areal_mega.json").exists() and len(_rows(metrics)) >= SAVE_EVERY + 1,
+              proc, log, 1200, "a checkpoint and one more step")
+        _kill_tree_now(proc)
+    finally:
+        if proc.poll() is None:
+            procs.stop_tree(proc)
+    killed_at = len(_rows(metrics))
+    proc = _start(cmd, log)  # the same command again
+    try:
+        assert proc.wait(timeout=1500) == 0, log.read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            procs.stop_tree(proc)
+    learner_log = (tmp / "killed-run" / "logs" / "learner0.log").read_text()
+    assert "resume: loading" in learner_log, learner_log[-4000:]
+    print(f"killed after {killed_at} steps; resumed from step {SAVE_EVERY}")
+    _compare(tmp / "ref", tmp / "killed", from_version=SAVE_EVERY + 1)
+
+
+def test_usr1_checkpoints_within_grace_then_rerun_resumes(reference):
+    tmp, work = reference
+    cmd = _command(tmp, work, "usr1", procs.free_port())
+    log = tmp / "usr1.log"
+    proc = _start(cmd, log)
+    metrics = tmp / "usr1" / "metrics.jsonl"
+    try:
+        _wait(lambda: len(_rows(metrics)) >= 1, proc, log, 1200, "the first step")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGUSR1)
+        rc = proc.wait(timeout=600)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            procs.stop_tree(proc)
+    assert rc == 75, log.read_text()[-6000:]
+    stopped_at = len(_rows(metrics))
+    ckpts = sorted((tmp / "usr1" / "checkpoints").glob("step*"))
+    assert ckpts and ckpts[-1].name == f"step{stopped_at:06d}", (ckpts, stopped_at)
+    assert took < 300, took  # launch.preempt_grace_s (300 s): the checkpoint came within it
+    print(f"SIGUSR1 -> checkpoint step {stopped_at} and exit 75 after {took:.1f} s")
+    proc = _start(cmd, log)
+    try:
+        assert proc.wait(timeout=1500) == 0, log.read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            procs.stop_tree(proc)
+    _compare(tmp / "ref", tmp / "usr1", from_version=stopped_at + 1)
