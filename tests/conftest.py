@@ -22,7 +22,6 @@ import pytest
 
 # Tests that start processes in files whose owners have not marked them yet: marked here.
 SLOW_ELSEWHERE: dict[str, set[str] | None] = {
-    "test_procs.py": None,  # every test: torchrun process trees
     "test_inference_client.py": {"test_server_process_group_stop_and_start_error",
                                  "test_pool_owned_server_dies_with_its_parent"},
 }
