@@ -56,6 +56,37 @@ def _leftovers(marker: str) -> list[str]:
     return [ln for ln in ps.splitlines() if marker in ln]
 
 
+def _holding_config(tmp: Path, marker: str, **launch) -> Path:
+    """A config whose stand-in learners hold for 300 s (they would run 5 min), plus ``launch.*``
+    settings; ``stop_file=True`` makes them watch the trainer's stop file."""
+    cfg = _config(tmp, marker, die_rank=None, engine_die_after=None)
+    data = yaml.safe_load(cfg.read_text())
+    data["launch"]["learner"]["command"][-1] = "300"
+    if launch.pop("stop_file", False):
+        data["launch"]["learner"]["command"] += ["--stop-file", "{stop_file}"]
+    data["launch"].update(launch)
+    cfg.write_text(yaml.safe_dump(data))
+    return cfg
+
+
+def _start_until_ranks(tmp: Path, cfg: Path, **popen_kwargs) -> subprocess.Popen:
+    """The launcher, running, once both learner ranks have written their report."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "areal_mega.launcher", "local", "--config", str(cfg)],
+                            cwd=REPO, env=env, **popen_kwargs)
+    out_dir = tmp / "run-local" / "out"
+    deadline = time.monotonic() + 90
+    while not (out_dir / "rank1.json").exists() or not (out_dir / "rank0.json").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            out = proc.communicate()[0] if proc.poll() is not None else ""
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=30)
+            raise AssertionError(f"learners did not start:\n{out}")
+        time.sleep(0.2)
+    return proc
+
+
 def test_local_launch_runs_and_tolerates_engine_crash(tmp_path):
     marker = f"amtest-{uuid.uuid4().hex[:8]}"
     cfg = _config(tmp_path, marker, die_rank=None, engine_die_after=1.0)
@@ -87,20 +118,9 @@ def test_local_launch_signal_stops_everything(tmp_path, sig):
     the learners to checkpoint and stop -- these stand-ins ignore that -- and stops everything
     when launch.preempt_grace_s (here 2 s) has passed. Either way nothing is left."""
     marker = f"amtest-{uuid.uuid4().hex[:8]}"
-    cfg = _config(tmp_path, marker, die_rank=None, engine_die_after=None)
-    data = yaml.safe_load(cfg.read_text())
-    data["launch"]["learner"]["command"][-1] = "300"  # --hold 300: learners would run for 5 min
-    data["launch"]["preempt_grace_s"] = 2
-    cfg.write_text(yaml.safe_dump(data))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "areal_mega.launcher", "local", "--config", str(cfg)],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cfg = _holding_config(tmp_path, marker, preempt_grace_s=2)
+    proc = _start_until_ranks(tmp_path, cfg, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        out_dir = tmp_path / "run-local" / "out"
-        deadline = time.monotonic() + 90
-        while not (out_dir / "rank1.json").exists() or not (out_dir / "rank0.json").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-            time.sleep(0.2)
         assert len(_leftovers(marker)) >= 4  # 2 engines + 2 ranks (+ wrappers)
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
@@ -126,19 +146,9 @@ def test_local_launch_sigkill_leaves_nothing(tmp_path):
     started sits behind areal_mega.utils.procs' die-with-parent wrapper, which kills its tree
     (torchrun's ranks included: they are in sessions of their own) when the launcher dies."""
     marker = f"amtest-{uuid.uuid4().hex[:8]}"
-    cfg = _config(tmp_path, marker, die_rank=None, engine_die_after=None)
-    data = yaml.safe_load(cfg.read_text())
-    data["launch"]["learner"]["command"][-1] = "300"  # --hold 300: learners would run for 5 min
-    cfg.write_text(yaml.safe_dump(data))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "areal_mega.launcher", "local", "--config", str(cfg)],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg = _holding_config(tmp_path, marker)
+    proc = _start_until_ranks(tmp_path, cfg, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        out_dir = tmp_path / "run-local" / "out"
-        deadline = time.monotonic() + 90
-        while not (out_dir / "rank1.json").exists() or not (out_dir / "rank0.json").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "learners did not start"
-            time.sleep(0.2)
         before = _leftovers(marker)
         assert len(before) >= 4, before  # 2 engines + 2 ranks (+ wrappers)
         proc.kill()
@@ -161,21 +171,10 @@ def test_local_launch_usr1_checkpoints_and_exits_requeue(tmp_path):
     """SIGUSR1 (Slurm's time-limit warning) to the launcher: it creates the learners' stop file,
     they "checkpoint" and exit 0, and the launcher exits 75 (requeue) with nothing left behind."""
     marker = f"amtest-{uuid.uuid4().hex[:8]}"
-    cfg = _config(tmp_path, marker, die_rank=None, engine_die_after=None)
-    data = yaml.safe_load(cfg.read_text())
-    data["launch"]["learner"]["command"][-1] = "300"  # --hold 300: learners would run for 5 min
-    data["launch"]["learner"]["command"] += ["--stop-file", "{stop_file}"]
-    data["launch"]["preempt_grace_s"] = 60
-    cfg.write_text(yaml.safe_dump(data))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "areal_mega.launcher", "local", "--config", str(cfg)],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cfg = _holding_config(tmp_path, marker, preempt_grace_s=60, stop_file=True)
+    proc = _start_until_ranks(tmp_path, cfg, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out_dir = tmp_path / "run-local" / "out"
     try:
-        out_dir = tmp_path / "run-local" / "out"
-        deadline = time.monotonic() + 90
-        while not (out_dir / "rank1.json").exists() or not (out_dir / "rank0.json").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-            time.sleep(0.2)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGUSR1)
         out, _ = proc.communicate(timeout=60)

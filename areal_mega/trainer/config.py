@@ -31,8 +31,9 @@ class TrainerLoopConfig:
     save_every: int = 0
     """Save a checkpoint every this many steps (0 = only at the end)."""
     resume: bool = True
-    """Resume from ``<output_dir>/checkpoints/latest`` when it exists (model, optimizer,
-    LR schedule, version); the servers are re-synced to the resumed weights first."""
+    """Resume from the newest complete ``<output_dir>/checkpoints/stepNNNNNN`` when there is one
+    (model, optimizer, LR schedule, version, prompt-stream position, RNG states); the servers
+    are re-synced to the resumed weights first."""
     eval_every: int = 0
     """Evaluate on ``eval_data`` every this many steps (0 = only at start/end)."""
     eval_at_start: bool = True
