@@ -35,10 +35,11 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     seen: dict[str, set[str]] = {}
     for item in items:
-        names = SLOW_ELSEWHERE.get(Path(str(item.fspath)).name, ())
-        if names is None or item.originalname in names:
+        file, name = Path(str(item.fspath)).name, getattr(item, "originalname", item.name)
+        names = SLOW_ELSEWHERE.get(file, ())
+        if names is None or name in names:
             item.add_marker(pytest.mark.slow)
-        seen.setdefault(Path(str(item.fspath)).name, set()).add(item.originalname)
+        seen.setdefault(file, set()).add(name)
     for file, names in SLOW_ELSEWHERE.items():
         missing = sorted((names or set()) - seen.get(file, set())) if file in seen else []
         if missing:
