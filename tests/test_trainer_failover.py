@@ -18,23 +18,18 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from areal_mega.demo.tiny import build_model, build_tokenizer, write_data
 from areal_mega.utils.procs import free_port
 from tests import procs
+from tests.support.launch import REPO, SGLANG_PYTHON, child_env, needs_sglang, torchrun_cmd
+from tests.support.models import write_tiny_task
 
-SGLANG_PYTHON = os.environ.get("AREAL_MEGA_SGLANG_PYTHON", "")
-pytestmark = [
-    pytest.mark.skipif(not SGLANG_PYTHON, reason="AREAL_MEGA_SGLANG_PYTHON not set (run through make test)"),
-    pytest.mark.timeout(1200),
-]
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, needs_sglang, pytest.mark.timeout(1200)]
 MAX_STEPS = 500  # the test ends the run through trainer.stop_file once the server is back
 KILL_AT_STEP = 2
 
@@ -58,21 +53,17 @@ def test_server_killed_mid_run_is_restarted_resynced_and_run_completes(tmp_path:
     (in the sync, or in the batch wait, which then pushes it the current weights) -- no
     deadlock, no crash."""
     work = tmp_path / "tiny"
-    (work / "model").mkdir(parents=True)
-    build_tokenizer(work / "model")
-    build_model(work / "model")
-    write_data(work / "data", max_operand=9, num_test=10, num_sft=10, sft_noise=0.0, seed=0)
+    write_tiny_task(work)
     port, out = free_port(), tmp_path / "grpo"
     while free_port() == port + 1:  # the pool uses port and port + 1
         port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "areal_mega.cli", "train", "--config", "configs/grpo_tiny.yaml",
+    cmd = torchrun_cmd(2, "-m", "areal_mega.cli", "train", "--config", "configs/grpo_tiny.yaml",
            f"model_path={work / 'model'}", f"output_dir={out}", f"data.path={work / 'data' / 'train.jsonl'}",
            f"eval_data.path={work / 'data' / 'test.jsonl'}", "trainer.eval_at_start=false", "trainer.eval_every=0",
            f"trainer.num_steps={MAX_STEPS}", f"trainer.stop_file={tmp_path / 'STOP'}", f"inference.num_servers={num_servers}", f"inference.server.port={port}", "inference.server.startup_timeout_s=900",
            f"inference.server.python={SGLANG_PYTHON}", "inference.client.health_check_interval_s=1.0",
-           "rollout.batch_size=4", "workflow.group_size=4"]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+           "rollout.batch_size=4", "workflow.group_size=4")
+    env = child_env()
     log = open(tmp_path / "train.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
