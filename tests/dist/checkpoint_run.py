@@ -47,23 +47,17 @@ from areal_mega.megatron.packing import pack_sequences, shift_to_next_token
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from areal_mega.trainer.critic import CriticConfig, CriticEngine
+from tests.support.models import save_tiny_model
 
 VOCAB = 200
 MARKER = {"marker": "checkpoint_run"}
 
 
 def make_tiny_qwen2(path: Path) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6)
-    model = Qwen2ForCausalLM(cfg).to(torch.float32)
-    with torch.no_grad():  # HF's init is tiny (std 0.02): widen it so the steps move log-probs
-        for p in model.parameters():
-            p.mul_(1.5)
-    model.save_pretrained(path, safe_serialization=True)
+    """The 2-layer fp32 Qwen2 (tests/support/models.py), HF's init widened x1.5 so that the
+    steps move log-probs, with a marker tokenizer_config.json (the exports must carry it)."""
+    save_tiny_model(path, vocab_size=VOCAB, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
+                    scale=1.5)
     (path / "tokenizer_config.json").write_text(json.dumps(MARKER))
 
 
