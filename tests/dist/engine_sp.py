@@ -20,7 +20,7 @@ the step's loss, every parameter's gradient (vs none) and the peak bytes saved f
 "full" must come out without it.
 
 Critic at TP2 (dp 2): values and one value-loss step, SP off vs on (the value head gathers
-the sequence-parallel tokens).
+the sequence-parallel tokens), and SP on with full recompute.
 """
 
 from __future__ import annotations
@@ -205,12 +205,14 @@ def recompute_runs(hf_dir: str, batch, loss_fn) -> dict:
 
 def critic_runs(hf_dir: str, batch) -> dict:
     out: dict = {}
-    for sp in (False, True):
+    for key, sp, rc in (("spoff", False, "none"), ("spon", True, "none"), ("spon_full", True, "full")):
         groups = groups_for(2, 1)
-        critic = CriticEngine.create(engine_cfg(sp, cls=CriticConfig), load_hf_config(hf_dir), groups, hf_dir, seed=3)
+        critic = CriticEngine.create(engine_cfg(sp, recompute=rc, cls=CriticConfig), load_hf_config(hf_dir), groups,
+                                     hf_dir, seed=3)
         values = critic.compute_values(batch)
         stats = critic.train_batch(batch, value_loss_fn(batch))
-        out[f"sp{'on' if sp else 'off'}"] = {
+        out[key] = {
+            "recompute_granularity": critic.model.config.recompute_granularity,
             "sequence_parallel": bool(critic.model.config.sequence_parallel),
             "values": values.tolist(), "stats": stats, "after": critic.compute_values(batch).tolist(),
         }
