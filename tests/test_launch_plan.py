@@ -55,19 +55,18 @@ def test_llama3_70b_parameter_count_by_hand():
 
 
 def test_parameter_count_matches_transformers():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """The estimator's count vs the transformers model's own (tests/support/models.py)."""
+    from tests.support.models import count_params, tiny_config
 
-    torch.manual_seed(0)
-    lcfg = LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=96, num_attention_heads=8,
-                       num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
-    shape = ModelShape.from_arch(get_adapter(lcfg.to_dict()).arch)  # the trainer's parse, no other
-    assert total_params(shape) == sum(p.numel() for p in LlamaForCausalLM(lcfg).parameters())
-    qcfg = Qwen2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=100, tie_word_embeddings=True)
-    shape = ModelShape.from_arch(get_adapter(qcfg.to_dict()).arch)
+    llama = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
+    shape = ModelShape.from_arch(get_adapter(tiny_config("llama", **llama)).arch)  # the trainer's parse, no other
+    assert total_params(shape) == count_params("llama", **llama)
+    qwen2 = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=100, tie_word_embeddings=True)
+    shape = ModelShape.from_arch(get_adapter(tiny_config("qwen2", **qwen2)).arch)
     assert shape.attention_bias and shape.tie_word_embeddings
-    assert total_params(shape) == sum(p.numel() for p in Qwen2ForCausalLM(qcfg).parameters())
+    assert total_params(shape) == count_params("qwen2", **qwen2)
 
 
 def test_learner_memory_70b_tp8_pp4_by_hand():
