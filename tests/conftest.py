@@ -21,10 +21,7 @@ from pathlib import Path
 import pytest
 
 # Tests that start processes in files whose owners have not marked them yet: marked here.
-SLOW_ELSEWHERE: dict[str, set[str] | None] = {
-    "test_inference_client.py": {"test_server_process_group_stop_and_start_error",
-                                 "test_pool_owned_server_dies_with_its_parent"},
-}
+SLOW_ELSEWHERE: dict[str, set[str] | None] = {}
 
 
 def pytest_addoption(parser):

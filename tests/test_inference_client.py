@@ -28,7 +28,7 @@ def expected(prompt: list[int], n: int, vocab: int = 512) -> list[int]:
 def test_launch_command_from_config():
     cfg = SGLangServerConfig(python="/v/bin/python", model_path="/m", device="cpu", dtype="float32",
                              max_total_tokens=4096, extra_args=["--attention-backend", "torch_native"])
-    cmd = build_launch_command(cfg, 30001, api_key="k", weight_version=3, random_seed=7)
+    cmd = build_launch_command(cfg, 30001, secret_config="/run/secrets/sglang.yaml", weight_version=3, random_seed=7)
     assert cmd[:3] == ["/v/bin/python", "-m", "sglang.launch_server"]
     assert "--skip-tokenizer-init" in cmd and cmd[-2:] == ["--attention-backend", "torch_native"]
     rest = [a for a in cmd[3:-2] if a != "--skip-tokenizer-init"]
@@ -36,7 +36,9 @@ def test_launch_command_from_config():
     assert flags["--model-path"] == "/m" and flags["--port"] == "30001" and flags["--host"] == "127.0.0.1"
     assert flags["--device"] == "cpu" and flags["--dtype"] == "float32" and flags["--tp-size"] == "1"
     assert flags["--max-total-tokens"] == "4096" and flags["--weight-version"] == "3"
-    assert flags["--random-seed"] == "7" and flags["--api-key"] == "k"
+    assert flags["--random-seed"] == "7"
+    # The API key travels in a 0600 config file SGLang reads, never on the command line.
+    assert flags["--config"] == "/run/secrets/sglang.yaml" and "--api-key" not in cmd
 
 
 def test_config_errors_name_the_key():
@@ -180,6 +182,7 @@ def test_api_key_sent_and_required():
     asyncio.run(_with_fakes(1, body, api_key="s3cret"))
 
 
+@pytest.mark.slow
 def test_server_process_group_stop_and_start_error(tmp_path):
     """stop() takes down the whole process tree, also when it ignores SIGTERM (SIGKILL after the
     grace period); wait_ready() fails fast with the log tail when the server exits."""
@@ -218,6 +221,7 @@ def test_server_process_group_stop_and_start_error(tmp_path):
     srv.stop()
 
 
+@pytest.mark.slow
 def test_pool_owned_server_dies_with_its_parent(tmp_path):
     """A server started by a process that is then SIGKILLed (no cleanup runs) dies with it
     (areal_mega.utils.procs' die-with-parent wrapper; the generic mechanism and its control are in
