@@ -3,7 +3,9 @@ engine. ONE 4-rank torchrun launch of tests/dist/engine_sp.py (~60 s on 2 busy c
 numbers are asserted here: SP on == SP off (fp32) at TP2 (dp 2), TP2 x PP2 and TP2 x PP2 x VPP2,
 both equal to HF transformers; recompute none / selective / full-uniform / full-block give the
 same loss and gradients and fewer saved activation bytes, in the ratio the launcher's
-estimator predicts; the critic's value head under SP. Plus single-process config checks.
+estimator predicts; the critic's value head under SP (and with full recompute). Plus
+single-process config checks (sequence_parallel / recompute keys, attention "auto", the
+context-parallel refusal).
 """
 
 from __future__ import annotations
