@@ -85,7 +85,7 @@ def run_pipeline(workdir: str, *, learner_python: str, sglang_python: str | None
     print(f"[{time.time() - t0:5.0f}s] stage 2/3: SFT done ({sft_steps} steps) -> {sft / 'hf'}", flush=True)
 
     eval_log = rl / "eval.jsonl"
-    for stale in (eval_log, rl / "metrics.jsonl"):
+    for stale in (eval_log, rl / "metrics.jsonl", rl / "prompts.jsonl"):
         if stale.exists():
             stale.unlink()
     run_rl(rl_config, model_dir=sft / "hf", task=tiny, out=rl, steps=rl_steps, learner_python=learner_python,
