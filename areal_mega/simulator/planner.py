@@ -123,17 +123,13 @@ def _typed(cls, overrides: list[str], prefix: str):
 def learner_memory(cfg, raw: dict, m, layout, alg):
     """The launcher's own memory verdict for a learner layout (the check ``--dry-run`` enforces),
     with the recompute mode and micro-batch tokens it assumed: (LearnerMemory, recompute, tokens).
-    Speaks both forms of the launcher's API: settings resolved from the trainer's sections
-    (``plan.learner_settings``), or the ``launch.learner`` section itself."""
+    The settings are the trainer's own sections, resolved as the launcher resolves them
+    (``plan.learner_settings``): the memory plan the launch would enforce."""
     from areal_mega.launcher import memory, plan
 
-    if hasattr(plan, "learner_settings"):
-        s, critic, reference = plan.learner_settings(cfg, raw, m, layout, on_gpu=True)
-        est = memory.estimate_learner(m, s, layout, cfg.gpu_memory_gib, reference=reference, critic=critic)
-        return est, s.recompute, s.micro_batch_tokens
-    est = memory.estimate_learner(m, cfg.learner, layout, cfg.gpu_memory_gib,
-                                  reference=alg.kl_coef > 0, critic=alg.adv_estimator == "gae")
-    return est, cfg.learner.recompute, cfg.learner.micro_batch_tokens
+    s, critic, reference = plan.learner_settings(cfg, raw, m, layout, on_gpu=True)
+    est = memory.estimate_learner(m, s, layout, cfg.gpu_memory_gib, reference=reference, critic=critic)
+    return est, s.recompute, s.micro_batch_tokens
 
 
 def build_plan_report(config: str, nodes: int, overrides: list[str] | None = None, *, gpus_per_node: int | None = None,
