@@ -113,6 +113,17 @@ def test_server_killed_mid_run_is_restarted_resynced_and_run_completes(tmp_path:
         assert len(rows) >= killed_at + 2 and waited, text[-5000:]
     assert rows[-1]["inference/servers_in_rotation"] == num_servers  # (failovers counts requests: none may have been in flight)
     assert (out / "checkpoints" / f"step{len(rows):06d}").is_dir()  # the graceful stop saved
+    # No prompt lost or trained twice, counted by the trainer (prompts.jsonl): each stream
+    # position at most once, 4 per step, and the positions drawn but never trained are only the
+    # episodes still in flight at the stop (at most max_concurrent = 32): a prompt dropped with
+    # the dead server would be a hole that stays.
+    batches = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    trained = [tuple(p[:2]) for b in batches for p in b["prompts"]]
+    assert len(trained) == len(set(trained)) == 4 * len(rows), (len(trained), len(set(trained)), len(rows))
+    size = 90  # 100 sums, 10 held out (write_tiny_task)
+    flat = sorted(e * size + i for e, i in trained)
+    holes = set(range(flat[-1] + 1)) - set(flat)
+    assert len(holes) <= 32, sorted(holes)
     assert all(_no_server_left(port + i) for i in range(num_servers))
 
 
