@@ -45,6 +45,7 @@ from areal_mega.inference.server import SGLangServer, make_servers
 
 logger = logging.getLogger(__name__)
 
+
 class InferenceError(RuntimeError):
     """A request could not be completed (all retries failed, or no server is healthy)."""
 
@@ -132,7 +133,7 @@ class ServerHandle:
         """True if the server answers. SGLang's /health runs a one-token generation, which cannot
         finish while the server is paused, so a paused server is only asked for /model_info."""
         try:
-            await self.send(api.model_info() if paused else api.Call("GET", "/health"), timeout=self._health_timeout)
+            await self.send(api.model_info() if paused else api.health(), timeout=self._health_timeout)
             return True
         except (aiohttp.ClientError, asyncio.TimeoutError, InferenceServerError, OSError):
             return False

@@ -9,6 +9,7 @@ Bodies follow SGLang 0.5.23's ``io_struct`` (verified on CPU, see docs/inference
     POST /generate                     input_ids, sampling_params, return_logprob, rid
     POST /pause_generation             mode: "abort" | "retract" | "in_place"
     POST /continue_generation          {}
+    GET  /health                       -> 200 once serving (runs a one-token generation)
     GET  /model_info                   -> model_path, weight_version, ...
     GET  /server_info                  -> version, tp_size, dtype, ...
     GET  /openapi.json                 -> paths (the authoritative route list)
@@ -77,6 +78,11 @@ def pause_generation(mode: str = "abort") -> Call:
 
 def continue_generation() -> Call:
     return Call("POST", "/continue_generation", {})
+
+
+def health() -> Call:
+    """200 once the server serves (it runs a one-token generation: never answers while paused)."""
+    return Call("GET", "/health")
 
 
 def model_info() -> Call:
