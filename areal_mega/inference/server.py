@@ -7,7 +7,7 @@ stopped and tied to its parent's life by ``areal_mega.utils.procs`` -- never sig
     ...
     for s in servers: s.stop()
 
-This module is synchronous on purpose (subprocess + urllib): the async pool calls ``restart()``
+This module is synchronous on purpose (subprocess + sglang_api's blocking client): the async pool calls ``restart()``
 through ``asyncio.to_thread`` so a restart never blocks the event loop.
 """
 
@@ -19,11 +19,11 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+from areal_mega.inference import sglang_api
 from areal_mega.inference.config import InferenceConfig, SGLangServerConfig
+from areal_mega.inference.sglang_api import SGLangClient, SGLangError
 from areal_mega.utils import procs
 from areal_mega.utils.secrets import sglang_key_config, write_private
 
@@ -155,9 +155,9 @@ class SGLangServer:
         """GET /health == 200. SGLang answers 503 while starting/warming up; /health is exempt
         from the API key, so this works on key-protected servers too."""
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout_s) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError, TimeoutError):
+            SGLangClient(self.url, timeout_s=timeout_s).send(sglang_api.health())
+            return True
+        except (SGLangError, OSError):
             return False
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
