@@ -18,7 +18,7 @@ import pytest
 
 from areal_mega.utils import procs
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 # A torchrun rank: writes its pid, then sleeps.
 RANK = ("import os, sys, time\n"
@@ -65,6 +65,7 @@ def _torchrun(d: Path) -> list[str]:
             str(d / "rank.py"), str(d)]
 
 
+@pytest.mark.slow
 def test_stop_tree_reaches_torchrun_ranks(tmp_path: Path) -> None:
     control = procs.spawn(_torchrun(tmp_path / "control"), wrap=False,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -87,6 +88,7 @@ def test_stop_tree_reaches_torchrun_ranks(tmp_path: Path) -> None:
     assert not any(_alive(r) for r in ranks), "ranks outlived stop_tree"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapped", [False, True], ids=["control_plain", "die_with_parent"])
 def test_sigkilled_parent_leaves_no_tree(tmp_path: Path, wrapped: bool) -> None:
     """A parent starts torchrun (2 ranks) and a command that leaves a setsid daemon, then is
@@ -122,6 +124,7 @@ def test_sigkilled_parent_leaves_no_tree(tmp_path: Path, wrapped: bool) -> None:
                 os.kill(int(f.read_text()), signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_wrapper_kills_what_its_command_leaves_behind(tmp_path: Path) -> None:
     """The wrapped command exits after leaving a setsid daemon: the wrapper (a subreaper)
     kills the daemon and exits with the command's status."""
@@ -139,6 +142,7 @@ def test_free_ports_distinct() -> None:
     assert len(set(ranged)) == 8 and all(20000 <= q < 32000 for q in ranged)
 
 
+@pytest.mark.slow
 def test_wrapper_redacts_secrets_from_the_output(tmp_path: Path) -> None:
     """The values of a redact file never reach the command's output (SGLang logs its API key)."""
     secret_file = tmp_path / "secret.yaml"
