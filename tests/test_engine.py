@@ -265,8 +265,8 @@ def test_bf16_resume_is_exact(bf16_resume_results, case):
     """bf16 models (fp32 RMSNorm weights, bf16 rest; Qwen2's qkv bias shares a param group with
     the norms) save their optimizer state with and without the distributed optimizer at DP2, and
     a fresh engine that loads the checkpoint continues bit for bit (megatron-core 0.16.1 bugs
-    worked around in areal_mega.megatron.engine: _fix_param_group_index_map,
-    _fix_float16_optimizer_sharded_state_dict); resumed at TP2, to bf16 rounding."""
+    worked around in areal_mega.megatron.compat: fix_param_group_index_map,
+    fix_float16_optimizer_sharded_state_dict); resumed at TP2, to bf16 rounding."""
     c = bf16_resume_results[case]
     ref, got = c["ref"], c["resumed"]
     assert c["distributed_optimizer"] == case.startswith("qwen2_distopt")

@@ -6,7 +6,7 @@
 
 Regression check for megatron-core 0.16.1 optimizer-checkpoint bugs with our bf16 models, whose
 RMSNorm weights stay fp32 (local layer spec, no Float16Module) -- see
-areal_mega.megatron.engine._fix_param_group_index_map and _fix_float16_optimizer_sharded_state_dict:
+areal_mega.megatron.compat.fix_param_group_index_map and fix_float16_optimizer_sharded_state_dict:
 
     qwen2_distopt   Qwen2 (qkv bias: fp32 norms + bf16 biases share a param group), distributed
                     optimizer -- save used to fail in get_parameter_state_dp_zero with
