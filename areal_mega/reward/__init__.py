@@ -2,6 +2,7 @@
 
     reward = build_reward(RewardConfig(kind="math"))          # math-verify in worker processes
     reward = build_reward(RewardConfig(kind="function", function="my_pkg.rewards:exact_match"))
+    reward = build_reward(RewardConfig(kind="judge", judge=JudgeConfig(...)), policy_engine=pool)  # reward/judge.py
 
 Built-ins are looked up by exact name; user functions by dotted path "module:function" with
 the signature ``fn(prompt: str, completion: str, data: dict) -> float`` (plain or async).
@@ -12,9 +13,10 @@ timeout / crash protection as the math reward (its arguments must then be JSON-s
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from areal_mega.reward.judge import JudgeConfig
 from areal_mega.reward.pool import RewardWorkerPool
 from areal_mega.reward.registry import load_callable
 
@@ -27,9 +29,10 @@ class RewardFn(Protocol):
 
 @dataclass
 class RewardConfig:
-    kind: Literal["math", "code", "function"] = "math"
+    kind: Literal["math", "code", "function", "judge"] = "math"
     """"math": final answer vs the sample's "answer" via math-verify; "code": run the last
-    python block against the sample's "tests"; "function": the user function in ``function``."""
+    python block against the sample's "tests"; "function": the user function in ``function``;
+    "judge": an LLM judge's verdict (``judge``)."""
     function: str = ""
     """"module:function" for kind "function"."""
     isolate: bool = True
@@ -40,6 +43,8 @@ class RewardConfig:
     """Per-call timeout; a call that times out, crashes or raises scores 0."""
     code_memory_mb: int = 512
     """kind "code": address-space limit of the sandboxed process."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """kind "judge": the judge model's servers, rubric and verdict format."""
 
     def validate(self) -> None:
         if self.kind == "function" and ":" not in self.function:
@@ -48,6 +53,8 @@ class RewardConfig:
             raise ValueError(f"num_workers: must be >= 1, got {self.num_workers}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if self.kind == "judge":
+            self.judge.validate()
 
 
 class _PooledFunction:
@@ -76,7 +83,9 @@ class _InProcessFunction:
         pass
 
 
-def build_reward(cfg: RewardConfig) -> RewardFn:
+def build_reward(cfg: RewardConfig, *, policy_engine: Any = None, policy_tokenizer: Any = None) -> RewardFn:
+    """The reward of ``cfg``. ``policy_engine`` / ``policy_tokenizer`` (the trainer's pool and
+    tokenizer) serve a judge that runs on the policy's servers (``judge.servers: policy``)."""
     cfg.validate()
     if cfg.kind == "math":
         from areal_mega.reward.math import MathReward
@@ -89,7 +98,11 @@ def build_reward(cfg: RewardConfig) -> RewardFn:
     if cfg.kind == "function":
         load_callable(cfg.function)  # fail at build time, naming the path, not in a worker
         return _PooledFunction(cfg.function, cfg.num_workers, cfg.timeout_s) if cfg.isolate else _InProcessFunction(cfg.function)
+    if cfg.kind == "judge":
+        from areal_mega.reward.judge import build_judge
+
+        return build_judge(cfg.judge, policy_engine=policy_engine, policy_tokenizer=policy_tokenizer)
     raise ValueError(f"kind: unknown reward kind {cfg.kind!r}")
 
 
-__all__ = ["RewardConfig", "RewardFn", "RewardWorkerPool", "build_reward", "load_callable"]
+__all__ = ["JudgeConfig", "RewardConfig", "RewardFn", "RewardWorkerPool", "build_reward", "load_callable"]

@@ -2,7 +2,8 @@
 
     wf = build_workflow(WorkflowConfig(kind="single_turn", group_size=8), tokenizer, reward_fn)
 
-single_turn: one answer per sample; multi_turn: retry with feedback; tool: calculator calls.
+single_turn: one answer per sample; multi_turn: retry with feedback; tool: calculator calls;
+agent: agent code written against an OpenAI-style client (workflows/agent.py).
 Prompt / feedback / tool-output tokens have loss_mask 0; generated tokens carry the engine's
 behaviour log-probs and per-token policy versions.
 """
@@ -10,12 +11,14 @@ behaviour log-probs and per-token policy versions.
 from __future__ import annotations
 
 from areal_mega.reward import RewardFn
+from areal_mega.workflows.agent import AgentClient, AgentWorkflow
 from areal_mega.workflows.base import Tokenizer, WorkflowConfig
 from areal_mega.workflows.multi_turn import MultiTurnWorkflow
 from areal_mega.workflows.single_turn import SingleTurnWorkflow
 from areal_mega.workflows.tool import ToolWorkflow, calculator
 
-_KINDS = {"single_turn": SingleTurnWorkflow, "multi_turn": MultiTurnWorkflow, "tool": ToolWorkflow}
+_KINDS = {"single_turn": SingleTurnWorkflow, "multi_turn": MultiTurnWorkflow, "tool": ToolWorkflow,
+          "agent": AgentWorkflow}
 
 
 def build_workflow(cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn):
@@ -24,4 +27,4 @@ def build_workflow(cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardF
     return _KINDS[cfg.kind](cfg, tokenizer, reward_fn)
 
 
-__all__ = ["MultiTurnWorkflow", "SingleTurnWorkflow", "ToolWorkflow", "WorkflowConfig", "build_workflow", "calculator"]
+__all__ = ["AgentClient", "AgentWorkflow", "MultiTurnWorkflow", "SingleTurnWorkflow", "ToolWorkflow", "WorkflowConfig", "build_workflow", "calculator"]
