@@ -214,3 +214,52 @@ def save_bpe_model(path, *, family: str = "qwen2", dtype: str = "float32", vocab
     save_tiny_model(path, family, dtype=dtype, vocab_size=vocab_size, bos_token_id=None, eos_token_id=eos,
                     pad_token_id=pad, **kwargs)
     return path
+
+
+def save_verdict_judge(path, *, branches: tuple[str, ...] = ("2", "9", "1", "x"), scale: float = 20.0,
+                       seed: int = 0) -> Path:
+    """A hand-wired tiny "judge" (Qwen2 + the BPE tokenizer) whose sampled outputs follow a known
+    verdict grammar, so a real server's judge outputs exercise every parse outcome:
+
+        <|im_start|>assistant\\n  ->  "Score: " + one of branches  ->  EOS      ("1" may repeat: "11", ...)
+
+    i.e. "Score: 2" / "Score: 9" / "Score: 1" (ok), "Score: 11..." (out of range), "Score: x"
+    (malformed), each branch equally likely at temperature 1. How: attention and MLP outputs are
+    zeroed (o_proj, down_proj), so the logits at a position depend only on that position's token
+    (a bigram model); lm_head row u is ``scale / d`` times the sum of the normalised embeddings of
+    the tokens that should be followed by u, giving logit ~``scale`` on the intended successors and
+    ~scale / sqrt(d) cross-talk elsewhere (d = 128)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = save_bpe_model(path, seed=seed, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=4096)
+    tok = AutoTokenizer.from_pretrained(str(path))
+
+    def one(text: str) -> int:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+
+    chain = [one("\n")] + tok.encode("Score: ", add_special_tokens=False)
+    ends = [one(b) for b in branches]
+    edges: dict[int, list[int]] = {a: [b] for a, b in zip(chain, chain[1:])}
+    edges[chain[-1]] = ends
+    for e in ends:
+        edges[e] = [e, tok.eos_token_id] if e == one("1") else [tok.eos_token_id]
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    d = model.config.hidden_size
+    with torch.no_grad():
+        emb = torch.randn(model.config.vocab_size, d, generator=torch.Generator().manual_seed(seed))
+        model.model.embed_tokens.weight.copy_(emb)
+        unit = emb / emb.norm(dim=1, keepdim=True) * d**0.5  # what the final RMSNorm makes of a row
+        head = torch.zeros_like(model.lm_head.weight)
+        for src, dsts in edges.items():
+            for dst in dsts:
+                head[dst] += scale / d * unit[src]
+        model.lm_head.weight.copy_(head)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
