@@ -249,7 +249,7 @@ def grpo_step(h, trajs):
     with torch.no_grad():
         for p0, p in zip(before, model.parameters()):
             p.copy_(p0)
-    return batch, float(loss), ratio_err, moved
+    return batch, float(loss.detach()), ratio_err, moved
 
 
 def test_calculator_agent_judged_and_one_grpo_step(h):

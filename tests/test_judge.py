@@ -134,14 +134,19 @@ def test_judge_failed_request_scores_zero():
 
 
 def test_judge_config_errors_name_the_key(tmp_path):
-    with pytest.raises(ValueError, match="judge.rubric:"):
-        JudgeConfig(servers="policy", rubric="no placeholder").validate()
-    with pytest.raises(ValueError, match="judge.score_max"):
-        JudgeConfig(servers="policy", score_min=5, score_max=5).validate()
-    with pytest.raises(ValueError, match="judge.rubric_path"):
-        JudgeConfig(servers="policy", rubric_path=str(tmp_path / "nope.txt")).validate()
-    with pytest.raises(ValueError, match="judge.inference.server.model_path"):
-        JudgeConfig(servers="own").validate()
+    from areal_mega.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError, match=r"exp.yaml: judge\.rubric: must contain"):
+        from_dict(RewardConfig, {"judge": {"rubric": "no placeholder"}}, "exp.yaml: ")
+    with pytest.raises(ConfigError, match=r"judge\.score_max"):
+        from_dict(RewardConfig, {"judge": {"score_min": 5, "score_max": 5}})
+    with pytest.raises(ConfigError, match=r"judge\.rubric_path: no such file"):
+        from_dict(RewardConfig, {"kind": "judge", "judge": {"servers": "policy", "rubric_path": str(tmp_path / "x")}})
+    with pytest.raises(ConfigError, match=r"judge\.inference: servers 'own' needs"):
+        from_dict(RewardConfig, {"kind": "judge"})
+    with pytest.raises(ConfigError, match=r"judge\.inference\.server\.model_path"):
+        from_dict(RewardConfig, {"kind": "judge", "judge": {"inference": {"num_servers": 1}}})
+    assert from_dict(RewardConfig, {"kind": "math"}).judge.inference is None  # an unused judge checks nothing
     with pytest.raises(ValueError, match="'policy' needs the policy's inference pool"):
         build_reward(RewardConfig(kind="judge", judge=JudgeConfig(servers="policy")), policy_tokenizer=WordTok())
     path = tmp_path / "rubric.txt"

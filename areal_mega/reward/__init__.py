@@ -54,7 +54,10 @@ class RewardConfig:
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
         if self.kind == "judge":
-            self.judge.validate()
+            try:
+                self.judge.check_ready()
+            except ValueError as e:
+                raise ValueError(f"judge.{e}") from None
 
 
 class _PooledFunction:

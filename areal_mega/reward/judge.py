@@ -79,8 +79,9 @@ class JudgeConfig:
     """"own": the judge runs on a pool of its own, ``inference`` (servers it launches, or
     existing ones at ``inference.addresses``); "policy": on the policy's inference servers
     (the judge is then the policy model, sharing its capacity and weight updates)."""
-    inference: InferenceConfig = field(default_factory=InferenceConfig)
-    """servers "own": the judge's pool, in the same form as the top-level ``inference``."""
+    inference: InferenceConfig | None = None
+    """servers "own" (required there): the judge's pool, in the same form as the top-level
+    ``inference`` (launch settings, or ``addresses`` of running servers)."""
     tokenizer_path: str = ""
     """HF directory of the judge's tokenizer (chat template applied learner-side, token ids
     sent); empty: ``inference.server.model_path`` for "own", the policy's tokenizer for "policy"."""
@@ -111,27 +112,36 @@ class JudgeConfig:
     """Per-request limit; a request that exceeds it scores 0 (reason "timeout")."""
 
     def validate(self) -> None:
+        """Value checks (run for every experiment config, judge or not); ``check_ready`` adds what
+        a judge that will run needs."""
         if self.rubric and self.rubric_path:
-            raise ValueError("judge.rubric_path: set either judge.rubric or judge.rubric_path, not both")
-        if self.rubric_path and not Path(self.rubric_path).is_file():
-            raise ValueError(f"judge.rubric_path: no such file {self.rubric_path!r}")
+            raise ValueError("rubric_path: set either rubric or rubric_path, not both")
         if self.rubric and "{response}" not in self.rubric:
-            raise ValueError("judge.rubric: must contain the {response} placeholder")
+            raise ValueError("rubric: must contain the {response} placeholder")
         if self.score_max <= self.score_min:
-            raise ValueError(f"judge.score_max: must be > score_min ({self.score_min}), got {self.score_max}")
+            raise ValueError(f"score_max: must be > score_min ({self.score_min}), got {self.score_max}")
         if self.max_concurrent < 1:
-            raise ValueError(f"judge.max_concurrent: must be >= 1, got {self.max_concurrent}")
+            raise ValueError(f"max_concurrent: must be >= 1, got {self.max_concurrent}")
         if self.timeout_s <= 0:
-            raise ValueError(f"judge.timeout_s: must be > 0, got {self.timeout_s}")
+            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
         self.sampling.validate()
+
+    def check_ready(self) -> None:
+        """What a judge about to be built needs (errors name the key under ``judge.``)."""
+        self.validate()
+        if self.rubric_path and not Path(self.rubric_path).is_file():
+            raise ValueError(f"rubric_path: no such file {self.rubric_path!r}")
         if self.servers == "own":
+            if self.inference is None:
+                raise ValueError("inference: servers 'own' needs the judge's inference section "
+                                 "(server launch settings or addresses), or use servers: policy")
             try:
                 self.inference.validate()
             except ValueError as e:
-                raise ValueError(f"judge.inference.{e}") from None
+                raise ValueError(f"inference.{e}") from None
             if not self.tokenizer_path and not self.inference.server.model_path:
-                raise ValueError("judge.tokenizer_path: needed when the judge's servers are given by "
-                                 "judge.inference.addresses (no server.model_path to read it from)")
+                raise ValueError("tokenizer_path: needed when the judge's servers are given by "
+                                 "inference.addresses (no server.model_path to read it from)")
 
     def rubric_text(self) -> str:
         if self.rubric_path:
@@ -211,7 +221,10 @@ class JudgeReward:
 
     def __init__(self, cfg: JudgeConfig, tokenizer: Any, engine: InferenceEngine | None = None,
                  *, keep_records: bool = False) -> None:
-        cfg.validate()
+        try:
+            cfg.check_ready()
+        except ValueError as e:
+            raise ValueError(f"judge.{e}") from None
         if cfg.servers == "policy" and engine is None:
             raise ValueError("judge.servers: 'policy' needs the policy's inference pool (built by the trainer)")
         self.cfg = cfg
@@ -227,6 +240,7 @@ class JudgeReward:
         self.stats: dict[str, float] = {"requests": 0, "ok": 0, **{r: 0 for r in FAILURE_REASONS}, "latency_s": 0.0}
         self.keep_records = keep_records
         self.records: list[dict[str, Any]] = []
+        assert cfg.inference is not None or engine is not None
         if engine is None and not cfg.inference.addresses:
             from areal_mega.inference.server import make_servers
 
@@ -248,6 +262,7 @@ class JudgeReward:
                     await asyncio.gather(*(asyncio.to_thread(s.wait_ready) for s in self._servers))
                     pool = InferencePool(self.cfg.inference, self._servers, own_servers=True)
                 else:
+                    assert self.cfg.inference is not None
                     pool = InferencePool(self.cfg.inference, self.cfg.inference.addresses)
                 await pool.start()
                 self._own_pool, self._own_loop, self._engine = pool, asyncio.get_running_loop(), pool
@@ -320,8 +335,11 @@ class JudgeReward:
 def build_judge(cfg: JudgeConfig, *, policy_engine: InferenceEngine | None = None,
                 policy_tokenizer: Any = None) -> JudgeReward:
     """The judge of ``cfg``: on the policy's pool (servers "policy") or its own."""
-    cfg.validate()
-    path = cfg.tokenizer_path or (cfg.inference.server.model_path if cfg.servers == "own" else "")
+    try:
+        cfg.check_ready()
+    except ValueError as e:
+        raise ValueError(f"judge.{e}") from None
+    path = cfg.tokenizer_path or (cfg.inference.server.model_path if cfg.inference is not None else "")
     if path:
         from transformers import AutoTokenizer
 

@@ -132,7 +132,9 @@ class Trainer:
 
         cfg = self.cfg
         tok = AutoTokenizer.from_pretrained(cfg.model_path)
-        reward = self.reward = build_reward(cfg.reward)
+        assert self.driver is not None
+        # A judge on the policy's servers (reward.judge.servers: policy) uses the driver's pool.
+        reward = self.reward = build_reward(cfg.reward, policy_engine=self.driver.pool, policy_tokenizer=tok)
         split = load_dataset(cfg.data, tokenizer=tok)
         workflow = build_workflow(cfg.workflow, tok, reward)
         if cfg.eval_data is not None:
@@ -142,7 +144,6 @@ class Trainer:
             self.eval_set = list(split.eval)
         greedy = dataclasses.replace(cfg.workflow.sampling, temperature=0.0)
         self.eval_workflow = build_workflow(dataclasses.replace(cfg.workflow, group_size=1, sampling=greedy), tok, reward)
-        assert self.driver is not None
         # Resumed: the prompt stream continues where the checkpoint stood, the prompts that were
         # in flight then (dropped with the episodes) first -- every prompt trained once per epoch.
         # The staleness counters start afresh at the resumed version: nothing is in flight.
@@ -163,8 +164,10 @@ class Trainer:
                 else:
                     self.metrics.histogram("rollout/token_staleness", rb.staleness_counts)
                     self._log_prompts(rb)
+                    reward_metrics = getattr(self.reward, "metrics", None)  # the judge's outcome counts
                     payload = {"batch": to_engine_alignment(trajectories_to_batch(rb.groups)),
-                               "stats": {**rb.stats, **self.driver.pool_stats()}}
+                               "stats": {**rb.stats, **self.driver.pool_stats(),
+                                         **(reward_metrics() if reward_metrics else {})}}
             got = broadcast_batch(payload, src=0, group=self.ctrl_group)
             if "resync" not in got:
                 return got["batch"], got["stats"]
