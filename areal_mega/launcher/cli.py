@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 from areal_mega.config import from_dict, load_dict
@@ -64,7 +65,7 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
         return EXIT_DOES_NOT_FIT
     if dry_run:
         if plan.checks_gpu_memory and not alloc.local and len(alloc.nodes) >= 2:
-            _print_throughput_plan(config, overrides, len(alloc.nodes), alloc.gpus_per_node)
+            _print_throughput_plan(config, overrides, len(alloc.nodes), alloc.gpus_per_node, out=plan.run_dir / "plan")
         print("dry run: nothing started", flush=True)
         return 0
     if plan.secrets_dir is not None:
@@ -75,14 +76,18 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
                      preempt_grace_s=cfg.preempt_grace_s)
 
 
-def _print_throughput_plan(config: str, overrides: list[str], nodes: int, gpus_per_node: int) -> None:
+def _print_throughput_plan(config: str, overrides: list[str], nodes: int, gpus_per_node: int,
+                           out: Path | None = None) -> None:
     """The throughput planner's recommendation for this allocation (``areal-mega plan``, see
-    docs/simulator.md); advisory: whatever goes wrong there is one line, never a failed dry run."""
+    docs/simulator.md), with its plan.json and plot written to ``out``; advisory: whatever goes
+    wrong there is one line, never a failed dry run."""
     try:
-        from areal_mega.simulator.planner import build_plan_report, recommendation
+        from areal_mega.simulator.planner import build_plan_report, recommendation, write_plan
 
         rep = build_plan_report(config, nodes, overrides, gpus_per_node=gpus_per_node)
         lines = recommendation(rep)
+        if out is not None:
+            lines.append("planner: " + write_plan(rep, out))
     except Exception as e:  # noqa: BLE001 -- advisory output only
         lines = [f"planner: skipped ({type(e).__name__}: {' '.join(str(e).split())})"]
     print("\n".join(lines), flush=True)
