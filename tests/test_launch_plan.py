@@ -411,3 +411,15 @@ def test_plan_without_a_model_config():
     assert any("memory not estimated" in n and "launch.model_config" in n for n in plan.notes)
     with pytest.raises(ValueError, match="launch.model_config"):
         build_plan(cfg, alloc(2, 8), raw=raw, config_path="c.yaml", overrides=[], python="PY")
+
+
+@pytest.mark.parametrize("mode, config, extra", [
+    ("local", "configs/grpo_tiny.yaml", {}),
+    ("slurm", CONFIG_70B, {"nodelist": "g[1-16]", "gpus_per_node": 8}),
+])
+def test_dry_run_checks_the_trainers_overrides(mode, config, extra, capsys):
+    """The overrides the launcher passes to the trainer are parsed as the trainer parses them:
+    a misspelt key is one line before anything starts, in a dry run too."""
+    assert run(mode, config, ["actor.optimizer.lrr=1e-6"], dry_run=True, **extra) == 1
+    err = capsys.readouterr().err
+    assert "unknown key 'actor.optimizer.lrr'" in err and err.count("\n") == 1 and "Traceback" not in err

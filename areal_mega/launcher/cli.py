@@ -40,6 +40,12 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
     """Plan, check memory, then (unless ``dry_run``) supervise; returns the exit code."""
     try:
         cfg, raw, passthrough = load_launch_config(config, overrides)
+        if _runs_the_trainer(cfg):
+            # The learners will parse the same YAML and overrides: a bad key fails here, before
+            # any server starts (and in a dry run), not minutes later on every rank.
+            from areal_mega.trainer.config import load_experiment
+
+            load_experiment(config, overrides)
         gpus = gpus_per_node if gpus_per_node is not None else cfg.gpus_per_node
         if mode == "slurm":
             from areal_mega.launcher.slurm import SrunRunner, slurm_allocation
@@ -74,6 +80,12 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
                      tail_lines=cfg.log_tail_lines,
                      engine_timeout_s=cfg.engine.startup_timeout_s + 60, min_ready=cfg.engine.min_ready,
                      preempt_grace_s=cfg.preempt_grace_s)
+
+
+def _runs_the_trainer(cfg: LaunchConfig) -> bool:
+    """Whether the learner command is ``areal-mega train`` (else the YAML may carry other keys)."""
+    cmd = cfg.learner.command
+    return any(a == "areal_mega.cli" and cmd[i + 1:i + 2] == ["train"] for i, a in enumerate(cmd))
 
 
 def _print_throughput_plan(config: str, overrides: list[str], nodes: int, gpus_per_node: int,
