@@ -158,3 +158,52 @@ def test_agent_workflow_config_errors(tok):
     with pytest.raises(ValueError, match="must be an async function"):
         build_workflow(WorkflowConfig(kind="agent", agent="areal_mega.workflows.tool:calculator"), tok, None)
     assert calculator_agent  # importable by path (the config above names it)
+
+
+def test_http_endpoint_records_like_the_in_process_client(tok):
+    """workflow.agent_http: an agent speaking OpenAI JSON over HTTP to client.base_url (aiohttp here,
+    in this process) gets the chat.completion JSON, and its calls become the same exact trajectory;
+    a bad request is a 400 with an OpenAI-style error, an unknown episode a 404, the exhausted
+    budget a 400 that ends the episode with reward 0."""
+    import aiohttp
+
+    seen = {}
+
+    async def http_agent(client, sample):
+        url = client.base_url + "/chat/completions"
+        messages = [{"role": "user", "content": sample["question"]}]
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, json={"model": "m", "messages": messages, "max_tokens": 64}) as r:
+                first = await r.json()
+            async with s.post(url, json={"messages": messages, "logit_bias": {}}) as r:
+                seen["bad"] = (r.status, (await r.json())["error"]["type"])
+            async with s.post(url.replace(client.endpoint_key, "nope"), json={"messages": messages}) as r:
+                seen["unknown"] = r.status
+            messages += [first["choices"][0]["message"], {"role": "tool", "tool_call_id": "x", "content": "84"}]
+            async with s.post(url, json={"messages": messages}) as r:
+                seen["second"] = await r.json()
+            async with s.post(url, json={"messages": messages}) as r:  # max_turns=2: over budget
+                seen["budget"] = (r.status, (await r.json())["error"]["type"])
+                r.raise_for_status()
+        return 1.0
+
+    eng = ScriptedEngine(tok, _script)
+    cfg = WorkflowConfig(kind="agent", agent="x:y", group_size=1, max_turns=2, agent_http=True)
+    from areal_mega.workflows.agent import AgentWorkflow
+
+    wf = AgentWorkflow(cfg, tok, None, agent=http_agent)
+
+    async def run():
+        try:
+            return await wf.arun_episode(eng, {"id": "http", "question": "What is 12 * (3 + 4)?"})
+        finally:
+            await wf.aclose()
+
+    (t,) = asyncio.run(run())
+    assert seen["bad"] == (400, "invalid_request_error") and seen["unknown"] == 404
+    assert seen["budget"] == (400, "budget_exceeded") and t.reward == 0.0 and t.info["status"] == "budget"
+    second = seen["second"]
+    assert second["object"] == "chat.completion" and second["choices"][0]["message"]["content"] == "I think it is big."
+    assert second["usage"]["prompt_tokens"] == len(eng.sent[1])
+    assert t.input_ids == eng.sent[1] + eng.results[1].output_ids  # the JSON round trip kept the prefix
+    assert _spans(t.loss_mask) == [0, 1, 0, 1]

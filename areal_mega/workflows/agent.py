@@ -204,7 +204,10 @@ class AgentClient:
         self.max_context_tokens = max_context_tokens
         self.model = model
         self.chat = _Chat(self)
+        self.base_url: str | None = None
+        """With ``workflow.agent_http``: this episode's OpenAI-compatible endpoint (``/v1``)."""
         self.records: list[CallRecord] = []
+        self.budget_exceeded = False
         self._raw: dict[tuple, str] = {}  # (content, tool calls) of our replies -> the model's text
 
     def _render_form(self, m: Any) -> dict[str, Any]:
@@ -240,6 +243,7 @@ class AgentClient:
         if tool_choice not in (None, "auto", "none"):
             raise ValueError(f"tool_choice: only 'auto' and 'none' are supported, got {tool_choice!r}")
         if self.max_calls is not None and len(self.records) >= self.max_calls:
+            self.budget_exceeded = True
             raise AgentBudgetExceeded(f"episode made {len(self.records)} model calls (workflow.max_turns)")
         rendered = [self._render_form(m) for m in messages]
         kw = {"tools": tools} if tools and tool_choice != "none" else {}
@@ -249,6 +253,7 @@ class AgentClient:
             "temperature": temperature, "top_p": top_p, "max_new_tokens": max_completion_tokens or max_tokens}.items()
             if v is not None})
         if self.max_context_tokens is not None and len(ids) + sampling.max_new_tokens > self.max_context_tokens:
+            self.budget_exceeded = True
             raise AgentBudgetExceeded(f"prompt of {len(ids)} tokens + max_tokens {sampling.max_new_tokens} > "
                                       f"workflow.max_context_tokens={self.max_context_tokens}")
         res = await self.engine.agenerate(GenerationRequest(list(ids), sampling))
@@ -308,7 +313,9 @@ class AgentWorkflow(TokenWorkflow):
     The agent's return value decides the reward: a number is the reward itself; a string is the
     final answer, scored by the configured reward as ``reward(prompt, answer, sample)``; None
     scores the last reply's content the same way. An episode that exceeds its budget
-    (``AgentBudgetExceeded``) gets reward 0. ``prompt`` is the sample's "prompt" (or "question")."""
+    (``AgentBudgetExceeded``) gets reward 0. ``prompt`` is the sample's "prompt" (or "question").
+    With ``workflow.agent_http`` each episode's client also has ``base_url``, a local
+    OpenAI-compatible endpoint recording into the same client (``agent_http.py``)."""
 
     def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn,
                  agent: AgentFn | None = None) -> None:
@@ -316,21 +323,44 @@ class AgentWorkflow(TokenWorkflow):
         if not getattr(tokenizer, "chat_template", None) or not hasattr(tokenizer, "apply_chat_template"):
             raise ValueError("kind: workflow 'agent' needs a tokenizer with a chat template")
         self.agent = agent or load_callable(cfg.agent)
+        self._server: Any = None  # agent_http: the ChatCompletionsServer, started on first use
         if not inspect.iscoroutinefunction(self.agent):
             raise ValueError(f"agent: {cfg.agent!r} must be an async function (client, sample)")
 
-    def client(self, engine: InferenceEngine) -> AgentClient:
-        return AgentClient(engine, self.tokenizer, self.sampling, max_calls=self.cfg.max_turns,
-                           max_context_tokens=self.cfg.max_context_tokens)
+    async def client(self, engine: InferenceEngine) -> AgentClient:
+        client = AgentClient(engine, self.tokenizer, self.sampling, max_calls=self.cfg.max_turns,
+                             max_context_tokens=self.cfg.max_context_tokens)
+        if self.cfg.agent_http:
+            if self._server is None:  # on the rollout loop, at first use
+                from areal_mega.workflows.agent_http import ChatCompletionsServer
+
+                server = ChatCompletionsServer()
+                await server.start()
+                self._server = server
+            self._server.open_episode(client)
+        return client
+
+    async def aclose(self) -> None:
+        """Stop the HTTP endpoint (``agent_http``), if it was started."""
+        if self._server is not None:
+            server, self._server = self._server, None
+            await server.close()
 
     async def _episode(self, engine: InferenceEngine, data: dict[str, Any], gid: str) -> list[Trajectory]:
-        client = self.client(engine)
+        client = await self.client(engine)
         prompt = str(data.get("prompt", data.get("question", "")))
         status = "ok"
         try:
             result = await self.agent(client, data)
-        except AgentBudgetExceeded:
+        except Exception:
+            # Out of budget: the episode ends with reward 0, whatever the agent made of the refusal
+            # (an HTTP agent sees a 400 and raises its own error). Other errors are the agent's bugs.
+            if not client.budget_exceeded:
+                raise
             result, status = 0.0, "budget"
+        finally:
+            if self._server is not None:
+                self._server.close_episode(client)
         if not isinstance(result, (int, float)):
             if result is None:
                 last = client.records[-1].completion.choices[0].message if client.records else None

@@ -49,6 +49,9 @@ class WorkflowConfig:
     agent_trajectories: Literal["concat", "per_call"] = "concat"
     """agent: "concat" joins calls whose prompt extends the previous call's whole context into one
     trajectory (others start a new one); "per_call": one trajectory per model call."""
+    agent_http: bool = False
+    """agent: also serve each episode's client as a local OpenAI-compatible HTTP endpoint
+    (``client.base_url``, for agent code that needs a URL)."""
     agent_turn_discount: float = 1.0
     """agent: a trajectory's reward is the episode's times this ** (calls made after its last
     call); 1.0 = no discount."""
