@@ -57,6 +57,7 @@ POLICY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_a
 def server_cfg(model_dir, log_dir) -> dict:
     return {"python": SGLANG_PYTHON, "model_path": str(model_dir), "device": "cpu", "dtype": "float32",
             "max_total_tokens": 16384, "startup_timeout_s": 420, "env": {"OMP_NUM_THREADS": "1"},
+            "stop_grace_s": 3,
             "log_dir": str(log_dir)}
 
 
@@ -215,6 +216,42 @@ def test_agent_episode_weight_update_between_calls(h):
     assert max(abs(lps[n1 + k] - new[i]) for k, i in enumerate(gen[n1:])) <= tol
     # negative control: the call-2 tokens were NOT sampled by the old weights
     assert max(abs(lps[n1 + k] - old[i]) for k, i in enumerate(gen[n1:])) > 100 * tol
+
+
+def test_agent_over_http_endpoint(h):
+    """workflow.agent_http on the real server: an agent posting OpenAI JSON to client.base_url; its
+    two calls (the reply sent back as JSON) form one trajectory of exactly the ids sent and
+    generated, generated tokens under the mask with the server's version."""
+    import aiohttp
+
+    eng = Recording(h.pool)
+
+    async def http_agent(client, sample):
+        messages = [{"role": "user", "content": sample["question"]}]
+        async with aiohttp.ClientSession() as s:
+            for _ in range(2):
+                async with s.post(client.base_url + "/chat/completions",
+                                  json={"model": "policy", "messages": messages, "max_tokens": 8}) as r:
+                    r.raise_for_status()
+                    messages += [(await r.json())["choices"][0]["message"], {"role": "user", "content": NUDGE}]
+        return 0.5
+
+    cfg = WorkflowConfig(kind="agent", agent="tests:http_agent", group_size=1, max_turns=2, agent_http=True,
+                         sampling=SamplingParams(max_new_tokens=8, temperature=1.0))
+    wf = AgentWorkflow(cfg, h.tok, None, agent=http_agent)
+
+    async def run():
+        try:
+            return await wf.arun_episode(eng, {"id": "http", "question": "2+2?"})
+        finally:
+            await wf.aclose()
+
+    (t,) = h.run(run())
+    (s1, r1), (s2, r2) = eng.calls
+    assert t.input_ids == s2 + r2.output_ids and s2[: len(s1) + len(r1.output_ids)] == s1 + r1.output_ids
+    assert spans(t.loss_mask) == [0, 1, 0, 1] and t.reward == 0.5
+    v = h.pool.get_version()
+    assert [t.versions[i] for i, m in enumerate(t.loss_mask) if m] == [v] * (len(r1.output_ids) + len(r2.output_ids))
 
 
 def grpo_step(h, trajs):
