@@ -15,7 +15,9 @@ two calls -- trajectory ids = ids sent + ids generated, masks, per-token version
 call boundary, log-probs equal HF's old model before it and the new model after it (and not the
 old model's: the negative control); the example calculator agent scored by the real judge and one
 GRPO loss/step on its trajectories; a judge-rewarded single-turn GRPO step through the rollout
-controller; multi_turn and tool workflows with the BPE tokenizer.
+controller; multi_turn and tool workflows with the BPE tokenizer and a weight update right after
+their first call; an agent over the local HTTP endpoint. Runtime: ~4 min with the machine at load
+~30 (server starts 175-197 s of it); expect ~1.5-2 min idle.
 
 The learner side is HF transformers on CPU in this process (log-probs, PPO loss, one SGD step);
 the megatron learner's own losses are checked in test_rl_algorithms.py / test_engine.py.
@@ -78,6 +80,22 @@ class Recording(InferenceEngine):
     def set_version(self, v): self.pool.set_version(v)
 
 
+class SwitchAfterFirstCall(Recording):
+    """Recording, and once the first call has returned: the weights switch (a -> b or b -> a,
+    version + 1) before anything else is sent -- a weight update between turns, which may also
+    interrupt another sample's call in flight."""
+
+    def __init__(self, pool, h):
+        super().__init__(pool)
+        self.h = h
+
+    async def agenerate(self, req):
+        res = await super().agenerate(req)
+        if len(self.calls) == 1:
+            await self.h.switch_to("a" if self.h.current == "b" else "b")
+        return res
+
+
 class Harness:
     def __init__(self, work):
         from transformers import AutoTokenizer
@@ -88,6 +106,7 @@ class Harness:
         self.tok = AutoTokenizer.from_pretrained(str(self.dirs["a"]))
         self.loop = asyncio.new_event_loop()
         self.current = "a"
+        self.model_of_version = {0: "a"}  # which weights the servers held under each version
         self.models: dict = {}
         self.judge_cfg = from_dict(JudgeConfig, {
             "servers": "own", "inference": {"server": server_cfg(judge_dir, work / "judge-logs")},
@@ -128,9 +147,11 @@ class Harness:
     async def switch_to(self, name):
         """Pause, load the other weights under version v+1, continue (what a weight sync does)."""
         await self.pool.pause()
-        await self.pool.update_weights_from_disk(str(self.dirs[name]), version=self.pool.get_version() + 1)
+        version = self.pool.get_version() + 1
+        await self.pool.update_weights_from_disk(str(self.dirs[name]), version=version)
         await self.pool.resume()
         self.current = name
+        self.model_of_version[version] = name
 
     def close(self):
         try:
@@ -359,10 +380,12 @@ def test_judge_rewarded_grpo_step_through_the_controller(h):
 
 @pytest.mark.parametrize("kind", ["multi_turn", "tool"])
 def test_token_workflows_with_bpe_tokenizer(h, kind):
-    """The existing multi_turn and tool workflows on the real server with the BPE tokenizer: prompt
-    and feedback tokens masked, generated tokens carry the server's version and HF's log-probs.
-    (The random policy never writes <calc>: the tool episode is its no-call path; the call path is
-    covered with a scripted engine in test_workflow.py.)"""
+    """The existing multi_turn and tool workflows on the real server with the BPE tokenizer and a
+    weight update (other weights, version + 1) right after the first call returns: prompt and
+    feedback tokens masked; every generated token carries the version of the weights that sampled
+    it (non-decreasing along a trajectory) and that model's HF log-prob. (The random policy never
+    writes <calc>: the tool episode is its no-call path; the call path is covered with a scripted
+    engine in test_workflow.py and test_agent.py.)"""
 
     async def always_wrong(prompt, completion, data):
         return 0.0
@@ -371,15 +394,19 @@ def test_token_workflows_with_bpe_tokenizer(h, kind):
                          sampling=SamplingParams(max_new_tokens=8, temperature=1.0))
     prompt = h.tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
                                        add_generation_prompt=True)
-    eng = Recording(h.pool)
+    v0 = h.pool.get_version()
+    eng = SwitchAfterFirstCall(h.pool, h)
     trajs = h.run(build_workflow(cfg, h.tok, always_wrong).arun_episode(eng, {"id": kind, "prompt": prompt}))
+    assert h.pool.get_version() == v0 + 1
     p = h.tok.encode(prompt, add_special_tokens=False)
     fb = h.tok.encode(cfg.feedback, add_special_tokens=False)
-    v = h.pool.get_version()
+    seen_versions = set()
     for t in trajs:
         assert t.input_ids[: len(p)] == p and t.loss_mask[: len(p)] == [0] * len(p)
         gen = [i for i, m in enumerate(t.loss_mask) if m]
-        assert all(t.versions[i] == v for i in gen)
+        vers = [t.versions[i] for i in gen]
+        assert set(vers) <= {v0, v0 + 1} and vers == sorted(vers)
+        seen_versions |= set(vers)
         mine = calls_of(t, eng)
         assert [x for _, r in mine for x in r.output_ids] == [t.input_ids[i] for i in gen]
         if kind == "multi_turn":
@@ -387,5 +414,8 @@ def test_token_workflows_with_bpe_tokenizer(h, kind):
             assert t.input_ids == mine[0][0] + mine[0][1].output_ids + fb + mine[1][1].output_ids + fb + mine[2][1].output_ids
         else:
             assert spans(t.loss_mask) == [0, 1] and t.info["num_tool_calls"] == 0
-        ref = hf_token_logprobs(h.hf(h.current), t.input_ids)
-        assert max(abs(t.logprobs[i] - ref[i]) for i in gen) <= h.lp_tol()
+        ref = {v: hf_token_logprobs(h.hf(h.model_of_version[v]), t.input_ids) for v in set(vers)}
+        assert max(abs(t.logprobs[i] - ref[t.versions[i]][i]) for i in gen) <= h.lp_tol()
+    assert v0 in seen_versions  # the first call's tokens, sampled before the update
+    if kind == "multi_turn":
+        assert v0 + 1 in seen_versions  # later turns after it
