@@ -7,7 +7,8 @@ real SGLang CPU server, N concurrent requests at a time.
 Without --model-path it builds the tests' hand-wired tiny judge (tests/support/models.py
 ``save_verdict_judge``: Qwen2, 1 layer, hidden 128, BPE vocab 512; outputs "Score: N"). Prints
 one JSON line: requests/s over the timed batch (after one warm-up request), outcome counts by
-reason, the server start time. The server runs with OMP_NUM_THREADS=1 (one core).
+reason, the mean request latency (slot acquired -> verdict parsed; waiting for one of the
+``--max-concurrent`` slots not included), the server start time. The server runs with OMP_NUM_THREADS=1 (one core).
 """
 
 from __future__ import annotations

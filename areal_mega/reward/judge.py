@@ -284,9 +284,9 @@ class JudgeReward:
         ids = self.judge_prompt_ids(prompt, completion, data)
         engine = await self.engine()
         self.stats["requests"] += 1
-        t0 = time.monotonic()
         output = ""
         async with self._sem:
+            t0 = time.monotonic()  # the request's own time, not its wait for a slot
             try:
                 res = await asyncio.wait_for(engine.agenerate(GenerationRequest(ids, self.sampling)), self.cfg.timeout_s)
             except asyncio.TimeoutError:
@@ -296,7 +296,7 @@ class JudgeReward:
             else:
                 output = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
                 verdict = parse_verdict(output, self.cfg.verdict, self.cfg.score_min, self.cfg.score_max)
-        self.stats["latency_s"] += time.monotonic() - t0
+            self.stats["latency_s"] += time.monotonic() - t0
         self.stats[verdict.reason] += 1
         if self.keep_records:
             self.records.append({"prompt_ids": ids, "output": output, "verdict": verdict})
@@ -306,7 +306,8 @@ class JudgeReward:
         return (await self.judge(prompt, completion, data)).reward
 
     def metrics(self) -> dict[str, float]:
-        """``reward/judge_<outcome>`` counts since start and the mean request latency."""
+        """``reward/judge_<outcome>`` counts since start and the mean request latency (from a free
+        concurrency slot to the parsed verdict)."""
         out = {f"reward/judge_{k}": float(v) for k, v in self.stats.items() if k != "latency_s"}
         out["reward/judge_latency_s"] = self.stats["latency_s"] / max(self.stats["requests"], 1)
         return out
