@@ -12,17 +12,13 @@ timeout / crash protection as the math reward (its arguments must then be JSON-s
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
+from areal_mega.reward.base import COMPLETION_TOKENS, RewardFn, RewardResult, evaluate
 from areal_mega.reward.pool import RewardWorkerPool
 from areal_mega.reward.registry import load_callable
-
-
-class RewardFn(Protocol):
-    async def __call__(self, prompt: str, completion: str, data: dict[str, Any]) -> float: ...
-
-    def close(self) -> None: ...
+from areal_mega.sandbox import SandboxConfig
 
 
 @dataclass
@@ -38,8 +34,8 @@ class RewardConfig:
     """Worker processes for math / isolated user rewards."""
     timeout_s: float = 10.0
     """Per-call timeout; a call that times out, crashes or raises scores 0."""
-    code_memory_mb: int = 512
-    """kind "code": address-space limit of the sandboxed process."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """kind "code": the sandbox the code runs in (its own worker pool, limits, mode)."""
 
     def validate(self) -> None:
         if self.kind == "function" and ":" not in self.function:
@@ -85,11 +81,12 @@ def build_reward(cfg: RewardConfig) -> RewardFn:
     if cfg.kind == "code":
         from areal_mega.reward.code import CodeReward
 
-        return CodeReward(cfg.timeout_s, cfg.code_memory_mb, cfg.num_workers)
+        return CodeReward(cfg.sandbox)
     if cfg.kind == "function":
         load_callable(cfg.function)  # fail at build time, naming the path, not in a worker
         return _PooledFunction(cfg.function, cfg.num_workers, cfg.timeout_s) if cfg.isolate else _InProcessFunction(cfg.function)
     raise ValueError(f"kind: unknown reward kind {cfg.kind!r}")
 
 
-__all__ = ["RewardConfig", "RewardFn", "RewardWorkerPool", "build_reward", "load_callable"]
+__all__ = ["COMPLETION_TOKENS", "RewardConfig", "RewardFn", "RewardResult", "RewardWorkerPool", "build_reward",
+           "evaluate", "load_callable"]
