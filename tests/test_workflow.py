@@ -9,6 +9,7 @@ import torch
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationResult, SamplingParams
 from areal_mega.reward.math import extract_answer
+from areal_mega.reward.shaping import CompositeReward, FormatReward, OverlongPenalty
 from areal_mega.algo.advantages import compute_advantages
 from areal_mega.rollout.batch import trajectories_to_batch
 from areal_mega.algo.config import AlgorithmConfig
@@ -73,6 +74,32 @@ def test_single_turn_group():
     assert t.loss_mask == [0] * p + [1] * (len("The answer is 7.") + 1)
     assert t.input_ids[-1] == EOS and t.logprobs[p] == -0.01 and t.versions[:p] == [-1] * p
     assert eng.requests[0][1].stop_token_ids == [EOS]  # EOS added to the stop ids
+
+
+def test_single_turn_shaping_sees_token_counts_and_reasons_reach_the_stats():
+    """The workflow passes the generated-token count (reply + EOS) to the reward; a composite
+    of format + DAPO overlong (L_max 8, L_cache 4) then scores by hand: "ab"+EOS = 3 tokens ->
+    0 + 0 (no digit); "12345"+EOS = 6 -> 1 + (4 - 6) / 4 = 0.5; "1234567"+EOS = 8 -> 1 - 1 = 0.
+    The failure reasons are counted in the controller's batch stats."""
+    replies = ["ab", "12345", "1234567"]
+    eng = ScriptedEngine(lambda text, n: replies[n % 3])
+    fn = CompositeReward([(1.0, "format", FormatReward(r"\d")), (1.0, "overlong", OverlongPenalty(8, 4))])
+    wf = build_workflow(WorkflowConfig(group_size=3, sampling=SamplingParams(max_new_tokens=32)), CharTok(), fn)
+    trajs = asyncio.run(wf.arun_episode(eng, SAMPLE))
+    assert [t.reward for t in trajs] == [0.0, 0.5, 0.0]
+    assert [t.info["reward_info"]["overlong"]["num_tokens"] for t in trajs] == [3, 6, 8]
+
+    async def run():
+        ctrl = RolloutController(ScriptedEngine(lambda text, n: replies[n % 3]), wf, [SAMPLE],
+                                 RolloutConfig(batch_size=1, max_staleness=0, show_progress=False))
+        await ctrl.astart()
+        try:
+            return await ctrl.aget_batch()
+        finally:
+            await ctrl.aclose()
+
+    stats = asyncio.run(run()).stats
+    assert stats["reward/reason/format"] == 1.0 and stats["reward/reason/overlong"] == 2.0
 
 
 def test_multi_turn_feedback_masked_and_discounted():
