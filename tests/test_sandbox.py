@@ -270,3 +270,56 @@ def test_unsafe_mode_runs_with_rlimits_only():
         mem = sb.run_sync("x = bytearray(4 << 30)")
     assert (ok.reason, ok.stdout) == ("ok", "cba\n")
     assert loop.reason == "timeout" and mem.reason == "memory"
+
+
+def test_python_and_user_tools_from_config(tmp_path, monkeypatch):
+    """The registry built from config: python runs in the sandbox (its own pool), a user tool by
+    import path; the tool workflow dispatches a <python> call and sees its output."""
+    (tmp_path / "tools_t.py").write_text("def shout(text: str, times: int = 1) -> str:\n"
+                                         "    '''Upper-case a text.'''\n    return text.upper() * times\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from areal_mega.api.engine import InferenceEngine
+    from areal_mega.api.io import GenerationResult
+    from areal_mega.tools import ToolConfig, build_tools
+    from areal_mega.workflows import WorkflowConfig, build_workflow
+
+    reg = build_tools([ToolConfig(kind="python", sandbox=SandboxConfig(num_workers=1, timeout_s=2.0)),
+                       ToolConfig(kind="function", function="tools_t:shout")])
+    try:
+        assert reg.names() == ["python", "shout"]
+        assert reg.schemas()[1]["function"]["description"] == "Upper-case a text."
+        assert asyncio.run(reg.call("shout", {"text": "ab", "times": 2})) == "ABAB"
+        assert asyncio.run(reg.call("python", {"code": "print(sum(range(10)))"})) == "45\n"
+        escaped = asyncio.run(reg.call("python", {"code": "import socket; socket.create_connection(('127.0.0.1', 1))"}))
+        assert escaped.startswith("error (runtime_error):") and "Network is unreachable" in escaped
+        assert asyncio.run(reg.call("python", {"code": "while True: pass"})).startswith("error (timeout)")
+
+        class Tok:
+            eos_token_id = 3
+
+            def encode(self, text, add_special_tokens=False):
+                return [ord(c) + 10 for c in text]
+
+            def decode(self, ids, skip_special_tokens=True):
+                return "".join(chr(i - 10) for i in ids if i >= 10)
+
+        class Engine(InferenceEngine):
+            async def agenerate(self, req):
+                text = Tok().decode(req.input_ids)
+                out = "<python>print(6 * 7)</python>" if "<result>" not in text else "so 42"
+                ids = Tok().encode(out) + [3]
+                return GenerationResult(list(req.input_ids), ids, [-0.1] * len(ids), [0] * len(ids), "stop")
+
+            async def pause(self): ...
+            async def resume(self): ...
+            def get_version(self): return 0
+            def set_version(self, v): ...
+
+        async def reward(prompt, completion, data):
+            return float(completion.endswith("so 42"))
+
+        wf = build_workflow(WorkflowConfig(kind="tool", group_size=1), Tok(), reward, reg)
+        (t,) = asyncio.run(wf.arun_episode(Engine(), {"id": "q", "prompt": "Q:"}))
+        assert t.info["completion"] == "<python>print(6 * 7)</python><result>42\n</result>so 42" and t.reward == 1.0
+    finally:
+        reg.close()

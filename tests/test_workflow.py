@@ -17,6 +17,8 @@ from areal_mega.rollout.config import RolloutConfig
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.algo.losses import PPOActorLoss, global_counts
 from areal_mega.workflows import WorkflowConfig, build_workflow, calculator
+from areal_mega.reward import COMPLETION_TOKENS
+from areal_mega.tools import FunctionTool, ToolRegistry, calculator_tool, schema_of
 from areal_mega.workflows.tool import cut_after_tool_call
 
 EOS = 3
@@ -136,6 +138,41 @@ def test_tool_call_cut_and_result_masked():
     assert t.logprobs[p : p + len(call)] == [-(j + 1) / 100 for j in range(len(call))]
     assert t.reward == 1.0 and t.info["num_tool_calls"] == 1
     assert cut_after_tool_call(tok, tok.encode("no call here")) is None
+
+
+def test_tool_workflow_dispatches_by_name_from_the_registry():
+    """Two tools, JSON and plain-text arguments, an unknown tool name (not a call: only registered
+    names are tags), a tool error shown to the model, the token count passed to the reward."""
+
+    async def lookup(key: str, upper: bool = False) -> str:
+        """Look a key up."""
+        value = {"x": "forty"}.get(key, "missing")
+        return value.upper() if upper else value
+
+    reg = ToolRegistry([calculator_tool("calc"), FunctionTool("lookup", "Look a key up.", schema_of(lookup), lookup)])
+    replies = iter(['<nope>1</nope> <lookup>{"key": "x", "upper": true}</lookup> tail', "<calc>40 + 2</calc>",
+                    "<calc>1/0</calc>", "<lookup>{\"bad\": 1}</lookup>", "done 42"])
+    eng = ScriptedEngine(lambda text, n: next(replies))
+    seen = {}
+
+    async def reward(prompt, completion, data):
+        seen.update(data)
+        return float("42" in completion)
+
+    cfg = WorkflowConfig(kind="tool", group_size=1, max_turns=5)  # its tools: the registry passed
+    wf = build_workflow(cfg, CharTok(), reward, reg)
+    (t,) = asyncio.run(wf.arun_episode(eng, SAMPLE))
+    tok = CharTok()
+    expected = ('<nope>1</nope> <lookup>{"key": "x", "upper": true}</lookup><result>FORTY</result>'
+                "<calc>40 + 2</calc><result>42</result><calc>1/0</calc><result>error: division by zero</result>"
+                '<lookup>{"bad": 1}</lookup><result>error: lookup takes [\'key\', \'upper\'], got [\'bad\']</result>done 42')
+    assert tok.decode(t.input_ids) == SAMPLE["prompt"] + expected
+    assert t.info["tool_calls"] == ["lookup", "calc", "calc", "lookup"] and t.reward == 1.0
+    assert seen[COMPLETION_TOKENS] == sum(t.loss_mask)
+    assert reg.schemas()[1] == {"type": "function", "function": {"name": "lookup", "description": "Look a key up.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}, "upper": {"type": "boolean"}},
+                       "required": ["key"]}}}
+    assert asyncio.run(reg.call("nope", {})).startswith("error: unknown tool 'nope'")
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from areal_mega.errors import UserError
-from areal_mega.reward.pool import RewardWorkerPool
 
 REASONS = ("ok", "timeout", "memory", "output_limit", "file_size", "killed", "syntax_error",
            "runtime_error", "sandbox_error")
@@ -157,6 +156,8 @@ class Sandbox:
             "limits": {"cpu_s": cfg.cpu_s, "memory_bytes": cfg.memory_mb << 20, "file_bytes": cfg.file_size_mb << 20,
                        "open_files": cfg.max_open_files, "processes": cfg.max_processes},
         }
+        from areal_mega.reward.pool import RewardWorkerPool  # here: areal_mega.reward imports this module
+
         # The worker's own deadline is a backstop: the runner kills the execution at timeout_s.
         self.pool = RewardWorkerPool(cfg.num_workers, cfg.timeout_s + 30.0, preload=["areal_mega.sandbox.runner"])
 
