@@ -75,8 +75,8 @@ class SandboxConfig:
     """namespaces: the code runs as uid = gid = uid_base + the worker's pid (unique among live
     workers; needs no passwd entry and owns no file)."""
     python: str = ""
-    """The interpreter that runs the code; "" = this Python's base interpreter (stdlib only, no
-    virtualenv packages)."""
+    """The interpreter that runs the code, as ``python -I -S`` (isolated, no site-packages: the
+    standard library only); "" = this Python's base interpreter."""
 
     def validate(self) -> None:
         for key in ("num_workers", "cpu_s", "memory_mb", "file_size_mb", "tmpfs_mb", "max_open_files",

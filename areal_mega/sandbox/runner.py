@@ -28,7 +28,6 @@ import resource
 import select
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import json
@@ -134,7 +133,7 @@ def execute(spec: dict[str, Any]) -> dict[str, Any]:
         init_spec.update(uid=uid, gid=uid)
         rfd, wfd = os.pipe()
         cmd = ["unshare", "--net", "--pid", "--fork", "--mount", "--mount-proc", "--kill-child",
-               sys.executable, "-I", "-S", INIT, str(rfd)]
+               spec["python"], "-I", "-S", INIT, str(rfd)]
         proc = procs.spawn(cmd, wrap=False, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, pass_fds=(rfd,), env=_SCRUBBED_ENV,
                            preexec_fn=_pdeathsig)
@@ -148,7 +147,7 @@ def execute(spec: dict[str, Any]) -> dict[str, Any]:
         tmp = tempfile.TemporaryDirectory(prefix="sandbox-unsafe-")
         Path(tmp.name, "main.py").write_text(spec["code"])
         env = {**_SCRUBBED_ENV, "HOME": tmp.name, "TMPDIR": tmp.name, "OMP_NUM_THREADS": "1"}
-        proc = procs.spawn([spec["python"], "-I", "main.py"], wrap=False, cwd=tmp.name, env=env,
+        proc = procs.spawn([spec["python"], "-I", "-S", "main.py"], wrap=False, cwd=tmp.name, env=env,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            preexec_fn=lambda: (_rlimits(lim), _pdeathsig()))
     timeout_s = float(spec["timeout_s"])
