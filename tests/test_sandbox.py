@@ -14,6 +14,7 @@ One sandbox (2 workers) serves the whole module; the attacks run concurrently (~
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import secrets
 import socket
@@ -61,6 +62,9 @@ def env():
     os.environ["AREAL_TEST_SECRET"] = SECRET  # inherited by the sandbox workers too
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
+    libc = ctypes.CDLL(None, use_errno=True)
+    shm = libc.shmget(0, 4096, 0o1000 | 0o600)  # IPC_PRIVATE, IPC_CREAT: a host IPC object to find
+    assert shm >= 0 and Path("/proc/sysvipc/shm").read_text().count("\n") > 1
     outside = Path(__file__).resolve().parent / f".sandbox_target_{os.getpid()}"
     outside.mkdir(mode=0o777)
     outside.chmod(0o777)  # world-writable: only the read-only view can stop the write
@@ -75,6 +79,7 @@ def env():
             f.unlink()
         outside.rmdir()
         del os.environ["AREAL_TEST_SECRET"]
+        libc.shmctl(shm, 0, None)  # IPC_RMID
 
 
 def attacks(port: int, tmp: Path, outside: Path) -> dict[str, str]:
@@ -125,6 +130,7 @@ def attacks(port: int, tmp: Path, outside: Path) -> dict[str, str]:
         "kill_trainer": f"import os\nos.kill({me}, 9)\nprint('pwned')",
         "kill_everything": "import os\nos.kill(-1, 9)\nprint('pwned')",  # ESRCH: it may signal nothing else
         "setuid_root": "import os\nos.setuid(0)\nprint('pwned')",
+        "host_ipc": "print('pwned' if open('/proc/sysvipc/shm').read().count(chr(10)) > 1 else 'no shm')",
         "fill_disk_one_file": """
             with open("big", "wb") as f:
                 while True:
@@ -186,7 +192,7 @@ def test_attack_suite(env, tmp_path):
                 "fork_bomb": "timeout", "network_connect": "runtime_error", "flood_stdout": "output_limit",
                 "fill_disk_one_file": "file_size", "fill_disk_many_files": "runtime_error",
                 "kill_parent": "runtime_error", "setuid_root": "runtime_error", "kill_everything": "runtime_error",
-                "daemon_then_hang": "timeout", "daemon_then_exit": "wrong_answer"}
+                "daemon_then_hang": "timeout", "daemon_then_exit": "wrong_answer", "host_ipc": "wrong_answer"}
     assert {k: table[k][1] for k in expected} == expected
     # The pool survived: the same workers (no attack reached them), and they still work.
     assert {w.proc.pid for w in reward.sandbox.pool._all} == workers_before or not workers_before

@@ -8,7 +8,7 @@
 Dataflow::
 
     trainer (rank 0) --pipe--> sandbox worker (own process, RewardWorkerPool)
-                                  --> unshare --net --pid --fork --mount --mount-proc --kill-child
+                                  --> unshare --net --pid --fork --mount --mount-proc --ipc --uts --kill-child
                                         --> init.py (PID 1, root, builds the mount view)
                                               --> python -I main.py (sandbox uid, rlimits)
 
@@ -124,7 +124,7 @@ def namespaces_unavailable() -> str | None:
     if shutil.which("unshare") is None:
         return "no unshare executable (util-linux)"
     try:
-        p = subprocess.run(["unshare", "--net", "--pid", "--fork", "--mount", "--mount-proc", "true"],
+        p = subprocess.run(["unshare", "--net", "--pid", "--fork", "--mount", "--mount-proc", "--ipc", "--uts", "true"],
                            capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"unshare probe failed: {e}"

@@ -1,5 +1,5 @@
 """PID 1 of one sandboxed execution (stdlib only; run as ``python -I -S init.py FD`` by
-``unshare --net --pid --fork --mount --mount-proc --kill-child``, as root, in the fresh
+``unshare --net --pid --fork --mount --mount-proc --ipc --uts --kill-child``, as root, in the fresh
 namespaces). Not imported by the package: it runs in the sandbox, the runner starts it by path.
 
 It reads its spec (JSON) from the pipe whose fd is its argument, then:

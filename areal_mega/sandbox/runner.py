@@ -4,7 +4,7 @@
 process beside the reward workers, never the trainer) and returns the result as a JSON-able dict
 (``ExecResult`` fields). Modes:
 
-* ``namespaces``: ``unshare --net --pid --fork --mount --mount-proc --kill-child`` starts
+* ``namespaces``: ``unshare --net --pid --fork --mount --mount-proc --ipc --uts --kill-child`` starts
   ``init.py`` as PID 1 of fresh namespaces (see its docstring for the mount view, the uid switch
   and the rlimits). The uid is ``uid_base + this worker's pid``: unique among live workers, so
   RLIMIT_NPROC counts only this execution's processes. The runner itself enforces the
@@ -132,7 +132,7 @@ def execute(spec: dict[str, Any]) -> dict[str, Any]:
         init_spec = {k: spec[k] for k in ("code", "limits", "tmpfs_mb", "hide", "python", "python_prefix")}
         init_spec.update(uid=uid, gid=uid)
         rfd, wfd = os.pipe()
-        cmd = ["unshare", "--net", "--pid", "--fork", "--mount", "--mount-proc", "--kill-child",
+        cmd = ["unshare", "--net", "--pid", "--fork", "--mount", "--mount-proc", "--ipc", "--uts", "--kill-child",
                spec["python"], "-I", "-S", INIT, str(rfd)]
         proc = procs.spawn(cmd, wrap=False, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, pass_fds=(rfd,), env=_SCRUBBED_ENV,
