@@ -155,6 +155,10 @@ class ToolConfig:
     sandbox: SandboxConfig = field(default_factory=lambda: SandboxConfig(num_workers=1, timeout_s=5.0))
     """kind "python": the sandbox the code runs in."""
 
+    def tool_name(self) -> str:
+        """The name the tool will have (before importing a user tool object, which may name itself)."""
+        return self.name or (self.function.partition(":")[2] if self.kind == "function" else self.kind)
+
     def validate(self) -> None:
         if self.kind == "function" and ":" not in self.function:
             raise ValueError(f"function: kind 'function' needs 'module:function', got {self.function!r}")
@@ -162,6 +166,10 @@ class ToolConfig:
             raise ValueError(f"function: only kind 'function' takes a function (kind is {self.kind!r})")
         if self.name and not self.name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"name: letters, digits, '_' and '-' only (it is a tag and a function name), got {self.name!r}")
+        try:
+            self.sandbox.validate()
+        except ValueError as e:
+            raise ValueError(f"sandbox.{e}") from None
 
 
 class ToolRegistry:

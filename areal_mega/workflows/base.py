@@ -57,7 +57,7 @@ class WorkflowConfig:
             raise ValueError(f"turn_discount: must be in (0, 1], got {self.turn_discount}")
         if self.kind == "tool" and not self.tools:
             raise ValueError("tools: kind 'tool' needs at least one tool")
-        names = [t.name or t.kind for t in self.tools]
+        names = [t.tool_name() for t in self.tools]
         if len(set(names)) != len(names):
             raise ValueError(f"tools: tool names must be unique, got {names}")
         for i, t in enumerate(self.tools):
