@@ -40,9 +40,10 @@ class RewardConfig:
     isolate: bool = True
     """kind "function": run it in worker processes (timeout, crash isolation)."""
     num_workers: int = 2
-    """Worker processes for math / isolated user rewards."""
+    """Worker processes for math / isolated user rewards (kind "code": ``sandbox.num_workers``)."""
     timeout_s: float = 10.0
-    """Per-call timeout; a call that times out, crashes or raises scores 0."""
+    """Per-call timeout; a call that times out, crashes or raises scores 0 (kind "code":
+    ``sandbox.timeout_s`` per test execution)."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """kind "code": the sandbox the code runs in (its own worker pool, limits, mode)."""
     format_regex: str = r"\\boxed\{.+?\}"
