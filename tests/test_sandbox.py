@@ -200,22 +200,25 @@ def test_attack_suite(env, tmp_path):
     assert ok.score == 1.0
 
 
+COUNT_FORKS = textwrap.dedent("""
+    import os, time
+    n = 0
+    try:
+        for _ in range(40):
+            if os.fork() == 0:
+                time.sleep(1)
+                os._exit(0)
+            n += 1
+    except OSError:
+        pass
+    print(n)
+""")
+
+
 def test_fork_bomb_is_bounded(env):
-    """The process limit binds (it would not for root): the code counts its own forks."""
-    code = """
-        import os, time
-        n = 0
-        try:
-            for _ in range(1000):
-                if os.fork() == 0:
-                    time.sleep(2)
-                    os._exit(0)
-                n += 1
-        except OSError:
-            pass
-        print(n)
-    """
-    res = asyncio.run(env["reward"].sandbox.run(textwrap.dedent(code)))
+    """The process limit binds (it would not for root: see the unsafe-mode test): the code
+    counts its own forks."""
+    res = asyncio.run(env["reward"].sandbox.run(COUNT_FORKS))
     assert res.ok, res
     print(f"\nfork bomb: {res.stdout.strip()} forks succeeded under max_processes=16")
     assert 0 < int(res.stdout) < 16  # max_processes=16 counts the main process too
@@ -254,6 +257,8 @@ def test_controls_escape_without_sandbox(tmp_path):
         conn.close()
     finally:
         listener.close()
+    out = procs.run([sys.executable, "-c", f"import os; os.kill({os.getpid()}, 0); print('pwned')"], timeout=30)
+    assert "pwned" in out.stdout  # the trainer is visible and signalable (signal 0: no harm done)
     out = procs.run([sys.executable, "-c", code["write_outside_tmp"]], timeout=30)
     assert (tmp_path / "escaped.txt").exists()
     out = procs.run([sys.executable, "-c", textwrap.dedent(code["read_trainer_env"])], timeout=30, env=env)
@@ -271,12 +276,15 @@ def test_controls_escape_without_sandbox(tmp_path):
 
 
 def test_unsafe_mode_runs_with_rlimits_only():
-    with Sandbox(SandboxConfig(mode="rlimits_only_unsafe", num_workers=1, timeout_s=1.0)) as sb:
+    with Sandbox(SandboxConfig(mode="rlimits_only_unsafe", num_workers=1, timeout_s=3.0, max_processes=16)) as sb:
         ok = sb.run_sync("print(input()[::-1])", "abc\n")
         loop = sb.run_sync("while True: pass")
         mem = sb.run_sync("x = bytearray(4 << 30)")
+        forks = sb.run_sync(COUNT_FORKS)
     assert (ok.reason, ok.stdout) == ("ok", "cba\n")
     assert loop.reason == "timeout" and mem.reason == "memory"
+    if os.geteuid() == 0:  # the control for the uid switch: RLIMIT_NPROC does not bind root
+        assert forks.ok and int(forks.stdout) == 40, forks
 
 
 def test_python_and_user_tools_from_config(tmp_path, monkeypatch):
