@@ -70,6 +70,11 @@ def env():
     outside.chmod(0o777)  # world-writable: only the read-only view can stop the write
     reward = CodeReward(SandboxConfig(num_workers=2, timeout_s=TIMEOUT_S, cpu_s=3, memory_mb=256,
                                       file_size_mb=4, tmpfs_mb=16, max_processes=16, max_output_bytes=1 << 16))
+
+    async def warm():  # both workers started, so that the suite can check they survive
+        return await asyncio.gather(*[reward.sandbox.run("import time; time.sleep(0.5)") for _ in range(2)])
+
+    assert all(r.ok for r in asyncio.run(warm()))
     try:
         yield {"reward": reward, "listener": listener, "outside": outside}
     finally:
@@ -154,6 +159,7 @@ def test_attack_suite(env, tmp_path):
     port = listener.getsockname()[1]
     kinds = attacks(port, tmp_path, outside)
     workers_before = {w.proc.pid for w in reward.sandbox.pool._all}
+    assert len(workers_before) == 2
 
     async def run_all():
         return await asyncio.gather(*[reward.evaluate("", block(code), {"tests": [{"input": "", "output": "pwned"}]})
@@ -195,7 +201,8 @@ def test_attack_suite(env, tmp_path):
                 "daemon_then_hang": "timeout", "daemon_then_exit": "wrong_answer", "host_ipc": "wrong_answer"}
     assert {k: table[k][1] for k in expected} == expected
     # The pool survived: the same workers (no attack reached them), and they still work.
-    assert {w.proc.pid for w in reward.sandbox.pool._all} == workers_before or not workers_before
+    assert {w.proc.pid for w in reward.sandbox.pool._all} == workers_before
+    assert procs.alive(workers_before) == workers_before
     ok = asyncio.run(reward.evaluate("", block("print(input())"), {"tests": [{"input": "alive\n", "output": "alive"}]}))
     assert ok.score == 1.0
 
