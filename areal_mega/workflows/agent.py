@@ -53,7 +53,7 @@ from typing import Any, Awaitable, Callable
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest, GenerationResult, SamplingParams
 from areal_mega.api.workflow import Trajectory
-from areal_mega.reward import RewardFn
+from areal_mega.reward import COMPLETION_TOKENS, RewardFn, evaluate
 from areal_mega.reward.registry import load_callable
 from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, WorkflowConfig, new_group_id
 
@@ -366,12 +366,17 @@ class AgentWorkflow(TokenWorkflow):
                 last = client.records[-1].completion.choices[0].message if client.records else None
                 result = (last.content or "") if last else ""
             answer = str(result)
-            reward = float(await self.reward_fn(prompt, answer, data))
+            # As the other workflows score: the detailed result (reasons for the metrics) and the
+            # model's generated-token count of the episode (length shaping).
+            generated = sum(len(r.result.output_ids) for r in client.records)
+            scored = await evaluate(self.reward_fn, prompt, answer, {**data, COMPLETION_TOKENS: generated})
+            reward, reward_info = scored.score, scored.info
         else:
-            answer, reward = None, float(result)
+            answer, reward, reward_info = None, float(result), {}
         return client.trajectories(reward, gid, concat=self.cfg.agent_trajectories == "concat",
                                    turn_discount=self.cfg.agent_turn_discount,
-                                   info={"answer": answer, "status": status, "episode_reward": reward})
+                                   info={"answer": answer, "status": status, "episode_reward": reward,
+                                         "reward_info": reward_info})
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> list[Trajectory]:
         gid = new_group_id(data)

@@ -9,6 +9,7 @@ from typing import Any, Literal, Protocol
 from areal_mega.api.io import GenerationResult, SamplingParams
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
 from areal_mega.reward import RewardFn
+from areal_mega.tools import ToolConfig
 
 
 class Tokenizer(Protocol):
@@ -55,6 +56,13 @@ class WorkflowConfig:
     agent_turn_discount: float = 1.0
     """agent: a trajectory's reward is the episode's times this ** (calls made after its last
     call); 1.0 = no discount."""
+    tools: list[ToolConfig] = field(default_factory=lambda: [ToolConfig(kind="calculator", name="calc")])
+    """tool: the tools the model may call, by name (``areal_mega.tools``: calculator, python in
+    the sandbox, user tools by "module:function")."""
+    tool_timeout_s: float = 30.0
+    """tool: a tool call that takes longer returns "error: ... timed out" to the model."""
+    tool_max_output_chars: int = 4000
+    """tool: longer tool outputs are cut (the model sees "...(truncated)")."""
 
     def validate(self) -> None:
         if self.group_size < 1:
@@ -69,6 +77,19 @@ class WorkflowConfig:
             raise ValueError(f"agent: kind 'agent' needs 'module:function', got {self.agent!r}")
         if self.agent_trajectories not in ("concat", "per_call"):
             raise ValueError(f"agent_trajectories: must be 'concat' or 'per_call', got {self.agent_trajectories!r}")
+        if self.kind == "tool" and not self.tools:
+            raise ValueError("tools: kind 'tool' needs at least one tool")
+        names = [t.tool_name() for t in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: tool names must be unique, got {names}")
+        for i, t in enumerate(self.tools):
+            try:
+                t.validate()
+            except ValueError as e:
+                raise ValueError(f"tools[{i}].{e}") from None
+        if self.tool_timeout_s <= 0 or self.tool_max_output_chars < 1:
+            raise ValueError(f"tool_timeout_s / tool_max_output_chars: must be > 0, got {self.tool_timeout_s}, "
+                             f"{self.tool_max_output_chars}")
         self.sampling.validate()
 
 
