@@ -1,4 +1,4 @@
-"""PYTHONPATH=. $L/bin/python tools/bench_rewards.py --workers 2
+"""PYTHONPATH=. $L/bin/python tools/bench_rewards.py --workers 2 [--sglang-python $S/bin/python]
 
 Reward throughput with N worker processes. Prints ONE JSON line:
 
@@ -9,8 +9,9 @@ Reward throughput with N worker processes. Prints ONE JSON line:
                               namespaces, a mount view, the uid switch and a Python start per
                               execution) per second, over --num-code tiny programs
     code_rewards_per_s        code-reward samples (4 tests each: 4 executions) per second
-    judge_requests_per_s      null here: the LLM-judge benchmark fills it (it needs a judge
-                              server; see docs/rewards.md)
+    judge_requests_per_s      LLM-judge verdicts per second against a real SGLang CPU server
+                              (tools/bench_judge.py's measurement, its fields under "judge");
+                              null without --sglang-python
     workers, sandbox_mode, num_math, num_code, wall_s
 
 Worker start-up (imports of math-verify, ~2-5 s) is excluded: each pool is warmed by one
@@ -59,6 +60,7 @@ def main() -> None:
     ap.add_argument("--num-math", type=int, default=400)
     ap.add_argument("--num-code", type=int, default=100, help="sandboxed executions (code samples x 4 tests / 4)")
     ap.add_argument("--sandbox-mode", default="namespaces", choices=["namespaces", "rlimits_only_unsafe"])
+    ap.add_argument("--sglang-python", help="also measure judge requests/s on a real SGLang CPU server")
     args = ap.parse_args()
     t_start = time.perf_counter()
 
@@ -83,11 +85,17 @@ def main() -> None:
     finally:
         code.close()
 
+    judge = None
+    if args.sglang_python:
+        from tools.bench_judge import measure_judge
+
+        judge = measure_judge(args.sglang_python)
     print(json.dumps({
         "math_rewards_per_s": round(args.num_math / math_s, 1),
         "sandbox_executions_per_s": round(args.num_code / exec_s, 2),
         "code_rewards_per_s": round(n_samples / code_s, 2),
-        "judge_requests_per_s": None,
+        "judge_requests_per_s": judge["judge_requests_per_s"] if judge else None,
+        "judge": judge,
         "workers": args.workers,
         "sandbox_mode": args.sandbox_mode,
         "num_math": args.num_math,
