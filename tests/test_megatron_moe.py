@@ -8,7 +8,9 @@ vs HF transformers on CPU (gloo). One 4-rank torchrun launch (tests/dist/moe_lay
 * negative controls: q/k norms swapped, experts rotated by one -- both far outside tolerance;
 * one Adam step through megatron's DDP + optimizer: same loss before and after at every MoE
   layout;
-* tools: HF -> megatron (EP2 x PP2) -> HF (EP2 x TP2) bit-exact.
+* tools: HF -> megatron (EP2 x PP2) -> HF (EP2 x TP2) bit-exact;
+* routing replay (learner side) at EP2: replaying recorded routes is exact; forcing another
+  model's routes changes the computation.
 
 Upstream behaviour pinned: transformers 5.19's Qwen3ForCausalLM / Qwen3MoeForCausalLM (eager,
 fp32): Qwen3MoeTopKRouter = softmax over all experts, top-k, renormalised when norm_topk_prob;
@@ -177,3 +179,18 @@ def test_conversion_tools_roundtrip_bit_exact(moe):
     assert not bad, f"not bit-exact: {bad[:5]}"
     cfg = json.loads((work / "tool_hf" / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["norm_topk_prob"] is True
+
+
+def test_routing_replay_learner_side(moe):
+    """megatron's RouterReplay through areal_mega/megatron/routing.py at EP2: a model replaying
+    its own recorded routes reproduces its logits bit for bit; a model whose routers were
+    perturbed routes some tokens elsewhere, and replaying the original routes in it changes its
+    logits (the forced experts are used)."""
+    _, ref, res = moe
+    r = res["replay"]
+    assert r["layers"] == 2 and r["tokens"] == [sum(LENS)] * 2  # TP1: the whole packed row per layer
+    assert r["a_replay_equal"] is True
+    assert r["disagree_b_vs_a"] > 0.05, r  # the perturbation moved routes (else the test is void)
+    tol = logits_tol(ref["qwen3_moe"]["logits"])
+    assert r["b_replay_vs_plain"] > 100 * tol, r  # replay changed the experts B used
+    print("routing replay:", json.dumps(r))

@@ -51,6 +51,10 @@ class MegatronModelConfig:
     0 = off (RL fine-tuning usually keeps the pretrained router as is); HF's router_aux_loss_coef
     in the config is NOT applied implicitly. Tokens are never dropped (no expert capacity), so
     every layout computes the same function."""
+    moe_routing_replay: bool = False
+    """MoE: give every router megatron's RouterReplay so that the experts chosen can be recorded
+    or forced (areal_mega/megatron/routing.py: record_routes / replay_routes). Off = megatron's
+    plain top-k. Only the learner side exists: the trainer does not yet feed servers' routes."""
     sequence_parallel: bool | Literal["auto"] = "auto"
     """Megatron sequence parallelism: the activations outside attention/MLP (norms, residuals,
     dropout) are split over the TP ranks along the sequence (all-gather before the column-parallel
@@ -209,6 +213,7 @@ def moe_kwargs(arch: ModelArch, lay, cfg: MegatronModelConfig, grouped: bool = F
         "moe_expert_capacity_factor": None,
         "moe_grouped_gemm": grouped,  # TEGroupedMLP (TE spec, GPU); SequentialMLP otherwise
         "moe_permute_fusion": False,
+        "moe_enable_routing_replay": cfg.moe_routing_replay,
         "expert_model_parallel_size": lay.ep,
         "expert_tensor_parallel_size": lay.etp,
     }

@@ -14,7 +14,8 @@ the rest), re-initialising megatron's parallel state each time, records on rank 
 * W/tool_ckpt, W/tool_hf: qwen3_moe converted HF -> megatron (EP2 x PP2) -> HF (EP2 x TP2) by
   the conversion tools' main() functions, run inside this world;
 * step[layout]: (loss, grad norm, loss after one Adam step) of the MoE model's engine-free
-  train step (tests/dist/moe_layouts.py:train_step) at each MoE layout.
+  train step (tests/dist/moe_layouts.py:train_step) at each MoE layout;
+* replay: routing replay (areal_mega/megatron/routing.py) at EP2, see routing_replay_checks.
 
 ``__main__`` guard: dist_checkpointing.save re-imports it.
 """
@@ -144,6 +145,45 @@ def train_step(model, ids, cu, targets):
     return (None if loss is None else float(loss)), float(gnorm), (None if after is None else float(after))
 
 
+def routing_replay_checks(hf_dir, groups, ids, cu) -> dict:
+    """Record the routes of the HF weights (model A); B = A with every router perturbed (a
+    stand-in for a server whose routing differs). Recorded: A replaying its own routes (must
+    reproduce its logits bit for bit), B's plain and A-route-replayed logits, and how many
+    (token, layer) routes B and A disagree on."""
+    from areal_mega.megatron.routing import record_routes, replay_routes, route_disagreement
+
+    cfg = MegatronModelConfig(layer_spec="local", moe_routing_replay=True)
+    a = build_model(hf_dir, groups, cfg)
+    load_hf_weights(a, hf_dir)
+    with record_routes(a) as ra:
+        lg_a = forward_logits(a, ids, cu)
+    with replay_routes(a, ra.layers):
+        lg_a_replayed = forward_logits(a, ids, cu)
+    b = build_model(hf_dir, groups, cfg)
+    load_hf_weights(b, hf_dir)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for n, p in b.chunks[0].named_parameters():
+            if n.endswith("mlp.router.weight"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.5 * p.abs().mean())
+    with record_routes(b) as rb:
+        lg_b = forward_logits(b, ids, cu)
+    with replay_routes(b, ra.layers):
+        lg_b_replayed = forward_logits(b, ids, cu)
+    out = {
+        "layers": len(ra.layers),
+        "tokens": [int(x.shape[0]) for x in ra.layers],
+        "disagree_b_vs_a": route_disagreement(ra.layers, rb.layers),
+    }
+    vals = gather((lg_a, lg_a_replayed, lg_b, lg_b_replayed, out))
+    lg_a, lg_a_replayed, lg_b, lg_b_replayed, out = [v for v in vals if v[0] is not None][0]
+    out["a_replay_equal"] = bool(torch.equal(lg_a, lg_a_replayed))
+    out["b_replay_vs_plain"] = float((lg_b_replayed - lg_b).abs().max())
+    out["b_replay_vs_a"] = float((lg_b_replayed - lg_a).abs().max())
+    out["b_plain_vs_a"] = float((lg_b - lg_a).abs().max())
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work-dir", required=True)
@@ -196,6 +236,7 @@ def main() -> None:
                 neg = build_model(hf_dir, groups, adapter=RotateExperts(cfg))
                 load_hf_weights(neg, hf_dir)
                 res["negative"][name] = ("RotateExperts", last_stage_value(forward_logits(neg, ids, cu)))
+                res["replay"] = routing_replay_checks(hf_dir, groups, ids, cu)
             destroy_model_parallel(groups)
     # HF -> megatron (EP2 x PP2) -> HF (EP2 x TP2) through the conversion tools' own main().
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
