@@ -166,6 +166,21 @@ def test_one_step_same_loss_every_layout(moe):
     print("one step:", json.dumps(steps, indent=1))
 
 
+def test_engine_trains_moe_same_at_every_layout(moe):
+    """The product's MegatronTrainEngine (packing, micro-batches of 64 tokens, DDP, Adam) on
+    Qwen3-MoE: the same loss and post-step log-probs at TP1, EP2, EP2 x TP2 (ETP1), EP2 x PP2.
+    Bound: a sum of ~230 fp32 log-probs, each within the logits bound of another layout."""
+    _, ref, res = moe
+    eng = res["engine"]
+    base = eng["tp1pp1ep1"]
+    tol = 230 * 2 * logits_tol(ref["qwen3_moe"]["logits"])
+    assert base[2] != base[1]  # the step changed the model
+    for key, (loss, lp0, lp1) in eng.items():
+        assert abs(loss - base[0]) <= 1e-5 * max(1.0, abs(base[0])), (key, loss, base[0])
+        assert abs(lp0 - base[1]) <= tol and abs(lp1 - base[2]) <= 10 * tol, (key, lp0, lp1, base)
+    print("engine:", json.dumps(eng))
+
+
 def test_conversion_tools_roundtrip_bit_exact(moe):
     from safetensors.torch import load_file
 

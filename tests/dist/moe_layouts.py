@@ -15,6 +15,7 @@ the rest), re-initialising megatron's parallel state each time, records on rank 
   the conversion tools' main() functions, run inside this world;
 * step[layout]: (loss, grad norm, loss after one Adam step) of the MoE model's engine-free
   train step (tests/dist/moe_layouts.py:train_step) at each MoE layout;
+* engine[layout]: the product's MegatronTrainEngine train_batch on the MoE model (engine_step);
 * replay: routing replay (areal_mega/megatron/routing.py) at EP2, see routing_replay_checks.
 
 ``__main__`` guard: dist_checkpointing.save re-imports it.
@@ -145,6 +146,24 @@ def train_step(model, ids, cu, targets):
     return (None if loss is None else float(loss)), float(gnorm), (None if after is None else float(after))
 
 
+ENGINE_KEYS = ("tp1pp1ep1", "tp1pp1ep2", "tp2pp1ep2etp1", "tp1pp2ep2")
+
+
+def engine_step(hf_dir, groups) -> tuple[float, float, float]:
+    """The product's MegatronTrainEngine on the MoE model: (loss of one train_batch of
+    tests/dist/engine_checks.py's PPO-like objective, sum of log-probs before, after)."""
+    from areal_mega.megatron.engine import MegatronTrainEngine
+    from tests.dist.engine_checks import engine_cfg, make_batch, make_loss_fn
+
+    eng = MegatronTrainEngine.create(engine_cfg(64), hf_dir, groups, hf_dir)
+    batch = make_batch()
+    lp0 = eng.forward_logprobs(batch)
+    loss_fn, _ = make_loss_fn(batch)
+    stats = eng.train_batch(batch, loss_fn)
+    lp1 = eng.forward_logprobs(batch)
+    return float(stats["loss"]), float(lp0.sum()), float(lp1.sum())
+
+
 def routing_replay_checks(hf_dir, groups, ids, cu) -> dict:
     """Record the routes of the HF weights (model A); B = A with every router perturbed (a
     stand-in for a server whose routing differs). Recorded: A replaying its own routes (must
@@ -228,6 +247,8 @@ def main() -> None:
                                              dist.get_process_group_ranks(groups.edp)))
                 step = train_step(model, ids, cu, r["targets"])
                 res["step"][key] = last_stage_value(step if groups.is_last_stage else None)
+                if key in ENGINE_KEYS:
+                    res.setdefault("engine", {})[key] = engine_step(hf_dir, groups)
             if name == "qwen3_tied" and key == "tp2pp1ep1":
                 neg = build_model(hf_dir, groups, adapter=SwapQKNorm(cfg))
                 load_hf_weights(neg, hf_dir)
