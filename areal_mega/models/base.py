@@ -24,6 +24,11 @@ Megatron layouts handled here (megatron-core 0.16.1, pinned by the equality test
 * the embedding lives on the first PP stage (chunk 0), final norm and output layer on the last
   stage (last chunk); with tied embeddings and PP > 1 the last stage holds a copy of the
   embedding as ``output_layer.weight`` (loaded from ``embed_tokens``, never exported).
+* MoE (Qwen3-MoE): the router ``mlp.router.weight`` is replicated; expert ``g`` of a layer is
+  local expert ``g % (E / ep)`` of expert-parallel rank ``g // (E / ep)`` (``McoreParam.ep_rank``),
+  its fc1 ``[gate; up]`` / fc2 split over the expert-TP group like a dense MLP over TP. The plan
+  lists every expert once; only its owner loads it, and the export gathers it over expert TP and
+  sends it once to the stage's sender (:class:`ExpertExport`).
 
 The "canonical" form of a megatron tensor below is its TP=1 layout (vocab padded).
 """
