@@ -141,3 +141,17 @@ def test_refusals_dense_qwen3_and_off_values_accepted():
     assert a.arch.num_experts == 8 and a.arch.qk_layernorm and a.arch.moe_topk == 2
     # head_dim free of hidden / heads (megatron kv_channels)
     assert get_adapter({**tiny_config("qwen3", head_dim=48)}).arch.head_dim == 48
+
+
+def test_trainer_refuses_routing_replay_it_cannot_feed():
+    from areal_mega.trainer.config import ExperimentConfig
+
+    cfg = ExperimentConfig(model_path="m")
+    cfg.actor.model.moe_routing_replay = True
+    with pytest.raises(ValueError, match="^actor.model.moe_routing_replay: routing replay in training needs"):
+        cfg.validate()
+    cfg.actor.model.moe_routing_replay = False
+    cfg.validate()
+    cfg.actor.model.moe_aux_loss_coef = -1.0
+    with pytest.raises(ValueError, match="^moe_aux_loss_coef: must be >= 0"):
+        cfg.actor.model.validate()

@@ -279,8 +279,13 @@ def build_model(
     lay.check_model(arch.num_layers, arch.num_heads, arch.num_kv_heads)
     if arch.is_moe:
         lay.check_experts(arch.num_experts, arch.moe_ffn_hidden_size)
-    elif lay.ep > 1:
-        raise ValueError(f"parallel.expert_parallel: {lay.ep} > 1 needs a mixture-of-experts model ({arch.model_type} is dense)")
+    else:
+        dense = f"needs a mixture-of-experts model ({arch.model_type} is dense)"
+        if lay.ep > 1:
+            raise ValueError(f"parallel.expert_parallel: {lay.ep} > 1 {dense}")
+        if cfg.moe_aux_loss_coef > 0 or cfg.moe_routing_replay:
+            key = "moe_aux_loss_coef" if cfg.moe_aux_loss_coef > 0 else "moe_routing_replay"
+            raise ValueError(f"actor.model.{key}: set, but it {dense}")
     spec_name = resolve_layer_spec(cfg.layer_spec)
     check_context_parallel(lay, spec_name)
     dtype = cfg.dtype or arch.dtype
