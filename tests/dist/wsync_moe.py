@@ -14,7 +14,6 @@ own log-probs; rank 0 writes everything to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from areal_mega.megatron.parallel_state import destroy_model_parallel, init_mode
 from areal_mega.parallel import ParallelConfig, ParallelLayout  # noqa: E402
 from areal_mega.weight_sync import WeightSyncConfig, megatron_weight_sync  # noqa: E402
 from tests.dist.wsync_tp2pp2 import learner_logprobs, perturb, server_state  # noqa: E402
+from tests.support.dist import finish  # noqa: E402
 
 
 def main() -> None:
@@ -60,11 +60,7 @@ def main() -> None:
         res["expert_tensors"] = sum(".mlp.experts." in t.name for t in ws.plan.tensors)
     ws.close()
     destroy_model_parallel(groups)
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(res, args.out)
 
 
 if __name__ == "__main__":
