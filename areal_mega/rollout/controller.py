@@ -57,7 +57,9 @@ class RolloutBatch:
     version: int
     """The policy version this batch is trained at."""
     stats: dict[str, float]
-    """Scalars for TensorBoard: rewards, rejections, staleness (mean / max / fraction stale)."""
+    """Scalars for TensorBoard: rewards, rejections, staleness (mean / max / fraction stale), and
+    ``reward/reason/<reason>``: how many trajectories of the batch failed for that reason (from
+    the rewards' ``evaluate`` info, e.g. timeout or wrong_answer for code)."""
     staleness_counts: dict[int, int] = field(default_factory=dict)
     """Histogram over generated tokens: staleness (version - token version) -> token count."""
     positions: list[tuple[int, int] | None] = field(default_factory=list)
@@ -268,9 +270,11 @@ class RolloutController:
         oldest_allowed = version - self.config.max_staleness
         counts: collections.Counter[int] = collections.Counter()
         rewards = []
+        reasons: collections.Counter[str] = collections.Counter()  # why rewards failed (reward.evaluate's info)
         for r in taken:
             for t in r.group:
                 rewards.append(t.reward)
+                reasons.update((t.info.get("reward_info") or {}).get("reasons", ()))
                 # numpy: this runs over every generated token of the batch (millions at scale)
                 gen = np.asarray(t.versions, dtype=np.int64)[np.asarray(t.loss_mask, dtype=bool)]
                 if gen.size == 0:
@@ -296,6 +300,7 @@ class RolloutController:
             "staleness/mean": sum(s * c for s, c in counts.items()) / max(num_tokens, 1),
             "staleness/max": float(max(counts, default=0)),
             "staleness/frac_stale_tokens": sum(c for s, c in counts.items() if s > 0) / max(num_tokens, 1),
+            **{f"reward/reason/{k}": float(v) for k, v in sorted(reasons.items())},
         }
         self._rejected_since_batch = 0
         self._accepted_since_batch = 0
