@@ -39,7 +39,8 @@ def _check_args(args: argparse.Namespace) -> dict:
 
     arch = get_adapter(meta["hf_config"]).arch
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp), world)
+    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep,
+                                   expert_tensor_parallel=args.etp), world)
     layout.check_model(arch.num_layers, arch.num_heads, arch.num_kv_heads)
     if args.tokenizer_dir is not None and not Path(args.tokenizer_dir).is_dir():
         raise ValueError(f"--tokenizer-dir: {args.tokenizer_dir} is not a directory")
@@ -66,7 +67,8 @@ def convert(args: argparse.Namespace) -> int:
 
     own_world = init_process_group_for_script("gloo")  # False when called inside a running world
     t0 = time.time()
-    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp), dist.get_world_size())
+    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep,
+                                   expert_tensor_parallel=args.etp), dist.get_world_size())
     groups = init_model_parallel(layout, backend="gloo")
     model = build_model_from_checkpoint(args.ckpt, groups)
     load_checkpoint(model, args.ckpt)  # checks role, model_type and every shape first
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt", required=True, help="areal_mega checkpoint directory (e.g. a run's checkpoints/latest)")
     ap.add_argument("--out", required=True, help="output HF directory (must not exist or be empty)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load the checkpoint at")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    ap.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (MoE; default: --tp)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (one safetensors file per stage)")
     ap.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here (default: the checkpoint's source HF dir)")
     args = ap.parse_args(argv)

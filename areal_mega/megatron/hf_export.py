@@ -32,11 +32,11 @@ def save_hf_checkpoint(model: MegatronModel, out_dir: str, *, hf_config: dict | 
     pp = layout.pp
     files = ["model.safetensors"] if pp == 1 else [f"model-{s + 1:05d}-of-{pp:05d}.safetensors" for s in range(pp)]
     c = groups.coords
-    if c.dp == 0 and c.cp == 0:  # one replica exports; the TP ranks of a stage gather together
+    if layout.exports(groups.rank):  # one replica exports: TP ranks (and expert owners) gather
         from safetensors.torch import save_file
 
-        tensors = {n: t.detach().cpu().contiguous() for n, t in export_hf_weights(model)}  # TP gather
-        if c.tp == 0:
+        tensors = {n: t.detach().cpu().contiguous() for n, t in export_hf_weights(model) if t is not None}
+        if c.tp == 0 and c.dp == 0 and c.cp == 0:  # the stage's sender holds every tensor
             save_file(tensors, str(out / files[c.pp]), metadata={"format": "pt"})
     if groups.rank == 0:
         cfg = dict(hf_config if hf_config is not None else model.adapter.hf_config)

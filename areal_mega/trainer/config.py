@@ -100,6 +100,11 @@ class ExperimentConfig:
     def validate(self) -> None:
         if not self.model_path:
             raise ValueError("model_path: must name an HF model directory")
+        if self.actor.model.moe_routing_replay:
+            # The learner side exists (megatron/routing.py); the rollout does not carry the
+            # servers' routes yet, so replay would silently replay nothing: refused.
+            raise ValueError("actor.model.moe_routing_replay: routing replay in training needs the servers' routes "
+                             "(SGLang enable_return_routed_experts), which the trainer does not collect yet; set false")
 
 
 def load_experiment(path: str | None, overrides: list[str] | None = None) -> ExperimentConfig:

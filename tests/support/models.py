@@ -25,7 +25,7 @@ DEFAULTS = dict(
     num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
-FAMILIES = ("qwen2", "llama")
+FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 # The weight-sync tests' model (the live TP2 x PP2 sync and the pure planner): bf16 on disk,
 # head_dim 64 (what SGLang's CPU attention takes), tied embeddings, qkv bias.
 WSYNC_QWEN2 = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
@@ -49,13 +49,17 @@ def _hf_classes_and_config(family: str, overrides: dict):
     config_cls, model_cls = {
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[family]
     return config_cls, model_cls, cfg
 
 
 def tiny_model(family: str = "qwen2", *, seed: int = 0, scale: float = 1.0, noise: float = 0.0,
                noise_seed: int = 0, **overrides):
-    """A tiny random ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` in fp32 (see the module doc)."""
+    """A tiny random ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` /
+    ``Qwen3MoeForCausalLM`` in fp32 (see the module doc; MoE keys such as num_experts go in
+    ``overrides``)."""
     config_cls, model_cls, cfg = _hf_classes_and_config(family, overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**cfg)).to(torch.float32)
