@@ -207,3 +207,27 @@ def test_http_endpoint_records_like_the_in_process_client(tok):
     assert second["usage"]["prompt_tokens"] == len(eng.sent[1])
     assert t.input_ids == eng.sent[1] + eng.results[1].output_ids  # the JSON round trip kept the prefix
     assert _spans(t.loss_mask) == [0, 1, 0, 1]
+
+
+def test_openai_tool_calls_run_through_the_registry():
+    """The example agent's tools are the registry's (the tool workflow's): OpenAI-format schemas,
+    JSON-text arguments, errors as text the model sees."""
+    import asyncio
+
+    from areal_mega.workflows.examples.calculator_agent import TOOLS
+
+    assert TOOLS.schemas() == [{"type": "function", "function": {
+        "name": "calculator", "description": TOOLS.get("calculator").description,
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+
+    async def calls():
+        return [await TOOLS.call_openai("calculator", '{"expression": "12 * (3 + 4)"}'),
+                await TOOLS.call_openai("calculator", "12*"),
+                await TOOLS.call_openai("calculator", "[1]"),
+                await TOOLS.call_openai("search", "{}")]
+
+    ok, not_json, not_object, unknown = asyncio.run(calls())
+    assert ok == "84"
+    assert not_json.startswith("error: calculator arguments are not JSON")
+    assert not_object == "error: calculator arguments must be a JSON object, got list"
+    assert unknown.startswith("error: unknown tool 'search'")

@@ -212,6 +212,17 @@ class ToolRegistry:
         first = (params.get("required") or list(params.get("properties", {})) or ["input"])[0]
         return {first: text}
 
+    async def call_openai(self, name: str, arguments: str) -> str:
+        """An OpenAI-style tool call (``tool_call.function.name`` / ``.arguments``, a JSON
+        object as text): its output, or "error: ..." as :meth:`call` answers."""
+        try:
+            args = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            return f"error: {name} arguments are not JSON: {arguments[:200]!r}"
+        if not isinstance(args, dict):
+            return f"error: {name} arguments must be a JSON object, got {type(args).__name__}"
+        return await self.call(name, args)
+
     async def call(self, name: str, args: dict[str, Any]) -> str:
         """The tool's output, or "error: ..." (unknown tool, bad arguments, exception, timeout)."""
         if name not in self.tools:
