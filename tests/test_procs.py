@@ -185,3 +185,20 @@ def test_stop_tree_terms_a_group_whose_leader_exited(tmp_path: Path) -> None:
     finally:
         if _alive(member):
             os.kill(member, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_stop_tree_leaves_a_reused_pid_alone(tmp_path: Path) -> None:
+    """A leader reaped before the stop: its number may now be an unrelated process's, leading a
+    group of its own (a server started since). stop_tree must not signal that group. (Simulated:
+    the reaped Popen's pid set to a live session leader's; the old code SIGKILLed it.)"""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    gone.wait(timeout=60)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        gone.pid = other.pid  # the number now belongs to `other`, leader of its own group
+        procs.stop_tree(gone, grace_s=2)
+        assert other.poll() is None, "stop_tree killed an unrelated process that reused the pid"
+    finally:
+        other.kill()
+        other.wait(timeout=60)

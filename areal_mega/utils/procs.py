@@ -288,6 +288,38 @@ def spawn(argv: Sequence[str], *, wrap: bool = True, redact: str | Path | None =
     return subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
 
 
+def _own_group(p: subprocess.Popen, table: dict[int, tuple[int, int]]) -> bool:
+    """Whether the process group numbered ``p.pid`` is still ``p``'s. A pid is p's own until
+    the wait() that reaps it; after that the number may go to an unrelated process, which would
+    lead a group of that number (a server started since, in a session of its own). While the
+    old group has members the number is not given out, so a reaped leader's group is still its
+    own exactly when no live process holds the number."""
+    return p.returncode is None or p.pid not in table
+
+
+def _track(procs: Sequence[subprocess.Popen], known: set[int]) -> set[int]:
+    """The live processes of the trees: ``known`` (still alive), the trees (group + descendants)
+    of the leaders whose group is still their own, and the live descendants of all of them.
+    Exited leaders are reaped here."""
+    table = _proc_table()
+    out = {q for q in known if q in table}
+    for p in procs:
+        if _own_group(p, table):
+            out |= tree_pids(p.pid, table)
+        if p.returncode is None:
+            p.poll()
+    for q in list(out):
+        out |= tree_pids(q, table)
+    return out
+
+
+def _signal_groups(procs: Sequence[subprocess.Popen], sig: int) -> None:
+    table = _proc_table()
+    for p in procs:
+        if _own_group(p, table):
+            signal_group(p.pid, sig)  # a live leader (torchrun) passes it on; orphaned members get it
+
+
 def stop_tree(procs: subprocess.Popen | Sequence[subprocess.Popen], grace_s: float = 30.0,
               *, sig: int = signal.SIGTERM) -> None:
     """Stop each process of ``procs`` (started by :func:`spawn`) and everything it started:
@@ -296,36 +328,18 @@ def stop_tree(procs: subprocess.Popen | Sequence[subprocess.Popen], grace_s: flo
     Returns once every process of the trees is gone (or after a further 10 s for processes
     that cannot die, e.g. in uninterruptible sleep)."""
     procs = [procs] if isinstance(procs, subprocess.Popen) else list(procs)
-    table = _proc_table()
-    trees = set().union(*(tree_pids(p.pid, table) for p in procs)) if procs else set()
-    for p in procs:
-        if p.poll() is None:
-            signal_group(p.pid, sig)  # a live leader (torchrun) passes it on to what it runs
-            continue
-        # The leader is gone but its group may not be: members still get ``sig`` and the grace
-        # period, not a bare SIGKILL after it. (A group id is not reused while the group has
-        # members, so a group found in the table is still this one.)
-        if any(g == p.pid for _, g in table.values()):
-            signal_group(p.pid, sig)
+    trees = _track(procs, set())
+    _signal_groups(procs, sig)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        for p in procs:
-            p.poll()  # reap the leaders so that they stop counting as alive
-        table = _proc_table()
-        trees = {q for q in trees if q in table}.union(*(tree_pids(p.pid, table) for p in procs))
-        if not trees:
-            break
+    while trees and time.monotonic() < deadline:
         time.sleep(0.05)
+        trees = _track(procs, trees)
     deadline = time.monotonic() + 10.0
     while trees and time.monotonic() < deadline:
-        for p in procs:
-            signal_group(p.pid, signal.SIGKILL)
+        _signal_groups(procs, signal.SIGKILL)
         _kill(trees, signal.SIGKILL)
-        for p in procs:
-            p.poll()
         time.sleep(0.05)
-        table = _proc_table()
-        trees = {q for q in trees if q in table}.union(*(tree_pids(p.pid, table) for p in procs))
+        trees = _track(procs, trees)
     for p in procs:
         try:
             p.wait(timeout=5)
