@@ -123,3 +123,10 @@ def write_tiny_task(root, *, max_operand: int = 9, num_test: int = 10, seed: int
             for a, b in rows:
                 f.write(json.dumps({"id": f"{a}+{b}", "prompt": f"Q:{a}+{b}=?A:", "answer": str(a + b)}) + "\n")
     return model_dir, data_dir
+
+
+def first_char_even(prompt: str, completion: str, data: dict) -> float:
+    """A reward a RANDOM model scores ~50% on (1 if the completion's first character has an even
+    code point): what an evaluation test needs to compare two accuracy computations on numbers
+    that are neither 0 nor 1."""
+    return 1.0 if completion and ord(completion[0]) % 2 == 0 else 0.0
