@@ -5,7 +5,7 @@ be fetched or converted).
 Two torchrun launches of tests/dist/smollm2_layouts.py, one per world size: 2 ranks (TP1 x DP2,
 PP2, PP2 x VPP3) and 3 ranks (TP3, PP3, TP3 with a padded vocabulary). In every layout the
 learner's fp32 log-probs of one real chat-templated text equal HF transformers' within 1e-4.
-Measured ~?? s in all on 2 busy cores.
+Measured 107 s (2 ranks) + 93 s (3 ranks) with the machine at load ~60 from other jobs.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from tests.support.launch import REPO, child_env, run_dist_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-# fp32 through 30 layers: HF and megatron sum in different orders (fused qkv, TP/PP splits);
-# fp32_tol(576 x 30 layers) ~ 1e-3 is a loose bound, measured max differences are ~1e-5. The
-# issue's bar is 1e-4; a swapped head, a wrong stage split or padded logits leaking are O(1).
+# The issue's bar: 1e-4 in fp32. The rounding bound of tests/support/numerics.py is looser here:
+# fp32_tol(1536-term MLP reductions, |logits| ~ 30, ops = transformer_reductions(30)) ~ 2e-3;
+# measured on this CPU: 2.8e-5 (TP1, PP2, PP2xVPP3, PP3), 3.9e-5 (TP3). The failures it guards
+# against are O(0.1-10): a swapped KV head or gate/up shard, a layer on the wrong stage, the tied
+# embedding not reaching the last stage, padded vocabulary columns leaking into the softmax.
 TOL = 1e-4
 
 
