@@ -1,5 +1,6 @@
 #!/bin/bash
-# GRPO on a 70B Llama: 4 learner nodes (megatron TP8xPP4) + 12 SGLang nodes (TP8 each).
+# GRPO on a 70B Llama: learner nodes (megatron TP8xPP4) + SGLang nodes (TP8 each); the split follows
+# the allocation (launch.learner.num_nodes: null: the throughput planner's, 8 + 8 on these 16 nodes).
 # The split and memory budget are explained in configs/grpo_llama70b.yaml; placement logic
 # lives in areal_mega/launcher (plan.py). Submit from the repository root with the learner
 # virtualenv active:

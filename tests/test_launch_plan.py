@@ -41,8 +41,11 @@ def alloc(n: int, gpus: int, cpus: int | None = None) -> Allocation:
                       cpus_per_node=cpus)
 
 
-def plan_70b(overrides=(), n=16, gpus=8, cpus=None):
-    cfg, raw, rest = load_launch_config(CONFIG_70B, list(overrides))
+def plan_70b(overrides=(), n=16, gpus=8, cpus=None, split="4"):
+    """The 70B plan on ``n`` nodes; ``split``: learner nodes ("4": TP8 x PP4 x DP1, the layout the
+    memory numbers below are derived for), or "auto" (the config's own null: the planner's)."""
+    fixed = [] if split == "auto" else [f"launch.learner.num_nodes={split}"]
+    cfg, raw, rest = load_launch_config(CONFIG_70B, fixed + list(overrides))
     return build_plan(cfg, alloc(n, gpus, cpus), raw=raw, config_path=CONFIG_70B, overrides=rest, python="PY")
 
 
@@ -134,7 +137,7 @@ def test_engine_memory_70b():
 
 
 def test_plan_70b_places_learners_then_engines():
-    plan = plan_70b()
+    plan = plan_70b()  # a fixed split: 4 learner nodes, the rest engines
     assert plan.learner_nodes == ("n1", "n2", "n3", "n4")
     assert plan.engine_nodes == tuple(f"n{k}" for k in range(5, 17))
     assert str(plan.layout) == "dp=1 pp=4 cp=1 tp=8 (world_size=32)"
@@ -154,6 +157,44 @@ def test_plan_70b_places_learners_then_engines():
     assert plan.env["NCCL_SOCKET_IFNAME"] == "ib0" and plan.fits
     text = plan.describe()
     assert "learner per-GPU memory" in text and "engine per-GPU memory (TP8)" in text
+
+
+@pytest.mark.parametrize("nodes", [8, 16, 32])
+def test_split_follows_the_allocation(nodes):
+    """launch.learner.num_nodes: null (the 70B config): the split is the planner's fastest at the
+    config's own TP8 x PP4 (DP follows) and max_staleness, among the splits whose learner plan
+    fits -- no node idle, and 8 nodes (refused by the old fixed 4 + 12) plan too."""
+    from areal_mega.simulator.planner import sweep
+
+    plan = plan_70b(n=nodes, split="auto")
+    k = len(plan.learner_nodes)
+    assert k + len(plan.engine_nodes) == nodes and len(plan.engines) == nodes - k
+    assert plan.layout.tp == 8 and plan.layout.pp == 4 and plan.layout.dp == k * 8 // 32
+    assert plan.fits and not any("idle" in n for n in plan.notes)
+    cfg, raw, _ = load_launch_config(CONFIG_70B, [])
+    rep = sweep(cfg, raw, label="", nodes=nodes, gpus_per_node=8, gpus_source="", staleness=(4,),
+                sweep_pipeline=False)
+    ok = rep.feasible()
+    assert all(s.layout.startswith("tp8 pp4 ") for s in ok)
+    assert [s.learner_nodes for s in ok] == list(range(4, nodes, 4))  # 8k GPUs divisible by tp*pp = 32
+    best = max(ok, key=lambda s: s.by_staleness[4]["samples_per_s"])
+    assert k == best.learner_nodes
+    assert f"split chosen by the planner (launch.learner.num_nodes: null): {k} learner" in plan.describe()
+    # Fixed counts stay possible; engine.num_nodes alone fixes the learners to what it leaves.
+    assert len(plan_70b(n=nodes).learner_nodes) == 4
+    assert len(plan_70b(["launch.engine.num_nodes=4"], n=nodes, split="auto").learner_nodes) == nodes - 4
+
+
+def test_split_refused_when_no_split_fits():
+    # 2 nodes: the one learner node's 8 GPUs cannot hold TP8 x PP4.
+    with pytest.raises(ValueError, match=r"launch.learner.num_nodes: null, but no split of 2 nodes fits"):
+        plan_70b(n=2, split="auto")
+    with pytest.raises(ValueError, match="launch.learner.nproc_per_node is 4 of 8 GPUs; set num_nodes too"):
+        plan_70b(["launch.learner.nproc_per_node=4"], split="auto")
+    # Valid layouts that all exceed the GPU: the least loaded split is planned, and refused as such.
+    big = plan_70b(["actor.attention=mask", "actor.model.recompute=none"], n=16, split="auto")
+    assert not big.fits and len(big.learner_nodes) == 12
+    assert any("no split of 16 nodes fits the learner plan in memory" in n for n in big.notes)
 
 
 def test_plan_refuses_tp1_and_names_keys():
@@ -330,7 +371,8 @@ def test_slurm_dry_run_on_a_laptop(capsys, monkeypatch):
     rc = run("slurm", CONFIG_70B, [], dry_run=True, nodelist="gpu[001-016]", gpus_per_node=8)
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "learners: 4 node(s) gpu001 gpu002 gpu003 gpu004" in out and "-> fits" in out
+    # launch.learner.num_nodes: null -- the planner's split at the config's TP8 x PP4 (test_split_follows_the_allocation)
+    assert "learners: 8 node(s) gpu001 gpu002" in out and "-> fits" in out and "split chosen by the planner" in out
     assert "sequence_parallel=true recompute=full" in out
 
 
@@ -359,7 +401,7 @@ def test_plan_without_a_model_config():
     """CPU nodes (tests, demos) plan without a model config: nothing estimated, nothing enforced;
     a GPU plan needs one and names the key."""
     cfg = LaunchConfig()
-    cfg.learner.nproc_per_node = 2
+    cfg.learner.num_nodes, cfg.learner.nproc_per_node = 1, 2
     cfg.engine.num_engines = 1
     cfg.engine.command = ["srv", "{host}", "{port}"]
     raw = {"inference": {"server": {"port": 30000}}}
@@ -369,3 +411,15 @@ def test_plan_without_a_model_config():
     assert any("memory not estimated" in n and "launch.model_config" in n for n in plan.notes)
     with pytest.raises(ValueError, match="launch.model_config"):
         build_plan(cfg, alloc(2, 8), raw=raw, config_path="c.yaml", overrides=[], python="PY")
+
+
+@pytest.mark.parametrize("mode, config, extra", [
+    ("local", "configs/grpo_tiny.yaml", {}),
+    ("slurm", CONFIG_70B, {"nodelist": "g[1-16]", "gpus_per_node": 8}),
+])
+def test_dry_run_checks_the_trainers_overrides(mode, config, extra, capsys):
+    """The overrides the launcher passes to the trainer are parsed as the trainer parses them:
+    a misspelt key is one line before anything starts, in a dry run too."""
+    assert run(mode, config, ["actor.optimizer.lrr=1e-6"], dry_run=True, **extra) == 1
+    err = capsys.readouterr().err
+    assert "unknown key 'actor.optimizer.lrr'" in err and err.count("\n") == 1 and "Traceback" not in err

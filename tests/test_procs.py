@@ -154,3 +154,34 @@ def test_wrapper_redacts_secrets_from_the_output(tmp_path: Path) -> None:
         assert p.wait(timeout=60) == 0
     out = log.read_text()
     assert "key=*** ok" in out and "err ***" in out and "s3cr3t" not in out
+
+
+# A group leader that leaves a member behind and exits; the member says when SIGTERM arrives.
+LEAVER = ("import os, signal, sys, time\n"
+          "if os.fork() == 0:\n"
+          "    def term(*_):\n"
+          "        open(os.path.join(sys.argv[1], 'got_term'), 'w').close(); os._exit(0)\n"
+          "    signal.signal(signal.SIGTERM, term)\n"
+          "    p = os.path.join(sys.argv[1], 'pid.member')\n"
+          "    open(p + '.tmp', 'w').write(str(os.getpid())); os.replace(p + '.tmp', p)\n"
+          "    time.sleep(600)\n"
+          "    os._exit(0)\n")
+
+
+@pytest.mark.slow
+def test_stop_tree_terms_a_group_whose_leader_exited(tmp_path: Path) -> None:
+    """The leader exited, a member of its group lives on: stop_tree gives the member SIGTERM
+    (its chance to clean up), not a bare SIGKILL once the grace period is over."""
+    d = tmp_path / "t"
+    d.mkdir()
+    leader = subprocess.Popen([sys.executable, "-c", LEAVER, str(d)], start_new_session=True)
+    member = _pids(d, 1)[0]
+    leader.wait(timeout=60)
+    assert _alive(member) and procs.group_pids(leader.pid) == [member]
+    try:
+        procs.stop_tree(leader, grace_s=60)
+        assert (d / "got_term").exists(), "the member got no SIGTERM"
+        assert not _alive(member)
+    finally:
+        if _alive(member):
+            os.kill(member, signal.SIGKILL)

@@ -252,7 +252,7 @@ def test_plan_cli(tmp_path, capsys):
 @pytest.mark.parametrize("args, msg", [
     (["--nodes", "1"], "--nodes: need >= 2"),
     (["--nodes", "8", "cost.train_mfu=2"], "cost.train_mfu: must be in (0, 1]"),
-    (["--nodes", "8", "cost.nope=1"], "unknown key 'cost.nope'"),
+    (["--nodes", "8", "cost.nope=1"], "unknown key 'launch.planner.cost.nope'"),  # cost.* = launch.planner.cost.*
     (["--nodes", "8", "--staleness", "x"], "--staleness: expected comma-separated integers"),
     (["--nodes", "8", "--gpus-per-node", "4"], "tp_size: 8 > 4 GPUs per node"),
     (["--nodes", "8", "rollout.batch_size=0"], "rollout.batch_size: must be >= 1"),
@@ -280,3 +280,23 @@ def test_launcher_dry_run_prints_recommendation(capsys):
     assert out.startswith("planner: recommended") and "predicted speedup over the best synchronous plan" in out
     _print_throughput_plan("does/not/exist.yaml", [], 6, 8)  # advisory: one line, no exception
     assert capsys.readouterr().out.startswith("planner: skipped (ConfigError: config file")
+
+
+def test_plan_reads_the_yamls_planner_section(tmp_path):
+    """``cost.F=v`` on the command line is ``launch.planner.cost.F`` in the YAML: one set of
+    figures for `areal-mega plan`, the dry run and the launch's own split."""
+    import yaml
+
+    from areal_mega.simulator.planner import build_plan_report
+
+    raw = yaml.safe_load(open(CONFIG_70B))
+    raw["launch"]["planner"] = {"cost": {"train_mfu": 0.2}, "workload": {"sim_steps": 2}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    from_yaml = build_plan_report(str(tmp_path / "c.yaml"), 6, staleness=(0,))
+    from_cli = build_plan_report(CONFIG_70B, 6, ["cost.train_mfu=0.2", "workload.sim_steps=2"], staleness=(0,))
+    default = build_plan_report(CONFIG_70B, 6, ["workload.sim_steps=2"], staleness=(0,))
+    assert from_yaml.cost.train_mfu == from_cli.cost.train_mfu == 0.2 and default.cost.train_mfu == 0.38
+    steps = [[s.learner_step_s for s in r.feasible()] for r in (from_yaml, from_cli, default)]
+    assert steps[0] == steps[1] and steps[0]
+    # Half the MFU: the FLOP-proportional part of every learner step doubles (fixed 2 s stays).
+    assert all(a > b for a, b in zip(steps[0], steps[2]))

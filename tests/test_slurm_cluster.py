@@ -80,21 +80,26 @@ def test_grpo_70b_dry_run_fits_80gb(cluster, tmp_path):
     state, code, out, _ = _submit(cluster, "launch/grpo_70b.sh", ["--dry-run"], tmp_path / "dry.out")
     assert (state, code) == ("COMPLETED", "0:0"), out
     assert f"allocation: {NUM_NODES} nodes x {GPUS} GPUs" in out
-    assert "learners: 4 node(s) amnode1 amnode2 amnode3 amnode4; 32 ranks, layout dp=1 pp=4 cp=1 tp=8" in out
-    assert "engines: 12 server(s) x TP8 on 12 node(s) amnode5" in out
+    # launch.learner.num_nodes: null: the planner's split of the 16 nodes at the config's TP8 x PP4
+    # (tests/test_launch_plan.py::test_split_follows_the_allocation): 8 + 8, DP2.
+    assert "learners: 8 node(s) amnode1 amnode2" in out and "64 ranks, layout dp=2 pp=4 cp=1 tp=8" in out
+    assert "engines: 8 server(s) x TP8 on 8 node(s) amnode9" in out and "split chosen by the planner" in out
     learner, limit = _gib(out, "learner")
     engine, budget = _gib(out, "engine")
     # The plan prints GiB with one decimal and the expectations are the estimates (tests/test_launch_plan.py)
     # rounded the same way: equal exactly.
-    assert (learner, limit) == (47.2, 80.0)  # SP, full recompute, THD (configs/grpo_llama70b.yaml)
+    assert (learner, limit) == (34.5, 80.0)  # SP, full recompute, THD, optimizer over DP2 (configs/grpo_llama70b.yaml)
     assert (engine, budget) == (54.6, 68.0)
     # A dry run resolves no node names (it must work on a laptop): engines show their node name.
-    assert out.count("--node-rank") == 4 and "--host amnode5 --port 30000" in out
+    assert out.count("--node-rank") == 8 and "--host amnode9 --port 30000" in out
+    # The planner's recommendation and its plot, next to the dry run's output.
+    assert "planner: recommended" in out and "predicted speedup over the best synchronous plan" in out
+    assert re.search(r"planner: plan written to \S+/plan/plan\.json", out)
     assert "dry run: nothing started" in out
 
 
 def test_grpo_70b_tp1_is_refused_with_numbers(cluster, tmp_path):
-    args = ["--dry-run", "parallel.tensor_parallel=1"]
+    args = ["--dry-run", "parallel.tensor_parallel=1", "launch.learner.num_nodes=4"]  # the fixed 4 + 12 split
     state, code, out, _ = _submit(cluster, "launch/grpo_70b.sh", args, tmp_path / "tp1.out")
     assert (state, code) == ("FAILED", "2:0"), out
     learner, limit = _gib(out, "learner")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 from areal_mega.config import from_dict, load_dict
@@ -39,6 +40,12 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
     """Plan, check memory, then (unless ``dry_run``) supervise; returns the exit code."""
     try:
         cfg, raw, passthrough = load_launch_config(config, overrides)
+        if _runs_the_trainer(cfg):
+            # The learners will parse the same YAML and overrides: a bad key fails here, before
+            # any server starts (and in a dry run), not minutes later on every rank.
+            from areal_mega.trainer.config import load_experiment
+
+            load_experiment(config, overrides)
         gpus = gpus_per_node if gpus_per_node is not None else cfg.gpus_per_node
         if mode == "slurm":
             from areal_mega.launcher.slurm import SrunRunner, slurm_allocation
@@ -64,7 +71,7 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
         return EXIT_DOES_NOT_FIT
     if dry_run:
         if plan.checks_gpu_memory and not alloc.local and len(alloc.nodes) >= 2:
-            _print_throughput_plan(config, overrides, len(alloc.nodes), alloc.gpus_per_node)
+            _print_throughput_plan(config, overrides, len(alloc.nodes), alloc.gpus_per_node, out=plan.run_dir / "plan")
         print("dry run: nothing started", flush=True)
         return 0
     if plan.secrets_dir is not None:
@@ -75,14 +82,24 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
                      preempt_grace_s=cfg.preempt_grace_s)
 
 
-def _print_throughput_plan(config: str, overrides: list[str], nodes: int, gpus_per_node: int) -> None:
+def _runs_the_trainer(cfg: LaunchConfig) -> bool:
+    """Whether the learner command is ``areal-mega train`` (else the YAML may carry other keys)."""
+    cmd = cfg.learner.command
+    return any(a == "areal_mega.cli" and cmd[i + 1:i + 2] == ["train"] for i, a in enumerate(cmd))
+
+
+def _print_throughput_plan(config: str, overrides: list[str], nodes: int, gpus_per_node: int,
+                           out: Path | None = None) -> None:
     """The throughput planner's recommendation for this allocation (``areal-mega plan``, see
-    docs/simulator.md); advisory: whatever goes wrong there is one line, never a failed dry run."""
+    docs/simulator.md), with its plan.json and plot written to ``out``; advisory: whatever goes
+    wrong there is one line, never a failed dry run."""
     try:
-        from areal_mega.simulator.planner import build_plan_report, recommendation
+        from areal_mega.simulator.planner import build_plan_report, recommendation, write_plan
 
         rep = build_plan_report(config, nodes, overrides, gpus_per_node=gpus_per_node)
         lines = recommendation(rep)
+        if out is not None:
+            lines.append("planner: " + write_plan(rep, out))
     except Exception as e:  # noqa: BLE001 -- advisory output only
         lines = [f"planner: skipped ({type(e).__name__}: {' '.join(str(e).split())})"]
     print("\n".join(lines), flush=True)

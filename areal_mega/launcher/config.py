@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_mega.simulator.costs import ClusterCostModel, WorkloadModel
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -64,8 +66,13 @@ class LearnerLaunchConfig:
     learner IS -- layout, model settings, micro-batch budget -- is the trainer's own config
     (``parallel``, ``actor``, ``critic``, ``algorithm``); the memory estimate reads it there."""
 
-    num_nodes: int = 1
-    """Nodes given to learners (the first nodes of the allocation)."""
+    num_nodes: int | None = None
+    """Nodes given to learners (the first nodes of the allocation). None = follow the
+    allocation: on GPU nodes the throughput planner (``launch.planner``) picks the split for
+    the nodes Slurm gave, keeping the trainer's ``parallel`` TP/PP/CP (data parallel = what the
+    learner nodes leave) and ``rollout.max_staleness``, among the splits whose learner plan fits
+    ``gpu_memory_gib``; with ``engine.num_nodes`` set, the nodes it leaves; locally and on CPU
+    nodes, 1."""
     nproc_per_node: int | None = None
     """Ranks per learner node; None = the node's GPUs, or on CPU nodes the model-parallel size
     (tp*pp*cp*dp) divided by num_nodes."""
@@ -81,8 +88,8 @@ class LearnerLaunchConfig:
     """Per-GPU headroom: CUDA context, NCCL buffers, allocator fragmentation, weight-sync bucket."""
 
     def validate(self) -> None:
-        if self.num_nodes < 1:
-            raise ValueError(f"num_nodes: must be >= 1, got {self.num_nodes}")
+        if self.num_nodes is not None and self.num_nodes < 1:
+            raise ValueError(f"num_nodes: must be null or >= 1, got {self.num_nodes}")
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise ValueError(f"nproc_per_node: must be >= 1, got {self.nproc_per_node}")
         if self.reserved_gib < 0:
@@ -130,6 +137,21 @@ class EngineLaunchConfig:
 
 
 @dataclass
+class PlannerLaunchConfig:
+    """Inputs of the throughput planner (``areal_mega.simulator``, docs/simulator.md): read by
+    ``areal-mega plan``, by the dry run's recommendation, and by the launcher itself when
+    ``learner.num_nodes`` is null (the split follows the allocation). One set of figures, so
+    the split a launch uses is the one the plan printed."""
+
+    cost: ClusterCostModel = field(default_factory=ClusterCostModel)
+    """GPU and fabric figures (defaults: H100 SXM 80 GB, NDR InfiniBand; each default's source
+    in docs/simulator.md). ``areal-mega plan ... cost.<field>=v`` overrides one."""
+    workload: WorkloadModel = field(default_factory=WorkloadModel)
+    """What the task generates (length distribution, prompt length, rejected share); set it from
+    a pilot run (``workload.lengths_from: <run>/metrics.jsonl``)."""
+
+
+@dataclass
 class LaunchConfig:
     """The ``launch:`` section: placement of learners and engines, their commands, memory limits."""
 
@@ -142,6 +164,8 @@ class LaunchConfig:
     """Learner placement, command and activation settings."""
     engine: EngineLaunchConfig = field(default_factory=EngineLaunchConfig)
     """Inference-server placement and command."""
+    planner: PlannerLaunchConfig = field(default_factory=PlannerLaunchConfig)
+    """Throughput-planner cost figures and workload (the split when learner.num_nodes is null)."""
     gpus_per_node: int | None = None
     """GPUs per node; None = from Slurm (SLURM_GPUS_ON_NODE) or 0 for the local launcher."""
     gpu_memory_gib: float = 80.0

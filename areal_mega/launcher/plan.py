@@ -291,8 +291,35 @@ def _what_would_fit(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, g
     return None
 
 
-def _learner_world(cfg: LaunchConfig, par: ParallelConfig, gpus: int) -> tuple[int, int]:
-    """(ranks per learner node, world size)."""
+def learner_node_count(cfg: LaunchConfig, alloc: Allocation, raw: dict) -> tuple[int, str | None]:
+    """How many nodes train (and a note saying who chose it): ``launch.learner.num_nodes`` when
+    set; else, with ``launch.engine.num_nodes`` set, the nodes the engines leave; else on GPU
+    nodes the throughput planner's best split for this allocation (``simulator.planner
+    .choose_learner_nodes``: the trainer's own layout, within the memory plan); else 1."""
+    lc, ec = cfg.learner, cfg.engine
+    if lc.num_nodes is not None:
+        return lc.num_nodes, None
+    if alloc.local:
+        return 1, None
+    n = len(alloc.nodes)
+    if ec.num_nodes is not None:
+        if ec.num_nodes >= n:
+            raise ValueError(f"launch.engine.num_nodes: {ec.num_nodes} leaves no learner node of the {n} allocated")
+        return n - ec.num_nodes, None
+    if not alloc.gpus_per_node:
+        return 1, "CPU nodes: 1 learner node (launch.learner.num_nodes: null plans a split on GPU nodes only)"
+    if lc.nproc_per_node not in (None, alloc.gpus_per_node):
+        raise ValueError(f"launch.learner.num_nodes: null plans whole GPU nodes, but launch.learner.nproc_per_node is "
+                         f"{lc.nproc_per_node} of {alloc.gpus_per_node} GPUs; set num_nodes too")
+    if n < 2:
+        raise ValueError(f"launch.learner.num_nodes: null needs >= 2 nodes (learners and engines), got {n}")
+    from areal_mega.simulator.planner import choose_learner_nodes
+
+    return choose_learner_nodes(cfg, raw, nodes=n, gpus_per_node=alloc.gpus_per_node)
+
+
+def _learner_world(cfg: LaunchConfig, par: ParallelConfig, gpus: int, num_nodes: int) -> tuple[int, int]:
+    """(ranks per learner node, world size) on ``num_nodes`` learner nodes."""
     lc = cfg.learner
     if lc.nproc_per_node is not None:
         nproc = lc.nproc_per_node
@@ -300,15 +327,15 @@ def _learner_world(cfg: LaunchConfig, par: ParallelConfig, gpus: int) -> tuple[i
         nproc = gpus
     else:  # CPU: just the model-parallel size (times an explicit dp), spread over the nodes
         world = par.tensor_parallel * par.pipeline_parallel * par.context_parallel * (par.data_parallel or 1)
-        if world % lc.num_nodes:
+        if world % num_nodes:
             raise ValueError(
                 f"launch.learner.nproc_per_node: on CPU nodes it defaults to tp*pp*cp*dp({world}) / "
-                f"num_nodes({lc.num_nodes}), which does not divide; set it explicitly"
+                f"num_nodes({num_nodes}), which does not divide; set it explicitly"
             )
-        nproc = world // lc.num_nodes
+        nproc = world // num_nodes
     if gpus and nproc > gpus:
         raise ValueError(f"launch.learner.nproc_per_node: {nproc} ranks > {gpus} GPUs per node")
-    return nproc, nproc * lc.num_nodes
+    return nproc, nproc * num_nodes
 
 
 def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: str,
@@ -336,9 +363,10 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
     stop_file = Path(((raw.get("trainer") or {}).get("stop_file")) or run_dir / "STOP")
     overrides = [*overrides, f"trainer.stop_file={stop_file}"]
     par = parallel_config(cfg, raw)
-    nproc, world = _learner_world(cfg, par, gpus)
+    n_learn, split_note = learner_node_count(cfg, alloc, raw)
+    nproc, world = _learner_world(cfg, par, gpus, n_learn)
     layout = ParallelLayout.build(par, world)
-    notes: list[str] = []
+    notes: list[str] = [split_note] if split_note else []
 
     # Nodes per role.
     if alloc.local:
@@ -354,7 +382,6 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
                 f"> {gpus} local GPUs"
             )
     else:
-        n_learn = lc.num_nodes
         n_eng = ec.num_nodes if ec.num_nodes is not None else len(alloc.nodes) - n_learn
         if n_learn + n_eng > len(alloc.nodes) or n_eng < 0:
             raise ValueError(

@@ -48,6 +48,8 @@ class SplitResult:
     sync_s: float = 0.0
     reason: str = ""
     """Why the split is not admissible ("" = admissible)."""
+    over_memory_gib: float = 0.0
+    """Not admissible but a valid layout: the smallest per-GPU estimate over its layouts (> the GPU)."""
     by_staleness: dict[int, dict] = field(default_factory=dict)
     """max_staleness -> SimResult.summary()."""
 
@@ -103,21 +105,16 @@ class PlanReport:
         return d
 
 
-def _split_overrides(overrides: list[str]) -> tuple[list[str], list[str], list[str]]:
-    cost, work, rest = [], [], []
+def _planner_overrides(overrides: list[str]) -> list[str]:
+    """``cost.F=v`` / ``workload.F=v`` name the YAML's ``launch.planner.cost`` / ``.workload``
+    (one set of figures for the plan, the dry run and the launch); the rest pass unchanged."""
+    out = []
     for o in overrides:
         if "=" not in o:
             raise SimulationError(f"override {o!r}: expected key=value")
         key = o.split("=", 1)[0].strip()
-        (cost if key.startswith("cost.") else work if key.startswith("workload.") else rest).append(o)
-    return cost, work, rest
-
-
-def _typed(cls, overrides: list[str], prefix: str):
-    from areal_mega.config import from_dict, parse_overrides
-
-    section = parse_overrides(overrides).get(prefix.rstrip("."), {}) if overrides else {}
-    return from_dict(cls, section, prefix=prefix)  # validates, naming prefix + field
+        out.append(f"launch.planner.{o.strip()}" if key.startswith(("cost.", "workload.")) else o)
+    return out
 
 
 def learner_memory(cfg, raw: dict, m, layout, alg):
@@ -135,32 +132,47 @@ def learner_memory(cfg, raw: dict, m, layout, alg):
 def build_plan_report(config: str, nodes: int, overrides: list[str] | None = None, *, gpus_per_node: int | None = None,
                       staleness: tuple[int, ...] = DEFAULT_STALENESS, tolerance: float = 0.02,
                       cost: ClusterCostModel | None = None, workload: WorkloadModel | None = None) -> PlanReport:
-    """Sweep splits x max_staleness (raises ValueError -- ConfigError, SimulationError -- on bad input)."""
+    """Sweep splits x max_staleness for the YAML at ``config`` (raises ValueError -- ConfigError,
+    SimulationError -- on bad input). ``cost``/``workload`` replace the YAML's ``launch.planner``."""
+    from areal_mega.launcher.cli import load_launch_config
+
+    cfg, raw, _ = load_launch_config(config, _planner_overrides(list(overrides or [])))
+    if cost is not None:
+        cfg.planner.cost = cost
+    if workload is not None:
+        cfg.planner.workload = workload
+    src = "--gpus-per-node"
+    if gpus_per_node is None:
+        gpus_per_node, src = cfg.gpus_per_node, "launch.gpus_per_node"
+    if gpus_per_node is None:
+        gpus_per_node, src = DEFAULT_GPUS_PER_NODE, f"default {DEFAULT_GPUS_PER_NODE} (set --gpus-per-node)"
+    return sweep(cfg, raw, label=config, nodes=nodes, gpus_per_node=gpus_per_node, gpus_source=src,
+                 staleness=staleness, tolerance=tolerance)
+
+
+def sweep(cfg, raw: dict, *, label: str, nodes: int, gpus_per_node: int, gpus_source: str,
+          staleness: tuple[int, ...], tolerance: float = 0.02, sweep_pipeline: bool = True) -> PlanReport:
+    """Simulate every split of ``nodes`` x every ``staleness`` for a parsed launch config.
+
+    ``sweep_pipeline``: try every pipeline size (what ``areal-mega plan`` reports) or only the
+    trainer's own ``parallel`` layout (what a launch with ``learner.num_nodes: null`` runs: the
+    trainer is started with that YAML, so only its data-parallel size follows the split)."""
     from areal_mega.algo.config import AlgorithmConfig
     from areal_mega.config import from_dict
-    from areal_mega.launcher.cli import load_launch_config
     from areal_mega.launcher.memory import GIB, estimate_engine, total_params
     from areal_mega.launcher.plan import model_shape, parallel_config, server_config
-    from areal_mega.parallel import ParallelConfig, ParallelLayout
+    from areal_mega.parallel import ParallelLayout
     from areal_mega.rollout.config import RolloutConfig
 
-    cost_o, work_o, rest = _split_overrides(list(overrides or []))
-    cost = cost or _typed(ClusterCostModel, cost_o, "cost.")
-    workload = workload or _typed(WorkloadModel, work_o, "workload.")
+    cost, workload = cfg.planner.cost, cfg.planner.workload
     if nodes < 2:
         raise SimulationError(f"--nodes: need >= 2 (one learner and one engine node), got {nodes}")
     if not 0 <= tolerance < 1:
         raise SimulationError(f"--tolerance: must be in [0, 1), got {tolerance}")
     if not staleness or min(staleness) < 0:
         raise SimulationError(f"--staleness: need a list of values >= 0, got {list(staleness)}")
-    cfg, raw, _ = load_launch_config(config, rest)
-    src = "--gpus-per-node"
-    if gpus_per_node is None:
-        gpus_per_node, src = cfg.gpus_per_node, "launch.gpus_per_node"
-    if gpus_per_node is None:
-        gpus_per_node, src = DEFAULT_GPUS_PER_NODE, f"default {DEFAULT_GPUS_PER_NODE} (set --gpus-per-node)"
     if gpus_per_node < 1:
-        raise SimulationError(f"{src}: the planner models GPU nodes, got {gpus_per_node} GPUs per node")
+        raise SimulationError(f"{gpus_source}: the planner models GPU nodes, got {gpus_per_node} GPUs per node")
     m = model_shape(cfg, raw)
     P = total_params(m)
     srv = server_config(raw)
@@ -199,16 +211,20 @@ def build_plan_report(config: str, nodes: int, overrides: list[str] | None = Non
         reasons = []
         mp = par.tensor_parallel * par.context_parallel
         pps = [q for q in range(1, MAX_PP + 1) if m.num_hidden_layers % q == 0 and world % (mp * q) == 0]
-        for pp in dict.fromkeys((par.pipeline_parallel, *pps)):
-            vpp = par.virtual_pipeline_parallel if pp == par.pipeline_parallel and pp > 1 else None
+        for pp in dict.fromkeys((par.pipeline_parallel, *(pps if sweep_pipeline else ()))):
+            own = pp == par.pipeline_parallel
+            vpp = par.virtual_pipeline_parallel if own and pp > 1 else None
             try:
-                layout = ParallelLayout.build(ParallelConfig(par.tensor_parallel, pp, par.context_parallel, vpp), world)
+                layout = ParallelLayout.build(dataclasses.replace(
+                    par, pipeline_parallel=pp, virtual_pipeline_parallel=vpp,
+                    data_parallel=par.data_parallel if own else None), world)
                 mem, recompute, mbt = learner_memory(cfg, raw, m, layout, alg)
             except ValueError as e:
                 reasons.append(f"pp{pp}: {e}")
                 continue
             if not mem.fits:
                 reasons.append(f"pp{pp}: {mem.total / GIB:.0f} GiB > {cfg.gpu_memory_gib:g} GiB")
+                s.over_memory_gib = min(s.over_memory_gib or float("inf"), round(mem.total / GIB, 1))
                 continue
             lm = learner_model(cost, flops_per_token=flops_per_token(recompute), world=world, pp=pp, vpp=layout.vpp,
                                dp=layout.dp, tokens_per_step=tokens_per_step, micro_batch_tokens=mbt)
@@ -230,11 +246,43 @@ def build_plan_report(config: str, nodes: int, overrides: list[str] | None = Non
                             decode=dec, learner=lm, sync=sm)
             s.by_staleness[eta] = simulate(sim).summary()
         splits.append(s)
-    configured = (cfg.learner.num_nodes, ro.max_staleness) if cfg.learner.num_nodes < nodes else None
-    return PlanReport(config=config, nodes=nodes, gpus_per_node=gpus_per_node, gpus_per_node_source=src,
+    k = cfg.learner.num_nodes
+    configured = (k, ro.max_staleness) if k is not None and k < nodes else None
+    return PlanReport(config=label, nodes=nodes, gpus_per_node=gpus_per_node, gpus_per_node_source=gpus_source,
                       model_params=float(P), engine_tp=et, engine_kv_tokens=eng.kv_tokens, batch_size=ro.batch_size,
                       group_size=group, max_new_tokens=max_new, staleness=tuple(staleness), splits=splits,
                       cost=cost, workload=workload, configured=configured, tolerance=tolerance)
+
+
+def choose_learner_nodes(cfg, raw: dict, *, nodes: int, gpus_per_node: int) -> tuple[int, str]:
+    """The split a launch with ``launch.learner.num_nodes: null`` uses on ``nodes`` GPU nodes:
+    the predicted-fastest split at the trainer's own layout (TP/PP/CP; DP follows) and
+    ``rollout.max_staleness``, among those whose learner plan fits (the dry run's own check).
+    Returns (learner nodes, a note for the plan); raises ValueError naming the keys if none fits."""
+    from areal_mega.config import from_dict
+    from areal_mega.rollout.config import RolloutConfig
+
+    eta = from_dict(RolloutConfig, raw.get("rollout") or {}, prefix="rollout.").max_staleness
+    rep = sweep(cfg, raw, label="", nodes=nodes, gpus_per_node=gpus_per_node, gpus_source="gpus per node",
+                staleness=(eta,), sweep_pipeline=False)
+    ok = rep.feasible()
+    if not ok:
+        over = [s for s in rep.splits if s.over_memory_gib]
+        if over:  # valid layouts, none within memory: plan the least loaded one, which the dry run refuses
+            s = min(over, key=lambda s: (s.over_memory_gib, s.learner_nodes))
+            return s.learner_nodes, (
+                f"no split of {nodes} nodes fits the learner plan in memory (launch.learner.num_nodes: null); "
+                f"planned the least loaded one, {s.learner_nodes} learner node(s) ({s.over_memory_gib:g} GiB per GPU)")
+        first = next((s.reason for s in rep.splits if s.reason), "")
+        raise ValueError(f"launch.learner.num_nodes: null, but no split of {nodes} nodes fits the learner layout "
+                         f"(parallel: {first.removeprefix('no learner layout fits: ')[:160]}); set it explicitly or "
+                         "allocate more nodes")
+    best = max(ok, key=lambda s: (s.by_staleness[eta]["samples_per_s"], -s.learner_nodes))
+    r = best.by_staleness[eta]
+    return best.learner_nodes, (
+        f"split chosen by the planner (launch.learner.num_nodes: null): {best.learner_nodes} learner + "
+        f"{best.engine_nodes} engine node(s), {best.layout}, {r['samples_per_s']:.3f} samples/s predicted at "
+        f"max_staleness {eta} (of {len(ok)} admissible splits; launch.planner cost model)")
 
 
 def recommendation(rep: PlanReport) -> list[str]:
@@ -303,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write plan.json and throughput_plan.png (predicted throughput vs split and "
                    "vs max_staleness) into this directory")
     p.add_argument("--json", action="store_true", help="print the report as one JSON line instead")
-    p.add_argument("overrides", nargs="*", help="cost.<field>=v, workload.<field>=v, or experiment key=value")
+    p.add_argument("overrides", nargs="*", help="cost.<field>=v, workload.<field>=v (= launch.planner.cost/"
+                   "workload), or experiment key=value")
     args = p.parse_intermixed_args(argv)
     try:
         rep = build_plan_report(args.config, args.nodes, args.overrides, gpus_per_node=args.gpus_per_node,
@@ -314,16 +363,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(json.dumps(rep.to_dict()) if args.json else describe(rep), flush=True)
     if args.out:
-        out = Path(args.out)
         try:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "plan.json").write_text(json.dumps(rep.to_dict(), indent=1) + "\n")
+            said = write_plan(rep, Path(args.out))
         except OSError as e:
-            print(f"areal-mega plan: cannot write {out}: {e.strerror or e}", file=sys.stderr, flush=True)
+            print(f"areal-mega plan: cannot write {args.out}: {e.strerror or e}", file=sys.stderr, flush=True)
             return 1
-        from areal_mega.simulator.plot import plot_plan
-
-        png, why = plot_plan(rep, out / "throughput_plan.png")
-        print(f"plan written to {out / 'plan.json'}" + (f"; plot {png}" if png else f"; no plot: {why}"),
-              file=sys.stderr if args.json else sys.stdout, flush=True)
+        print(said, file=sys.stderr if args.json else sys.stdout, flush=True)
     return 0
+
+
+def write_plan(rep: PlanReport, out: Path) -> str:
+    """``plan.json`` and ``throughput_plan.png`` (predicted samples/s vs. split and vs.
+    max_staleness) into ``out``; returns the line saying what was written (OSError if not)."""
+    from areal_mega.simulator.plot import plot_plan
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(rep.to_dict(), indent=1) + "\n")
+    png, why = plot_plan(rep, out / "throughput_plan.png")
+    return f"plan written to {out / 'plan.json'}" + (f"; plot {png}" if png else f"; no plot: {why}")

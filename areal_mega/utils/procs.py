@@ -300,6 +300,12 @@ def stop_tree(procs: subprocess.Popen | Sequence[subprocess.Popen], grace_s: flo
     trees = set().union(*(tree_pids(p.pid, table) for p in procs)) if procs else set()
     for p in procs:
         if p.poll() is None:
+            signal_group(p.pid, sig)  # a live leader (torchrun) passes it on to what it runs
+            continue
+        # The leader is gone but its group may not be: members still get ``sig`` and the grace
+        # period, not a bare SIGKILL after it. (A group id is not reused while the group has
+        # members, so a group found in the table is still this one.)
+        if any(g == p.pid for _, g in table.values()):
             signal_group(p.pid, sig)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
