@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from areal_mega.algo.config import AlgorithmConfig
+from areal_mega.config import ConfigError
+from areal_mega.trainer.config import load_experiment
 from areal_mega.rollout.batch import split_minibatches
 from tests.support.launch import run_dist_script
 
@@ -54,6 +56,11 @@ def test_split_refuses_more_minibatches_than_groups_and_bad_config() -> None:
         AlgorithmConfig(num_minibatches=0).validate()
     with pytest.raises(ValueError, match="ppo_epochs"):
         AlgorithmConfig(ppo_epochs=0).validate()
+    # refused at start-up, not at the first batch: a batch holds rollout.batch_size groups
+    with pytest.raises(ConfigError, match="algorithm.num_minibatches: 5 mini-batches of whole groups need "
+                                          "rollout.batch_size >= 5"):
+        load_experiment("configs/grpo_smollm2.yaml", ["algorithm.num_minibatches=5"])
+    assert load_experiment("configs/grpo_smollm2.yaml", ["algorithm.num_minibatches=4"]).algorithm.num_minibatches == 4
 
 
 @pytest.mark.slow
