@@ -5,6 +5,8 @@ be fetched or converted).
 Two torchrun launches of tests/dist/smollm2_layouts.py, one per world size: 2 ranks (TP1 x DP2,
 PP2, PP2 x VPP3) and 3 ranks (TP3, PP3, TP3 with a padded vocabulary). In every layout the
 learner's fp32 log-probs of one real chat-templated text equal HF transformers' within 1e-4.
+And one 3-rank launch of tests/dist/smollm2_wsync_tp3.py: a TP3 learner's weights synced into a
+bf16 and an fp32 SGLang server (two server starts, in parallel).
 Measured 107 s (2 ranks) + 93 s (3 ranks) with the machine at load ~60 from other jobs.
 """
 
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.launch import REPO, child_env, run_dist_script
+from tests.support.launch import REPO, SGLANG_PYTHON, child_env, needs_sglang, run_dist_script
+from tests.support.numerics import ROW_PARALLEL_PER_LAYER, bf16_tol, fp32_tol, transformer_reductions
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -48,3 +51,46 @@ def test_learner_logprobs_equal_hf_on_smollm2(model_dir: Path, tmp_path: Path, n
         assert res["mean_logprob"] < -0.05  # a real model on real text: log-probs are not trivially 0
     if "tp3_pad" in r["layouts"]:
         assert r["layouts"]["tp3_pad"]["padded_vocab"] == 49500 and r["layouts"]["tp3"]["padded_vocab"] == 49152
+
+
+@needs_sglang
+def test_tp3_learner_weights_synced_into_bf16_and_fp32_servers(model_dir: Path, tmp_path: Path) -> None:
+    """tests/dist/smollm2_wsync_tp3.py: a perturbed TP3 learner synced (distributed, gloo) into a
+    bf16 and an fp32 SGLang server; the servers' log-probs of the real text equal the learner's
+    within the weight-sync limits of tests/test_weight_sync_sglang.py, and a server still at v0
+    would not (fp32: the control)."""
+    from areal_mega.inference.config import InferenceConfig, SGLangServerConfig
+    from areal_mega.inference.server import make_servers
+
+    servers = []
+    for dtype in ("bfloat16", "float32"):
+        cfg = InferenceConfig(num_servers=1, server=SGLangServerConfig(
+            python=SGLANG_PYTHON, model_path=str(model_dir), device="cpu", dtype=dtype, max_total_tokens=4096,
+            env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=900, log_dir=str(tmp_path / f"logs-{dtype}")))
+        servers += make_servers(cfg)
+    try:
+        for s in servers:  # both boot at once
+            s.start()
+        for s in servers:
+            s.wait_ready()
+        r = run_dist_script("smollm2_wsync_tp3.py", 3, tmp_path, timeout_s=1200,
+                            args=("--model", str(model_dir), "--bf16", servers[0].url, "--fp32", servers[1].url))
+    finally:
+        for s in servers:
+            s.close()
+    learner, scale = r["learner_v1"], r["logit_scale"]
+    rounds = transformer_reductions(30) + ROW_PARALLEL_PER_LAYER * 30
+    # bf16 server: weights rounded to bf16 and every reduction's output rounded once (fp32
+    # accumulation): the bound of test_weight_sync_sglang.lp_tol, 2 * bf16_tol(1, scale, ops=R).
+    # fp32 server: K-term reductions (largest K = 1536, the MLP down projection) in fp32.
+    tol = {"bfloat16": 2 * bf16_tol(1, scale, ops=rounds), "float32": 2 * fp32_tol(1536, scale, ops=rounds)}
+    for dtype in ("bfloat16", "float32"):
+        v0, v1 = r["v0"][dtype], r["v1"][dtype]
+        assert v0["version"] == "0" and v1["version"] == "1", dtype
+        diff = max(abs(a - b) for a, b in zip(v1["logprobs"], learner))
+        assert diff <= tol[dtype], (dtype, diff, tol[dtype])
+        assert r["sync"][dtype]["bytes"] > 0
+    # the control: the fp32 server before the sync is far from the perturbed learner
+    before = max(abs(a - b) for a, b in zip(r["v0"]["float32"]["logprobs"], learner))
+    assert before > 10 * tol["float32"], (before, tol["float32"])
+    assert r["sync"]["float32"]["bytes"] == 2 * r["sync"]["bfloat16"]["bytes"]
