@@ -213,7 +213,6 @@ def run_eval(config: str, overrides: list[str], *, model: str, out: str, spec: E
     ``<out>/items.jsonl``."""
     from transformers import AutoTokenizer
 
-    from areal_mega.config import ConfigError
     from areal_mega.inference.client import InferencePool
     from areal_mega.reward import build_reward
     from areal_mega.trainer.config import load_experiment
@@ -222,13 +221,8 @@ def run_eval(config: str, overrides: list[str], *, model: str, out: str, spec: E
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(model, out_dir)
-    try:
-        cfg = load_experiment(config, [f"model_path={model_dir}", f"inference.server.model_path={model_dir}",
-                                       *overrides])
-        cfg.workflow.validate()
-        cfg.inference.validate()
-    except ValueError as e:
-        raise e if isinstance(e, UserError) else ConfigError(str(e)) from None
+    # the whole tree is validated here; a bad key or value is a ConfigError naming it
+    cfg = load_experiment(config, [f"model_path={model_dir}", f"inference.server.model_path={model_dir}", *overrides])
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     try:
         items = load_items(cfg, tok, max_items)

@@ -12,6 +12,7 @@ Measured 107 s (2 ranks) + 93 s (3 ranks) with the machine at load ~60 from othe
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,7 @@ def test_learner_logprobs_equal_hf_on_smollm2(model_dir: Path, tmp_path: Path, n
     assert r["num_tokens"] >= 20
     assert sorted(r["layouts"]) == sorted(layouts.split(","))
     for name, res in r["layouts"].items():
+        print(name, json.dumps(res))
         assert res["max_abs_diff"] < TOL, (name, res)
         assert res["mean_logprob"] < -0.05  # a real model on real text: log-probs are not trivially 0
     if "tp3_pad" in r["layouts"]:
@@ -84,6 +86,9 @@ def test_tp3_learner_weights_synced_into_bf16_and_fp32_servers(model_dir: Path, 
     # accumulation): the bound of test_weight_sync_sglang.lp_tol, 2 * bf16_tol(1, scale, ops=R).
     # fp32 server: K-term reductions (largest K = 1536, the MLP down projection) in fp32.
     tol = {"bfloat16": 2 * bf16_tol(1, scale, ops=rounds), "float32": 2 * fp32_tol(1536, scale, ops=rounds)}
+    print(json.dumps({d: {"v1_max_diff": max(abs(a - b) for a, b in zip(r["v1"][d]["logprobs"], learner)),
+                          "v0_max_diff": max(abs(a - b) for a, b in zip(r["v0"][d]["logprobs"], learner)),
+                          "tol": tol[d], **r["sync"][d]} for d in tol}))
     for dtype in ("bfloat16", "float32"):
         v0, v1 = r["v0"][dtype], r["v1"][dtype]
         assert v0["version"] == "0" and v1["version"] == "1", dtype
