@@ -28,7 +28,7 @@ example:
 
 test:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
-	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE $(PYTEST_ARGS)
+	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE --durations=30 $(PYTEST_ARGS)
 
 # No process starts in this tier (no SGLang either): --audit-processes fails it if one does.
 test-fast:

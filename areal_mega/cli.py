@@ -61,6 +61,8 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="runs/demo")
     p.add_argument("--learner-python", default=sys.executable)
     p.add_argument("--sglang-python", default=None)
+    p.add_argument("--model", default="qwen2", choices=("qwen2", "qwen3_moe"),
+                   help="tiny model family (qwen3_moe: Qwen3-MoE, 8 experts, top-2)")
     sub.add_parser("plan", add_help=False,
                    help="predict the best inference/learner split and max_staleness (areal_mega.simulator)")
     args, rest = ap.parse_known_args(argv)
@@ -95,7 +97,8 @@ def _main(argv: list[str] | None = None) -> int:
     if args.cmd == "demo":
         from areal_mega.demo.run import run_demo
 
-        return run_demo(args.workdir, learner_python=args.learner_python, sglang_python=args.sglang_python)
+        return run_demo(args.workdir, learner_python=args.learner_python, sglang_python=args.sglang_python,
+                        model=args.model)
     return 2
 
 

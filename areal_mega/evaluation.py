@@ -93,9 +93,10 @@ class EvalSpec:
         return tuple(sorted({1, self.num_samples})) if self.num_samples else ()
 
 
-def eval_workflows(workflow_cfg: Any, tokenizer: Any, reward: Any, spec: EvalSpec) -> tuple[Any, Any]:
+def eval_workflows(workflow_cfg: Any, tokenizer: Any, reward: Any, spec: EvalSpec, tools: Any = None) -> tuple[Any, Any]:
     """(greedy workflow: one sample at temperature 0, sampling workflow for pass@k or None):
-    the training workflow with only group size and temperature changed."""
+    the training workflow with only group size and temperature changed (``tools``: the tool
+    registry of workflow kind "tool")."""
     from areal_mega.workflows import build_workflow
 
     greedy = dataclasses.replace(workflow_cfg, group_size=1,
@@ -104,8 +105,8 @@ def eval_workflows(workflow_cfg: Any, tokenizer: Any, reward: Any, spec: EvalSpe
     if spec.num_samples:
         sampled = dataclasses.replace(workflow_cfg, group_size=spec.num_samples,
                                       sampling=dataclasses.replace(workflow_cfg.sampling, temperature=spec.temperature))
-    return (build_workflow(greedy, tokenizer, reward),
-            build_workflow(sampled, tokenizer, reward) if sampled is not None else None)
+    return (build_workflow(greedy, tokenizer, reward, tools),
+            build_workflow(sampled, tokenizer, reward, tools) if sampled is not None else None)
 
 
 async def evaluate_items(engine: Any, greedy: Any, items: Sequence[dict[str, Any]], spec: EvalSpec,
@@ -230,20 +231,31 @@ def run_eval(config: str, overrides: list[str], *, model: str, out: str, spec: E
         raise e if isinstance(e, UserError) else EvalError(f"eval_data: {e}") from None
     if not items:
         raise EvalError("eval_data: no items to evaluate (set eval_data, or data.num_eval > 0)")
-    reward = build_reward(cfg.reward)
-    greedy, sampled = eval_workflows(cfg.workflow, tok, reward, spec)
+    tools = None
+    if cfg.workflow.kind == "tool":  # the same tool registry the trainer builds
+        from areal_mega.tools import build_tools
+
+        tools = build_tools(cfg.workflow.tools, timeout_s=cfg.workflow.tool_timeout_s,
+                            max_output_chars=cfg.workflow.tool_max_output_chars)
 
     async def main() -> tuple[dict[str, float], list[dict[str, Any]]]:
         pool = await InferencePool.launch(cfg.inference)
+        reward = None
         try:
+            # as the trainer builds it: a judge on the policy's servers uses this pool
+            reward = build_reward(cfg.reward, policy_engine=pool, policy_tokenizer=tok)
+            greedy, sampled = eval_workflows(cfg.workflow, tok, reward, spec, tools)
             return await evaluate_items(pool, greedy, items, spec, sampled)
         finally:
+            if reward is not None:
+                reward.close()
             await pool.close()
 
     try:
         summary, rows = asyncio.run(main())
     finally:
-        reward.close()
+        if tools is not None:
+            tools.close()
     summary = {"model": str(model_dir), "config": config, **summary,
                "temperature": spec.temperature if spec.num_samples else None, "num_samples": spec.num_samples}
     with open(out_dir / "items.jsonl", "w") as f:

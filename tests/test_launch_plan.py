@@ -423,3 +423,34 @@ def test_dry_run_checks_the_trainers_overrides(mode, config, extra, capsys):
     assert run(mode, config, ["actor.optimizer.lrr=1e-6"], dry_run=True, **extra) == 1
     err = capsys.readouterr().err
     assert "unknown key 'actor.optimizer.lrr'" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+CONFIG_30B_A3B = "configs/grpo_qwen3_30b_a3b.yaml"
+
+
+def test_plan_qwen3_30b_a3b_moe_fits_80gb():
+    """The MoE config's dry-run plan: TP2 x PP2 x EP8 learners fit 80 GB; the worst stage's
+    parameters per GPU computed by hand (experts split over EP8, dense weights over TP2)."""
+    cfg, raw, rest = load_launch_config(CONFIG_30B_A3B, [])
+    plan = build_plan(cfg, alloc(8, 8), raw=raw, config_path=CONFIG_30B_A3B, overrides=rest, python="PY")
+    assert str(plan.layout) == "dp=4 pp=2 cp=1 tp=2 ep=8 etp=1 (world_size=16)"
+    assert plan.learner_nodes == ("n1", "n2") and len(plan.engines) == 6 and plan.fits
+    m = ModelShape.from_arch(get_adapter(raw["launch"]["model_config"]).arch)
+    assert count_params(m).total(48) == 30_532_122_624 and count_params(m).active(48) == 3_353_032_704
+    h, layers, v = 2048, 24, 151936  # the last stage: 24 layers + final norm + output layer
+    attn = h * 4096 * 2 + 2 * h * 512  # q, o + k, v
+    replicated = layers * (2 * h + 2 * 128 + 128 * h) + h  # norms, q/k norms, router; final norm
+    experts = layers * 128 * 3 * 768 * h // 8  # EP8 x ETP1
+    assert plan.learner_memory.params == layers * attn // 2 + v * h // 2 + replicated + experts == 2_200_412_160
+    assert plan.learner_memory.total < 80 * GIB
+    # Adam m, v + fp32 master (12 bytes; TE spec: bf16 norms too): the expert state sharded over
+    # expert-dp (dp * tp / (ep * etp) = 1 here), the dense state over dp (4)
+    st = stage_state(m, plan.learner_memory.settings, plan.layout, 1)
+    dense = layers * attn // 2 + v * h // 2
+    assert st.optimizer == 12 * (dense + replicated) / 4 + 12 * experts / 1
+    text = plan.describe()
+    assert "2.20B params/GPU" in text and "-> fits" in text
+    # EP that does not divide a stage's ranks is refused with the arithmetic
+    with pytest.raises((ValueError, ConfigError), match=r"expert_parallel\(16\) \* expert_tensor_parallel\(1\) = 16"):
+        cfg, raw, rest = load_launch_config(CONFIG_30B_A3B, ["parallel.expert_parallel=16"])
+        build_plan(cfg, alloc(8, 8), raw=raw, config_path=CONFIG_30B_A3B, overrides=rest, python="PY")

@@ -1,6 +1,8 @@
 """Rewards: answer extraction, math-verify in worker processes, timeouts/crashes score 0,
-user functions by dotted path, the code sandbox (~8 s: worker start-up imports math-verify).
-The worker-pool and sandbox tests start processes: ``slow``."""
+user functions by dotted path, shaping (format, DAPO overlong penalty, weighted composition;
+hand-computed), the sandbox's refusal without namespaces (~8 s: worker start-up imports
+math-verify). The worker-pool tests start processes: ``slow``; the sandbox's attack suite is
+tests/test_sandbox.py."""
 
 import asyncio
 import os
@@ -9,9 +11,9 @@ import textwrap
 import pytest
 
 from areal_mega.config import ConfigError, from_dict
-from areal_mega.reward import RewardConfig, RewardWorkerPool, build_reward
-from areal_mega.reward.code import CodeReward
+from areal_mega.reward import COMPLETION_TOKENS, RewardConfig, RewardWorkerPool, build_reward, evaluate
 from areal_mega.reward.math import MathReward, extract_answer
+from areal_mega.reward.shaping import overlong_penalty
 
 
 @pytest.mark.parametrize(
@@ -91,16 +93,66 @@ def test_user_function_registry(helper_module):
         from_dict(RewardConfig, {"kind": "function", "function": "no_colon"})
 
 
-@pytest.mark.slow
-def test_code_reward_sandbox():
-    reward = CodeReward(timeout_s=1.0, memory_mb=256)
-    tests = [{"input": "2 3\n", "output": "5"}, {"input": "10 -4\n", "output": "6"}]
-    good = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
-    half = "```python\na, b = map(int, input().split())\nprint(5)\n```"
-    loop = "```python\nwhile True:\n    pass\n```"
-    hog = "```python\nx = bytearray(1 << 30)\nprint(5)\n```"
+def test_sandbox_refuses_without_namespaces(monkeypatch):
+    """Where namespaces are unavailable, the default mode refuses to run untrusted code and
+    names the key that opts into the weaker mode (no process is started)."""
+    import areal_mega.sandbox as sandbox
 
-    async def run():
-        return [await reward("", c, {"tests": tests}) for c in (good, half, loop, hog, "no code")]
+    monkeypatch.setattr(sandbox, "namespaces_unavailable", lambda: "needs root")
+    with pytest.raises(sandbox.SandboxUnavailable, match=r"sandbox.mode: 'namespaces' is unavailable .*needs root.*rlimits_only_unsafe"):
+        build_reward(RewardConfig(kind="code"))
+    with pytest.raises(ConfigError, match="reward.sandbox.mode"):
+        from_dict(RewardConfig, {"kind": "code", "sandbox": {"mode": "bwrap"}}, prefix="reward.")
 
-    assert asyncio.run(run()) == [1.0, 0.5, 0.0, 0.0, 0.0]
+
+@pytest.mark.parametrize("n,expected", [(0, 0.0), (15, 0.0), (16, -0.2), (18, -0.6), (20, -1.0), (21, -1.0), (500, -1.0)])
+def test_overlong_penalty_hand_computed(n, expected):
+    # DAPO eq. 13 with L_max = 20, L_cache = 5: 0 up to 15 tokens, then (15 - L) / 5, -1 past 20.
+    assert overlong_penalty(n, 20, 5) == pytest.approx(expected, abs=1e-12)
+
+
+def test_format_reward():
+    fmt = build_reward(RewardConfig(kind="format"))  # default: a non-empty \boxed{...}
+    assert [asyncio.run(fmt("q", c, {})) for c in ("so \\boxed{42}.", "42", "\\boxed{}")] == [1.0, 0.0, 0.0]
+    custom = build_reward(RewardConfig(kind="format", format_regex=r"^<think>.*</think>\s*Answer: \d+$"))
+    assert asyncio.run(custom("q", "<think>a\nb</think> Answer: 7", {})) == 1.0
+    assert asyncio.run(custom("q", "Answer: 7", {})) == 0.0
+    with pytest.raises(ConfigError, match=r"reward.format_regex: '\(' is not a valid regex"):
+        from_dict(RewardConfig, {"kind": "format", "format_regex": "("}, prefix="reward.")
+
+
+def test_composite_reward_weights_and_info(helper_module):
+    m = helper_module
+    cfg = from_dict(RewardConfig, {"kind": "composite", "components": [
+        {"kind": "function", "function": f"{m}:length", "isolate": False},
+        {"kind": "format", "weight": 0.5},
+        {"kind": "overlong", "weight": 2.0, "overlong_max_tokens": 20, "overlong_buffer_tokens": 5},
+    ]}, prefix="reward.")
+    fn = build_reward(cfg)
+    # "\boxed{7}" has 9 characters: 9 (length) + 0.5 * 1 (format) + 2 * (15 - 18) / 5 (overlong) = 8.3
+    r = asyncio.run(evaluate(fn, "q", "\\boxed{7}", {COMPLETION_TOKENS: 18}))
+    assert r.score == pytest.approx(9 + 0.5 - 1.2, abs=1e-12)
+    assert r.info["components"] == {"function": 9.0, "format": 1.0, "overlong": pytest.approx(-0.6)}
+    assert r.info["reasons"] == ["overlong"]
+    # plain text, short: 4 + 0 + 0, and the failed format is a reason
+    r = asyncio.run(evaluate(fn, "q", "abcd", {COMPLETION_TOKENS: 3}))
+    assert (r.score, r.info["reasons"]) == (4.0, ["format"])
+    assert asyncio.run(fn("q", "abcd", {COMPLETION_TOKENS: 3})) == 4.0  # the float interface
+    with pytest.raises(ValueError, match=COMPLETION_TOKENS):
+        asyncio.run(fn("q", "abcd", {}))  # the length term needs the workflow's token count
+    fn.close()
+
+
+@pytest.mark.parametrize("components,match", [
+    ([], "reward.components: kind 'composite' needs at least one component"),
+    ([{"kind": "overlong", "overlong_max_tokens": 4, "overlong_buffer_tokens": 5}], r"reward.components\[0\].overlong_buffer_tokens"),
+    ([{"kind": "composite", "components": [{"kind": "format"}]}], r"reward.components\[0\].kind: a composite cannot contain"),
+    ([{"kind": "format"}, {"kind": "format", "format_regex": "x"}], None),
+])
+def test_composite_config_refusals(components, match):
+    if match is None:  # repeated kinds get positional names
+        cfg = from_dict(RewardConfig, {"kind": "composite", "components": components}, prefix="reward.")
+        assert cfg.component_names() == ["format0", "format1"]
+        return
+    with pytest.raises(ConfigError, match=match):
+        from_dict(RewardConfig, {"kind": "composite", "components": components}, prefix="reward.")

@@ -253,3 +253,34 @@ def test_pause_stops_admission():
         return b
 
     assert len(asyncio.run(run()).groups) == 2
+
+
+def test_inflight_time_is_logged_per_batch():
+    """rollout/gen_inflight_s (what the simulator's calibration fits each run's decode speed on):
+    in synchronous mode nothing is in flight while the learner "trains", so the in-flight times
+    and the training sleeps add up to at most the wall time; every batch waited for at least one
+    episode's generation (>= the engine's minimum sleep)."""
+    import time
+
+    async def run():
+        rng = random.Random(0)
+        engine = FakeEngine(rng, chunk_sleep=(0.004, 0.004), tail_p=0.0)
+        cfg = RolloutConfig(batch_size=2, max_staleness=0, max_concurrent=2, show_progress=False)
+        ctrl = RolloutController(engine, GroupWorkflow(), dataset(), cfg)
+        t0 = time.monotonic()
+        await ctrl.astart()
+        inflight, train = [], 0.05
+        try:
+            for v in range(4):
+                batch = await ctrl.aget_batch()
+                inflight.append(batch.stats["rollout/gen_inflight_s"])
+                await asyncio.sleep(train)  # "training": admission is closed at max_staleness 0
+                engine.set_version(v + 1)
+                ctrl.set_version(v + 1)
+        finally:
+            await ctrl.aclose()
+        return inflight, time.monotonic() - t0, train
+
+    inflight, wall, train = asyncio.run(run())
+    assert all(x >= 0.004 for x in inflight), inflight  # >= one chunk's sleep of one episode
+    assert sum(inflight) + 4 * train <= wall, (inflight, wall)

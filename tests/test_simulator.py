@@ -165,11 +165,12 @@ def test_no_torch_import():
 # ---- calibration ---------------------------------------------------------------------------------
 
 
-def _rows(n, *, rollout, learner, sync, traj=32, gen=250, total=540, staleness=0.0):
+def _rows(n, *, rollout, learner, sync, traj=32, gen=250, total=540, staleness=0.0, inflight=None):
+    extra = {} if inflight is None else {"rollout/gen_inflight_s": inflight}
     return [{"step": i + 1, "perf/step_s": rollout + learner + sync, "time/rollout_s": rollout,
              "time/prox_logp_s": learner / 3, "time/train_s": learner * 2 / 3, "time/weight_sync_s": sync,
              "rollout/num_trajectories": float(traj), "rollout/num_generated_tokens": float(gen),
-             "train/num_tokens": float(total), "staleness/mean": staleness} for i in range(n)]
+             "train/num_tokens": float(total), "staleness/mean": staleness, **extra} for i in range(n)]
 
 
 def test_calibration_reproduces_a_consistent_run(tmp_path):
@@ -190,6 +191,32 @@ def test_calibration_reproduces_a_consistent_run(tmp_path):
     assert res["predicted_sync"] == pytest.approx(sync.samples_per_s, rel=1e-4)
     assert res["predicted_async"] == pytest.approx(asyn.samples_per_s, rel=1e-3)
     assert res["max_rel_error"] < 0.01 + abs(asyn.samples_per_s - res["measured_async"]) / res["measured_async"]
+
+
+def test_calibration_fits_each_runs_own_decode_speed():
+    """A run whose generation ran at a third of the speed (training on the same cores, other load)
+    is reproduced from its own logged in-flight time; carrying the other run's decode speed over
+    (the control) mispredicts it."""
+    from areal_mega.simulator.calibrate import calibrate_and_predict
+
+    true = _det(0, B=4, G=8, L=8, P=9, peak=3000.0, half=32.0, a=0.11, b=0.0, S=0.035, steps=8)
+    sync = simulate(true)
+    slow = simulate(SimConfig(**{**true.__dict__, "max_staleness": 2, "max_concurrent": 4,
+                                 "decode": DecodeModel(peak_tokens_per_s=1000.0, half_batch=32.0)}))
+    assert 0 < sync.gen_inflight_s and 0 < slow.gen_inflight_s <= slow.step_s
+    sync_rows = _rows(11, rollout=sync.gen_wait_s, learner=0.11, sync=0.035, gen=256, total=32 * 17,
+                      inflight=sync.gen_inflight_s)
+    slow_rows = _rows(11, rollout=slow.gen_wait_s, learner=0.11, sync=0.035, gen=256, total=32 * 17,
+                      inflight=slow.gen_inflight_s)
+    res = calibrate_and_predict(sync_rows, slow_rows, batch_size=4, group_size=8, max_staleness=2, max_concurrent=4,
+                                max_new_tokens=8, warmup_steps=2, half_batch=32.0)
+    cal = res["calibration"]
+    assert cal["decode_fitted_on"] == "rollout/gen_inflight_s"
+    assert cal["decode_peak_tokens_per_s"] == pytest.approx(3000.0, rel=1e-3)
+    assert cal["decode_peak_tokens_per_s_async_run"] == pytest.approx(1000.0, rel=1e-3)
+    assert res["predicted_async"] == pytest.approx(slow.samples_per_s, rel=1e-3)
+    assert res["predicted_sync"] == pytest.approx(sync.samples_per_s, rel=1e-3)
+    assert res["rel_error_async_sync_decode"] > 0.15  # the sync run's speed would predict the slow run badly
 
 
 def test_calibration_bad_input(tmp_path):

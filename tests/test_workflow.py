@@ -9,6 +9,7 @@ import torch
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationResult, SamplingParams
 from areal_mega.reward.math import extract_answer
+from areal_mega.reward.shaping import CompositeReward, FormatReward, OverlongPenalty
 from areal_mega.algo.advantages import compute_advantages
 from areal_mega.rollout.batch import trajectories_to_batch
 from areal_mega.algo.config import AlgorithmConfig
@@ -16,6 +17,8 @@ from areal_mega.rollout.config import RolloutConfig
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.algo.losses import PPOActorLoss, global_counts
 from areal_mega.workflows import WorkflowConfig, build_workflow, calculator
+from areal_mega.reward import COMPLETION_TOKENS
+from areal_mega.tools import FunctionTool, ToolRegistry, calculator_tool, schema_of
 from areal_mega.workflows.tool import cut_after_tool_call
 
 EOS = 3
@@ -75,6 +78,32 @@ def test_single_turn_group():
     assert eng.requests[0][1].stop_token_ids == [EOS]  # EOS added to the stop ids
 
 
+def test_single_turn_shaping_sees_token_counts_and_reasons_reach_the_stats():
+    """The workflow passes the generated-token count (reply + EOS) to the reward; a composite
+    of format + DAPO overlong (L_max 8, L_cache 4) then scores by hand: "ab"+EOS = 3 tokens ->
+    0 + 0 (no digit); "12345"+EOS = 6 -> 1 + (4 - 6) / 4 = 0.5; "1234567"+EOS = 8 -> 1 - 1 = 0.
+    The failure reasons are counted in the controller's batch stats."""
+    replies = ["ab", "12345", "1234567"]
+    eng = ScriptedEngine(lambda text, n: replies[n % 3])
+    fn = CompositeReward([(1.0, "format", FormatReward(r"\d")), (1.0, "overlong", OverlongPenalty(8, 4))])
+    wf = build_workflow(WorkflowConfig(group_size=3, sampling=SamplingParams(max_new_tokens=32)), CharTok(), fn)
+    trajs = asyncio.run(wf.arun_episode(eng, SAMPLE))
+    assert [t.reward for t in trajs] == [0.0, 0.5, 0.0]
+    assert [t.info["reward_info"]["overlong"]["num_tokens"] for t in trajs] == [3, 6, 8]
+
+    async def run():
+        ctrl = RolloutController(ScriptedEngine(lambda text, n: replies[n % 3]), wf, [SAMPLE],
+                                 RolloutConfig(batch_size=1, max_staleness=0, show_progress=False))
+        await ctrl.astart()
+        try:
+            return await ctrl.aget_batch()
+        finally:
+            await ctrl.aclose()
+
+    stats = asyncio.run(run()).stats
+    assert stats["reward/reason/format"] == 1.0 and stats["reward/reason/overlong"] == 2.0
+
+
 def test_multi_turn_feedback_masked_and_discounted():
     eng = ScriptedEngine(lambda text, n: "The answer is 4." if "not correct" in text else "The answer is 5.")
     cfg = WorkflowConfig(kind="multi_turn", group_size=1, max_turns=3, turn_discount=0.5, feedback=" No, not correct. A:")
@@ -109,6 +138,41 @@ def test_tool_call_cut_and_result_masked():
     assert t.logprobs[p : p + len(call)] == [-(j + 1) / 100 for j in range(len(call))]
     assert t.reward == 1.0 and t.info["num_tool_calls"] == 1
     assert cut_after_tool_call(tok, tok.encode("no call here")) is None
+
+
+def test_tool_workflow_dispatches_by_name_from_the_registry():
+    """Two tools, JSON and plain-text arguments, an unknown tool name (not a call: only registered
+    names are tags), a tool error shown to the model, the token count passed to the reward."""
+
+    async def lookup(key: str, upper: bool = False) -> str:
+        """Look a key up."""
+        value = {"x": "forty"}.get(key, "missing")
+        return value.upper() if upper else value
+
+    reg = ToolRegistry([calculator_tool("calc"), FunctionTool("lookup", "Look a key up.", schema_of(lookup), lookup)])
+    replies = iter(['<nope>1</nope> <lookup>{"key": "x", "upper": true}</lookup> tail', "<calc>40 + 2</calc>",
+                    "<calc>1/0</calc>", "<lookup>{\"bad\": 1}</lookup>", "done 42"])
+    eng = ScriptedEngine(lambda text, n: next(replies))
+    seen = {}
+
+    async def reward(prompt, completion, data):
+        seen.update(data)
+        return float("42" in completion)
+
+    cfg = WorkflowConfig(kind="tool", group_size=1, max_turns=5)  # its tools: the registry passed
+    wf = build_workflow(cfg, CharTok(), reward, reg)
+    (t,) = asyncio.run(wf.arun_episode(eng, SAMPLE))
+    tok = CharTok()
+    expected = ('<nope>1</nope> <lookup>{"key": "x", "upper": true}</lookup><result>FORTY</result>'
+                "<calc>40 + 2</calc><result>42</result><calc>1/0</calc><result>error: division by zero</result>"
+                '<lookup>{"bad": 1}</lookup><result>error: lookup takes [\'key\', \'upper\'], got [\'bad\']</result>done 42')
+    assert tok.decode(t.input_ids) == SAMPLE["prompt"] + expected
+    assert t.info["tool_calls"] == ["lookup", "calc", "calc", "lookup"] and t.reward == 1.0
+    assert seen[COMPLETION_TOKENS] == sum(t.loss_mask)
+    assert reg.schemas()[1] == {"type": "function", "function": {"name": "lookup", "description": "Look a key up.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}, "upper": {"type": "boolean"}},
+                       "required": ["key"]}}}
+    assert asyncio.run(reg.call("nope", {})).startswith("error: unknown tool 'nope'")
 
 
 @pytest.mark.parametrize(

@@ -9,16 +9,20 @@ lengths (``areal_mega.simulator.calibrate``), simulates both modes and prints ON
 
   predicted_sync, measured_sync, predicted_async, measured_async   samples/s
   max_rel_error        max over both modes of |predicted - measured| / measured (target <= 0.15)
+  predicted_async_sync_decode, rel_error_async_sync_decode
+                       the async run with the SYNCHRONOUS run's decode speed (its own learner timings)
   predicted_async_sync_timings_only, rel_error_async_sync_timings_only
                        the async run predicted from the SYNCHRONOUS run's timings only
   predicted_speedup, measured_speedup, predicted/measured_staleness_mean, calibration, sim_*
 
-``measurement_warning`` is non-empty when the machine was overloaded or its speed changed between
-the two runs (the learner's own step differs by more than 2x): the decode model fitted on the
-sync run then does not describe the async run, and the comparison is void.
-The synchronous prediction is close to exact by construction (its generation time is what the
-decode model is fitted to, its learner and sync times are inputs); the asynchronous one tests
-the simulated overlap, the pauses at weight sync and the staleness rules.
+Each run is reproduced from its own logged timings: learner and weight-sync times, and its decode
+speed fitted on its own ``rollout/gen_inflight_s`` (time with an episode in flight), so a run slowed
+by load -- or by generation and training sharing the cores -- is described at its own speed and the
+two runs need not see the same machine. The synchronous prediction is then close to exact by
+construction; the asynchronous one tests the simulated overlap, the pauses at weight sync and the
+staleness rules. ``measurement_warning`` flags an overloaded machine or a speed change between
+the runs (the learner's own step differs by more than 2x): the two out-of-sample figures
+(``*_sync_decode``, ``*_sync_timings_only``) are then void, the per-run ones are not.
 ``--reuse`` skips the measurement and recalibrates on the runs already in ``--work-dir``.
 """
 
@@ -111,7 +115,7 @@ def main() -> int:
     res["measured_sync_bench_async"] = bench.get("sync_samples_per_s")
     res["measured_async_bench_async"] = bench.get("async_samples_per_s")
     res["loadavg_before"], res["loadavg_after"] = bench.get("loadavg_before"), bench.get("loadavg_after")
-    # The calibration carries the sync run's decode speed over to the async run: it only means
+    # The out-of-sample figures carry the sync run's speeds over to the async run: they only mean
     # something if the machine ran at the same speed in both. Flag runs where it did not.
     cal = res["calibration"]
     ratio = cal["learner_sync_run"]["fixed_s"] / max(cal["learner_async_run"]["fixed_s"], 1e-9)

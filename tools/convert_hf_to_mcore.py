@@ -1,6 +1,6 @@
 """PYTHONPATH=. python -m torch.distributed.run --nproc-per-node 4 tools/convert_hf_to_mcore.py --hf-dir HF_DIR --out CKPT_DIR --tp 2 --pp 2
 
-Convert an HF Llama/Qwen2 checkpoint (safetensors) into an areal_mega megatron checkpoint (the
+Convert an HF Llama/Qwen2/Qwen3/Qwen3-MoE checkpoint (safetensors) into an areal_mega megatron checkpoint (the
 one format of areal_mega/megatron/checkpoint.py, weights only) written in the given layout (it
 loads in any other layout later). Runs on tp * pp * dp processes (plain ``python`` = one
 process, TP1 x PP1). Everything is validated -- the HF directory, model_type, every tensor's
@@ -41,7 +41,8 @@ def _check_args(args: argparse.Namespace) -> None:
         torch_dtype(args.dtype)  # names the choices
     MegatronModelConfig(dtype=args.dtype, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by).validate()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    pcfg = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, virtual_pipeline_parallel=args.vpp)
+    pcfg = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, virtual_pipeline_parallel=args.vpp,
+                       expert_parallel=args.ep, expert_tensor_parallel=args.etp)
     layout = ParallelLayout.build(pcfg, world)
     a = adapter.arch
     layout.check_model(a.num_layers, a.num_heads, a.num_kv_heads)
@@ -68,7 +69,8 @@ def convert(args: argparse.Namespace) -> int:
     own_world = init_process_group_for_script("gloo")  # False when called inside a running world
     t0 = time.time()
     layout = ParallelLayout.build(
-        ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, virtual_pipeline_parallel=args.vpp),
+        ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, virtual_pipeline_parallel=args.vpp,
+                       expert_parallel=args.ep, expert_tensor_parallel=args.etp),
         dist.get_world_size(),
     )
     groups = init_model_parallel(layout, backend="gloo")
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-dir", required=True, help="HF model directory (config.json + *.safetensors)")
     ap.add_argument("--out", required=True, help="output checkpoint directory (must not exist or be empty)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size to build the model with")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    ap.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (MoE; default: --tp)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     ap.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
     ap.add_argument("--dtype", default=None, help="parameter dtype (default: the checkpoint's)")

@@ -38,7 +38,8 @@ def _check_args(args: argparse.Namespace) -> dict:
 
     arch = get_adapter(meta["hf_config"]).arch
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp), world)
+    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep,
+                                   expert_tensor_parallel=args.etp), world)
     layout.check_model(arch.num_layers, arch.num_heads, arch.num_kv_heads)
     if args.tokenizer_dir is not None and not Path(args.tokenizer_dir).is_dir():
         raise ValueError(f"--tokenizer-dir: {args.tokenizer_dir} is not a directory")
@@ -52,7 +53,8 @@ def convert(args: argparse.Namespace) -> int:
     _check_args(args)
     from areal_mega.megatron.hf_export import export_checkpoint
 
-    export_checkpoint(args.ckpt, args.out, tp=args.tp, pp=args.pp, tokenizer_dir=args.tokenizer_dir, prog=PROG)
+    export_checkpoint(args.ckpt, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
+                      tokenizer_dir=args.tokenizer_dir, prog=PROG)
     return 0
 
 
@@ -61,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt", required=True, help="areal_mega checkpoint directory (e.g. a run's checkpoints/latest)")
     ap.add_argument("--out", required=True, help="output HF directory (must not exist or be empty)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load the checkpoint at")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    ap.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (MoE; default: --tp)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (one safetensors file per stage)")
     ap.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here (default: the checkpoint's source HF dir)")
     args = ap.parse_args(argv)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -25,6 +26,13 @@ class SamplingParams:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+
+    def with_stop_token(self, token_id: int | None) -> "SamplingParams":
+        """A copy whose stop ids include ``token_id`` (a tokenizer's EOS; None: unchanged)."""
+        stops = list(self.stop_token_ids)
+        if token_id is not None and token_id not in stops:
+            stops.append(token_id)
+        return dataclasses.replace(self, stop_token_ids=stops)
 
 
 @dataclass

@@ -34,8 +34,8 @@ def _run(cmd: list[str], env: dict[str, str], log: Path) -> None:
         raise SystemExit(f"demo: command failed (exit {rc}); last lines of {log}:\n" + "\n".join(tail))
 
 
-def run_demo(workdir: str, *, learner_python: str, sglang_python: str | None) -> int:
-    summary = run_pipeline(workdir, learner_python=learner_python, sglang_python=sglang_python)
+def run_demo(workdir: str, *, learner_python: str, sglang_python: str | None, model: str = "qwen2") -> int:
+    summary = run_pipeline(workdir, learner_python=learner_python, sglang_python=sglang_python, model=model)
     print(json.dumps(summary), flush=True)
     before, after = summary["heldout_accuracy_before"], summary["heldout_accuracy_after"]
     print(f"held-out accuracy: {before:.1%} before RL -> {after:.1%} after {summary['rl_steps']} async GRPO steps "
@@ -43,11 +43,12 @@ def run_demo(workdir: str, *, learner_python: str, sglang_python: str | None) ->
     return 0
 
 
-def make_task(tiny: Path, *, learner_python: str, env: dict[str, str], num_layers: int = 2) -> None:
+def make_task(tiny: Path, *, learner_python: str, env: dict[str, str], num_layers: int = 2,
+              model: str = "qwen2") -> None:
     """Stage 1 (skipped when ``tiny`` already holds it): the tiny model and the addition task."""
     if not (tiny / "model" / "config.json").exists():
-        _run([learner_python, "-m", "areal_mega.demo.tiny", "--out", str(tiny), "--num-layers", str(num_layers)],
-             env, tiny.parent / f"{tiny.name}.log")
+        _run([learner_python, "-m", "areal_mega.demo.tiny", "--out", str(tiny), "--num-layers", str(num_layers),
+              "--model", model], env, tiny.parent / f"{tiny.name}.log")
 
 
 def run_rl(rl_config: str, *, model_dir: Path, task: Path, out: Path, steps: int, learner_python: str,
@@ -63,12 +64,13 @@ def run_rl(rl_config: str, *, model_dir: Path, task: Path, out: Path, steps: int
 
 def run_pipeline(workdir: str, *, learner_python: str, sglang_python: str | None, sft_steps: int = 300,
                  rl_steps: int = 30, extra: list[str] | None = None, rl_config: str = "configs/grpo_tiny.yaml",
-                 rl_name: str = "grpo", reuse_sft: bool = False) -> dict:
+                 rl_name: str = "grpo", reuse_sft: bool = False, model: str = "qwen2") -> dict:
     """Stages 1-3; returns the summary (accuracies, eval curve, max staleness, wall time).
 
     ``rl_config``/``rl_name``: the RL experiment and its output folder under ``workdir`` (e.g.
     configs/ppo_tiny.yaml, "ppo"); ``reuse_sft``: skip stage 2 when ``workdir`` already holds its
-    HF export (several RL runs from one SFT model)."""
+    HF export (several RL runs from one SFT model); ``model``: the tiny model's family
+    (areal_mega/demo/tiny.py: qwen2, or qwen3_moe for the mixture-of-experts path)."""
     if not sglang_python:
         raise SystemExit("demo: --sglang-python is required (make demo passes the SGLang venv's python)")
     w = (REPO / workdir).resolve() if not os.path.isabs(workdir) else Path(workdir)
@@ -76,7 +78,7 @@ def run_pipeline(workdir: str, *, learner_python: str, sglang_python: str | None
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     t0 = time.time()
     tiny, sft, rl = w / "tiny", w / "sft", w / rl_name
-    make_task(tiny, learner_python=learner_python, env=env)
+    make_task(tiny, learner_python=learner_python, env=env, model=model)
     print(f"[{time.time() - t0:5.0f}s] stage 1/3: tiny model and task in {tiny}", flush=True)
 
     if not (reuse_sft and (sft / "hf" / "config.json").exists()):

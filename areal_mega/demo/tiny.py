@@ -36,20 +36,32 @@ def build_tokenizer(out_dir: Path) -> None:
     fast.save_pretrained(str(out_dir))
 
 
-def build_model(out_dir: Path, *, num_layers: int = 2, hidden: int = 128, vocab_size: int = 128,
-                seed: int = 0) -> None:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+MODELS = ("qwen2", "qwen3_moe")
 
+
+def build_model(out_dir: Path, *, num_layers: int = 2, hidden: int = 128, vocab_size: int = 128,
+                seed: int = 0, family: str = "qwen2") -> None:
+    """``family`` "qwen2" (dense, MLP 4h) or "qwen3_moe" (QK-norm, 8 experts of h, top-2
+    renormalised; active MLP width 2h, half the dense one): the MoE path end to end."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if family not in MODELS:
+        raise ValueError(f"--model: {family!r} is not one of {MODELS}")
     torch.manual_seed(seed)
-    cfg = Qwen2Config(
+    common = dict(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 4,
         num_hidden_layers=num_layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=256,
         rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
     )
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    if family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**common, moe_intermediate_size=hidden, num_experts=8, num_experts_per_tok=2,
+                             norm_topk_prob=True)
+        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common)).to(torch.bfloat16)
     model.save_pretrained(str(out_dir), safe_serialization=True)
 
 
@@ -94,6 +106,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--model", default="qwen2", choices=MODELS, help="tiny model family (qwen3_moe: 8 experts, top-2)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--max-operand", type=int, default=9)
     ap.add_argument("--num-test", type=int, default=30)
@@ -104,7 +117,7 @@ def main() -> None:
     out = Path(args.out)
     (out / "model").mkdir(parents=True, exist_ok=True)
     build_tokenizer(out / "model")
-    build_model(out / "model", num_layers=args.num_layers, hidden=args.hidden, seed=args.seed)
+    build_model(out / "model", num_layers=args.num_layers, hidden=args.hidden, seed=args.seed, family=args.model)
     write_data(out / "data", max_operand=args.max_operand, num_test=args.num_test, num_sft=args.num_sft,
                sft_noise=args.sft_noise, seed=args.seed)
     print(json.dumps({"model": str(out / "model"), "data": str(out / "data")}))

@@ -46,6 +46,18 @@ class ModelShape:
     """Biases on the q/k/v projections (Qwen2: true; Llama: false)."""
     dtype: str = "bfloat16"
     """The checkpoint's storage dtype (what the engine trains in when actor.model.dtype is null)."""
+    num_experts: int = 0
+    """MoE: routed experts per layer (every layer MoE, Qwen3-MoE); 0 = dense MLP."""
+    moe_intermediate_size: int = 0
+    """MoE: each expert's inner width (f_e); an expert is a gated MLP of 3*h*f_e weights."""
+    num_experts_per_tok: int = 0
+    """MoE: experts each token is routed to (k): activations scale with k*f_e, not E*f_e."""
+    qk_layernorm: bool = False
+    """Per-head q/k RMSNorms (Qwen3): 2*d replicated weights per layer."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_arch(cls, arch) -> "ModelShape":
@@ -53,7 +65,9 @@ class ModelShape:
         return cls(num_hidden_layers=arch.num_layers, hidden_size=arch.hidden_size,
                    intermediate_size=arch.ffn_hidden_size, num_attention_heads=arch.num_heads,
                    num_key_value_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, head_dim=arch.head_dim,
-                   tie_word_embeddings=arch.tie_word_embeddings, attention_bias=arch.qkv_bias, dtype=arch.dtype)
+                   tie_word_embeddings=arch.tie_word_embeddings, attention_bias=arch.qkv_bias, dtype=arch.dtype,
+                   num_experts=arch.num_experts or 0, moe_intermediate_size=arch.moe_ffn_hidden_size or 0,
+                   num_experts_per_tok=arch.moe_topk, qk_layernorm=arch.qk_layernorm)
 
     @property
     def d(self) -> int:

@@ -19,6 +19,18 @@ Parameters (Llama/Qwen2 decoder, gated MLP, RMSNorm):
                 + 2*h [norms, replicated over TP]
     embedding   V*h (vocab-parallel over TP), output layer V*h unless tied, final norm h.
     Llama-3-70B (L=80, h=8192, f=28672, a=64, g=8, V=128256): 70,553,706,496.
+    Qwen3 adds q/k norms, 2*d per layer (replicated).
+    MoE (Qwen3-MoE, E experts of width f_e, top-k): the MLP is E experts of 3*h*f_e, sharded
+    over expert parallelism x expert TP (ep * etp GPUs share one copy), plus the router E*h
+    (replicated). Qwen3-30B-A3B: 30,532,122,624 total, of which a token uses 3.3B (k=8 of 128).
+
+MoE learner state: expert weights / grads per GPU are L_stage * E * 3*h*f_e / (ep * etp);
+their distributed-optimizer share is divided by the EXPERT data-parallel size
+edp = dp*cp*tp / (ep*etp), not dp (megatron shards expert optimizer state over the expert-DP
+group). Activations use the ACTIVE width: each token passes through k experts, so the MLP terms
+below read k*f_e for f, plus the dispatcher: the router's fp32 logits/probabilities (8*E per
+token), the permuted token copies sent to and received from the experts (2 * k * b*h per token,
+all-to-all in and out) -- on average; a skewed router puts more tokens on some EP ranks.
 
 Learner state, per GPU of pipeline stage k (layers split evenly; embedding on stage 0, output
 layer on stage p-1, which keeps its own copy when embeddings are tied under PP):
@@ -93,16 +105,24 @@ class ParamCount:
     layer_sharded: int
     """One decoder layer's TP-sharded weights (q, k, v, o, MLP, qkv biases)."""
     layer_replicated: int
-    """One decoder layer's norms."""
+    """One decoder layer's norms (and MoE router)."""
     embedding: int
     """Input embedding V*h (vocab-parallel)."""
     output: int
     """Output layer V*h, 0 when tied to the embedding."""
     final_norm: int
+    layer_expert: int = 0
+    """One decoder layer's routed experts (all E), split over ep x etp GPUs; 0 for dense."""
+    layer_active_expert: int = 0
+    """The experts one token uses (k of E)."""
 
     def total(self, num_layers: int) -> int:
-        layers = num_layers * (self.layer_sharded + self.layer_replicated)
+        layers = num_layers * (self.layer_sharded + self.layer_replicated + self.layer_expert)
         return layers + self.embedding + self.output + self.final_norm
+
+    def active(self, num_layers: int) -> int:
+        """Parameters one token passes through (MoE: k experts of E; dense: all)."""
+        return self.total(num_layers) - num_layers * (self.layer_expert - self.layer_active_expert)
 
 
 def count_params(m: ModelShape, vocab: int | None = None) -> ParamCount:
@@ -110,9 +130,15 @@ def count_params(m: ModelShape, vocab: int | None = None) -> ParamCount:
     h, f, d = m.hidden_size, m.intermediate_size, m.d
     qd, kvd = m.num_attention_heads * d, m.num_key_value_heads * d
     attn = h * qd + 2 * h * kvd + qd * h + ((qd + 2 * kvd) if m.attention_bias else 0)
-    mlp = 3 * h * f
     emb = (vocab or m.vocab_size) * h
-    return ParamCount(layer_sharded=attn + mlp, layer_replicated=2 * h, embedding=emb,
+    norms = 2 * h + (2 * d if m.qk_layernorm else 0)
+    if m.is_moe:
+        expert = 3 * h * m.moe_intermediate_size
+        return ParamCount(layer_sharded=attn, layer_replicated=norms + m.num_experts * h, embedding=emb,
+                          output=0 if m.tie_word_embeddings else emb, final_norm=h,
+                          layer_expert=m.num_experts * expert, layer_active_expert=m.num_experts_per_tok * expert)
+    mlp = 3 * h * f
+    return ParamCount(layer_sharded=attn + mlp, layer_replicated=norms, embedding=emb,
                       output=0 if m.tie_word_embeddings else emb, final_norm=h)
 
 
@@ -250,9 +276,22 @@ def _attention_mask_terms(m: ModelShape, s: LearnerSettings, t: int) -> tuple[fl
     return inner, inner
 
 
+def _active_mlp_width(m: ModelShape) -> int:
+    """f of the activation terms: the MLP width a token passes through (MoE: k * f_e)."""
+    return m.num_experts_per_tok * m.moe_intermediate_size if m.is_moe else m.intermediate_size
+
+
+def _dispatch_bytes_per_token(m: ModelShape, s: LearnerSettings) -> float:
+    """MoE router fp32 logits + probabilities, and the permuted token copies (to and from the
+    experts, k each); 0 for dense models."""
+    if not m.is_moe:
+        return 0.0
+    return 8 * m.num_experts + 2 * m.num_experts_per_tok * s.b * m.hidden_size
+
+
 def layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int) -> float:
     """Bytes one layer keeps per micro-batch token for backward without recompute."""
-    h, f, d, a, b = m.hidden_size, m.intermediate_size, m.d, m.num_attention_heads, s.b
+    h, f, d, a, b = m.hidden_size, _active_mlp_width(m), m.d, m.num_attention_heads, s.b
     sig = t if s.sequence_parallel else 1
     rope = 4 * b * d
     attn, _ = _attention_mask_terms(m, s, t)
@@ -262,7 +301,7 @@ def layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int) -> float:
     else:
         norms_linears = 2 * (8 * h + 4) / sig + 2 * b * h / sig
         mlp = 5 * b * f / t
-    return norms_linears + rope + attn + b * a * d / t + mlp
+    return norms_linears + rope + attn + b * a * d / t + mlp + _dispatch_bytes_per_token(m, s)
 
 
 def selective_layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int) -> float:
@@ -287,11 +326,11 @@ def activation_bytes_per_token(m: ModelShape, s: LearnerSettings, tp: int) -> fl
 def _mlp_half_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int) -> float:
     """What a layer's MLP half keeps (pre-MLP norm, fc1 input, MLP internals): freed by the time
     backward reaches that layer's attention."""
-    h, f, b = m.hidden_size, m.intermediate_size, s.b
+    h, f, b = m.hidden_size, _active_mlp_width(m), s.b
     sig = t if s.sequence_parallel else 1
     if s.layer_spec == "te":
-        return (2 * b * h + 4) / sig + 3 * b * f / t
-    return (8 * h + 4) / sig + b * h / sig + 5 * b * f / t
+        return (2 * b * h + 4) / sig + 3 * b * f / t + _dispatch_bytes_per_token(m, s)
+    return (8 * h + 4) / sig + b * h / sig + 5 * b * f / t + _dispatch_bytes_per_token(m, s)
 
 
 def _chunk_bytes(m: ModelShape, s: LearnerSettings, t: int, layers: int) -> tuple[float, float]:
@@ -384,18 +423,23 @@ def stage_state(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, stage
         else:
             # Tied embeddings under PP: the last stage holds its own copy of the embedding.
             sharded += (pc.output or (pc.embedding if p > 1 else 0)) // t
+    experts = layers * pc.layer_expert // (layout.ep * layout.etp)  # MoE: this GPU's share of the experts
     nb = _norm_bytes(s)
-    weights = (sharded + head) * s.b + norms * nb
-    n = sharded + head + norms
+    weights = (sharded + head + experts) * s.b + norms * nb
+    n = sharded + head + norms + experts
     if not trainable:
         return StageState(params=n, weights=weights, grads=0, optimizer=0.0)
     grads = 4 * n if s.grad_reduce_in_fp32 else weights
     sixteen = (sharded + head) if s.b == 2 else 0  # params with an fp32 master copy
-    opt = 8 * n + 4 * sixteen
+    opt = 8 * (n - experts) + 4 * sixteen
     if nb == 2:
         opt += 4 * norms
-    return StageState(params=n, weights=weights, grads=grads,
-                      optimizer=opt / layout.dp if s.distributed_optimizer else float(opt))
+    expert_opt = (8 + (4 if s.b == 2 else 0)) * experts
+    if s.distributed_optimizer:  # dense state sharded over dp, expert state over expert-dp
+        optimizer = opt / layout.dp + expert_opt / layout.edp
+    else:
+        optimizer = float(opt + expert_opt)
+    return StageState(params=n, weights=weights, grads=grads, optimizer=optimizer)
 
 
 def in_flight(layout: ParallelLayout, stage: int, num_microbatches: int | None) -> float:
@@ -424,6 +468,8 @@ def estimate_learner(m: ModelShape, s: LearnerSettings, layout: ParallelLayout,
     """Worst stage's per-GPU bytes; ``reference``: the KL reference model (forward-only, same
     settings); ``critic``: the PPO critic's settings (see the module docstring)."""
     layout.check_model(m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads)
+    if m.is_moe:
+        layout.check_experts(m.num_experts, m.moe_intermediate_size)
     worst: LearnerMemory | None = None
     for k in range(layout.pp):
         st = stage_state(m, s, layout, k)
@@ -485,7 +531,8 @@ def estimate_engine(m: ModelShape, *, tp: int, max_total_tokens: int | None, mem
     if m.num_attention_heads % tp:
         raise ValueError(f"inference.server.tp_size: num_attention_heads({m.num_attention_heads}) % tp({tp}) != 0")
     pc = count_params(m)
-    sharded = m.num_hidden_layers * pc.layer_sharded + pc.embedding + pc.output
+    # MoE experts are sharded over the server's TP ranks too (SGLang's default expert TP)
+    sharded = m.num_hidden_layers * (pc.layer_sharded + pc.layer_expert) + pc.embedding + pc.output
     replicated = m.num_hidden_layers * pc.layer_replicated + pc.final_norm
     weights = 2.0 * (sharded / tp + replicated)
     # SGLang replicates KV heads when there are fewer of them than TP ranks.

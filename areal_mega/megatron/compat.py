@@ -80,6 +80,14 @@ One entry per upstream bug -- what breaks in 0.16.1 / symptom seen / fix / call 
    site: ``areal_mega.megatron.model.build_model`` (local spec). Upgrade: check whether
    WrappedTorchNorm still asserts; tests/test_engine_sp.py (SP on == SP off, incl. the norm
    gradients through the optimizer step) must pass either way.
+   Qwen3's per-head q/k norms (``qk_layernorm``) get the same module (its SP flag is harmless:
+   finalize_model_grads already sums q/k-norm grads over TP by name).
+10. MoE router without transformer-engine: ``moe_utils.RouterGatingLinearFunction`` tests
+   ``te_general_gemm is not None``, but 0.16.1 only defines that name inside its ``import
+   transformer_engine`` try-block, so every MoE forward without TE raises NameError. Fix:
+   :func:`define_missing_te_gemm` sets ``moe_utils.te_general_gemm = None`` when it is undefined
+   (megatron's own torch.mm path then runs). Call site: ``build_model`` for MoE models.
+   Upgrade: delete when the name is defined in the ``except ImportError`` branch.
 
 Not a workaround that can be deleted, noted for upgrades: the engine saves the optimizer with
 ``distrib_optim_sharding_type="fully_reshardable"`` (needed to reshard across layouts anyway);
@@ -363,6 +371,14 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
+def define_missing_te_gemm() -> None:
+    """Entry 10: ``megatron.core.transformer.moe.moe_utils.te_general_gemm = None`` without TE."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def local_spec_with_sp_norms(layer_spec: Any) -> Any:
     """Entry 9: the local layer spec with its (input, pre-MLP) norms replaced by
     :class:`SequenceParallelRMSNorm` (IdentityOp slots stay identity)."""
@@ -375,6 +391,13 @@ def local_spec_with_sp_norms(layer_spec: Any) -> Any:
     for name in ("input_layernorm", "pre_mlp_layernorm", "pre_cross_attn_layernorm"):
         if getattr(sub, name, None) is WrappedTorchNorm:
             setattr(sub, name, SequenceParallelRMSNorm)
+    # Qwen3's per-head q/k norms (qk_layernorm): WrappedTorchNorm asserts under SP too. The same
+    # torch RMSNorm over head_dim; finalize_model_grads sums their grads over TP (each TP rank
+    # normalised only its heads) by name ("q_layernorm" / "k_layernorm") or the SP flag, once.
+    attn = getattr(sub.self_attention, "submodules", None)
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attn, name, None) is WrappedTorchNorm:
+            setattr(attn, name, SequenceParallelRMSNorm)
     return spec
 
 

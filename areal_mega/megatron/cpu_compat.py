@@ -29,6 +29,26 @@ megatron-core hard-codes CUDA in a handful of places that the CPU tests and the 
    placeholder and the setter ignores it (the CPU RNG -- the one CPU dropout draws from -- and
    the :class:`CpuRNGStatesTracker` states are still saved and restored by megatron itself, so a
    recomputed dropout mask equals the original).
+6. ``transformer/moe/token_dispatcher.py`` -- the all-to-all MoE dispatcher creates a class-wide
+   ``torch.cuda.Stream()`` for its device-to-host copies of the token counts and enters it with
+   ``torch.cuda.stream(...)``, comparing it with ``torch.cuda.current_stream()`` and syncing on
+   ``record_event().synchronize()``; moe_utils.py ``record_stream(torch.cuda.current_stream())``
+   (only for CUDA tensors). On CPU all of that is ordering of a single synchronous stream:
+   :class:`_CpuStream` is one stand-in object for "the" stream (so current == side stream, no
+   wait), ``torch.cuda.stream(s)`` is a null context, events synchronise trivially.
+7. ``transformer/moe/token_dispatcher.py`` -- the all-to-all split sizes reach
+   ``all_to_all_single`` through ``maybe_move_tensor_to_cpu(t, as_numpy=True)``, which converts
+   only CUDA tensors; a CPU tensor stays a tensor and c10d's binding rejects it as split sizes.
+   The dispatcher's reference to it is replaced by a version that also turns CPU tensors into
+   numpy when ``as_numpy`` (what the GPU path hands to c10d).
+8. ``tensor_parallel/mappings.py`` -- with expert tensor parallelism the dispatcher gathers /
+   reduce-scatters tokens over the expert-TP group with UNEVEN split sizes
+   (``_gather_along_first_dim(..., output_split_sizes)``: ``dist.all_gather`` into tensors of
+   different sizes; ``_reduce_scatter_along_first_dim(..., input_split_sizes)``:
+   ``dist.reduce_scatter`` of a list), which NCCL supports and gloo refuses ("invalid tensor
+   size"). On CPU (gloo) the uneven branches become: all-gather of every shard zero-padded to the
+   largest, then trimmed; all-reduce of the whole input, then this rank's slice. Same values
+   (a sum over the same ranks); the even-split branches are untouched.
 
 megatron-core bugs that bite on GPU as well (optimizer checkpointing, interleaved-pipeline p2p)
 are worked around in :mod:`areal_mega.megatron.compat`, unconditionally; on a megatron-core
@@ -136,6 +156,70 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(orig)
 
 
+class _CpuStream:
+    """Call site 6: the one "stream" of a CPU process (every op is already synchronous)."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None) -> "_CpuStream":
+        return self  # an event on a synchronous stream is complete: synchronize() is a no-op
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _patch_moe_streams() -> None:
+    """Call site 6 (see the module doc)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    torch.cuda.current_stream = lambda *a, **k: _CPU_STREAM
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _CPU_STREAM
+    from megatron.core.transformer.moe import token_dispatcher
+
+    upstream = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_cpu(tensor, as_numpy=False, record_stream=False):  # call site 7
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
+
+
+def _patch_uneven_tp_collectives() -> None:
+    """Call site 8 (see the module doc)."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(x) for x in output_split_sizes]
+        big = max(sizes)
+        pad = input_.new_zeros((big, *input_.shape[1:]))
+        pad[: input_.shape[0]] = input_
+        parts = [torch.empty_like(pad) for _ in sizes]
+        dist.all_gather(parts, pad.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return list(torch.split(total, [int(x) for x in input_split_sizes], dim=0))[group.rank()].contiguous()
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
+
+
 def install_rng_tracker() -> None:
     """Install a fresh :class:`CpuRNGStatesTracker` as megatron's global tracker."""
     from megatron.core.tensor_parallel import random as mrandom
@@ -163,6 +247,8 @@ def apply() -> bool:
             torch.cuda.synchronize = lambda *a, **k: None  # call site 3
             install_rng_tracker()  # call site 1
             _patch_recompute_rng_state()  # call site 5
+            _patch_moe_streams()  # call sites 6 and 7
+            _patch_uneven_tp_collectives()  # call site 8
             _global_patched = True
         tid = threading.get_ident()
         if tid not in _applied_threads:

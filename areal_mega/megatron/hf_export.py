@@ -32,11 +32,11 @@ def save_hf_checkpoint(model: MegatronModel, out_dir: str, *, hf_config: dict | 
     pp = layout.pp
     files = ["model.safetensors"] if pp == 1 else [f"model-{s + 1:05d}-of-{pp:05d}.safetensors" for s in range(pp)]
     c = groups.coords
-    if c.dp == 0 and c.cp == 0:  # one replica exports; the TP ranks of a stage gather together
+    if layout.exports(groups.rank):  # one replica exports: TP ranks (and expert owners) gather
         from safetensors.torch import save_file
 
-        tensors = {n: t.detach().cpu().contiguous() for n, t in export_hf_weights(model)}  # TP gather
-        if c.tp == 0:
+        tensors = {n: t.detach().cpu().contiguous() for n, t in export_hf_weights(model) if t is not None}
+        if c.tp == 0 and c.dp == 0 and c.cp == 0:  # the stage's sender holds every tensor
             save_file(tensors, str(out / files[c.pp]), metadata={"format": "pt"})
     if groups.rank == 0:
         cfg = dict(hf_config if hf_config is not None else model.adapter.hf_config)
@@ -64,10 +64,10 @@ def save_hf_checkpoint(model: MegatronModel, out_dir: str, *, hf_config: dict | 
 __all__ = ["save_hf_checkpoint"]
 
 
-def export_checkpoint(ckpt: str, out_dir: str, *, tp: int = 1, pp: int = 1, tokenizer_dir: str | None = None,
-                      prog: str = "export") -> None:
+def export_checkpoint(ckpt: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+                      tokenizer_dir: str | None = None, prog: str = "export") -> None:
     """A checkpoint in the one areal_mega format (any saved layout) -> an HF directory, loaded at
-    ``tp`` x ``pp`` (collective over the torchrun world, or a world of one formed here). Used by
+    ``tp`` x ``pp`` (``ep``/``etp``: expert parallelism of MoE models; collective over the torchrun world, or a world of one formed here). Used by
     tools/convert_mcore_to_hf.py and ``areal-mega eval --model <checkpoint>``."""
     import time
 
@@ -82,7 +82,8 @@ def export_checkpoint(ckpt: str, out_dir: str, *, tp: int = 1, pp: int = 1, toke
     meta = read_metadata(ckpt)
     own_world = init_process_group_for_script("gloo")  # False when called inside a running world
     t0 = time.time()
-    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), dist.get_world_size())
+    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep,
+                                                 expert_tensor_parallel=etp), dist.get_world_size())
     groups = init_model_parallel(layout, backend="gloo")
     model = build_model_from_checkpoint(ckpt, groups)
     load_checkpoint(model, ckpt)  # checks role, model_type and every shape first

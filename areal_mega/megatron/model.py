@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from areal_mega.megatron import compat, cpu_compat
 from areal_mega.megatron.parallel_state import ModelParallelGroups, tp_all_gather
 from areal_mega.models import get_adapter
-from areal_mega.models.base import ModelAdapter, ModelArch, StagePlan, padded_vocab_size, torch_dtype
+from areal_mega.models.base import ExpertExport, ModelAdapter, ModelArch, StagePlan, padded_vocab_size, torch_dtype
 
 
 @dataclass
@@ -45,6 +45,16 @@ class MegatronModelConfig:
     """Dropout after attention/MLP (HF Llama/Qwen2 use 0)."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
+    moe_aux_loss_coef: float = 0.0
+    """MoE load-balancing loss coefficient (megatron's moe_aux_loss_coeff, "aux_loss" type:
+    E * sum_e f_e * p_e per micro-batch, added to the gradient only, not to the reported loss).
+    0 = off (RL fine-tuning usually keeps the pretrained router as is); HF's router_aux_loss_coef
+    in the config is NOT applied implicitly. Tokens are never dropped (no expert capacity), so
+    every layout computes the same function."""
+    moe_routing_replay: bool = False
+    """MoE: give every router megatron's RouterReplay so that the experts chosen can be recorded
+    or forced (areal_mega/megatron/routing.py: record_routes / replay_routes). Off = megatron's
+    plain top-k. Only the learner side exists: the trainer does not yet feed servers' routes."""
     sequence_parallel: bool | Literal["auto"] = "auto"
     """Megatron sequence parallelism: the activations outside attention/MLP (norms, residuals,
     dropout) are split over the TP ranks along the sequence (all-gather before the column-parallel
@@ -80,6 +90,8 @@ class MegatronModelConfig:
             raise ValueError(f"recompute_method: {self.recompute_method!r} is not one of uniform, block")
         if self.recompute_num_layers < 1:
             raise ValueError(f"recompute_num_layers: must be >= 1, got {self.recompute_num_layers}")
+        if self.moe_aux_loss_coef < 0:
+            raise ValueError(f"moe_aux_loss_coef: must be >= 0, got {self.moe_aux_loss_coef}")
 
     def sequence_parallel_for(self, tp: int) -> bool:
         """The resolved sequence_parallel setting at tensor-parallel size ``tp``: off at TP1
@@ -131,7 +143,8 @@ def resolve_layer_spec(spec: str) -> Literal["local", "te"]:
     return spec  # type: ignore[return-value]
 
 
-def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: MegatronModelConfig, dtype: str):
+def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: MegatronModelConfig, dtype: str,
+                       spec_name: str = "local"):
     """megatron TransformerConfig for a Llama-style ``arch`` under ``groups.layout``."""
     from megatron.core.transformer import TransformerConfig
 
@@ -172,9 +185,38 @@ def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: Megatr
         gradient_accumulation_fusion=False,
         use_cpu_initialization=groups.cpu_compat,
         variable_seq_lengths=True,  # packed rows differ in length between micro-batches
-        moe_token_dispatcher_type="alltoall",  # no MoE here; 0.16.1 rejects variable lengths + allgather
+        qk_layernorm=arch.qk_layernorm,
+        # 0.16.1 rejects variable lengths with the allgather dispatcher: alltoall for dense too.
+        moe_token_dispatcher_type="alltoall",
+        **moe_kwargs(arch, lay, cfg, grouped=spec_name == "te"),
         **recompute_kwargs(cfg),
     )
+
+
+def moe_kwargs(arch: ModelArch, lay, cfg: MegatronModelConfig, grouped: bool = False) -> dict[str, Any]:
+    """megatron TransformerConfig moe_* fields reproducing HF's Qwen3MoeSparseMoeBlock:
+    router logits -> softmax over all experts -> top-k -> (norm_topk_prob) renormalise. Megatron
+    computes the same two ways: ``moe_router_pre_softmax=True`` = softmax then top-k (HF without
+    renormalisation); False = top-k on the logits then softmax over those k, which equals the
+    renormalised top-k probabilities (softmax is monotonic and exp(l_i)/sum_topk exp(l_j) =
+    p_i / sum_topk p_j). No capacity factor: no token is ever dropped or padded."""
+    if not arch.is_moe:
+        return {}
+    return {
+        "num_moe_experts": arch.num_experts,
+        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
+        "moe_router_topk": arch.moe_topk,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not arch.moe_norm_topk_prob,
+        "moe_router_load_balancing_type": "aux_loss" if cfg.moe_aux_loss_coef > 0 else "none",
+        "moe_aux_loss_coeff": cfg.moe_aux_loss_coef,
+        "moe_expert_capacity_factor": None,
+        "moe_grouped_gemm": grouped,  # TEGroupedMLP (TE spec, GPU); SequentialMLP otherwise
+        "moe_permute_fusion": False,
+        "moe_enable_routing_replay": cfg.moe_routing_replay,
+        "expert_model_parallel_size": lay.ep,
+        "expert_tensor_parallel_size": lay.etp,
+    }
 
 
 def recompute_kwargs(cfg: MegatronModelConfig) -> dict[str, Any]:
@@ -235,14 +277,28 @@ def build_model(
     arch = adapter.arch
     lay = groups.layout
     lay.check_model(arch.num_layers, arch.num_heads, arch.num_kv_heads)
+    if arch.is_moe:
+        lay.check_experts(arch.num_experts, arch.moe_ffn_hidden_size)
+    else:
+        dense = f"needs a mixture-of-experts model ({arch.model_type} is dense)"
+        if lay.ep > 1:
+            raise ValueError(f"parallel.expert_parallel: {lay.ep} > 1 {dense}")
+        if cfg.moe_aux_loss_coef > 0 or cfg.moe_routing_replay:
+            key = "moe_aux_loss_coef" if cfg.moe_aux_loss_coef > 0 else "moe_routing_replay"
+            raise ValueError(f"actor.model.{key}: set, but it {dense}")
     spec_name = resolve_layer_spec(cfg.layer_spec)
     check_context_parallel(lay, spec_name)
     dtype = cfg.dtype or arch.dtype
-    tcfg = transformer_config(arch, groups, cfg, dtype)
+    tcfg = transformer_config(arch, groups, cfg, dtype, spec_name)
+    # MoE experts: TE spec = TEGroupedMLP (grouped GEMM, GPU); local spec = SequentialMLP (one
+    # megatron MLP per local expert; exact on CPU). The adapter names the weights of each.
+    moe = dict(num_experts=arch.num_experts, moe_grouped_gemm=spec_name == "te") if arch.is_moe else {}
+    if arch.is_moe:
+        compat.define_missing_te_gemm()  # compat entry 10
     if spec_name == "te":
-        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm, **moe)
     else:
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm, **moe)
         # torch RMSNorm that works under sequence parallelism (megatron's asserts; compat entry 9).
         layer_spec = compat.local_spec_with_sp_norms(layer_spec)
     vocab = padded_vocab_size(arch.vocab_size, lay.tp, cfg.make_vocab_size_divisible_by)
@@ -320,15 +376,27 @@ def load_hf_weights(model: MegatronModel, hf_dir: str | Path) -> int:
     both shapes). Each rank reads only its stage's tensors, and of those only its TP slices.
     """
     reader = HFCheckpointReader(hf_dir)
+    c = model.groups.coords
     return model.adapter.load_hf(
-        model.chunks, model.stage_plan, model.groups.layout.tp, model.groups.coords.tp, reader.read_slice, reader.shape
+        model.chunks, model.stage_plan, model.groups.layout.tp, c.tp, reader.read_slice, reader.shape,
+        ep_rank=c.ep, etp=model.groups.layout.etp, etp_rank=c.etp,
     )
 
 
+def expert_export(adapter: ModelAdapter, groups: ModelParallelGroups) -> ExpertExport | None:
+    """The MoE export context of this rank (None for dense models)."""
+    if not adapter.arch.is_moe:
+        return None
+    return ExpertExport(layout=groups.layout, rank=groups.rank, etp_group=groups.etp, adapter=adapter)
+
+
 def export_hf_weights(model: MegatronModel, names=None):
-    """``(hf_name, tensor)`` for this rank's stage (collective over the TP group); see
-    ModelAdapter.export_hf. Same code path as live weight sync and tools/convert_mcore_to_hf.py."""
-    return model.adapter.export_hf(model.chunks, model.stage_plan, model.groups.tp, names)
+    """``(hf_name, tensor)`` for this rank's stage (collective over the TP group, and for MoE
+    over the expert groups; call on every rank where ``layout.exports(rank)``; a rank yields None
+    for tensors only the stage's sender receives); see ModelAdapter.export_hf. Same code path as
+    live weight sync and tools/convert_mcore_to_hf.py."""
+    return model.adapter.export_hf(model.chunks, model.stage_plan, model.groups.tp, names,
+                                   experts=expert_export(model.adapter, model.groups))
 
 
 def packed_causal_mask(cu_seqlens: torch.Tensor, total_len: int | None = None) -> torch.Tensor:

@@ -46,6 +46,12 @@ class ModelParallelGroups:
     embd: Any
     dp_cp: Any
     pg_collection: Any = field(repr=False)
+    ep: Any = None
+    """Expert-parallel group (MoE layers): the ranks holding different experts of one stage."""
+    etp: Any = None
+    """Expert tensor-parallel group (the ranks splitting one expert's matrices)."""
+    edp: Any = None
+    """Expert data-parallel group (replicas of the same experts; expert gradient reduction)."""
     cpu_compat: bool = False
     """True when the CPU compatibility layer is active (no CUDA)."""
 
@@ -89,6 +95,8 @@ def init_model_parallel(
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
         distributed_timeout_minutes=timeout_minutes,
         order="tp-cp-ep-dp-pp",
     )
@@ -111,6 +119,9 @@ def init_model_parallel(
         dp_cp=mps.get_data_parallel_group(with_context_parallel=True),
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
         cpu_compat=compat,
+        ep=mps.get_expert_model_parallel_group(),
+        etp=mps.get_expert_tensor_parallel_group(),
+        edp=mps.get_expert_data_parallel_group(),
     )
     _check_rank_order(groups)
     return groups
@@ -125,6 +136,10 @@ def _check_rank_order(g: ModelParallelGroups) -> None:
         "dp": [lay.rank(dp=d, pp=c.pp, cp=c.cp, tp=c.tp) for d in range(lay.dp)],
         "cp": [lay.rank(dp=c.dp, pp=c.pp, cp=x, tp=c.tp) for x in range(lay.cp)],
     }
+    e = dict(pp=c.pp, edp=c.edp, ep=c.ep, etp=c.etp)
+    expect["ep"] = [lay.expert_rank(**{**e, "ep": x}) for x in range(lay.ep)]
+    expect["etp"] = [lay.expert_rank(**{**e, "etp": x}) for x in range(lay.etp)]
+    expect["edp"] = [lay.expert_rank(**{**e, "edp": x}) for x in range(lay.edp)]
     for axis, ranks in expect.items():
         got = dist.get_process_group_ranks(getattr(g, axis))
         assert sorted(got) == ranks, f"{axis} group {got} != ParallelLayout's {ranks} ({lay})"

@@ -13,11 +13,14 @@ from typing import Any
 from areal_mega.models.base import HFTensorSpec, McoreParam, ModelAdapter, ModelArch, StagePlan, padded_vocab_size
 from areal_mega.models.llama import LlamaAdapter
 from areal_mega.models.qwen2 import Qwen2Adapter
+from areal_mega.models.qwen3 import Qwen3Adapter, Qwen3MoeAdapter
 
 # Exact keys only (no substring matching): a new family is one line here.
 ADAPTERS: dict[str, type[ModelAdapter]] = {
     "llama": LlamaAdapter,
     "qwen2": Qwen2Adapter,
+    "qwen3": Qwen3Adapter,
+    "qwen3_moe": Qwen3MoeAdapter,
 }
 
 

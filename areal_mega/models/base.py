@@ -24,6 +24,11 @@ Megatron layouts handled here (megatron-core 0.16.1, pinned by the equality test
 * the embedding lives on the first PP stage (chunk 0), final norm and output layer on the last
   stage (last chunk); with tied embeddings and PP > 1 the last stage holds a copy of the
   embedding as ``output_layer.weight`` (loaded from ``embed_tokens``, never exported).
+* MoE (Qwen3-MoE): the router ``mlp.router.weight`` is replicated; expert ``g`` of a layer is
+  local expert ``g % (E / ep)`` of expert-parallel rank ``g // (E / ep)`` (``McoreParam.ep_rank``),
+  its fc1 ``[gate; up]`` / fc2 split over the expert-TP group like a dense MLP over TP. The plan
+  lists every expert once; only its owner loads it, and the export gathers it over expert TP and
+  sends it once to the stage's sender (:class:`ExpertExport`).
 
 The "canonical" form of a megatron tensor below is its TP=1 layout (vocab padded).
 """
@@ -79,10 +84,25 @@ class ModelArch:
     """Storage dtype of the HF checkpoint ("float32" / "bfloat16" / "float16")."""
     rope_scaling_factor: float | None = None
     """Llama-3.1 style RoPE scaling factor (megatron's rope_scaling), None = plain RoPE."""
+    qk_layernorm: bool = False
+    """RMSNorm over each head's query and key before RoPE (Qwen3's q_norm / k_norm; megatron's
+    qk_layernorm), one weight of head_dim shared by all heads."""
+    num_experts: int | None = None
+    """MoE: routed experts per layer (every layer is MoE); None = dense MLP."""
+    moe_ffn_hidden_size: int | None = None
+    """MoE: each expert's intermediate size (HF moe_intermediate_size)."""
+    moe_topk: int = 0
+    """MoE: experts per token (HF num_experts_per_tok)."""
+    moe_norm_topk_prob: bool = False
+    """MoE: renormalise the top-k softmax probabilities to sum to 1 (HF norm_topk_prob)."""
 
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
 
 
 @dataclass(frozen=True)
@@ -102,6 +122,9 @@ class McoreParam:
     """HF tensors this parameter holds, in order (several for fused qkv / gate_up)."""
     exported: bool = True
     """False for the tied output-layer copy on the last stage (its HF tensor comes from stage 0)."""
+    ep_rank: int | None = None
+    """MoE expert weights: the expert-parallel rank holding this expert (``name`` is then local
+    to that rank, ``tp_dim`` splits over the expert-TP group); None = on every rank of the stage."""
 
 
 @dataclass(frozen=True)
@@ -242,18 +265,54 @@ class ModelAdapter:
                     "qkv",
                 )
             )
+        if self.arch.qk_layernorm:
+            rules += [
+                _Rule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), None, "none"),
+                _Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), None, "none"),
+            ]
         rules += [
             _Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), 1, "none"),
-            _Rule(ln_mlp, ("post_attention_layernorm.weight",), None, "none"),
-            _Rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0, "gate_up"),
-            _Rule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), 1, "none"),
+            _Rule(ln_mlp if not self.arch.is_moe else "pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), None, "none"),
         ]
+        if self.arch.is_moe:  # the router; the experts come from expert_params (EP-sharded)
+            rules.append(_Rule("mlp.router.weight", ("mlp.gate.weight",), None, "none"))
+        else:
+            rules += [
+                _Rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0, "gate_up"),
+                _Rule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), 1, "none"),
+            ]
         return rules
+
+    def expert_params(self, chunk: int, local_layer: int, layer: int, layout: ParallelLayout,
+                      grouped: bool = False) -> list[McoreParam]:
+        """The experts of one MoE layer, global expert order (expert ``g`` lives on EP rank
+        ``g // (E / ep)`` as local expert ``g % (E / ep)``). Names follow megatron's
+        SequentialMLP (``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight``, local spec) or,
+        with ``grouped``, TEGroupedMLP (``mlp.experts.linear_fc{1,2}.weight{j}``, TE spec)."""
+        a = self.arch
+        if not a.is_moe:
+            return []
+        per = a.num_experts // layout.ep
+        h, f = a.hidden_size, a.moe_ffn_hidden_size
+        out = []
+        for g in range(a.num_experts):
+            j = g % per
+            pre = f"decoder.layers.{local_layer}.mlp.experts."
+            fc1 = f"{pre}linear_fc1.weight{j}" if grouped else f"{pre}local_experts.{j}.linear_fc1.weight"
+            fc2 = f"{pre}linear_fc2.weight{j}" if grouped else f"{pre}local_experts.{j}.linear_fc2.weight"
+            hf = f"model.layers.{layer}.mlp.experts.{g}."
+            out.append(McoreParam(chunk, fc1, (2 * f, h), 0, "gate_up", (hf + "gate_proj.weight", hf + "up_proj.weight"),
+                                  ep_rank=g // per))
+            out.append(McoreParam(chunk, fc2, (h, f), 1, "none", (hf + "down_proj.weight",), ep_rank=g // per))
+        return out
 
     def hf_shape(self, hf_name: str) -> tuple[int, ...]:
         a = self.arch
         h, d = a.hidden_size, a.head_dim
         leaf = hf_name.split("layers.")[-1].split(".", 1)[-1] if ".layers." in hf_name else hf_name
+        if leaf.startswith("mlp.experts."):  # mlp.experts.{i}.gate_proj.weight -> one shape per kind
+            leaf = "mlp.experts.*." + leaf.split(".", 3)[3]
+        e, f = a.num_experts or 0, a.moe_ffn_hidden_size or 0
         table = {
             "model.embed_tokens.weight": (a.vocab_size, h),
             "lm_head.weight": (a.vocab_size, h),
@@ -270,6 +329,12 @@ class ModelAdapter:
             "mlp.gate_proj.weight": (a.ffn_hidden_size, h),
             "mlp.up_proj.weight": (a.ffn_hidden_size, h),
             "mlp.down_proj.weight": (h, a.ffn_hidden_size),
+            "self_attn.q_norm.weight": (d,),
+            "self_attn.k_norm.weight": (d,),
+            "mlp.gate.weight": (e, h),
+            "mlp.experts.*.gate_proj.weight": (f, h),
+            "mlp.experts.*.up_proj.weight": (f, h),
+            "mlp.experts.*.down_proj.weight": (h, f),
         }
         return table[leaf]
 
@@ -302,6 +367,8 @@ class ModelAdapter:
         """
         a = self.arch
         layout.check_model(a.num_layers, a.num_heads, a.num_kv_heads)
+        if a.is_moe:
+            layout.check_experts(a.num_experts, a.moe_ffn_hidden_size)
         dtype = dtype or a.dtype
         vocab = padded_vocab_size(a.vocab_size, layout.tp, make_vocab_size_divisible_by)
         h = a.hidden_size
@@ -312,6 +379,9 @@ class ModelAdapter:
             "self_attention.linear_proj.weight": (h, a.num_heads * a.head_dim),
             "mlp.linear_fc1.weight": (2 * a.ffn_hidden_size, h),
             "mlp.linear_fc2.weight": (h, a.ffn_hidden_size),
+            "self_attention.q_layernorm.weight": (a.head_dim,),
+            "self_attention.k_layernorm.weight": (a.head_dim,),
+            "mlp.router.weight": (a.num_experts or 0, h),
         }
         rules = self.layer_rules(spec)
         stages = []
@@ -336,6 +406,7 @@ class ModelAdapter:
                                 tuple(f"model.layers.{gid}.{n}" for n in r.hf),
                             )
                         )
+                    params += self.expert_params(c, local, gid, layout, grouped=spec == "te")
                 if p == layout.pp - 1 and c == last_chunk:
                     params.append(McoreParam(c, "decoder.final_layernorm.weight", (h,), None, "none", ("model.norm.weight",)))
                     if not a.tie_word_embeddings:
@@ -394,7 +465,8 @@ class ModelAdapter:
 
     def hf_slices(self, prm: McoreParam, tp: int, tp_rank: int) -> list[tuple[str, int | None, int, int]]:
         """For each HF tensor of ``prm``: ``(name, dim, start, stop)`` = the part TP rank
-        ``tp_rank`` needs (``dim`` None = the whole tensor)."""
+        ``tp_rank`` needs (``dim`` None = the whole tensor). For expert weights pass the
+        expert-TP size and rank."""
         if prm.tp_dim is None or tp == 1:
             return [(n, None, 0, 0) for n in prm.hf_names]
         out = []
@@ -435,12 +507,20 @@ class ModelAdapter:
         stage_plan: StagePlan,
         tp_group: Any,
         names: Iterable[str] | None = None,
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+        *,
+        experts: "ExpertExport | None" = None,
+    ) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Yield ``(hf_name, full tensor)`` for this stage, in ``stage_plan.tensors`` order.
 
         Collective over ``tp_group``: every TP rank of the stage must call it with the same
         ``names`` (None = all). Each needed megatron parameter is all-gathered once; the yielded
         tensors are new (safe to keep) and in the parameter dtype.
+
+        MoE (``experts`` given, on every rank where ``layout.exports(rank)``): each expert is
+        gathered over the expert-TP group of the EP rank that owns it (expert-dp 0) and sent
+        point-to-point to the stage's sender (dp=0, tp=0, ep=0), once. Every exporting rank
+        yields every name in the same order; a rank yields ``None`` for a tensor it does not
+        hold (only the sender holds them all).
         """
         import torch.distributed as dist
 
@@ -451,20 +531,35 @@ class ModelAdapter:
                 raise ValueError(f"names: {sorted(unknown)[:5]} are not exported by stage {stage_plan.stage}")
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         local = [dict(unwrap(m).named_parameters()) for m in chunks]
+        dense = experts is None or experts.dense
         for prm in stage_plan.params:
             if not prm.exported or (wanted is not None and not wanted.intersection(prm.hf_names)):
                 continue
-            shard = local[prm.chunk][prm.name].detach()
-            if tp > 1 and prm.tp_dim is not None:
-                parts = [torch.empty_like(shard) for _ in range(tp)]
-                dist.all_gather(parts, shard.contiguous(), group=tp_group)
+            if prm.ep_rank is not None:
+                if experts is not None:
+                    canon = experts.gather(prm, local[prm.chunk])
+                else:  # ep = 1 and etp = tp: an expert is split over the TP group like a dense MLP
+                    canon = self._gather(prm, local[prm.chunk][prm.name].detach(), tp_group, tp)
+            elif dense:
+                canon = self._gather(prm, local[prm.chunk][prm.name].detach(), tp_group, tp)
             else:
-                parts = [shard]
-            canon = self.merge_tp(prm, parts)
-            assert tuple(canon.shape) == prm.shape, (prm.name, tuple(canon.shape), prm.shape)
-            for n, t in zip(prm.hf_names, self.to_hf(prm, canon)):
+                canon = None
+            outs = self.to_hf(prm, canon) if canon is not None else [None] * len(prm.hf_names)
+            for n, t in zip(prm.hf_names, outs):
                 if wanted is None or n in wanted:
-                    yield n, t.clone()
+                    yield n, (t.clone() if t is not None else None)
+
+    def _gather(self, prm: McoreParam, shard: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if size > 1 and prm.tp_dim is not None:
+            parts = [torch.empty_like(shard) for _ in range(size)]
+            dist.all_gather(parts, shard.contiguous(), group=group)
+        else:
+            parts = [shard]
+        canon = self.merge_tp(prm, parts)
+        assert tuple(canon.shape) == prm.shape, (prm.name, tuple(canon.shape), prm.shape)
+        return canon
 
     # ---- runtime: HF -> megatron (model loading, HF->mcore conversion) -------------------------
     def load_hf(
@@ -475,6 +570,10 @@ class ModelAdapter:
         tp_rank: int,
         read_slice: Callable[[str, int | None, int, int], torch.Tensor],
         shape_of: Callable[[str], tuple[int, ...]],
+        *,
+        ep_rank: int = 0,
+        etp: int | None = None,
+        etp_rank: int | None = None,
     ) -> int:
         """Copy HF tensors into the local shards of this stage's parameters; returns the count.
 
@@ -482,9 +581,13 @@ class ModelAdapter:
         (the whole tensor when ``dim`` is None), so each rank reads only its TP part.
         ``shape_of(name)`` is checked for every needed tensor BEFORE anything is read or written,
         so a mismatched checkpoint fails with a ValueError naming the tensor and both shapes.
+        MoE: only the experts of ``ep_rank`` are read, each split over ``etp`` (default: tp).
         """
+        etp = tp if etp is None else etp
+        etp_rank = tp_rank if etp_rank is None else etp_rank
         local = [dict(unwrap(m).named_parameters()) for m in chunks]
-        for prm in stage_plan.params:
+        mine = [p for p in stage_plan.params if p.ep_rank is None or p.ep_rank == ep_rank]
+        for prm in mine:
             if prm.name not in local[prm.chunk]:
                 raise ValueError(f"model chunk {prm.chunk} has no parameter {prm.name} (layer spec mismatch?)")
             for n in prm.hf_names:
@@ -494,15 +597,61 @@ class ModelAdapter:
             shard_shape = tuple(local[prm.chunk][prm.name].shape)
             expect = list(prm.shape)
             if prm.tp_dim is not None:
-                expect[prm.tp_dim] //= tp
+                expect[prm.tp_dim] //= etp if prm.ep_rank is not None else tp
             if shard_shape != tuple(expect):
                 raise ValueError(f"{prm.name}: model shard shape {shard_shape} != expected {tuple(expect)}")
         with torch.no_grad():
-            for prm in stage_plan.params:
+            for prm in mine:
                 dst = local[prm.chunk][prm.name]
-                parts = [read_slice(*sl) for sl in self.hf_slices(prm, tp, tp_rank)]
+                size, rank = (etp, etp_rank) if prm.ep_rank is not None else (tp, tp_rank)
+                parts = [read_slice(*sl) for sl in self.hf_slices(prm, size, rank)]
                 dst.copy_(self.from_hf(prm, parts, tuple(dst.shape)).to(dst.dtype))
-        return len(stage_plan.params)
+        return len(mine)
+
+
+@dataclass
+class ExpertExport:
+    """What :meth:`ModelAdapter.export_hf` needs to export EP-sharded experts on one rank.
+
+    Built from the rank's ModelParallelGroups (``expert_export(groups)`` in megatron/model.py).
+    """
+
+    layout: ParallelLayout
+    rank: int
+    etp_group: Any
+    adapter: "ModelAdapter"
+
+    @property
+    def coords(self):
+        return self.layout.coords(self.rank)
+
+    @property
+    def dense(self) -> bool:
+        """This rank takes part in the dense (TP) gathers: the dp=0, cp=0 replica."""
+        c = self.coords
+        return c.dp == 0 and c.cp == 0
+
+    def gather(self, prm: McoreParam, local: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The canonical tensor of expert param ``prm`` on the stage's sender, None elsewhere.
+        Collective over the owner's expert-TP group, then one send owner -> sender."""
+        import torch.distributed as dist
+
+        lay, c = self.layout, self.coords
+        owner = lay.expert_rank(pp=c.pp, ep=prm.ep_rank)
+        sender = lay.rank(pp=c.pp)
+        canon = None
+        if c.ep == prm.ep_rank and c.edp == 0:
+            canon = self.adapter._gather(prm, local[prm.name].detach(), self.etp_group, lay.etp)
+        if owner == sender:
+            return canon if self.rank == sender else None
+        if self.rank == owner:
+            dist.send(canon.contiguous(), dst=sender)
+            return None
+        if self.rank == sender:
+            buf = torch.empty(prm.shape, dtype=local[prm.name].dtype, device=local[prm.name].device)
+            dist.recv(buf, src=owner)
+            return buf
+        return None
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

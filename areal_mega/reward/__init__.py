@@ -2,44 +2,68 @@
 
     reward = build_reward(RewardConfig(kind="math"))          # math-verify in worker processes
     reward = build_reward(RewardConfig(kind="function", function="my_pkg.rewards:exact_match"))
+    reward = build_reward(RewardConfig(kind="judge", judge=JudgeConfig(...)), policy_engine=pool)  # reward/judge.py
+    reward = build_reward(RewardConfig(kind="composite", components=[
+        RewardConfig(kind="math"), RewardConfig(kind="format", weight=0.1),
+        RewardConfig(kind="overlong", overlong_max_tokens=1024, overlong_buffer_tokens=256)]))
 
 Built-ins are looked up by exact name; user functions by dotted path "module:function" with
 the signature ``fn(prompt: str, completion: str, data: dict) -> float`` (plain or async).
 With ``isolate=True`` (default) a user function runs in the worker pool, with the same
 timeout / crash protection as the math reward (its arguments must then be JSON-serialisable).
+Rewards with details also have ``evaluate(...) -> RewardResult`` (``reward.base``); shaping
+terms and the composite are in ``reward.shaping``.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
+from areal_mega.reward.judge import JudgeConfig
+from areal_mega.reward.base import COMPLETION_TOKENS, RewardFn, RewardResult, evaluate
 from areal_mega.reward.pool import RewardWorkerPool
 from areal_mega.reward.registry import load_callable
-
-
-class RewardFn(Protocol):
-    async def __call__(self, prompt: str, completion: str, data: dict[str, Any]) -> float: ...
-
-    def close(self) -> None: ...
+from areal_mega.sandbox import SandboxConfig
 
 
 @dataclass
 class RewardConfig:
-    kind: Literal["math", "code", "function"] = "math"
+    kind: Literal["math", "code", "function", "format", "overlong", "composite", "judge"] = "math"
     """"math": final answer vs the sample's "answer" via math-verify; "code": run the last
-    python block against the sample's "tests"; "function": the user function in ``function``."""
+    python block against the sample's "tests" in the sandbox; "function": the user function in
+    ``function``; "format": 1 when ``format_regex`` occurs in the completion, else 0;
+    "overlong": DAPO's soft overlong penalty (0 .. -1, from the completion's token count);
+    "composite": the weighted sum of ``components``; "judge": an LLM judge's verdict (``judge``)."""
     function: str = ""
     """"module:function" for kind "function"."""
     isolate: bool = True
     """kind "function": run it in worker processes (timeout, crash isolation)."""
     num_workers: int = 2
-    """Worker processes for math / isolated user rewards."""
+    """Worker processes for math / isolated user rewards (kind "code": ``sandbox.num_workers``)."""
     timeout_s: float = 10.0
-    """Per-call timeout; a call that times out, crashes or raises scores 0."""
-    code_memory_mb: int = 512
-    """kind "code": address-space limit of the sandboxed process."""
+    """Per-call timeout; a call that times out, crashes or raises scores 0 (kind "code":
+    ``sandbox.timeout_s`` per test execution)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """kind "code": the sandbox the code runs in (its own worker pool, limits, mode)."""
+    format_regex: str = r"\\boxed\{.+?\}"
+    """kind "format": a Python regex (searched, DOTALL) the completion must contain."""
+    overlong_max_tokens: int = 0
+    """kind "overlong": L_max, beyond which the penalty is -1 (set it to the generation limit)."""
+    overlong_buffer_tokens: int = 0
+    """kind "overlong": L_cache, the soft zone below L_max where the penalty falls linearly from 0
+    to -1."""
+    components: list[RewardConfig] = field(default_factory=list)
+    """kind "composite": the rewards summed, each with its ``weight`` (and optional ``name``)."""
+    weight: float = 1.0
+    """As a component of a composite: the weight of this reward in the sum."""
+    name: str = ""
+    """As a component of a composite: its name in the reward's info / metrics (default: kind,
+    made unique by position)."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """kind "judge": the judge model's servers, rubric and verdict format."""
 
     def validate(self) -> None:
         if self.kind == "function" and ":" not in self.function:
@@ -48,6 +72,35 @@ class RewardConfig:
             raise ValueError(f"num_workers: must be >= 1, got {self.num_workers}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if self.kind == "judge":
+            try:
+                self.judge.check_ready()
+            except ValueError as e:
+                raise ValueError(f"judge.{e}") from None
+        if self.kind == "overlong" and not 0 < self.overlong_buffer_tokens <= self.overlong_max_tokens:
+            raise ValueError(f"overlong_buffer_tokens: kind 'overlong' needs 0 < overlong_buffer_tokens <= "
+                             f"overlong_max_tokens, got {self.overlong_buffer_tokens} and {self.overlong_max_tokens}")
+        if self.kind == "format":
+            try:
+                re.compile(self.format_regex)
+            except re.error as e:
+                raise ValueError(f"format_regex: {self.format_regex!r} is not a valid regex ({e})") from None
+        if self.kind == "composite" and not self.components:
+            raise ValueError("components: kind 'composite' needs at least one component")
+        if self.kind != "composite" and self.components:
+            raise ValueError(f"components: only kind 'composite' has components (kind is {self.kind!r})")
+        for i, c in enumerate(self.components):
+            if c.kind == "composite":
+                raise ValueError(f"components[{i}].kind: a composite cannot contain a composite (flatten it)")
+            try:
+                c.validate()
+            except ValueError as e:
+                raise ValueError(f"components[{i}].{e}") from None
+
+    def component_names(self) -> list[str]:
+        """Each component's ``name``, else its kind (suffixed by position when repeated)."""
+        names = [c.name or c.kind for c in self.components]
+        return [n if names.count(n) == 1 or c.name else f"{n}{i}" for i, (n, c) in enumerate(zip(names, self.components))]
 
 
 class _PooledFunction:
@@ -76,7 +129,9 @@ class _InProcessFunction:
         pass
 
 
-def build_reward(cfg: RewardConfig) -> RewardFn:
+def build_reward(cfg: RewardConfig, *, policy_engine: Any = None, policy_tokenizer: Any = None) -> RewardFn:
+    """The reward of ``cfg``. ``policy_engine`` / ``policy_tokenizer`` (the trainer's pool and
+    tokenizer) serve a judge that runs on the policy's servers (``judge.servers: policy``)."""
     cfg.validate()
     if cfg.kind == "math":
         from areal_mega.reward.math import MathReward
@@ -85,11 +140,36 @@ def build_reward(cfg: RewardConfig) -> RewardFn:
     if cfg.kind == "code":
         from areal_mega.reward.code import CodeReward
 
-        return CodeReward(cfg.timeout_s, cfg.code_memory_mb, cfg.num_workers)
+        return CodeReward(cfg.sandbox)
+    if cfg.kind == "format":
+        from areal_mega.reward.shaping import FormatReward
+
+        return FormatReward(cfg.format_regex)
+    if cfg.kind == "overlong":
+        from areal_mega.reward.shaping import OverlongPenalty
+
+        return OverlongPenalty(cfg.overlong_max_tokens, cfg.overlong_buffer_tokens)
+    if cfg.kind == "composite":
+        from areal_mega.reward.shaping import CompositeReward
+
+        built: list = []
+        try:
+            for c, name in zip(cfg.components, cfg.component_names()):
+                built.append((c.weight, name, build_reward(c)))
+            return CompositeReward(built)
+        except BaseException:
+            for _, _, fn in built:
+                fn.close()
+            raise
     if cfg.kind == "function":
         load_callable(cfg.function)  # fail at build time, naming the path, not in a worker
         return _PooledFunction(cfg.function, cfg.num_workers, cfg.timeout_s) if cfg.isolate else _InProcessFunction(cfg.function)
+    if cfg.kind == "judge":
+        from areal_mega.reward.judge import build_judge
+
+        return build_judge(cfg.judge, policy_engine=policy_engine, policy_tokenizer=policy_tokenizer)
     raise ValueError(f"kind: unknown reward kind {cfg.kind!r}")
 
 
-__all__ = ["RewardConfig", "RewardFn", "RewardWorkerPool", "build_reward", "load_callable"]
+__all__ = ["COMPLETION_TOKENS", "JudgeConfig", "RewardConfig", "RewardFn", "RewardResult", "RewardWorkerPool",
+           "build_reward", "evaluate", "load_callable"]

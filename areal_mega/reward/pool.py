@@ -7,7 +7,12 @@ Why processes: math-verify (and user reward code) can hang, crash, or need the m
 trainer never sees any of it except in ``stats``.
 
 Workers are plain subprocesses (``python -m areal_mega.reward.worker``), not multiprocessing
-spawn children, so nothing re-imports the caller's ``__main__``.
+spawn children, so nothing re-imports the caller's ``__main__``; they are started with
+``procs.spawn`` (they die with the thread that started them, and a timed-out worker is stopped
+with everything it started by ``procs.stop_tree``).
+
+``call`` returns a float; ``call_value`` returns what the function returned (any JSON value:
+the sandbox's executions return a dict) with the call's status.
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ import json
 import os
 import queue
 import select
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from areal_mega.utils import procs
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -36,7 +44,7 @@ class _Worker:
         cmd = [sys.executable, "-m", "areal_mega.reward.worker"]
         for mod in preload:
             cmd += ["--preload", mod]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.proc = procs.spawn(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._buf = b""
         line = self.readline(startup_timeout_s)
         if not line or not json.loads(line).get("ready"):
@@ -69,12 +77,7 @@ class _Worker:
             return False
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+        procs.stop_tree(self.proc, grace_s=0.0, sig=signal.SIGKILL)
         for f in (self.proc.stdin, self.proc.stdout):
             if f is not None:
                 f.close()
@@ -119,6 +122,12 @@ class RewardWorkerPool:
             self.stats[key] += 1
 
     def call(self, fn: str, *args: Any) -> float:
+        """``float(fn(*args))`` in a worker; ``default`` on a timeout, crash or exception."""
+        value, status = self.call_value(fn, *args)
+        return float(value) if status == "ok" else self.default
+
+    def call_value(self, fn: str, *args: Any) -> tuple[Any, str]:
+        """(what ``fn(*args)`` returned, "ok") or (None, "timeout" | "crash" | "error")."""
         if self._closed:
             raise RuntimeError("RewardWorkerPool is closed")
         worker = self._idle.get()
@@ -130,18 +139,19 @@ class RewardWorkerPool:
             if not worker.send({"fn": fn, "args": list(args)}):
                 self._count("crash")
                 worker = self._retire(worker)
-                return self.default
+                return None, "crash"
             line = worker.readline(self.timeout_s)
             if not line:
-                self._count("timeout" if line is None else "crash")
+                status = "timeout" if line is None else "crash"
+                self._count(status)
                 worker = self._retire(worker)
-                return self.default
+                return None, status
             reply = json.loads(line)
             if not reply.get("ok"):
                 self._count("error")
-                return self.default
+                return None, "error"
             self._count("ok")
-            return float(reply["value"])
+            return reply["value"], "ok"
         finally:
             self._idle.put(worker)
 
@@ -154,6 +164,9 @@ class RewardWorkerPool:
 
     async def acall(self, fn: str, *args: Any) -> float:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.call, fn, *args)
+
+    async def acall_value(self, fn: str, *args: Any) -> tuple[Any, str]:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.call_value, fn, *args)
 
     def close(self) -> None:
         self._closed = True

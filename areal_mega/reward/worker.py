@@ -1,7 +1,8 @@
 """Reward worker process: ``python -m areal_mega.reward.worker --preload math_verify``.
 
 Protocol (one JSON object per line): the parent writes ``{"fn": "module:function", "args":
-[...]}`` to stdin; the worker answers ``{"ok": true, "value": <float>}`` or ``{"ok": false,
+[...]}`` to stdin; the worker answers ``{"ok": true, "value": <float, or the JSON value the
+function returned when it is not a number>}`` or ``{"ok": false,
 "error": "..."}`` on its original stdout. It prints ``{"ready": true}`` once the preloaded
 modules are imported, so import time never counts against a call's timeout. EOF on stdin (the
 parent went away) ends the worker. The function runs in this process's main thread, which is
@@ -35,7 +36,8 @@ def main() -> None:
         try:
             req = json.loads(line)
             fn = cache.get(req["fn"]) or cache.setdefault(req["fn"], load_callable(req["fn"]))
-            reply = {"ok": True, "value": float(fn(*req.get("args", [])))}
+            value = fn(*req.get("args", []))
+            reply = {"ok": True, "value": value if isinstance(value, (dict, list)) else float(value)}
         except Exception as e:  # reported to the parent, which scores 0
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         out.write(json.dumps(reply) + "\n")

@@ -57,7 +57,9 @@ class RolloutBatch:
     version: int
     """The policy version this batch is trained at."""
     stats: dict[str, float]
-    """Scalars for TensorBoard: rewards, rejections, staleness (mean / max / fraction stale)."""
+    """Scalars for TensorBoard: rewards, rejections, staleness (mean / max / fraction stale), and
+    ``reward/reason/<reason>``: how many trajectories of the batch failed for that reason (from
+    the rewards' ``evaluate`` info, e.g. timeout or wrong_answer for code)."""
     staleness_counts: dict[int, int] = field(default_factory=dict)
     """Histogram over generated tokens: staleness (version - token version) -> token count."""
     positions: list[tuple[int, int] | None] = field(default_factory=list)
@@ -126,6 +128,10 @@ class RolloutController:
         self.epoch = 0
         self._seq = 0
         self._running: dict[int, int] = {}  # seq -> admit version
+        # Time with >= 1 episode in flight since the last batch (rollout/gen_inflight_s): what the
+        # throughput simulator is calibrated on, per run (areal_mega/simulator/calibrate.py).
+        self._inflight_since: float | None = None
+        self._inflight_s = 0.0
         self._positions: dict[int, tuple[int, int] | None] = {}  # seq -> prompt position (running)
         self._ready: list[_Ready] = []
         self._tasks: set[asyncio.Task] = set()
@@ -264,9 +270,11 @@ class RolloutController:
         oldest_allowed = version - self.config.max_staleness
         counts: collections.Counter[int] = collections.Counter()
         rewards = []
+        reasons: collections.Counter[str] = collections.Counter()  # why rewards failed (reward.evaluate's info)
         for r in taken:
             for t in r.group:
                 rewards.append(t.reward)
+                reasons.update((t.info.get("reward_info") or {}).get("reasons", ()))
                 # numpy: this runs over every generated token of the batch (millions at scale)
                 gen = np.asarray(t.versions, dtype=np.int64)[np.asarray(t.loss_mask, dtype=bool)]
                 if gen.size == 0:
@@ -288,13 +296,30 @@ class RolloutController:
             "rollout/rejected_episodes": float(self._rejected_since_batch),
             "rollout/accepted_episodes": float(self._accepted_since_batch),
             "rollout/epoch": float(self.epoch),
+            "rollout/gen_inflight_s": self._take_inflight_s(),
             "staleness/mean": sum(s * c for s, c in counts.items()) / max(num_tokens, 1),
             "staleness/max": float(max(counts, default=0)),
             "staleness/frac_stale_tokens": sum(c for s, c in counts.items() if s > 0) / max(num_tokens, 1),
+            **{f"reward/reason/{k}": float(v) for k, v in sorted(reasons.items())},
         }
         self._rejected_since_batch = 0
         self._accepted_since_batch = 0
         return RolloutBatch([r.group for r in taken], version, stats, dict(counts))
+
+    def _episode_left(self, seq: int) -> None:
+        self._running.pop(seq, None)
+        self._positions.pop(seq, None)
+        if not self._running and self._inflight_since is not None:
+            self._inflight_s += time.monotonic() - self._inflight_since
+            self._inflight_since = None
+
+    def _take_inflight_s(self) -> float:
+        now = time.monotonic()
+        total = self._inflight_s + (now - self._inflight_since if self._inflight_since is not None else 0.0)
+        self._inflight_s = 0.0
+        if self._inflight_since is not None:
+            self._inflight_since = now
+        return total
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -343,6 +368,8 @@ class RolloutController:
                 self._seq += 1
                 self._running[seq] = admit_version
                 self._positions[seq] = pos
+                if self._inflight_since is None:
+                    self._inflight_since = time.monotonic()
                 task = asyncio.create_task(self._run_episode(seq, admit_version, pos, data))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -359,18 +386,15 @@ class RolloutController:
             group = await self.workflow.arun_episode(self.engine, data)
             keep = bool(group) and (self._accept is None or self._accept(group))
         except asyncio.CancelledError:
-            self._running.pop(seq, None)
-            self._positions.pop(seq, None)
+            self._episode_left(seq)
             raise
         except BaseException as e:
-            self._running.pop(seq, None)
-            self._positions.pop(seq, None)
+            self._episode_left(seq)
             self.staleness.on_rejected()
             self._error = e
             self._notify()
             return
-        self._running.pop(seq, None)
-        self._positions.pop(seq, None)
+        self._episode_left(seq)
         if keep:
             assert group is not None
             self.staleness.on_accepted()

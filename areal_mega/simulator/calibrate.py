@@ -10,6 +10,11 @@ From each step row the trainer writes (``areal_mega/trainer/loop.py``):
 * ``perf/step_s - time/rollout_s - time/weight_sync_s [- time/save_s]``: the learner's own work
   per step (proximal forward, advantages, train step, logging): the learner model, fitted as
   ``a + b * train/num_tokens`` (least squares; a constant when the batch sizes barely vary).
+* ``rollout/gen_inflight_s`` (when logged): the time per step with at least one episode in
+  flight. Each run's decode model is fitted on its own value (the simulated in-flight time per
+  step matches the logged one), so a run whose generation was slowed -- by training on the
+  same cores, or by other load on the machine -- is described by its own speed; without it the
+  synchronous run's ``time/rollout_s`` is the target and the async run reuses that fit.
 * ``time/weight_sync_s``: the weight sync (a fixed latency: the bytes do not change).
 * ``rollout/num_generated_tokens / rollout/num_trajectories`` per step: generation lengths
   (an empirical distribution of per-step means: per-trajectory lengths are not logged), and
@@ -70,6 +75,8 @@ class RunStats:
     weight_sync_s: float
     trajectories_per_step: float
     staleness_mean: float
+    inflight_s: float | None
+    """Mean ``rollout/gen_inflight_s`` (None when the run did not log it)."""
 
 
 def run_stats(rows: list[dict]) -> RunStats:
@@ -79,7 +86,8 @@ def run_stats(rows: list[dict]) -> RunStats:
         samples_per_s=sum(r.get("rollout/num_trajectories", 0.0) for r in rows) / wall, step_s=wall / len(rows),
         rollout_s=mean("time/rollout_s"), learner_s=statistics.fmean(_learner_s(r) for r in rows),
         weight_sync_s=mean("time/weight_sync_s"), trajectories_per_step=mean("rollout/num_trajectories"),
-        staleness_mean=mean("staleness/mean"))
+        staleness_mean=mean("staleness/mean"),
+        inflight_s=mean("rollout/gen_inflight_s") if all("rollout/gen_inflight_s" in r for r in rows) else None)
 
 
 def _learner_s(r: dict) -> float:
@@ -113,28 +121,33 @@ def fit_learner(rows: list[dict]) -> LearnerModel:
     return LearnerModel(fixed_s=my, per_token_s=0.0)
 
 
-def fit_decode(template: SimConfig, target_gen_s: float, *, half_batch: float,
-               request_latency_s: float = 0.0) -> DecodeModel:
-    """Peak decode throughput whose simulated synchronous generation time is ``target_gen_s``."""
-    if not target_gen_s > request_latency_s:
-        raise SimulationError(f"calibration: generation time {target_gen_s:.4f} s <= request latency")
+def fit_decode(template: SimConfig, target_s: float, *, half_batch: float, request_latency_s: float = 0.0,
+               measure: str = "gen_wait") -> DecodeModel:
+    """Peak decode throughput whose simulated time per step matches ``target_s``: with
+    ``measure="gen_wait"`` the synchronous generation time (``template`` run at max_staleness
+    0), with ``"inflight"`` the time with an episode in flight of ``template`` as it is."""
+    if not target_s > request_latency_s:
+        raise SimulationError(f"calibration: generation time {target_s:.4f} s <= request latency")
 
-    def gen(peak: float) -> float:
-        d = DecodeModel(peak_tokens_per_s=peak, half_batch=half_batch, request_latency_s=request_latency_s,
-                        kv_capacity_tokens=template.decode.kv_capacity_tokens, max_running=template.decode.max_running)
-        return simulate(dataclasses.replace(template, max_staleness=0, decode=d)).gen_wait_s
+    def decode(peak: float) -> DecodeModel:
+        return DecodeModel(peak_tokens_per_s=peak, half_batch=half_batch, request_latency_s=request_latency_s,
+                           kv_capacity_tokens=template.decode.kv_capacity_tokens, max_running=template.decode.max_running)
 
-    lo, hi = 1e-3, 1e9  # tokens/s; gen() decreases with peak
+    def simulated(peak: float) -> float:
+        if measure == "gen_wait":
+            return simulate(dataclasses.replace(template, max_staleness=0, decode=decode(peak))).gen_wait_s
+        return simulate(dataclasses.replace(template, decode=decode(peak))).gen_inflight_s
+
+    lo, hi = 1e-3, 1e9  # tokens/s; the simulated time decreases with peak
     for _ in range(80):
         mid = math.sqrt(lo * hi)
-        if gen(mid) > target_gen_s:
+        if simulated(mid) > target_s:
             lo = mid
         else:
             hi = mid
         if hi / lo < 1 + 1e-7:
             break
-    return DecodeModel(peak_tokens_per_s=math.sqrt(lo * hi), half_batch=half_batch, request_latency_s=request_latency_s,
-                       kv_capacity_tokens=template.decode.kv_capacity_tokens, max_running=template.decode.max_running)
+    return decode(math.sqrt(lo * hi))
 
 
 def calibrate_and_predict(sync_rows: list[dict], async_rows: list[dict], *, batch_size: int, group_size: int,
@@ -142,10 +155,12 @@ def calibrate_and_predict(sync_rows: list[dict], async_rows: list[dict], *, batc
                           half_batch: float = 32.0, num_servers: int = 1, seed: int = 0) -> dict:
     """Fit on both runs' logged timings, simulate both modes, compare with what they measured.
 
-    ``predicted_async`` uses the decode model fitted on the synchronous run and the async run's
-    own learner and weight-sync timings; ``predicted_async_sync_timings_only`` uses the
-    synchronous run's timings for everything (a true out-of-sample prediction: it cannot see
-    the contention that overlapping generation adds to the learner)."""
+    Each run is reproduced from its own logged timings (issue: calibration from a real run):
+    its learner and weight-sync times, and -- when it logged ``rollout/gen_inflight_s`` -- its
+    own decode speed. ``predicted_async_sync_decode`` carries the synchronous run's decode speed
+    over to the async run instead, and ``predicted_async_sync_timings_only`` uses the
+    synchronous run's timings for everything (true out-of-sample predictions: they cannot see
+    what overlapping generation and training on shared cores costs either side)."""
     s_t, a_t = timed(sync_rows, warmup_steps), timed(async_rows, warmup_steps)
     s_stats, a_stats = run_stats(s_t), run_stats(a_t)
     lengths = fit_lengths(sync_rows + async_rows, max_new_tokens)
@@ -153,24 +168,37 @@ def calibrate_and_predict(sync_rows: list[dict], async_rows: list[dict], *, batc
     base = SimConfig(batch_size=batch_size, group_size=group_size, max_staleness=0, max_concurrent=max_concurrent,
                      num_servers=num_servers, steps=steps, warmup_steps=warmup_steps, seed=seed, lengths=lengths,
                      learner=fit_learner(s_t), sync=SyncModel(latency_s=s_stats.weight_sync_s))
-    decode = fit_decode(base, s_stats.rollout_s, half_batch=half_batch)
+    if s_stats.inflight_s is not None:
+        decode = fit_decode(base, s_stats.inflight_s, half_batch=half_batch, measure="inflight")
+    else:
+        decode = fit_decode(base, s_stats.rollout_s, half_batch=half_batch)
     sync_cfg = dataclasses.replace(base, decode=decode)
-    async_cfg = dataclasses.replace(sync_cfg, max_staleness=max_staleness, steps=len(a_t),
-                                    learner=fit_learner(a_t), sync=SyncModel(latency_s=a_stats.weight_sync_s))
+    cross_decode_cfg = dataclasses.replace(sync_cfg, max_staleness=max_staleness, steps=len(a_t),
+                                           learner=fit_learner(a_t), sync=SyncModel(latency_s=a_stats.weight_sync_s))
+    async_cfg = cross_decode_cfg
+    if a_stats.inflight_s is not None:
+        async_cfg = dataclasses.replace(cross_decode_cfg, decode=fit_decode(
+            cross_decode_cfg, a_stats.inflight_s, half_batch=half_batch, measure="inflight"))
     cross_cfg = dataclasses.replace(sync_cfg, max_staleness=max_staleness, steps=len(a_t))
-    ps, pa, px = simulate(sync_cfg), simulate(async_cfg), simulate(cross_cfg)
+    ps, pa, pd, px = simulate(sync_cfg), simulate(async_cfg), simulate(cross_decode_cfg), simulate(cross_cfg)
     ms, ma = s_stats.samples_per_s, a_stats.samples_per_s
     err = max(abs(ps.samples_per_s - ms) / ms, abs(pa.samples_per_s - ma) / ma)
     r4 = lambda x: round(x, 4)  # noqa: E731
     return {
         "predicted_sync": r4(ps.samples_per_s), "measured_sync": r4(ms),
         "predicted_async": r4(pa.samples_per_s), "measured_async": r4(ma), "max_rel_error": r4(err),
+        "predicted_async_sync_decode": r4(pd.samples_per_s),
+        "rel_error_async_sync_decode": r4(abs(pd.samples_per_s - ma) / ma),
         "predicted_async_sync_timings_only": r4(px.samples_per_s),
         "rel_error_async_sync_timings_only": r4(abs(px.samples_per_s - ma) / ma),
         "predicted_speedup": r4(pa.samples_per_s / ps.samples_per_s), "measured_speedup": r4(ma / ms),
         "predicted_staleness_mean": r4(pa.staleness_mean), "measured_staleness_mean": r4(a_stats.staleness_mean),
         "calibration": {
             "decode_peak_tokens_per_s": r4(decode.peak_tokens_per_s), "decode_half_batch": half_batch,
+            "decode_peak_tokens_per_s_async_run": r4(async_cfg.decode.peak_tokens_per_s),
+            "decode_fitted_on": "rollout/gen_inflight_s" if s_stats.inflight_s is not None else "time/rollout_s",
+            "measured_inflight_s_sync_run": s_stats.inflight_s, "measured_inflight_s_async_run": a_stats.inflight_s,
+            "simulated_inflight_s_sync_run": r4(ps.gen_inflight_s), "simulated_inflight_s_async_run": r4(pa.gen_inflight_s),
             "gen_lengths": sorted(set(lengths.samples)), "prompt_tokens": lengths.prompt_tokens,
             "learner_sync_run": dataclasses.asdict(sync_cfg.learner), "learner_async_run": dataclasses.asdict(async_cfg.learner),
             "weight_sync_s_sync_run": r4(s_stats.weight_sync_s), "weight_sync_s_async_run": r4(a_stats.weight_sync_s),

@@ -111,11 +111,15 @@ class WorkloadModel:
 
 
 def decode_model(cost: ClusterCostModel, *, params: int, engine_tp: int, kv_bytes_per_token_per_gpu: float,
-                 mean_context: float, kv_capacity_tokens: int) -> DecodeModel:
+                 mean_context: float, kv_capacity_tokens: int, active_params: int | None = None) -> DecodeModel:
+    """``params``: weights read per decode step (all of them; a large MoE batch touches every
+    expert); ``active_params``: the weights one token computes with (MoE: k of E experts;
+    default = params)."""
     bw = cost.hbm_bandwidth_gbps * 1e9 * cost.decode_bandwidth_efficiency
     flops = cost.peak_bf16_tflops * 1e12 * cost.decode_compute_efficiency
+    active = params if active_params is None else active_params
     t0 = 2.0 * params / (engine_tp * bw)
-    t1 = mean_context * kv_bytes_per_token_per_gpu / bw + 2.0 * params / (engine_tp * flops)
+    t1 = mean_context * kv_bytes_per_token_per_gpu / bw + 2.0 * active / (engine_tp * flops)
     return DecodeModel(peak_tokens_per_s=1.0 / t1, half_batch=t0 / t1, kv_capacity_tokens=kv_capacity_tokens,
                        request_latency_s=cost.request_latency_s)
 

@@ -159,7 +159,7 @@ def sweep(cfg, raw: dict, *, label: str, nodes: int, gpus_per_node: int, gpus_so
     trainer is started with that YAML, so only its data-parallel size follows the split)."""
     from areal_mega.algo.config import AlgorithmConfig
     from areal_mega.config import from_dict
-    from areal_mega.launcher.memory import GIB, estimate_engine, total_params
+    from areal_mega.launcher.memory import GIB, count_params, estimate_engine, total_params
     from areal_mega.launcher.plan import model_shape, parallel_config, server_config
     from areal_mega.parallel import ParallelLayout
     from areal_mega.rollout.config import RolloutConfig
@@ -175,6 +175,7 @@ def sweep(cfg, raw: dict, *, label: str, nodes: int, gpus_per_node: int, gpus_so
         raise SimulationError(f"{gpus_source}: the planner models GPU nodes, got {gpus_per_node} GPUs per node")
     m = model_shape(cfg, raw)
     P = total_params(m)
+    PA = count_params(m).active(m.num_hidden_layers)  # MoE: FLOPs follow the k active experts
     srv = server_config(raw)
     et = srv.tp_size
     if et > gpus_per_node:
@@ -196,12 +197,12 @@ def sweep(cfg, raw: dict, *, label: str, nodes: int, gpus_per_node: int, gpus_so
     tokens_per_step = ro.batch_size * group * (lengths.prompt_tokens + mean_gen)
 
     def flops_per_token(recompute: str) -> float:
-        return learner_flops_per_token(params=P, layers=m.num_hidden_layers, hidden=m.hidden_size,
+        return learner_flops_per_token(params=PA, layers=m.num_hidden_layers, hidden=m.hidden_size,
                                        mean_context=(lengths.prompt_tokens + mean_gen) / 2, decoupled=alg.decoupled,
                                        reference=alg.kl_coef > 0, critic=alg.adv_estimator == "gae",
                                        recompute=recompute)
     dec = decode_model(cost, params=P, engine_tp=et, kv_bytes_per_token_per_gpu=eng.kv_bytes_per_token,
-                       mean_context=mean_ctx, kv_capacity_tokens=eng.kv_tokens)
+                       mean_context=mean_ctx, kv_capacity_tokens=eng.kv_tokens, active_params=PA)
     per_node = gpus_per_node // et
     splits = []
     for k in range(1, nodes):

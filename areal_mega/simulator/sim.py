@@ -60,6 +60,9 @@ class SimResult:
     """Fraction of server time with nothing decoding (no request, or paused for a sync)."""
     gen_paused_frac: float
     """Fraction of server time paused by weight syncs (included in gen_idle_frac)."""
+    gen_inflight_s: float
+    """Mean time per timed step with >= 1 episode in flight (admitted, not finished; paused
+    included): what the controller logs as ``rollout/gen_inflight_s``."""
     decode_util: float
     """Mean of throughput(n) / peak over server time: how saturated decoding was."""
     train_idle_frac: float
@@ -93,7 +96,8 @@ class SimResult:
         return {
             "samples_per_s": r(self.samples_per_s), "tokens_per_s": r(self.tokens_per_s), "step_s": r(self.step_s),
             "gen_wait_s": r(self.gen_wait_s), "gen_idle_frac": r(self.gen_idle_frac),
-            "gen_paused_frac": r(self.gen_paused_frac), "decode_util": r(self.decode_util),
+            "gen_paused_frac": r(self.gen_paused_frac), "gen_inflight_s": r(self.gen_inflight_s),
+            "decode_util": r(self.decode_util),
             "train_idle_frac": r(self.train_idle_frac), "learner_wait_frac": r(self.learner_wait_frac),
             "sync_frac": r(self.sync_frac), "staleness_mean": r(self.staleness_mean),
             "staleness_max": self.staleness_max,
@@ -181,6 +185,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
     train_intervals: list[tuple[float, float]] = []
     snap: dict[str, tuple] = {}
     wait_since = [0.0]
+    inflight = [0.0, 0.0]  # accumulated time with >= 1 episode running; time of the last event
 
     # ---- servers ---------------------------------------------------------------------------
     def advance(s: _Server, t: float) -> None:
@@ -344,7 +349,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
             advance(s, now)
         set_learner(learner["state"])
         snap[name] = (now, sum(s.busy for s in servers), sum(s.paused_t for s in servers),
-                      sum(s.util for s in servers), learner["wait"], learner["train"], learner["sync"])
+                      sum(s.util for s in servers), learner["wait"], learner["train"], learner["sync"], inflight[0])
 
     # ---- main loop -------------------------------------------------------------------------
     if cfg.warmup_steps == 0:
@@ -361,7 +366,9 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
         if n_events > max_events:
             raise SimulationError(f"simulation exceeded {max_events} events (step {len(step_end)})")
         t, _, kind, payload = heapq.heappop(events)
-        now = t
+        if running:
+            inflight[0] += t - inflight[1]
+        inflight[1] = now = t
         if kind == K_SERVER:
             s, epoch = payload  # type: ignore[misc]
             if epoch != s.epoch:
@@ -415,8 +422,8 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
     if record and gen_open[0] is not None and now > gen_open[0]:
         gen_intervals.append((gen_open[0], now))
 
-    t0, busy0, paused0, util0, w0, tr0, sy0 = snap["start"]
-    t1, busy1, paused1, util1, w1, tr1, sy1 = snap["end"]
+    t0, busy0, paused0, util0, w0, tr0, sy0, if0 = snap["start"]
+    t1, busy1, paused1, util1, w1, tr1, sy1, if1 = snap["end"]
     span = t1 - t0
     if span <= 0:
         raise SimulationError("simulation: timed steps took no time (all costs zero?)")
@@ -426,6 +433,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
         samples_per_s=samples_timed[0] / span, tokens_per_s=samples_timed[1] / span,
         step_s=span / cfg.steps, gen_wait_s=sum(step_wait[cfg.warmup_steps:total_steps]) / cfg.steps,
         gen_idle_frac=1.0 - busy / (span * ns), gen_paused_frac=paus / (span * ns),
+        gen_inflight_s=(if1 - if0) / cfg.steps,
         decode_util=util / (span * ns),
         train_idle_frac=1.0 - (tr1 - tr0) / span, learner_wait_frac=(w1 - w0) / span,
         sync_frac=(sy1 - sy0) / span,

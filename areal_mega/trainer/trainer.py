@@ -92,6 +92,8 @@ class Trainer:
     """PPO critic (algorithm.adv_estimator == "gae"); never synced to the servers."""
     reward: Any = None
     """Rank 0's reward function (owns worker processes for math / isolated rewards)."""
+    tools: Any = None
+    """Rank 0's tool registry (workflow kind "tool"; owns the python tool's sandbox workers)."""
     _t_last: float = field(default_factory=time.perf_counter)
 
     @property
@@ -161,12 +163,19 @@ class Trainer:
 
         cfg = self.cfg
         tok = AutoTokenizer.from_pretrained(cfg.model_path)
-        reward = self.reward = build_reward(cfg.reward)
-        split = load_dataset(cfg.data, tokenizer=tok)
-        workflow = build_workflow(cfg.workflow, tok, reward)
-        self.eval_set = load_items(cfg, tok, heldout=split.eval)
-        self.eval_workflow, _ = eval_workflows(cfg.workflow, tok, reward, EvalSpec())  # what `areal-mega eval` runs
         assert self.driver is not None
+        # A judge on the policy's servers (reward.judge.servers: policy) uses the driver's pool.
+        reward = self.reward = build_reward(cfg.reward, policy_engine=self.driver.pool, policy_tokenizer=tok)
+        split = load_dataset(cfg.data, tokenizer=tok)
+        if cfg.workflow.kind == "tool":  # one registry (one python-tool sandbox) for both workflows
+            from areal_mega.tools import build_tools
+
+            self.tools = build_tools(cfg.workflow.tools, timeout_s=cfg.workflow.tool_timeout_s,
+                                     max_output_chars=cfg.workflow.tool_max_output_chars)
+        workflow = build_workflow(cfg.workflow, tok, reward, self.tools)
+        self.eval_set = load_items(cfg, tok, heldout=split.eval)
+        # what `areal-mega eval` runs
+        self.eval_workflow, _ = eval_workflows(cfg.workflow, tok, reward, EvalSpec(), tools=self.tools)
         # Resumed: the prompt stream continues where the checkpoint stood, the prompts that were
         # in flight then (dropped with the episodes) first -- every prompt trained once per epoch.
         # The staleness counters start afresh at the resumed version: nothing is in flight.
@@ -187,8 +196,10 @@ class Trainer:
                 else:
                     self.metrics.histogram("rollout/token_staleness", rb.staleness_counts)
                     self._log_prompts(rb)
+                    reward_metrics = getattr(self.reward, "metrics", None)  # the judge's outcome counts
                     payload = {"batch": to_engine_alignment(trajectories_to_batch(rb.groups)),
-                               "stats": {**rb.stats, **self.driver.pool_stats()}}
+                               "stats": {**rb.stats, **self.driver.pool_stats(),
+                                         **(reward_metrics() if reward_metrics else {})}}
             got = broadcast_batch(payload, src=0, group=self.ctrl_group)
             if "resync" not in got:
                 return got["batch"], got["stats"]
@@ -356,6 +367,8 @@ class Trainer:
             self.driver.close()
         if self.reward is not None:
             self.reward.close()  # reward worker processes
+        if self.tools is not None:
+            self.tools.close()  # the python tool's sandbox workers
         self.weight_sync.close()
         dist.barrier(group=self.ctrl_group)
         dist.destroy_process_group()

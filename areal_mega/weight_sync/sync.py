@@ -134,7 +134,7 @@ class WeightSync:
         self.hf_config = hf_config
         coords = layout.coords(rank)
         self.stage = coords.pp
-        self.exports = coords.dp == 0 and coords.cp == 0
+        self.exports = layout.exports(rank)  # dense dp=0/cp=0 replica, plus MoE expert owners
         self.stage_plan: StagePlan | None = self.plan.stage_of_rank(rank)
         # Control messages are tiny python objects: keep them on gloo even when the world is NCCL.
         self._ctrl = world_group if dist.get_backend(world_group) == "gloo" else dist.new_group(backend="gloo")
@@ -404,6 +404,7 @@ def megatron_weight_sync(
     in fp32 inside a bf16 model. Servers are checked against ``get_adapter(server config).plan``
     at TP1 x PP1.
     """
+    from areal_mega.megatron.model import expert_export
     from areal_mega.models import get_adapter
 
     layout: ParallelLayout = groups.layout
@@ -421,7 +422,8 @@ def megatron_weight_sync(
         rank=groups.rank,
         world_group=world_group if world_group is not None else dist.group.WORLD,
         stage_metadata=[sp.tensors for sp in stage_plans],
-        export=lambda: ((n, t.to(wire)) for n, t in adapter.export_hf(chunks, mine, groups.tp)),
+        export=lambda: ((n, None if t is None else t.to(wire))
+                        for n, t in adapter.export_hf(chunks, mine, groups.tp, experts=expert_export(adapter, groups))),
         servers=servers,
         expected_fn=expected,
         hf_config=adapter.hf_config,

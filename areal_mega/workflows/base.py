@@ -9,6 +9,7 @@ from typing import Any, Literal, Protocol
 from areal_mega.api.io import GenerationResult, SamplingParams
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
 from areal_mega.reward import RewardFn
+from areal_mega.tools import ToolConfig
 
 
 class Tokenizer(Protocol):
@@ -23,22 +24,45 @@ class Tokenizer(Protocol):
 
 @dataclass
 class WorkflowConfig:
-    kind: Literal["single_turn", "multi_turn", "tool"] = "single_turn"
+    kind: Literal["single_turn", "multi_turn", "tool", "agent"] = "single_turn"
     """"single_turn": prompt -> group of samples -> reward. "multi_turn": on a wrong answer the
     environment appends ``feedback`` and the model tries again. "tool": the model may call the
-    calculator tool (``<calc>expr</calc>``; see ``areal_mega.workflows.tool``)."""
+    calculator tool (``<calc>expr</calc>``; see ``areal_mega.workflows.tool``). "agent": the
+    agent function ``agent`` drives the model through an OpenAI-style client
+    (``areal_mega.workflows.agent``)."""
     group_size: int = 4
     """Samples per prompt (a GRPO group)."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Per-generation-call sampling settings (max_new_tokens is per turn)."""
     max_turns: int = 3
-    """multi_turn: attempts per sample; tool: generation calls per sample (tool calls + 1)."""
+    """multi_turn: attempts per sample; tool: generation calls per sample (tool calls + 1);
+    agent: model calls per episode (one more ends the episode with reward 0)."""
     turn_discount: float = 0.9
     """multi_turn: a correct answer at attempt k (0-based) earns reward * turn_discount**k."""
     feedback: str = "\nThat is not correct. Try again.\nAnswer:"
     """multi_turn: text appended after a wrong answer (loss_mask 0)."""
     max_context_tokens: int = 4096
-    """multi_turn / tool: stop when another turn could exceed this many tokens in total."""
+    """multi_turn / tool: stop when another turn could exceed this many tokens in total; agent:
+    a call whose prompt + max_tokens exceeds it ends the episode with reward 0."""
+    agent: str = ""
+    """agent: "module:function", an ``async def agent(client, sample)`` returning the reward (a
+    number) or the final answer (a string, scored by the configured reward)."""
+    agent_trajectories: Literal["concat", "per_call"] = "concat"
+    """agent: "concat" joins calls whose prompt extends the previous call's whole context into one
+    trajectory (others start a new one); "per_call": one trajectory per model call."""
+    agent_http: bool = False
+    """agent: also serve each episode's client as a local OpenAI-compatible HTTP endpoint
+    (``client.base_url``, for agent code that needs a URL)."""
+    agent_turn_discount: float = 1.0
+    """agent: a trajectory's reward is the episode's times this ** (calls made after its last
+    call); 1.0 = no discount."""
+    tools: list[ToolConfig] = field(default_factory=lambda: [ToolConfig(kind="calculator", name="calc")])
+    """tool: the tools the model may call, by name (``areal_mega.tools``: calculator, python in
+    the sandbox, user tools by "module:function")."""
+    tool_timeout_s: float = 30.0
+    """tool: a tool call that takes longer returns "error: ... timed out" to the model."""
+    tool_max_output_chars: int = 4000
+    """tool: longer tool outputs are cut (the model sees "...(truncated)")."""
 
     def validate(self) -> None:
         if self.group_size < 1:
@@ -47,6 +71,25 @@ class WorkflowConfig:
             raise ValueError(f"max_turns: must be >= 1, got {self.max_turns}")
         if not 0 < self.turn_discount <= 1:
             raise ValueError(f"turn_discount: must be in (0, 1], got {self.turn_discount}")
+        if not 0 < self.agent_turn_discount <= 1:
+            raise ValueError(f"agent_turn_discount: must be in (0, 1], got {self.agent_turn_discount}")
+        if self.kind == "agent" and ":" not in self.agent:
+            raise ValueError(f"agent: kind 'agent' needs 'module:function', got {self.agent!r}")
+        if self.agent_trajectories not in ("concat", "per_call"):
+            raise ValueError(f"agent_trajectories: must be 'concat' or 'per_call', got {self.agent_trajectories!r}")
+        if self.kind == "tool" and not self.tools:
+            raise ValueError("tools: kind 'tool' needs at least one tool")
+        names = [t.tool_name() for t in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: tool names must be unique, got {names}")
+        for i, t in enumerate(self.tools):
+            try:
+                t.validate()
+            except ValueError as e:
+                raise ValueError(f"tools[{i}].{e}") from None
+        if self.tool_timeout_s <= 0 or self.tool_max_output_chars < 1:
+            raise ValueError(f"tool_timeout_s / tool_max_output_chars: must be > 0, got {self.tool_timeout_s}, "
+                             f"{self.tool_max_output_chars}")
         self.sampling.validate()
 
 
@@ -60,11 +103,7 @@ def decode(tokenizer: Tokenizer, ids: list[int]) -> str:
 
 def with_eos(sampling: SamplingParams, tokenizer: Tokenizer) -> SamplingParams:
     """Sampling params whose stop ids include the tokenizer's EOS."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    stops = list(sampling.stop_token_ids)
-    if eos is not None and eos not in stops:
-        stops.append(eos)
-    return SamplingParams(sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k, stops)
+    return sampling.with_stop_token(getattr(tokenizer, "eos_token_id", None))
 
 
 def new_group_id(data: dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest
 from areal_mega.api.workflow import Trajectory
-from areal_mega.reward import RewardFn
+from areal_mega.reward import COMPLETION_TOKENS, RewardFn, evaluate
 from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id
 
 
@@ -25,7 +25,7 @@ class MultiTurnWorkflow(TokenWorkflow):
 
     async def _conversation(self, engine: InferenceEngine, data: dict[str, Any], gid: str) -> Trajectory:
         b = TrajectoryBuilder(encode(self.tokenizer, data["prompt"]))
-        reward, turns, texts = 0.0, 0, []
+        reward, turns, texts, info = 0.0, 0, [], {}
         for turn in range(self.cfg.max_turns):
             if turn and len(b.input_ids) + len(self.feedback_ids) + self.sampling.max_new_tokens > self.cfg.max_context_tokens:
                 break
@@ -35,10 +35,12 @@ class MultiTurnWorkflow(TokenWorkflow):
             b.add_generated(res)
             turns = turn + 1
             texts.append(decode(self.tokenizer, res.output_ids))
-            reward = float(await self.reward_fn(data["prompt"], texts[-1], data))
+            r = await evaluate(self.reward_fn, data["prompt"], texts[-1], {**data, COMPLETION_TOKENS: len(res.output_ids)})
+            reward, info = r.score, r.info
             if reward > 0:
                 break
-        return b.build(reward * self.cfg.turn_discount ** (turns - 1), gid, {"num_turns": turns, "completions": texts})
+        return b.build(reward * self.cfg.turn_discount ** (turns - 1), gid,
+                       {"num_turns": turns, "completions": texts, "reward_info": info})
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> list[Trajectory]:
         gid = new_group_id(data)

@@ -8,6 +8,7 @@ from typing import Any
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest
 from areal_mega.api.workflow import Trajectory
+from areal_mega.reward import COMPLETION_TOKENS, evaluate
 from areal_mega.workflows.base import TokenWorkflow, TrajectoryBuilder, decode, encode, new_group_id
 
 
@@ -20,11 +21,14 @@ class SingleTurnWorkflow(TokenWorkflow):
             *[engine.agenerate(GenerationRequest(list(prompt_ids), self.sampling)) for _ in range(self.cfg.group_size)]
         )
         texts = [decode(self.tokenizer, r.output_ids) for r in results]
-        rewards = await asyncio.gather(*[self.reward_fn(data["prompt"], t, data) for t in texts])
+        rewards = await asyncio.gather(*[
+            evaluate(self.reward_fn, data["prompt"], t, {**data, COMPLETION_TOKENS: len(r.output_ids)})
+            for t, r in zip(texts, results)])
         gid = new_group_id(data)
         out = []
         for res, text, reward in zip(results, texts, rewards):
             b = TrajectoryBuilder(prompt_ids)
             b.add_generated(res)
-            out.append(b.build(float(reward), gid, {"completion": text, "finish_reason": res.finish_reason}))
+            out.append(b.build(reward.score, gid, {"completion": text, "finish_reason": res.finish_reason,
+                                                   "reward_info": reward.info}))
         return out

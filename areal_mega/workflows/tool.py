@@ -1,110 +1,113 @@
-"""Tool-using agent workflow with a calculator.
+"""Tool-using agent workflow: the model calls tools of a :class:`~areal_mega.tools.ToolRegistry`
+by name, in tags.
 
-Tool-call format (what the prompt should teach the model)::
+Call syntax (what the prompt should teach the model), for a tool named NAME::
 
-    ... <calc>12 * (3 + 4)</calc>          model: an arithmetic expression in the tags
-    <result>84</result>                     environment: the value (or "error: ...")
+    ... <NAME>ARGUMENT</NAME>               model: a call (NAME = a registered tool's name)
+    <result>OUTPUT</result>                 environment: the tool's output (or "error: ...")
     ... The answer is 84.                   model continues; no tool call = final turn
 
-Generation is cut right after the first ``</calc>`` (tokens sampled past it are dropped:
-the kept prefix is exactly what the policy sampled, so it stays on-policy), the tool output
-is appended with loss_mask 0, and the model is called again on the whole sequence. At most
-``max_turns`` generation calls per sample. The reward sees the full transcript after the
-prompt. The calculator evaluates +, -, *, /, //, %, ** and parentheses over numbers only (an
-AST walk, no eval), with bounded exponents.
+ARGUMENT is a JSON object of the tool's parameters (``<search>{"query": "x", "k": 3}</search>``)
+or plain text, which becomes the tool's first required parameter
+(``<calc>12 * (3 + 4)</calc>``, ``<python>print(2 ** 10)</python>``). The default registry has
+the calculator named ``calc``; configure others with ``WorkflowConfig.tools``.
+
+Generation is cut right after the first complete call (tokens sampled past it are dropped:
+the kept prefix is exactly what the policy sampled, so it stays on-policy), the tool output is
+appended with loss_mask 0, and the model is called again on the whole sequence. At most
+``max_turns`` generation calls per sample. The reward sees the full transcript after the prompt
+and, as ``data[COMPLETION_TOKENS]``, the number of tokens the model generated.
 """
 
 from __future__ import annotations
 
-import ast
 import asyncio
-import operator
-from typing import Any
+from typing import Any, Sequence
 
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest
 from areal_mega.api.workflow import Trajectory
-from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, decode, encode, new_group_id
+from areal_mega.reward import COMPLETION_TOKENS, RewardFn, evaluate
+from areal_mega.tools import ToolRegistry, build_tools
+from areal_mega.tools.calculator import calculator
+from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id
 
-CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
-_BINOPS = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-}
-_UNOPS = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 
 
-def calculator(expr: str) -> str:
-    """Evaluate an arithmetic expression safely; the result or "error: ..." as text."""
-
-    def ev(node: ast.AST) -> float | int:
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 1e6):
-                raise ValueError("exponent too large")
-            return _BINOPS[type(node.op)](left, right)
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNOPS:
-            return _UNOPS[type(node.op)](ev(node.operand))
-        raise ValueError(f"unsupported expression: {type(node).__name__}")
-
-    if len(expr) > 200:
-        return "error: expression too long"
-    try:
-        value = ev(ast.parse(expr.strip(), mode="eval"))
-    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeError) as e:
-        return f"error: {e}"
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        value = int(value)
-    return str(value)
+def find_call(text: str, names: Sequence[str]) -> tuple[int, str, str] | None:
+    """(end offset, tool name, argument text) of the call that closes first in ``text``."""
+    best = None
+    for name in names:
+        open_tag, close_tag = f"<{name}>", f"</{name}>"
+        start = text.find(open_tag)
+        if start < 0:
+            continue
+        end = text.find(close_tag, start + len(open_tag))
+        if end < 0:
+            continue
+        stop = end + len(close_tag)
+        if best is None or stop < best[0]:
+            best = (stop, name, text[start + len(open_tag) : end])
+    return best
 
 
-def cut_after_tool_call(tokenizer: Tokenizer, ids: list[int]) -> tuple[int, str] | None:
-    """(k, expression) with k the fewest tokens whose text contains a complete tool call,
-    or None if there is no complete call. Binary search: containing the closing tag is
-    monotone in the prefix length."""
-    text = decode(tokenizer, ids)
-    start = text.find(CALL_OPEN)
-    if start < 0 or text.find(CALL_CLOSE, start) < 0:
+def cut_after_tool_call(tokenizer: Tokenizer, ids: list[int], names: Sequence[str] = ("calc",)) -> tuple[int, str, str] | None:
+    """(k, tool name, argument text) with k the fewest tokens whose text contains a complete
+    call, or None if there is none. Binary search: containing a complete call is monotone in
+    the prefix length."""
+    if find_call(decode(tokenizer, ids), names) is None:
         return None
     lo, hi = 1, len(ids)
     while lo < hi:
         mid = (lo + hi) // 2
-        t = decode(tokenizer, ids[:mid])
-        s = t.find(CALL_OPEN)
-        if s >= 0 and t.find(CALL_CLOSE, s) >= 0:
+        if find_call(decode(tokenizer, ids[:mid]), names) is not None:
             hi = mid
         else:
             lo = mid + 1
-    prefix = decode(tokenizer, ids[:lo])
-    s = prefix.find(CALL_OPEN)
-    return lo, prefix[s + len(CALL_OPEN) : prefix.find(CALL_CLOSE, s)]
+    found = find_call(decode(tokenizer, ids[:lo]), names)
+    assert found is not None
+    return lo, found[1], found[2]
 
 
 class ToolWorkflow(TokenWorkflow):
+    def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn,
+                 tools: ToolRegistry | None = None) -> None:
+        super().__init__(cfg, tokenizer, reward_fn)
+        self._own_tools = tools is None
+        self.tools = tools if tools is not None else build_tools(
+            cfg.tools, timeout_s=cfg.tool_timeout_s, max_output_chars=cfg.tool_max_output_chars)
+
     async def _sample(self, engine: InferenceEngine, data: dict[str, Any], gid: str) -> Trajectory:
         prompt_ids = encode(self.tokenizer, data["prompt"])
         b = TrajectoryBuilder(prompt_ids)
-        calls = 0
+        calls: list[str] = []
         for _ in range(self.cfg.max_turns):
             if len(b.input_ids) + self.sampling.max_new_tokens > self.cfg.max_context_tokens:
                 break
             res = await engine.agenerate(GenerationRequest(list(b.input_ids), self.sampling))
-            cut = cut_after_tool_call(self.tokenizer, res.output_ids)
+            cut = cut_after_tool_call(self.tokenizer, res.output_ids, self.tools.names())
             if cut is None:
                 b.add_generated(res)
                 break
-            keep, expr = cut
+            keep, name, text = cut
             b.add_generated(res, keep=keep)
-            b.add_env(encode(self.tokenizer, f"<result>{calculator(expr)}</result>"))
-            calls += 1
+            output = await self.tools.call(name, self.tools.args_from_text(name, text))
+            b.add_env(encode(self.tokenizer, f"{RESULT_OPEN}{output}{RESULT_CLOSE}"))
+            calls.append(name)
         transcript = decode(self.tokenizer, b.input_ids[len(prompt_ids) :])
-        reward = float(await self.reward_fn(data["prompt"], transcript, data))
-        return b.build(reward, gid, {"num_tool_calls": calls, "completion": transcript})
+        r = await evaluate(self.reward_fn, data["prompt"], transcript, {**data, COMPLETION_TOKENS: sum(b.loss_mask)})
+        return b.build(r.score, gid, {"num_tool_calls": len(calls), "tool_calls": calls, "completion": transcript,
+                                      "reward_info": r.info})
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> list[Trajectory]:
         gid = new_group_id(data)
         return list(await asyncio.gather(*[self._sample(engine, data, gid) for _ in range(self.cfg.group_size)]))
+
+    def close(self) -> None:
+        """The registry's tools (the python tool's sandbox workers), when this workflow built it."""
+        if self._own_tools:
+            self.tools.close()
+
+
+__all__ = ["RESULT_CLOSE", "RESULT_OPEN", "ToolWorkflow", "calculator", "cut_after_tool_call", "find_call"]

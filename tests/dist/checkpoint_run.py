@@ -48,6 +48,7 @@ from areal_mega.megatron.parallel_state import destroy_model_parallel, init_mode
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from areal_mega.trainer.critic import CriticConfig, CriticEngine
 from tests.support.models import save_tiny_model
+from tests.support.dist import finish
 
 VOCAB = 200
 MARKER = {"marker": "checkpoint_run"}
@@ -172,11 +173,7 @@ def main() -> None:
     res["refusals"] = refusals
     destroy_model_parallel()
 
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(res, args.out)
 
 
 if __name__ == "__main__":

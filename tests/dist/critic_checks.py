@@ -18,7 +18,6 @@ actor takes two optimizer steps; the reference's log-probs are recorded before a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -34,6 +33,7 @@ from areal_mega.algo.config import AlgorithmConfig
 from areal_mega.trainer.critic import CriticConfig, CriticEngine
 from areal_mega.algo.losses import PPOActorLoss, PPOCriticLoss, global_counts
 from tests.support.models import save_tiny_model
+from tests.support.dist import finish
 
 VOCAB = 120
 # The tiny Qwen2 with TIED embeddings (tests/support/models.py; HF init, 2 layers, hidden 64)
@@ -151,11 +151,7 @@ def main() -> None:
     }
     destroy_model_parallel()
 
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(res, args.out)
 
 
 if __name__ == "__main__":

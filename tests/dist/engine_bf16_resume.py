@@ -38,8 +38,9 @@ from areal_mega.megatron.model import MegatronModelConfig, forward_logits
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
-from engine_checks import TEMPERATURE, finish_launch, make_batch, make_loss_fn, start_launch  # sibling script
+from engine_checks import TEMPERATURE, make_batch, make_loss_fn, start_launch  # sibling script
 from tests.support.models import save_tiny_model
+from tests.support.dist import finish
 
 # (name, family, distributed optimizer, TP of the resumed engine: 2 = saved at TP1 x DP2, loaded
 # at TP2 x DP1, so weights AND optimizer state are resharded)
@@ -104,7 +105,7 @@ def main() -> None:
             "after1": after1.tolist(),
             "ref": ref, "resumed": got, "seconds": time.perf_counter() - t0,
         }
-    finish_launch(res, args.out)
+    finish(res, args.out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ Everything numeric goes to --out; the pytest side asserts tolerances.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -36,6 +35,7 @@ from areal_mega.megatron.parallel_state import destroy_model_parallel, init_mode
 from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from tests.support.models import DEFAULTS, save_tiny_model
+from tests.support.dist import finish, hf_reference
 
 VOCAB = DEFAULTS["vocab_size"]  # 200, padded to 256 by the engine
 NUM_LAYERS = DEFAULTS["num_hidden_layers"]  # 4
@@ -92,25 +92,6 @@ def expected_loss(batch, lp, ent, total) -> float:
     per_tok = -batch["advantages"] * torch.exp(lp - batch["logprobs"]) - ENT_COEF * ent
     return float((per_tok * m).sum() / total)
 
-
-def hf_reference(hf_dir: str, batch) -> tuple[list[float], list[float]]:
-    """Each sequence ALONE through HF (fp32): next-token log-softmax(logits / T) and entropy."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
-    cu = batch["cu_seqlens"].tolist()
-    lp_all, ent_all = [], []
-    with torch.no_grad():
-        for i in range(len(cu) - 1):
-            ids = batch["input_ids"][cu[i] : cu[i + 1]]
-            logp = torch.log_softmax(model(ids[None]).logits[0].float() / TEMPERATURE, -1)
-            lp = torch.zeros(len(ids))
-            lp[:-1] = logp[:-1].gather(-1, ids[1:, None])[:, 0]
-            ent = -(logp.exp() * logp).sum(-1)
-            ent[-1] = 0.0
-            lp_all += lp.tolist()
-            ent_all += ent.tolist()
-    return lp_all, ent_all
 
 
 def engine_cfg(budget: int) -> MegatronEngineConfig:
@@ -175,15 +156,6 @@ def start_launch() -> argparse.Namespace:
     return args
 
 
-def finish_launch(res: dict, out: str) -> None:
-    """Rank 0 writes the results the pytest side asserts on; then every rank leaves together."""
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def main() -> None:
     args = start_launch()
     rank = dist.get_rank()
@@ -239,10 +211,10 @@ def main() -> None:
         destroy_model_parallel()
 
     if rank == 0:
-        res["hf_logprobs"], res["hf_entropy"] = hf_reference(hf_dir, batch)
+        res["hf_logprobs"], res["hf_entropy"] = hf_reference(hf_dir, batch, TEMPERATURE)
         res["loss_mask"] = batch["loss_mask"].tolist()
         res["cu_seqlens"] = batch["cu_seqlens"].tolist()
-    finish_launch(res, args.out)
+    finish(res, args.out)
 
 
 if __name__ == "__main__":

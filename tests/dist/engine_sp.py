@@ -26,7 +26,6 @@ the sequence-parallel tokens), and SP on with full recompute.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -40,6 +39,7 @@ from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from areal_mega.trainer.critic import CriticConfig, CriticEngine
 from tests.support.models import DEFAULTS, save_tiny_model
+from tests.support.dist import finish, hf_reference
 from tools.check_memory_model import SavedActivationMeter
 
 VOCAB = DEFAULTS["vocab_size"]  # 200
@@ -92,24 +92,6 @@ def value_loss_fn(batch):
 
     return loss_fn
 
-
-def hf_reference(hf_dir: str, batch) -> tuple[list[float], list[float]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
-    cu = batch["cu_seqlens"].tolist()
-    lp_all, ent_all = [], []
-    with torch.no_grad():
-        for i in range(len(cu) - 1):
-            ids = batch["input_ids"][cu[i]: cu[i + 1]]
-            logp = torch.log_softmax(model(ids[None]).logits[0].float() / TEMPERATURE, -1)
-            lp = torch.zeros(len(ids))
-            lp[:-1] = logp[:-1].gather(-1, ids[1:, None])[:, 0]
-            ent = -(logp.exp() * logp).sum(-1)
-            ent[-1] = 0.0
-            lp_all += lp.tolist()
-            ent_all += ent.tolist()
-    return lp_all, ent_all
 
 
 def groups_for(tp: int, pp: int, vpp: int | None = None):
@@ -237,13 +219,10 @@ def main() -> None:
     res = {"sp": sp_runs(hf_dir, batch, loss_fn), "recompute": recompute_runs(hf_dir, batch, loss_fn),
            "critic": critic_runs(hf_dir, batch)}
     if rank == 0:
-        res["hf_logprobs"], res["hf_entropy"] = hf_reference(hf_dir, batch)
+        res["hf_logprobs"], res["hf_entropy"] = hf_reference(hf_dir, batch, TEMPERATURE)
         res["cu_seqlens"] = batch["cu_seqlens"].tolist()
         res["loss_mask"] = batch["loss_mask"].tolist()
-        with open(args.out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(res, args.out)
 
 
 if __name__ == "__main__":

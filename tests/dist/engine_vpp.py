@@ -38,9 +38,10 @@ from areal_mega.megatron.parallel_state import destroy_model_parallel, init_mode
 from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from engine_checks import (  # sibling script
-    SCALE, TEMPERATURE, engine_cfg, finish_launch, make_batch, make_loss_fn, start_launch,
+    SCALE, TEMPERATURE, engine_cfg, make_batch, make_loss_fn, start_launch,
 )
 from tests.support.models import save_tiny_model
+from tests.support.dist import finish
 
 CASES = {"mb4": 64, "mb5": 48, "mb1": 10_000}  # case -> token budget per micro-batch
 
@@ -111,7 +112,7 @@ def main() -> None:
     res["cases"]["mb4_batched_p2p"] = {"vpp2": run(bad, batch, loss_fn)}
     res["timing_s"]["mb4_batched_p2p"] = time.perf_counter() - t0
     destroy_model_parallel()
-    finish_launch(res, args.out)
+    finish(res, args.out)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from areal_mega.inference.sglang_api import SGLangClient
 from areal_mega.weight_sync import PlanMismatchError, WeightSyncConfig, megatron_weight_sync
+from tests.support.dist import finish
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import convert_mcore_to_hf  # noqa: E402  (a script in tools/, not a package)
@@ -209,10 +210,7 @@ def main() -> None:
     log("interleaved learner synced")
     if rank == 0:
         res["converted_dir"] = converted
-        with open(args.out, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(res, args.out)
 
 
 if __name__ == "__main__":

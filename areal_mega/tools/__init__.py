@@ -1,0 +1,269 @@
+"""Tools an agent can call: one small registry, shared by the tool workflow (tag syntax) and
+OpenAI-style tool calls (JSON arguments).
+
+    registry = build_tools([ToolConfig(kind="calculator", name="calc"),
+                            ToolConfig(kind="python"),
+                            ToolConfig(kind="function", function="my_pkg.tools:search")])
+    await registry.call("calc", {"expression": "12 * (3 + 4)"})        # "84"
+    registry.schemas()        # [{"type": "function", "function": {name, description, parameters}}]
+    registry.close()          # the python tool's sandbox workers
+
+The contract of a tool (:class:`Tool`): ``name``, ``description``, ``parameters`` (a JSON schema
+of an object), ``async call(args: dict) -> str``, ``close()``. ``ToolRegistry.call`` never
+raises for a tool's own failure: unknown tools, bad arguments, exceptions and timeouts come
+back as ``"error: ..."`` text, which is what the model sees (a tool error is part of the
+environment, not a crash of the rollout). Outputs are cut to ``max_output_chars``.
+
+Built-ins: ``calculator`` (arithmetic by an AST walk, no eval) and ``python`` (the code runs in
+``areal_mega.sandbox``: fresh namespaces, no network, rlimits; its stdout is the result). User
+tools by import path ``"module:function"``: a plain or async function taking keyword arguments
+(its parameters' annotations str / int / float / bool / list / dict become the JSON schema, its
+docstring's first paragraph the description), or a module-level object that already has the
+Tool attributes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Protocol, Sequence, runtime_checkable
+
+from areal_mega.sandbox import Sandbox, SandboxConfig
+from areal_mega.tools.calculator import calculator
+
+
+@runtime_checkable
+class Tool(Protocol):
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    """JSON schema of the arguments object (``{"type": "object", "properties": ..., "required": ...}``)."""
+
+    async def call(self, args: dict[str, Any]) -> str: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class FunctionTool:
+    """A tool from a Python function (sync functions run in a thread: they may block)."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    fn: Callable[..., Any]
+    closer: Callable[[], None] | None = None
+
+    async def call(self, args: dict[str, Any]) -> str:
+        if inspect.iscoroutinefunction(self.fn):
+            out = await self.fn(**args)
+        else:
+            out = await asyncio.to_thread(self.fn, **args)
+        return out if isinstance(out, str) else str(out)
+
+    def close(self) -> None:
+        if self.closer is not None:
+            self.closer()
+
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+def schema_of(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The JSON schema of ``fn``'s keyword arguments (required = those without a default)."""
+    props: dict[str, Any] = {}
+    required = []
+    hints = {}
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # unresolvable annotations: untyped properties
+        pass
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        t = _JSON_TYPES.get(hints.get(p.name))  # type: ignore[arg-type]
+        props[p.name] = {"type": t} if t else {}
+        if p.default is p.empty:
+            required.append(p.name)
+    return {"type": "object", "properties": props, "required": required}
+
+
+def _first_paragraph(doc: str | None) -> str:
+    return inspect.cleandoc(doc or "").split("\n\n")[0].replace("\n", " ").strip()
+
+
+def calculator_tool(name: str = "calculator") -> Tool:
+    def calc(expression: str) -> str:
+        return calculator(expression)
+
+    return FunctionTool(name, "Evaluate an arithmetic expression (+ - * / // % ** and parentheses, numbers only).",
+                        {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+                        calc)
+
+
+def python_tool(cfg: SandboxConfig, name: str = "python") -> Tool:
+    """Runs ``code`` in a sandbox of its own; the result is its stdout, or ``error (<reason>):``
+    with the end of its stderr."""
+    sandbox = Sandbox(cfg)
+
+    async def run(code: str) -> str:
+        res = await sandbox.run(code)
+        if res.ok:
+            return res.stdout
+        return f"error ({res.reason}): {res.stderr.strip()[-500:]}"
+
+    return FunctionTool(name, "Run a Python program (stdlib only, no network, no files kept) and return what it prints.",
+                        {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+                        run, closer=sandbox.close)
+
+
+def function_tool(path: str, name: str = "", description: str = "") -> Tool:
+    """The user tool at ``path`` ("module:function"): a function, or an object with the Tool
+    attributes (used as it is; ``name`` renames it)."""
+    mod_name, _, attr = path.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"function: tool {path!r}: cannot import {mod_name}: {e}") from None
+    obj = getattr(mod, attr, None)
+    if not inspect.isroutine(obj) and all(hasattr(obj, a) for a in ("name", "description", "parameters", "call")):
+        if name:
+            obj.name = name
+        return obj
+    if not callable(obj):
+        raise ValueError(f"function: tool {path!r}: {mod_name} has no callable {attr!r}")
+    return FunctionTool(name or obj.__name__, description or _first_paragraph(obj.__doc__) or obj.__name__,
+                        schema_of(obj), obj)
+
+
+@dataclass
+class ToolConfig:
+    kind: Literal["calculator", "python", "function"] = "calculator"
+    """"calculator": arithmetic; "python": run code in the sandbox (``sandbox``); "function":
+    the user tool at ``function``."""
+    name: str = ""
+    """The tool's name (the tag in the tool workflow's call syntax, the function name in
+    OpenAI-style calls); "" = the kind for built-ins, the function's own name for user tools."""
+    function: str = ""
+    """kind "function": "module:function" (a function, or an object with the Tool attributes)."""
+    description: str = ""
+    """kind "function": the description shown to the model ("" = the docstring's first paragraph)."""
+    sandbox: SandboxConfig = field(default_factory=lambda: SandboxConfig(num_workers=1, timeout_s=5.0))
+    """kind "python": the sandbox the code runs in."""
+
+    def tool_name(self) -> str:
+        """The name the tool will have (before importing a user tool object, which may name itself)."""
+        return self.name or (self.function.partition(":")[2] if self.kind == "function" else self.kind)
+
+    def validate(self) -> None:
+        if self.kind == "function" and ":" not in self.function:
+            raise ValueError(f"function: kind 'function' needs 'module:function', got {self.function!r}")
+        if self.kind != "function" and self.function:
+            raise ValueError(f"function: only kind 'function' takes a function (kind is {self.kind!r})")
+        if self.name and not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"name: letters, digits, '_' and '-' only (it is a tag and a function name), got {self.name!r}")
+        try:
+            self.sandbox.validate()
+        except ValueError as e:
+            raise ValueError(f"sandbox.{e}") from None
+
+
+class ToolRegistry:
+    """Tools by exact name."""
+
+    def __init__(self, tools: Sequence[Tool], *, timeout_s: float = 30.0, max_output_chars: int = 4000) -> None:
+        self.tools: dict[str, Tool] = {}
+        for t in tools:
+            if t.name in self.tools:
+                raise ValueError(f"tools: two tools are named {t.name!r}")
+            self.tools[t.name] = t
+        self.timeout_s = timeout_s
+        self.max_output_chars = max_output_chars
+
+    def names(self) -> list[str]:
+        return list(self.tools)
+
+    def get(self, name: str) -> Tool:
+        if name not in self.tools:
+            raise KeyError(f"unknown tool {name!r} (known: {self.names()})")
+        return self.tools[name]
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """The tools in the OpenAI chat-completions ``tools`` format."""
+        return [{"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+                for t in self.tools.values()]
+
+    def args_from_text(self, name: str, text: str) -> dict[str, Any]:
+        """The arguments of a tag-syntax call: a JSON object as is, else the text as the tool's
+        first required parameter (``<calc>1+2</calc>`` -> {"expression": "1+2"})."""
+        stripped = text.strip()
+        if stripped.startswith("{"):
+            try:
+                value = json.loads(stripped)
+                if isinstance(value, dict):
+                    return value
+            except json.JSONDecodeError:
+                pass
+        params = self.get(name).parameters
+        first = (params.get("required") or list(params.get("properties", {})) or ["input"])[0]
+        return {first: text}
+
+    async def call_openai(self, name: str, arguments: str) -> str:
+        """An OpenAI-style tool call (``tool_call.function.name`` / ``.arguments``, a JSON
+        object as text): its output, or "error: ..." as :meth:`call` answers."""
+        try:
+            args = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            return f"error: {name} arguments are not JSON: {arguments[:200]!r}"
+        if not isinstance(args, dict):
+            return f"error: {name} arguments must be a JSON object, got {type(args).__name__}"
+        return await self.call(name, args)
+
+    async def call(self, name: str, args: dict[str, Any]) -> str:
+        """The tool's output, or "error: ..." (unknown tool, bad arguments, exception, timeout)."""
+        if name not in self.tools:
+            return f"error: unknown tool {name!r} (known: {', '.join(self.names())})"
+        tool = self.tools[name]
+        missing = [k for k in tool.parameters.get("required", []) if k not in args]
+        unknown = [k for k in args if k not in tool.parameters.get("properties", {})]
+        if missing or (unknown and tool.parameters.get("properties")):
+            return f"error: {name} takes {sorted(tool.parameters.get('properties', {}))}, got {sorted(args)}"
+        try:
+            out = await asyncio.wait_for(tool.call(args), self.timeout_s)
+        except asyncio.TimeoutError:
+            return f"error: {name} timed out after {self.timeout_s} s"
+        except Exception as e:  # the tool's failure is the model's observation
+            return f"error: {type(e).__name__}: {e}"
+        return out if len(out) <= self.max_output_chars else out[: self.max_output_chars] + "...(truncated)"
+
+    def close(self) -> None:
+        for t in self.tools.values():
+            t.close()
+
+
+def build_tools(cfgs: Sequence[ToolConfig], *, timeout_s: float = 30.0, max_output_chars: int = 4000) -> ToolRegistry:
+    built: list[Tool] = []
+    try:
+        for c in cfgs:
+            c.validate()
+            if c.kind == "calculator":
+                built.append(calculator_tool(c.name or "calculator"))
+            elif c.kind == "python":
+                built.append(python_tool(c.sandbox, c.name or "python"))
+            elif c.kind == "function":
+                built.append(function_tool(c.function, c.name, c.description))
+            else:
+                raise ValueError(f"kind: unknown tool kind {c.kind!r}")
+        return ToolRegistry(built, timeout_s=timeout_s, max_output_chars=max_output_chars)
+    except BaseException:
+        for t in built:
+            t.close()
+        raise
+
+
+__all__ = ["FunctionTool", "Tool", "ToolConfig", "ToolRegistry", "build_tools", "calculator", "calculator_tool",
+           "function_tool", "python_tool", "schema_of"]

@@ -1,0 +1,41 @@
+"""Pieces every torchrun check script in tests/dist/ shares: the HF reference computation and the
+end of a run (rank 0 writes the results the pytest side reads; everybody leaves together)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+
+def hf_reference(hf_dir: str, batch: dict, temperature: float) -> tuple[list[float], list[float]]:
+    """Each packed sequence ALONE through HF transformers (fp32): next-token log-softmax(logits / T)
+    of the token that follows, and the entropy of that distribution, flattened in packing order
+    (the last position of each sequence has no next token: 0 for both)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    cu = batch["cu_seqlens"].tolist()
+    lp_all, ent_all = [], []
+    with torch.no_grad():
+        for i in range(len(cu) - 1):
+            ids = batch["input_ids"][cu[i]: cu[i + 1]]
+            logp = torch.log_softmax(model(ids[None]).logits[0].float() / temperature, -1)
+            lp = torch.zeros(len(ids))
+            lp[:-1] = logp[:-1].gather(-1, ids[1:, None])[:, 0]
+            ent = -(logp.exp() * logp).sum(-1)
+            ent[-1] = 0.0
+            lp_all += lp.tolist()
+            ent_all += ent.tolist()
+    return lp_all, ent_all
+
+
+def finish(results: dict, out: str) -> None:
+    """Rank 0 writes ``results`` as JSON to ``out``; then every rank leaves the process group
+    (the barrier keeps a rank from tearing gloo down while rank 0 still writes)."""
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()

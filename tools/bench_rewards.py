@@ -1,0 +1,108 @@
+"""PYTHONPATH=. $L/bin/python tools/bench_rewards.py --workers 2 [--sglang-python $S/bin/python]
+
+Reward throughput with N worker processes. Prints ONE JSON line:
+
+    math_rewards_per_s        math-verify rewards (MathReward: answer extraction + math-verify
+                              in the worker pool) per second, over --num-math completions
+                              (a mix of \\boxed{\\frac{a}{b}}, decimals and wrong answers)
+    sandbox_executions_per_s  sandboxed code executions (Sandbox.run: a fresh set of
+                              namespaces, a mount view, the uid switch and a Python start per
+                              execution) per second, over --num-code tiny programs
+    code_rewards_per_s        code-reward samples (4 tests each: 4 executions) per second
+    judge_requests_per_s      LLM-judge verdicts per second against a real SGLang CPU server
+                              (tools/bench_judge.py's measurement, its fields under "judge");
+                              null without --sglang-python
+    workers, sandbox_mode, num_math, num_code, wall_s
+
+Worker start-up (imports of math-verify, ~2-5 s) is excluded: each pool is warmed by one
+call per worker first. All calls of a phase are issued at once (asyncio.gather), as the rollout
+does; throughput then tracks min(workers, cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from areal_mega.reward.code import CodeReward  # noqa: E402
+from areal_mega.reward.math import MathReward  # noqa: E402
+from areal_mega.sandbox import SandboxConfig  # noqa: E402
+
+
+def math_cases(n: int) -> list[tuple[str, dict]]:
+    out = []
+    for i in range(n):
+        a, b = i % 7 + 1, i % 5 + 2
+        if i % 3 == 0:
+            out.append((f"so the answer is \\boxed{{\\frac{{{a}}}{{{b}}}}}", {"answer": f"{a / b:.6f}"}))
+        elif i % 3 == 1:
+            out.append((f"The answer is {a * b}.", {"answer": str(a * b)}))
+        else:
+            out.append((f"I get \\boxed{{{a + b}}}", {"answer": str(a + b + 1)}))
+    return out
+
+
+async def timed(calls) -> float:
+    t0 = time.perf_counter()
+    await asyncio.gather(*calls)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (math pool and sandbox pool each)")
+    ap.add_argument("--num-math", type=int, default=400)
+    ap.add_argument("--num-code", type=int, default=100, help="sandboxed executions (code samples x 4 tests / 4)")
+    ap.add_argument("--sandbox-mode", default="namespaces", choices=["namespaces", "rlimits_only_unsafe"])
+    ap.add_argument("--sglang-python", help="also measure judge requests/s on a real SGLang CPU server")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+
+    math = MathReward(num_workers=args.workers, timeout_s=30.0)
+    try:
+        cases = math_cases(args.num_math)
+        asyncio.run(timed([math("q", c, d) for c, d in cases[: args.workers]]))  # start + warm the workers
+        math_s = asyncio.run(timed([math("q", c, d) for c, d in cases]))
+    finally:
+        math.close()
+
+    code = CodeReward(SandboxConfig(mode=args.sandbox_mode, num_workers=args.workers, timeout_s=10.0))
+    try:
+        sb = code.sandbox
+        asyncio.run(timed([sb.run("print(1)") for _ in range(args.workers)]))
+        exec_s = asyncio.run(timed([sb.run("a, b = map(int, input().split())\nprint(a + b)", f"{i} 1\n")
+                                    for i in range(args.num_code)]))
+        tests = [{"input": f"{i} 2\n", "output": str(i + 2)} for i in range(4)]
+        completion = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+        n_samples = max(args.num_code // 4, 1)
+        code_s = asyncio.run(timed([code("", completion, {"tests": tests}) for _ in range(n_samples)]))
+    finally:
+        code.close()
+
+    judge = None
+    if args.sglang_python:
+        from tools.bench_judge import measure_judge
+
+        judge = measure_judge(args.sglang_python)
+    print(json.dumps({
+        "math_rewards_per_s": round(args.num_math / math_s, 1),
+        "sandbox_executions_per_s": round(args.num_code / exec_s, 2),
+        "code_rewards_per_s": round(n_samples / code_s, 2),
+        "judge_requests_per_s": judge["judge_requests_per_s"] if judge else None,
+        "judge": judge,
+        "workers": args.workers,
+        "sandbox_mode": args.sandbox_mode,
+        "num_math": args.num_math,
+        "num_code": args.num_code,
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()
