@@ -4,7 +4,11 @@
 SHELL := /bin/bash
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast envs learner-env sglang-env
+# `make example`: SmolLM2-135M-Instruct learns two-term arithmetic (async GRPO, ~40 min on 2 cores);
+# EXAMPLE_ARGS: overrides of the training run, e.g. EXAMPLE_ARGS="trainer.num_steps=5".
+EXAMPLE_ARGS ?=
+
+.PHONY: demo example test test-fast envs learner-env sglang-env
 
 learner-env:
 	@tools/env/make_venv.sh learner
@@ -17,6 +21,10 @@ envs: learner-env sglang-env
 demo:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
 	  $$L/bin/python -m areal_mega.cli demo --learner-python $$L/bin/python --sglang-python $$S/bin/python
+
+example:
+	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
+	  $$L/bin/python -m areal_mega.demo.example --learner-python $$L/bin/python --sglang-python $$S/bin/python $(EXAMPLE_ARGS)
 
 test:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \

@@ -83,3 +83,16 @@ def test_reasoning_gym_offline_deterministic():
         assert eval(expr) == int(s["answer"]), s  # the generator's answer is the true value
     with pytest.raises(ValueError, match="tasks"):
         load_dataset(DatasetConfig(kind="reasoning_gym", tasks=["no_such_task"], size=2))
+
+
+def test_heldout_questions_never_in_training(tmp_path):
+    """A source that repeats questions (generated arithmetic does): with dedupe_heldout (default)
+    no training sample asks a held-out question; without it some do (the control)."""
+    p = tmp_path / "rep.jsonl"
+    p.write_text("".join(json.dumps({"question": f"q{i % 10}", "answer": str(i % 10)}) + "\n" for i in range(100)))
+    split = load_dataset(DatasetConfig(kind="jsonl", path=str(p), num_eval=5, seed=3))
+    held = {s["question"] for s in split.eval}
+    train = {s["question"] for s in split.train}
+    assert held and not held & train and len(split.train) + len(split.eval) < 100
+    leaky = load_dataset(DatasetConfig(kind="jsonl", path=str(p), num_eval=5, seed=3, dedupe_heldout=False))
+    assert held & {s["question"] for s in leaky.train} and len(leaky.train) == 95

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 # Runnable from the repository root without PYTHONPATH (like the other tools).
@@ -51,37 +50,11 @@ def _check_args(args: argparse.Namespace) -> dict:
 
 
 def convert(args: argparse.Namespace) -> int:
-    meta = _check_args(args)
-    out = Path(args.out)
+    _check_args(args)
+    from areal_mega.megatron.hf_export import export_checkpoint
 
-    import torch.distributed as dist
-
-    from areal_mega.megatron.checkpoint import build_model_from_checkpoint, load_checkpoint
-    from areal_mega.megatron.hf_export import save_hf_checkpoint
-    from areal_mega.megatron.parallel_state import (
-        destroy_model_parallel,
-        init_model_parallel,
-        init_process_group_for_script,
-    )
-    from areal_mega.parallel import ParallelConfig, ParallelLayout
-
-    own_world = init_process_group_for_script("gloo")  # False when called inside a running world
-    t0 = time.time()
-    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep,
-                                   expert_tensor_parallel=args.etp), dist.get_world_size())
-    groups = init_model_parallel(layout, backend="gloo")
-    model = build_model_from_checkpoint(args.ckpt, groups)
-    load_checkpoint(model, args.ckpt)  # checks role, model_type and every shape first
-    # The same writer the trainer uses for its final HF export (one shard per stage, index,
-    # config.json, tokenizer files from the source HF dir).
-    save_hf_checkpoint(model, str(out), hf_config=meta["hf_config"],
-                       source_dir=args.tokenizer_dir or meta.get("source_hf_dir"))
-    if dist.get_rank() == 0:
-        print(f"{PROG}: {args.ckpt} -> {out} ({layout}) in {time.time() - t0:.1f}s", flush=True)
-    destroy_model_parallel(groups)
-    dist.barrier()
-    if own_world:
-        dist.destroy_process_group()
+    export_checkpoint(args.ckpt, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
+                      tokenizer_dir=args.tokenizer_dir, prog=PROG)
     return 0
 
 

@@ -102,6 +102,18 @@ class AlgorithmConfig:
     """Entropy bonus coefficient (the loss subtracts entropy_coef * entropy)."""
     value_eps_clip: float = 0.2
     """PPO critic: values are clipped to old_values +- value_eps_clip."""
+    num_minibatches: int = 1
+    """Policy optimizer steps per rollout batch and epoch (AReaL's ppo_n_minibatches, verl's
+    ppo_mini_batch_size as a count): the batch is split by sequences into this many mini-batches,
+    whole groups kept together (``rollout.split_minibatches``), after advantages and proximal
+    log-probs were computed once on the whole batch. Each mini-batch's loss is normalised by its
+    own token/sequence counts. From the second mini-batch on the policy has moved, so the PPO
+    ratio (against pi_prox, or pi_behav without ``decoupled``) leaves 1 and the clip can act.
+    The weights are synced and the version bumped once per rollout batch, after all steps; the
+    LR schedule counts optimizer steps. The critic still takes one step per batch."""
+    ppo_epochs: int = 1
+    """Passes over the mini-batches of a rollout batch (steps per batch = ppo_epochs *
+    num_minibatches), in the same order each pass."""
 
     def validate(self) -> None:
         if self.eps_clip_low <= 0 or self.eps_clip_low >= 1:
@@ -124,6 +136,10 @@ class AlgorithmConfig:
             raise ValueError(f"value_eps_clip: must be > 0, got {self.value_eps_clip}")
         if self.loss_norm_const <= 0:
             raise ValueError(f"loss_norm_const: must be > 0, got {self.loss_norm_const}")
+        if self.num_minibatches < 1:
+            raise ValueError(f"num_minibatches: must be >= 1, got {self.num_minibatches}")
+        if self.ppo_epochs < 1:
+            raise ValueError(f"ppo_epochs: must be >= 1, got {self.ppo_epochs}")
         if self.reward_clip <= 0:
             raise ValueError(f"reward_clip: must be > 0, got {self.reward_clip}")
         if self.kl_in_reward and self.adv_estimator not in ("reinforce_pp", "gae"):

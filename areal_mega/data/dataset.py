@@ -46,6 +46,10 @@ class DatasetConfig:
     """Appended to the question before templating (e.g. "Put the final answer in \\\\boxed{}.")."""
     system_prompt: str = ""
     """System message for template "chat" (empty = none)."""
+    dedupe_heldout: bool = True
+    """Drop from the training split every sample whose question equals a held-out one, so the
+    held-out items are never trained on even when the source repeats questions (generated tasks
+    over a small space do: two-term two-digit sums repeat within a few thousand samples)."""
 
     def validate(self) -> None:
         if self.kind in ("jsonl", "parquet") and not self.path:
@@ -257,6 +261,11 @@ def load_dataset(cfg: DatasetConfig, tokenizer: Any = None) -> DatasetSplit:
     random.Random(cfg.seed).shuffle(order)
     held = sorted(order[:num_eval])
     keep = sorted(order[num_eval:])
+    if cfg.dedupe_heldout and held:
+        seen = {samples[i]["question"] for i in held}
+        keep = [i for i in keep if samples[i]["question"] not in seen]
+        if not keep:
+            raise ValueError(f"num_eval: every training sample repeats a held-out question ({len(held)} held out)")
     return DatasetSplit(
         PromptDataset([samples[i] for i in keep], seed=cfg.seed, shuffle=cfg.shuffle), [samples[i] for i in held]
     )

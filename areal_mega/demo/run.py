@@ -8,7 +8,9 @@
 3. async GRPO (max_staleness=1, decoupled PPO) through the local launcher: one SGLang CPU server
    + two torchrun learner ranks (TP=2), weight sync over gloo after every step.
 
-It prints the greedy accuracy on held-out prompts (never used by RL) before and after RL.
+It prints the greedy accuracy on held-out prompts (never used by RL) before and after RL, read from
+the trainer's ``eval.jsonl``: the trainer evaluates with ``areal_mega.evaluation.evaluate_items``,
+the implementation ``areal-mega eval`` runs.
 """
 
 from __future__ import annotations

@@ -62,3 +62,38 @@ def save_hf_checkpoint(model: MegatronModel, out_dir: str, *, hf_config: dict | 
 
 
 __all__ = ["save_hf_checkpoint"]
+
+
+def export_checkpoint(ckpt: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+                      tokenizer_dir: str | None = None, prog: str = "export") -> None:
+    """A checkpoint in the one areal_mega format (any saved layout) -> an HF directory, loaded at
+    ``tp`` x ``pp`` (``ep``/``etp``: expert parallelism of MoE models; collective over the torchrun world, or a world of one formed here). Used by
+    tools/convert_mcore_to_hf.py and ``areal-mega eval --model <checkpoint>``."""
+    import time
+
+    from areal_mega.megatron.checkpoint import build_model_from_checkpoint, load_checkpoint, read_metadata
+    from areal_mega.megatron.parallel_state import (
+        destroy_model_parallel,
+        init_model_parallel,
+        init_process_group_for_script,
+    )
+    from areal_mega.parallel import ParallelConfig, ParallelLayout
+
+    meta = read_metadata(ckpt)
+    own_world = init_process_group_for_script("gloo")  # False when called inside a running world
+    t0 = time.time()
+    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep,
+                                                 expert_tensor_parallel=etp), dist.get_world_size())
+    groups = init_model_parallel(layout, backend="gloo")
+    model = build_model_from_checkpoint(ckpt, groups)
+    load_checkpoint(model, ckpt)  # checks role, model_type and every shape first
+    # The same writer the trainer uses for its final HF export (one shard per stage, index,
+    # config.json, tokenizer files from the source HF dir).
+    save_hf_checkpoint(model, out_dir, hf_config=meta["hf_config"],
+                       source_dir=tokenizer_dir or meta.get("source_hf_dir"))
+    if dist.get_rank() == 0:
+        print(f"{prog}: {ckpt} -> {out_dir} ({layout}) in {time.time() - t0:.1f}s", flush=True)
+    destroy_model_parallel(groups)
+    dist.barrier()
+    if own_world:
+        dist.destroy_process_group()

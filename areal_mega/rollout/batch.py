@@ -57,3 +57,48 @@ def broadcast_batch(payload: Any, *, src: int, group: Any) -> Any:
     box = [payload if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def split_minibatches(batch: dict[str, torch.Tensor], num_minibatches: int) -> list[dict[str, torch.Tensor]]:
+    """Split a packed batch by sequences into ``num_minibatches`` packed batches, keeping every
+    group (``group_index``) whole and in order: contiguous runs of groups, cut at the group start
+    nearest k/num_minibatches of the sequences (balanced by sequences, as GRPO
+    groups are equal-sized). Per-token tensors [T] are gathered, per-sequence ones [B] indexed,
+    ``cu_seqlens`` rebuilt; the pieces' sequences in order are the batch's. ``num_minibatches``
+    = 1 returns ``[batch]``. Raises ValueError when there are fewer groups than mini-batches."""
+    if num_minibatches == 1:
+        return [batch]
+    cu = batch["cu_seqlens"]
+    num_seqs = len(cu) - 1
+    gidx = batch["group_index"].tolist() if "group_index" in batch else list(range(num_seqs))
+    starts = [i for i in range(num_seqs) if i == 0 or gidx[i] != gidx[i - 1]]  # first sequence of each group
+    if len(set(gidx)) != len(starts):
+        raise ValueError("split_minibatches: a group's sequences are not contiguous in the batch")
+    if len(starts) < num_minibatches:
+        raise ValueError(f"algorithm.num_minibatches: {num_minibatches} mini-batches need at least as many "
+                         f"groups, the batch has {len(starts)}")
+    cuts, j = [0], 0  # cuts: first sequence of each piece; j: index into starts of the last cut
+    for k in range(1, num_minibatches):
+        target = k * num_seqs / num_minibatches
+        # a group start after the last cut that leaves a group for each later piece, nearest the target
+        j = min(range(j + 1, len(starts) - (num_minibatches - k) + 1), key=lambda i: abs(starts[i] - target))
+        cuts.append(starts[j])
+    cuts.append(num_seqs)
+    pieces = []
+    total = int(cu[-1])
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        t0, t1 = int(cu[a]), int(cu[b])
+        piece = {}
+        for k, v in batch.items():
+            if k == "cu_seqlens" or not isinstance(v, torch.Tensor):
+                continue
+            if v.shape[0] == total:
+                piece[k] = v[t0:t1]
+            elif v.shape[0] == num_seqs:
+                piece[k] = v[a:b]
+            else:
+                raise ValueError(f"split_minibatches: {k!r} has {v.shape[0]} rows: neither {total} tokens "
+                                 f"nor {num_seqs} sequences")
+        piece["cu_seqlens"] = cu[a:b + 1] - cu[a]
+        pieces.append(piece)
+    return pieces

@@ -4,7 +4,7 @@
     ─────────────────────────────────          ─────────────────────────────────────
     driver.next_batch()  ── aget_batch ─────>  RolloutController ── workflow.arun_episode ──> InferencePool ──> SGLang
     driver.set_version(v) ─ set_version ────>  (admission by the staleness bound; never waits for training)
-    driver.evaluate(...) ── coroutine ──────>  greedy episodes over a held-out set
+    driver.evaluate(...) ── coroutine ──────>  evaluate_items: greedy episodes over a held-out set
 
 Generation runs continuously in the driver thread while the learner trains; the trainer
 only blocks in ``next_batch`` when no admissible batch is ready yet. aiohttp sessions are
@@ -155,26 +155,15 @@ class RolloutDriver:
         if self.controller is not None:
             self.controller.set_version(version)
 
-    def evaluate(self, workflow: RolloutWorkflow, dataset: list[dict[str, Any]],
-                 max_concurrent: int = 64) -> dict[str, float]:
-        """Mean reward and accuracy (reward >= 1) of ``workflow`` over ``dataset`` at the current
-        weights. Runs beside training rollouts (they share the servers)."""
-        pool = self.pool
+    def evaluate(self, greedy: RolloutWorkflow, dataset: list[dict[str, Any]], spec: Any = None,
+                 sampled: RolloutWorkflow | None = None) -> dict[str, float]:
+        """The summary of ``areal_mega.evaluation.evaluate_items`` (greedy accuracy, its binomial
+        SE, mean reward; pass@k with ``sampled``) over ``dataset`` at the current weights. Runs
+        beside training rollouts (they share the servers)."""
+        from areal_mega.evaluation import EvalSpec, evaluate_items
 
-        async def run_all() -> list[float]:
-            sem = asyncio.Semaphore(max_concurrent)
-
-            async def one(item: dict[str, Any]) -> float:
-                async with sem:
-                    trajs = await workflow.arun_episode(pool, item)
-                return float(trajs[0].reward) if trajs else 0.0
-
-            return list(await asyncio.gather(*(one(d) for d in dataset)))
-
-        rewards = self.run(run_all())
-        n = max(len(rewards), 1)
-        return {"reward": sum(rewards) / n, "accuracy": sum(r >= 1.0 for r in rewards) / n,
-                "num_samples": float(len(rewards))}
+        summary, _ = self.run(evaluate_items(self.pool, greedy, dataset, spec or EvalSpec(), sampled))
+        return summary
 
     def close(self) -> None:
         async def shutdown() -> None:

@@ -100,6 +100,10 @@ class ExperimentConfig:
     def validate(self) -> None:
         if not self.model_path:
             raise ValueError("model_path: must name an HF model directory")
+        if self.algorithm.num_minibatches > self.rollout.batch_size:
+            raise ValueError(f"algorithm.num_minibatches: {self.algorithm.num_minibatches} mini-batches of whole groups "
+                             f"need rollout.batch_size >= {self.algorithm.num_minibatches} groups per batch, "
+                             f"got {self.rollout.batch_size}")
         if self.actor.model.moe_routing_replay:
             # The learner side exists (megatron/routing.py); the rollout does not carry the
             # servers' routes yet, so replay would silently replay nothing: refused.

@@ -5,8 +5,8 @@
 Every rank runs :func:`run_train`; rank 0 also drives generation (``RolloutDriver``: the
 inference pool and the rollout controller in a background thread). The loop:
 
-    rollout batch (rank 0, broadcast) -> proximal log-probs -> advantages -> train step
-      -> weight sync to the servers -> version bump (learner, servers, staleness manager)
+    rollout batch (rank 0, broadcast) -> proximal log-probs -> advantages (both on the whole batch)
+      -> optimizer step(s) (one per mini-batch and epoch) -> weight sync to the servers -> version bump (learner, servers, staleness manager)
 
 Generation never waits for training: the controller keeps sampling with the current weights
 while the learner trains, bounded by ``rollout.max_staleness``; ``max_staleness = 0`` is
@@ -34,7 +34,7 @@ def run_train(config_path: str, overrides: list[str]) -> int:
         batch.update(trainer.ref_and_values(batch))  # ref log-probs / KL (kl_coef > 0), critic values (gae)
         batch.update(trainer.advantages(batch))
         with m.phase("train"):
-            train_stats = actor.train_batch(batch, trainer.loss_fn(batch), cfg.workflow.sampling.temperature)
+            train_stats = trainer.train_policy(batch)  # algorithm.num_minibatches x ppo_epochs optimizer steps
         critic_stats = trainer.train_critic(batch, version=step + 1)  # PPO critic on the returns; {} if none
         with m.phase("weight_sync"):
             sync = trainer.sync_weights(version=step + 1)  # every live server; bumps the rollout version

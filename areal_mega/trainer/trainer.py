@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from areal_mega.megatron.engine import MegatronTrainEngine
 from areal_mega.megatron.parallel_state import ModelParallelGroups, init_model_parallel
 from areal_mega.parallel import ParallelLayout
 from areal_mega.algo.advantages import compute_advantages
-from areal_mega.rollout.batch import broadcast_batch, to_engine_alignment, trajectories_to_batch
+from areal_mega.rollout.batch import broadcast_batch, split_minibatches, to_engine_alignment, trajectories_to_batch
 from areal_mega.trainer.critic import CriticEngine
 from areal_mega.trainer.config import ExperimentConfig
 from areal_mega.algo.losses import PPOActorLoss, PPOCriticLoss, global_counts, kl_estimate
@@ -34,6 +34,34 @@ from areal_mega.utils.metrics import Metrics
 from areal_mega.inference.sglang_api import SGLangClient
 from areal_mega.weight_sync import megatron_weight_sync
 from areal_mega.weight_sync.sync import SyncStats, WeightSync, WeightSyncError
+
+
+def train_on_minibatches(actor: MegatronTrainEngine, batch: dict[str, torch.Tensor],
+                         make_loss: Callable[[dict[str, torch.Tensor]], Any], temperature: float, *,
+                         num_minibatches: int = 1, ppo_epochs: int = 1) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """``ppo_epochs`` passes of one optimizer step per mini-batch (``split_minibatches``: by
+    sequences, groups whole) over a batch whose advantages (and ``prox_logprobs``) were computed
+    on the whole batch. ``make_loss(minibatch)`` builds each step's loss with that mini-batch's
+    own normalisers. Returns (stats of the batch, stats of each step in order): step-summed
+    "loss"/"num_tokens"/"num_microbatches", max of "*/max", min of "*/min", the last "step"/"lr",
+    the mean of the rest, plus "num_updates"."""
+    pieces = split_minibatches(batch, num_minibatches)
+    steps = [actor.train_batch(mb, make_loss(mb), temperature) for _ in range(ppo_epochs) for mb in pieces]
+    out: dict[str, float] = {}
+    for k in steps[0]:
+        vals = [st[k] for st in steps]
+        if k in ("loss", "num_tokens", "num_microbatches"):
+            out[k] = sum(vals)
+        elif k.endswith("/max"):
+            out[k] = max(vals)
+        elif k.endswith("/min"):
+            out[k] = min(vals)
+        elif k in ("step", "lr"):
+            out[k] = vals[-1]
+        else:
+            out[k] = sum(vals) / len(vals)
+    out["num_updates"] = float(len(steps))
+    return out, steps
 
 
 def _backend(name: str) -> str:
@@ -129,6 +157,7 @@ class Trainer:
         from transformers import AutoTokenizer
 
         from areal_mega.data import PromptStream, load_dataset
+        from areal_mega.evaluation import EvalSpec, eval_workflows, load_items
         from areal_mega.reward import build_reward
         from areal_mega.workflows import build_workflow
 
@@ -144,14 +173,9 @@ class Trainer:
             self.tools = build_tools(cfg.workflow.tools, timeout_s=cfg.workflow.tool_timeout_s,
                                      max_output_chars=cfg.workflow.tool_max_output_chars)
         workflow = build_workflow(cfg.workflow, tok, reward, self.tools)
-        if cfg.eval_data is not None:
-            whole = dataclasses.replace(cfg.eval_data, num_eval=0, eval_fraction=0.0, shuffle=False)
-            self.eval_set = list(load_dataset(whole, tokenizer=tok).train)
-        else:
-            self.eval_set = list(split.eval)
-        greedy = dataclasses.replace(cfg.workflow.sampling, temperature=0.0)
-        self.eval_workflow = build_workflow(dataclasses.replace(cfg.workflow, group_size=1, sampling=greedy), tok, reward,
-                                            self.tools)
+        self.eval_set = load_items(cfg, tok, heldout=split.eval)
+        # what `areal-mega eval` runs
+        self.eval_workflow, _ = eval_workflows(cfg.workflow, tok, reward, EvalSpec(), tools=self.tools)
         # Resumed: the prompt stream continues where the checkpoint stood, the prompts that were
         # in flight then (dropped with the episodes) first -- every prompt trained once per epoch.
         # The staleness counters start afresh at the resumed version: nothing is in flight.
@@ -226,6 +250,14 @@ class Trainer:
 
     def advantages(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return compute_advantages(batch, self.cfg.algorithm)
+
+    def train_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The policy's optimizer steps on one rollout batch (``algorithm.num_minibatches`` x
+        ``algorithm.ppo_epochs``; 1 x 1 = one step on the whole batch); no weight sync here."""
+        alg = self.cfg.algorithm
+        stats, _ = train_on_minibatches(self.actor, batch, self.loss_fn, self.cfg.workflow.sampling.temperature,
+                                        num_minibatches=alg.num_minibatches, ppo_epochs=alg.ppo_epochs)
+        return stats
 
     def loss_fn(self, batch: dict[str, torch.Tensor]) -> PPOActorLoss:
         tokens, seqs = global_counts(batch["loss_mask"], batch["cu_seqlens"])

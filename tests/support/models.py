@@ -267,3 +267,10 @@ def save_verdict_judge(path, *, branches: tuple[str, ...] = ("2", "9", "1", "x")
             layer.mlp.down_proj.weight.zero_()
     model.save_pretrained(str(path), safe_serialization=True)
     return path
+
+
+def first_char_even(prompt: str, completion: str, data: dict) -> float:
+    """A reward a RANDOM model scores ~50% on (1 if the completion's first character has an even
+    code point): what an evaluation test needs to compare two accuracy computations on numbers
+    that are neither 0 nor 1."""
+    return 1.0 if completion and ord(completion[0]) % 2 == 0 else 0.0
