@@ -22,7 +22,7 @@ import pytest
 from tests.support.launch import REPO, SGLANG_PYTHON, child_env, needs_sglang, run_dist_script
 from tests.support.numerics import ROW_PARALLEL_PER_LAYER, bf16_tol, fp32_tol, transformer_reductions
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.timeout(1500)]  # make test-real
 
 # The bar: 1e-4 in fp32. The rounding bound of tests/support/numerics.py is looser here:
 # fp32_tol(1536-term MLP reductions, |logits| ~ 30, ops = transformer_reductions(30)) ~ 2e-3;
