@@ -230,10 +230,20 @@ def test_failover_sigkill_one_of_two(h):
         reqs = [GenerationRequest(list(p), SamplingParams(max_new_tokens=n, temperature=0.0), rid=f"r{i}")
                 for i, p in enumerate(ps)]
         tasks = [asyncio.create_task(pool.agenerate(r)) for r in reqs]
-        await asyncio.sleep(0.3 * max(r.latency_s for r in ref))
-        # Both servers hold requests when the victim dies (a request that stops early at EOS may
-        # already be done: what matters is that the victim's in-flight ones must move).
-        assert victim.in_flight > 0 and pool.servers[1].in_flight > 0
+        # Kill mid-generation: once both servers hold requests, after ~30% of the reference
+        # latency -- or earlier, as soon as either server starts finishing its share (under load
+        # the two servers run at different speeds; a fixed sleep once found server 1 done).
+        other = pool.servers[1]
+        deadline = time.monotonic() + 60
+        while not (victim.in_flight > 0 and other.in_flight > 0):
+            assert time.monotonic() < deadline, "the requests never reached both servers"
+            await asyncio.sleep(0.01)
+        peak = (victim.in_flight, other.in_flight)
+        until = time.monotonic() + 0.3 * max(r.latency_s for r in ref)
+        while time.monotonic() < until and (victim.in_flight, other.in_flight) == peak:
+            await asyncio.sleep(0.01)
+        # The victim's in-flight requests are what must move to the other server.
+        assert victim.in_flight > 0
         victim.process.kill()  # SIGKILL the main server process
         return await asyncio.gather(*tasks)
 
