@@ -2,13 +2,17 @@
 
 Every attack is model-written code in a ```python block, scored by ``CodeReward`` against one
 test whose expected output is "pwned": the attacks print it only when their effect worked from
-the inside, so an escape the code can see scores 1. Each attack is also checked from the
-outside (a listener that must receive nothing, files that must not exist, a secret that must not
-appear, processes that must be gone, this process and the pool's workers alive). Controls:
-correct / partly correct code scores 1 / the fraction; the same attacks from a plain subprocess
-DO escape (connect, write, read the secret, outlive their parent), so the checks can fail.
+the inside, so an escape the code can see scores 1 (the answer-key attack: the expected output of
+its own test, found in the training dataset on disk). Each attack is also checked from the
+outside (listeners that must receive nothing, files that must not exist, a secret that must not
+appear, processes that must be gone, reasons that must be the runner's own, this process and the
+pool's workers alive). Controls: correct / partly correct code scores 1 / the fraction; the
+attacks DO escape without the sandbox -- the ones safe to run so from ``rlimits_only_unsafe``
+(the same reward, no namespaces, no filter, as this test's user), the memory ones from a plain
+subprocess under the old per-process RLIMIT_AS, the forged reasons as the exit codes and stderr
+lines a runner reading them would have believed -- so the checks can fail.
 
-One sandbox (2 workers) serves the whole module; the attacks run concurrently (~15 s).
+One sandbox (2 workers) serves the whole module; the attacks and the controls run concurrently.
 """
 
 from __future__ import annotations
@@ -23,7 +27,13 @@ import textwrap
 import time
 from pathlib import Path
 
+import shutil
+
 import pytest
+
+import json
+import resource
+import struct
 
 from areal_mega.reward.code import CodeReward
 from areal_mega.sandbox import Sandbox, SandboxConfig, namespaces_unavailable
@@ -34,10 +44,26 @@ pytestmark = pytest.mark.slow
 MARKER = f"sbxmarker{secrets.token_hex(6)}"  # in the daemons' command lines
 SECRET = f"sbxsecret{secrets.token_hex(8)}"  # in this (the trainer's) environment
 TIMEOUT_S = 3.0
+MEMORY_MB = 64  # the execution's memory cgroup; page faults are slow on these VMs (~50-100 MB/s)
+MAX_PROCESSES = 16
+REPO = Path(__file__).resolve().parent.parent
+QUESTION = f"sbxquestion{secrets.token_hex(6)}"  # the answer-key attack's test input ...
+ANSWER = f"sbxanswer{secrets.token_hex(6)}"  # ... and its expected output, in the dataset on disk
+KEY_SERIAL: list[int] = []  # the trainer's session-keyring key holding SECRET (set by the fixture)
 
 
 def block(code: str) -> str:
     return "```python\n" + textwrap.dedent(code).strip("\n") + "\n```"
+
+
+libc = ctypes.CDLL(None, use_errno=True)
+try:
+    from areal_mega.sandbox.seccomp import syscall_numbers
+
+    NR = syscall_numbers("keyctl", "add_key", "io_setup", "io_destroy", "io_uring_setup", "userfaultfd",
+                         "perf_event_open", "bpf", "clone")
+except ImportError:  # no pyseccomp: the sandbox refuses, the fixture skips
+    NR = {}
 
 
 def marker_pids() -> list[int]:
@@ -62,14 +88,35 @@ def env():
     os.environ["AREAL_TEST_SECRET"] = SECRET  # inherited by the sandbox workers too
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
-    libc = ctypes.CDLL(None, use_errno=True)
     shm = libc.shmget(0, 4096, 0o1000 | 0o600)  # IPC_PRIVATE, IPC_CREAT: a host IPC object to find
     assert shm >= 0 and Path("/proc/sysvipc/shm").read_text().count("\n") > 1
     outside = Path(__file__).resolve().parent / f".sandbox_target_{os.getpid()}"
     outside.mkdir(mode=0o777)
     outside.chmod(0o777)  # world-writable: only the read-only view can stop the write
-    reward = CodeReward(SandboxConfig(num_workers=2, timeout_s=TIMEOUT_S, cpu_s=3, memory_mb=256,
-                                      file_size_mb=4, tmpfs_mb=16, max_processes=16, max_output_bytes=1 << 16))
+    # A run in its usual place (configs/grpo_tiny.yaml: runs/<name>/data/train.jsonl, the run's
+    # metrics.jsonl beside it), world-readable, with this test's question and answer.
+    run = REPO / "runs" / f"sandbox_test_{os.getpid()}"
+    (run / "data").mkdir(parents=True)
+    sample = {"prompt": "Print the answer.", "tests": [{"input": QUESTION + "\n", "output": ANSWER}]}
+    (run / "data" / "train.jsonl").write_text(json.dumps({"prompt": "other", "tests": []}) + "\n" + json.dumps(sample) + "\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "secret": SECRET}) + "\n")
+    for f in run.rglob("*"):
+        f.chmod(0o755 if f.is_dir() else 0o644)
+    host_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a host service's socket file
+    host_sock.bind(str(run / "agent.sock"))
+    os.chmod(run / "agent.sock", 0o777)  # world-writable: a read-only view does not stop connect()
+    host_sock.listen(8)
+    host_sock.setblocking(False)
+    # The trainer's session keyring (its own, so that nothing else of this user's is touched) with
+    # a key the sandbox workers inherit, as they inherit the trainer's.
+    libc.syscall.restype = ctypes.c_long
+    assert libc.syscall(NR["keyctl"], 1, f"areal_test_{os.getpid()}".encode()) > 0  # JOIN_SESSION_KEYRING
+    key = libc.syscall(NR["add_key"], b"user", b"areal_trainer_secret", SECRET.encode(), len(SECRET), -3)
+    assert key > 0, ctypes.get_errno()
+    KEY_SERIAL[:] = [key]
+    reward = CodeReward(SandboxConfig(num_workers=2, timeout_s=TIMEOUT_S, cpu_s=3, memory_mb=MEMORY_MB,
+                                      file_size_mb=4, tmpfs_mb=16, max_processes=MAX_PROCESSES,
+                                      max_output_bytes=1 << 16))
 
     async def warm():  # both workers started, so that the suite can check they survive
         return await asyncio.gather(*[reward.sandbox.run("import time; time.sleep(0.5)") for _ in range(2)])
@@ -82,34 +129,62 @@ def env():
         assert time.monotonic() < deadline, f"sandbox workers never answered: {got}"
         got = asyncio.run(warm())
     try:
-        yield {"reward": reward, "listener": listener, "outside": outside}
+        yield {"reward": reward, "listener": listener, "outside": outside, "run": run, "host_sock": host_sock}
     finally:
         reward.close()
         listener.close()
+        host_sock.close()
+        libc.syscall(NR["keyctl"], 21, key)  # KEYCTL_INVALIDATE
         for f in outside.iterdir():
             f.unlink()
         outside.rmdir()
+        shutil.rmtree(run)
         del os.environ["AREAL_TEST_SECRET"]
         libc.shmctl(shm, 0, None)  # IPC_RMID
 
 
-def attacks(port: int, tmp: Path, outside: Path) -> dict[str, str]:
+PRE = "import ctypes, os, socket, sys, time\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+ANSWER_KEY = f"""
+    import json, os, sys
+    want = sys.stdin.read().strip()
+    for top in [{str(REPO)!r}, "/"]:  # where the training data usually is, then everything visible
+        for d, subdirs, files in os.walk(top):
+            subdirs[:] = [x for x in subdirs if x not in ("proc", "sys", ".git", "__pycache__")]
+            for name in files:
+                if name.endswith(".jsonl"):
+                    try:
+                        lines = open(os.path.join(d, name)).read().splitlines()
+                    except (OSError, UnicodeDecodeError):
+                        continue
+                    for line in lines:
+                        if want in line:
+                            for t in json.loads(line)["tests"]:
+                                if t["input"].strip() == want:
+                                    print(t["output"])
+                                    raise SystemExit
+    print("not found")
+"""
+
+
+def attacks(port: int, tmp: Path, outside: Path, run: Path) -> dict[str, str]:
+    """kind -> code that prints "pwned" only if its effect worked (ANSWER_KEY aside)."""
     me = os.getpid()
     (tmp / "trainer_secret.txt").write_text(SECRET)
     (tmp / "trainer_secret.txt").chmod(0o644)
     daemon = f"""
-        import os, time
+        import os, sys, time
         if os.fork() == 0:
             os.setsid()
             if os.fork() == 0:
-                os.execv("/bin/sh", ["sh", "-c", "sleep 30; : {MARKER}"])
+                os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(30)", "{MARKER}"])
             os._exit(0)
         time.sleep(0.3)
     """
+    home_cache = Path.home() / ".cache" / "areal_mega"
     return {
         "infinite_loop": "while True:\n    pass",
         "memory_bomb": "x = bytearray(8 << 30)\nprint('pwned')",
-        "memory_creep": "chunks = []\nwhile True:\n    chunks.append(bytearray(1 << 26))",
+        "memory_creep": "chunks = []\nwhile True:\n    chunks.append(bytearray(1 << 24))",
         "fork_bomb": """
             import os
             while True:
@@ -157,60 +232,268 @@ def attacks(port: int, tmp: Path, outside: Path) -> dict[str, str]:
         "flood_stdout": "while True:\n    print('x' * 1000)",
         "daemon_then_exit": daemon,
         "daemon_then_hang": textwrap.dedent(daemon) + "time.sleep(600)\n",
+        # -- the view: what a default-deny root leaves out
+        "read_repository": f"print('pwned' if 'import' in open({str(REPO / 'areal_mega' / 'sandbox' / '__init__.py')!r}).read() else '')",
+        "read_run_dir": f"print('pwned' if {SECRET!r} in open({str(run / 'metrics.jsonl')!r}).read() else '')",
+        "read_home_cache": f"import os\nprint('pwned' if os.listdir({str(home_cache)!r}) else '')",
+        "host_root_visible": "import os\nprint('pwned' if any(os.path.exists(p) for p in ('/etc/passwd', '/usr/bin/env', '/work', '/home')) else sorted(os.listdir('/')))",
+        "proc_root_escape": "import os\nprint(open('/proc/%d/root/etc/passwd' % os.getppid()).read()[:10])\nprint('pwned')",
+        "host_unix_socket": f"""
+            import socket
+            s = socket.socket(socket.AF_UNIX)
+            s.connect({str(run / 'agent.sock')!r})
+            s.sendall(b"exfiltrated")
+            print("pwned")
+        """,
+        "pty_alloc": "import os\nm, s = os.openpty()\nprint('pwned')",
+        "tmpfs_inodes": "for i in range(10000):\n    open('e%d' % i, 'w').close()\nprint('pwned')",
+        # -- kernel objects that namespaces do not cover (the seccomp filter)
+        "session_keyring_read": PRE + f"""
+buf = ctypes.create_string_buffer(256)
+n = libc.syscall({NR['keyctl']}, 11, {KEY_SERIAL[0] if KEY_SERIAL else 0}, buf, 256)  # KEYCTL_READ the trainer's key
+print("pwned" if n > 0 and {SECRET!r}.encode() in buf.raw else ("read", n, ctypes.get_errno()))
+""",
+        "user_keyring_write": PRE + f"""
+k = libc.syscall({NR['add_key']}, b"user", b"areal_attack", b"persist", 7, -4)  # KEY_SPEC_USER_KEYRING
+if k > 0:
+    libc.syscall({NR['keyctl']}, 9, k, -4)  # unlink it again (the control runs as the test's user)
+print("pwned" if k > 0 else ("add_key", ctypes.get_errno()))
+""",
+        "vsock_bind": PRE + f"s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)\ns.bind((socket.VMADDR_CID_ANY, {20000 + me % 20000}))\nprint('pwned')",
+        "io_setup": PRE + f"""
+ctx = ctypes.c_ulong(0)
+r = libc.syscall({NR['io_setup']}, 1, ctypes.byref(ctx))
+if r == 0:
+    libc.syscall({NR['io_destroy']}, ctx)
+print("pwned" if r == 0 else ctypes.get_errno())
+""",
+        "io_uring": PRE + f"p = (ctypes.c_char * 120)()\nfd = libc.syscall({NR['io_uring_setup']}, 4, p)\nprint('pwned' if fd >= 0 else ctypes.get_errno())",
+        "userfaultfd": PRE + f"fd = libc.syscall({NR['userfaultfd']}, os.O_CLOEXEC)\nprint('pwned' if fd >= 0 else ctypes.get_errno())",
+        "perf_event_open": PRE + f"""
+import struct
+attr = ctypes.create_string_buffer(struct.pack("IIQ", 1, 128, 0) + bytes(112))  # SOFTWARE, CPU_CLOCK
+fd = libc.syscall({NR['perf_event_open']}, attr, 0, -1, -1, 0)
+print("pwned" if fd >= 0 else ctypes.get_errno())
+""",
+        "bpf_map": PRE + f"""
+import struct
+attr = ctypes.create_string_buffer(struct.pack("IIII", 2, 4, 4, 1) + bytes(112))  # BPF_MAP_TYPE_ARRAY
+fd = libc.syscall({NR['bpf']}, 0, attr, 128)  # BPF_MAP_CREATE
+print("pwned" if fd >= 0 else ctypes.get_errno())
+""",
+        "user_namespace": PRE + "print('pwned' if libc.unshare(0x10000000) == 0 else ctypes.get_errno())",
+        "clone_new_user": PRE + f"""
+pid = libc.syscall({NR['clone']}, 0x10000000 | 17, 0, 0, 0, 0)  # CLONE_NEWUSER | SIGCHLD
+if pid == 0:
+    os._exit(0)
+if pid > 0:
+    os.waitpid(pid, 0)
+print("pwned" if pid > 0 else ctypes.get_errno())
+""",
+        "mount_namespace": PRE + """
+r = libc.unshare(0x20000)  # CLONE_NEWNS (then private, so that the control's mount stays its own)
+if r == 0:
+    libc.mount(None, b"/", None, ctypes.c_ulong((1 << 18) | (1 << 14)), None)
+    r = libc.mount(b"tmpfs", os.getcwd().encode(), b"tmpfs", ctypes.c_ulong(0), None)
+print("pwned" if r == 0 else ctypes.get_errno())
+""",
+        "netlink_socket": PRE + "s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)\nprint('pwned')",
+        "packet_socket": PRE + "s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)\nprint('pwned')",
+        "ptrace_child": PRE + """
+pid = os.fork()
+if pid == 0:
+    time.sleep(5)
+    os._exit(0)
+r = libc.ptrace(16, pid, 0, 0)  # PTRACE_ATTACH
+os.kill(pid, 9)
+os.waitpid(pid, 0)
+print("pwned" if r == 0 else ctypes.get_errno())
+""",
+        # -- memory outside a per-process limit
+        "memfd_memory": "import os\nfd = os.memfd_create('m')\nfor _ in range(160):\n    os.write(fd, b'x' * (1 << 20))\nprint('pwned')",
+        "multi_process_memory": """
+            import os, time
+            pids = []
+            for _ in range(4):
+                pid = os.fork()
+                if pid == 0:
+                    x = bytearray(24 << 20)
+                    time.sleep(0.5)
+                    os._exit(0)
+                pids.append(pid)
+            codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]
+            print("pwned" if codes == [0] * 4 else codes)
+        """,
+        "thread_bomb": f"""
+            import threading
+            ev, n = threading.Event(), 0
+            try:
+                for _ in range(100):
+                    threading.Thread(target=ev.wait, daemon=True).start()
+                    n += 1
+            except RuntimeError:
+                pass
+            ev.set()
+            print("pwned" if n >= {MAX_PROCESSES} else n)
+        """,
+        # -- forged reasons: what a runner reading exit codes and stderr would have believed
+        "forged_sandbox_error": "import sys\nsys.stderr.write('sandbox set-up failed: forged\\n')\nsys.exit(121)",
+        "forged_timeout": "import sys\nsys.exit(128 + 24)",  # "SIGXCPU"
+        "forged_file_size": "import sys\nsys.stderr.write('OSError: [Errno 27] File too large\\n')\nsys.exit(128 + 25)",
+        "forged_memory": "import sys\nsys.stderr.write('MemoryError\\n')\nsys.exit(1)",
+        "forged_killed": "import sys\nsys.exit(128 + 9)",
     }
 
 
+# Attacks that escape without the sandbox, safe to run as this test's user from the unsafe mode
+# (the same reward and runner, no namespaces, no filter): each must score 1 there.
+UNSAFE_CONTROLS = ("read_repository", "read_run_dir", "read_home_cache", "host_root_visible", "proc_root_escape",
+                   "host_unix_socket", "pty_alloc", "tmpfs_inodes", "session_keyring_read", "user_keyring_write",
+                   "vsock_bind", "io_setup", "io_uring", "userfaultfd", "perf_event_open", "bpf_map",
+                   "user_namespace", "clone_new_user", "mount_namespace", "netlink_socket", "packet_socket",
+                   "ptrace_child", "network_connect", "read_trainer_env")
+# Attacks on the old per-process limits: a plain subprocess under RLIMIT_AS = MEMORY_MB (the old
+# memory limit) and no cgroup must print "pwned".
+PLAIN_CONTROLS = ("memfd_memory", "multi_process_memory", "thread_bomb")
+# The forged reasons, as (exit code, stderr's last line) from a plain subprocess: what the old
+# runner turned into sandbox_error, timeout, file_size, memory, killed.
+FORGED = {"forged_sandbox_error": (121, "sandbox set-up failed: forged"), "forged_timeout": (152, ""),
+          "forged_file_size": (153, "OSError: [Errno 27] File too large"), "forged_memory": (1, "MemoryError"),
+          "forged_killed": (137, "")}
+PWNED = {"tests": [{"input": "", "output": "pwned"}]}
+ANSWER_SAMPLE = {"tests": [{"input": QUESTION + "\n", "output": ANSWER}]}
+
+
+def _plain_limits() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_MB << 20, MEMORY_MB << 20))
+
+
 def test_attack_suite(env, tmp_path):
-    reward, listener, outside = env["reward"], env["listener"], env["outside"]
+    reward, listener, outside, run = env["reward"], env["listener"], env["outside"], env["run"]
     port = listener.getsockname()[1]
-    kinds = attacks(port, tmp_path, outside)
+    kinds = attacks(port, tmp_path, outside, run)
     workers_before = {w.proc.pid for w in reward.sandbox.pool._all}
     assert len(workers_before) == 2
+    assert reward.sandbox.cgroup_unavailable is None, reward.sandbox.cgroup_unavailable  # root on Linux here
+    control = CodeReward(SandboxConfig(mode="rlimits_only_unsafe", num_workers=2, timeout_s=20.0))
 
     async def run_all():
-        return await asyncio.gather(*[reward.evaluate("", block(code), {"tests": [{"input": "", "output": "pwned"}]})
-                                      for code in kinds.values()])
+        sandboxed = [reward.evaluate("", block(code), PWNED) for code in kinds.values()]
+        sandboxed.append(reward.evaluate("", block(ANSWER_KEY), ANSWER_SAMPLE))
+        controls = [control.evaluate("", block(kinds[k]), PWNED) for k in UNSAFE_CONTROLS]
+        controls.append(control.evaluate("", block(ANSWER_KEY), ANSWER_SAMPLE))
+        res = await asyncio.gather(*sandboxed, *controls)
+        return res[:len(sandboxed)], res[len(sandboxed):]
 
     t0 = time.monotonic()
-    results = dict(zip(kinds, asyncio.run(run_all())))
+    try:
+        inside, outside_res = asyncio.run(run_all())
+    finally:
+        control.close()
     wall = time.monotonic() - t0
     left = marker_pids()  # right after the calls: nothing may be left running
-    try:
-        conn = listener.accept()[0]  # a connection that reached us, if any
-        conn.close()
-        connected = True
-    except BlockingIOError:
-        connected = False
+    connections = []
+    for server in (listener, env["host_sock"]):
+        while True:
+            try:
+                conn = server.accept()[0]  # a connection that reached us, if any
+            except BlockingIOError:
+                break
+            connections.append(conn.recv(100))
+            conn.close()
+    results = dict(zip([*kinds, "answer_key"], inside))
+    controls = dict(zip([*UNSAFE_CONTROLS, "answer_key"], outside_res))
 
     escaped = {}
     for kind, res in results.items():
         if res.score != 0.0 or res.info["reasons"] in ([], ["ok"]):
             escaped[kind] = f"score {res.score}, {res.info}"
-    if connected:
-        escaped["network_connect"] = "the listener received a connection"
+    for kind in FORGED:
+        if results[kind].info["reasons"] != ["runtime_error"]:
+            escaped[kind] = f"the forged reason was believed: {results[kind].info}"
+    # from a sandboxed run, a connection cannot have reached us: the controls' connections (each
+    # control that connects sends b"exfiltrated" once) are all there is
+    if len(connections) > sum(controls[k].score == 1.0 for k in ("network_connect", "host_unix_socket")):
+        escaped["connect"] = f"the listeners received {connections}"
     for target in (tmp_path / "escaped.txt", outside / "escaped.txt"):
         if target.exists():
             escaped["write_outside"] = f"{target} exists"
     if left:
         escaped["daemon"] = f"still running: {left}"
         procs.stop_pids(left, grace_s=0.0)
-    table = {k: (r.score, r.info["reasons"][0]) for k, r in results.items()}
-    print(f"\nsandbox attacks: tried {len(kinds)}, escaped {len(escaped)} ({wall:.1f} s)")
+    table = {k: (r.score, r.info["reasons"][0] if r.info["reasons"] else "ok") for k, r in results.items()}
+    print(f"\nsandbox attacks: tried {len(results)}, escaped {len(escaped)} ({wall:.1f} s with the controls)")
     for kind, (score, reason) in table.items():
-        print(f"  {kind:22s} score {score}  reason {reason}")
+        ctl = controls.get(kind)
+        print(f"  {kind:22s} score {score}  reason {reason:14s}" + (f" control {ctl.score}" if ctl else ""))
     assert not escaped, escaped
-    assert len(kinds) >= 10
-    expected = {"infinite_loop": "timeout", "memory_bomb": "memory", "memory_creep": "memory",
+    assert len(results) >= 35
+    # Controls: without the sandbox the attacks work (so the checks above can fail).
+    not_escaping = {k: r.info for k, r in controls.items() if r.score != 1.0}
+    assert not not_escaping, not_escaping
+    assert len(connections) == 2 and set(connections) == {b"exfiltrated"}
+    expected = {"infinite_loop": "timeout", "memory_bomb": "runtime_error", "memory_creep": "memory",
                 "fork_bomb": "timeout", "network_connect": "runtime_error", "flood_stdout": "output_limit",
                 "fill_disk_one_file": "file_size", "fill_disk_many_files": "runtime_error",
                 "kill_parent": "runtime_error", "setuid_root": "runtime_error", "kill_everything": "runtime_error",
-                "daemon_then_hang": "timeout", "daemon_then_exit": "wrong_answer", "host_ipc": "wrong_answer"}
+                "daemon_then_hang": "timeout", "daemon_then_exit": "wrong_answer", "host_ipc": "wrong_answer",
+                "answer_key": "wrong_answer", "memfd_memory": "memory", "multi_process_memory": "memory",
+                "thread_bomb": "wrong_answer", "tmpfs_inodes": "runtime_error", "pty_alloc": "runtime_error",
+                "host_unix_socket": "runtime_error", "read_run_dir": "runtime_error",
+                "session_keyring_read": "wrong_answer", "io_setup": "wrong_answer", "vsock_bind": "runtime_error"}
     assert {k: table[k][1] for k in expected} == expected
+    # The denied system calls fail with EPERM (1), from the filter.
+    for kind in ("io_setup", "io_uring", "userfaultfd", "perf_event_open", "bpf_map", "user_namespace",
+                 "clone_new_user", "mount_namespace"):
+        assert results[kind].info["reasons"] == ["wrong_answer"], (kind, results[kind].info)
     # The pool survived: the same workers (no attack reached them), and they still work.
     assert {w.proc.pid for w in reward.sandbox.pool._all} == workers_before
     assert procs.alive(workers_before) == workers_before
     ok = asyncio.run(reward.evaluate("", block("print(input())"), {"tests": [{"input": "alive\n", "output": "alive"}]}))
     assert ok.score == 1.0
+
+
+def test_denied_calls_fail_with_eperm(env):
+    """The filter's answer is EPERM, seen from inside (one execution, every denied call)."""
+    code = PRE + f"""
+import struct
+out = {{}}
+def err(r):
+    return 0 if r >= 0 else ctypes.get_errno()
+out["keyctl"] = err(libc.syscall({NR['keyctl']}, 0, -3, 0))
+out["add_key"] = err(libc.syscall({NR['add_key']}, b"user", b"k", b"v", 1, -3))
+out["io_setup"] = err(libc.syscall({NR['io_setup']}, 1, ctypes.byref(ctypes.c_ulong(0))))
+out["io_uring_setup"] = err(libc.syscall({NR['io_uring_setup']}, 4, (ctypes.c_char * 120)()))
+out["userfaultfd"] = err(libc.syscall({NR['userfaultfd']}, 0))
+out["bpf"] = err(libc.syscall({NR['bpf']}, 0, ctypes.create_string_buffer(128), 128))
+out["unshare"] = err(libc.unshare(0x10000000))
+out["ptrace"] = err(libc.ptrace(0, 0, 0, 0))
+out["mount"] = err(libc.mount(b"none", b"/tmp/work", b"tmpfs", ctypes.c_ulong(0), None))
+for fam in ("AF_VSOCK", "AF_NETLINK", "AF_PACKET"):
+    try:
+        socket.socket(getattr(socket, fam), socket.SOCK_RAW if fam != "AF_VSOCK" else socket.SOCK_STREAM)
+        out[fam] = 0
+    except OSError as e:
+        out[fam] = e.errno
+print(sorted(out.items()))
+"""
+    res = asyncio.run(env["reward"].sandbox.run(code))
+    assert res.ok, res
+    got = dict(eval(res.stdout))
+    assert got == {k: 1 for k in got} and len(got) == 12, got
+
+
+def test_controls_plain_subprocess(env):
+    """The memory attacks escape the old per-process limit; the forged reasons are what a runner
+    reading exit codes and stderr would have believed."""
+    kinds = attacks(1, Path("/nonexistent"), Path("/nonexistent"), env["run"])
+    for kind in PLAIN_CONTROLS:
+        out = procs.run([sys.executable, "-I", "-S", "-c", textwrap.dedent(kinds[kind])], timeout=60,
+                        wrap=False, preexec_fn=_plain_limits)
+        assert out.stdout.strip() == "pwned", (kind, out)
+    for kind, (code, line) in FORGED.items():
+        out = procs.run([sys.executable, "-I", "-S", "-c", kinds[kind]], timeout=60)
+        assert out.returncode == code and (out.stderr.strip().splitlines() or [""])[-1] == line, (kind, out)
 
 
 COUNT_FORKS = textwrap.dedent("""
@@ -262,7 +545,7 @@ def test_controls_escape_without_sandbox(tmp_path):
     listener.settimeout(10)
     port = listener.getsockname()[1]
     env = {**os.environ, "AREAL_TEST_SECRET": SECRET}
-    code = attacks(port, tmp_path, tmp_path)
+    code = attacks(port, tmp_path, tmp_path, tmp_path)
     try:
         out = procs.run([sys.executable, "-c", textwrap.dedent(code["network_connect"])], timeout=30, env=env)
         conn = listener.accept()[0]

@@ -7,16 +7,18 @@
 
 Dataflow::
 
-    trainer (rank 0) --pipe--> sandbox worker (own process, RewardWorkerPool)
-                                  --> unshare --net --pid --fork --mount --mount-proc --ipc --uts --kill-child
-                                        --> init.py (PID 1, root, builds the mount view)
-                                              --> python -I main.py (sandbox uid, rlimits)
+    trainer (rank 0) --pipe--> sandbox worker (own process, RewardWorkerPool; memory + pids cgroup)
+                                  --> unshare --net --pid --fork --mount --ipc --uts --kill-child
+                                        --> jail.py (PID 1, root, builds the default-deny view, pivots)
+                                              --> the program (sandbox uid, rlimits, seccomp allowlist)
 
 The code never runs in the trainer's process or as its child: a worker process of the sandbox
-pool starts each execution in fresh namespaces (see ``runner.py`` and ``init.py`` for what each
-layer enforces, and docs/rewards.md for the threat model). ``mode="rlimits_only_unsafe"`` is
-the weaker fallback for machines without namespaces; it is never chosen silently: with
-``mode="namespaces"`` on such a machine, building a ``Sandbox`` raises ``SandboxUnavailable``.
+pool starts each execution in fresh namespaces (see ``runner.py`` and ``jail.py`` for what each
+layer enforces, ``seccomp.py`` for the filter, and docs/rewards.md for the threat model). The
+verdict (``ExecResult.reason``) is the worker's, from what it observed, never from the program's
+exit code or output. ``mode="rlimits_only_unsafe"`` is the weaker fallback for machines without
+namespaces; it is never chosen silently: with ``mode="namespaces"`` on such a machine, building a
+``Sandbox`` raises ``SandboxUnavailable``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from areal_mega.errors import UserError
+from areal_mega.sandbox.runner import cgroup_unavailable
 
 REASONS = ("ok", "timeout", "memory", "output_limit", "file_size", "killed", "syntax_error",
            "runtime_error", "sandbox_error")
@@ -55,38 +58,56 @@ class SandboxConfig:
     cpu_s: int = 5
     """RLIMIT_CPU (seconds of CPU per process)."""
     memory_mb: int = 512
-    """RLIMIT_AS (address space per process), MiB."""
+    """Memory of the whole execution, MiB: a memory cgroup per execution (all its processes;
+    anonymous memory, memfd and tmpfs pages, page cache) where the machine has one (cgroup v1
+    memory + pids, as root), reason "memory" when its OOM killer acts; elsewhere RLIMIT_AS per
+    process, and memfd_create is denied (its pages would count nowhere)."""
+    address_space_mb: int = 8192
+    """RLIMIT_AS per process, MiB, where the memory cgroup is used (a bound on reservations the
+    cgroup only counts once touched); an allocation past it raises MemoryError in the program
+    (reason runtime_error: the program's own exception)."""
     file_size_mb: int = 16
     """RLIMIT_FSIZE (largest file the code may write), MiB."""
     tmpfs_mb: int = 64
     """namespaces: size of the private writable tmpfs (/tmp, with the work dir /tmp/work), MiB."""
+    tmpfs_inodes: int = 4096
+    """namespaces: inodes of that tmpfs (files + directories; a bound on kernel memory that a
+    size limit alone leaves open: empty files take no pages)."""
     max_open_files: int = 64
     """RLIMIT_NOFILE."""
     max_processes: int = 32
-    """RLIMIT_NPROC: processes of the execution's uid (namespaces mode: a uid of its own, so
-    this bounds a fork bomb; in rlimits_only_unsafe mode it counts every process of the
-    trainer's user, and binds nothing when that user is root)."""
+    """Processes and threads of the execution: the pids cgroup's pids.max (where there is one:
+    counts the sandbox's own unshare and PID 1 too) and RLIMIT_NPROC (namespaces mode: the
+    execution's uid is its own, so it bounds a fork bomb; in rlimits_only_unsafe mode it counts
+    every process of the trainer's user, and binds nothing when that user is root)."""
     max_output_bytes: int = 1 << 20
     """Cap on stdout and on stderr each; past it the execution is killed (reason output_limit)."""
-    hide_paths: list[str] = field(default_factory=lambda: ["/root", "/home"])
-    """namespaces: directories replaced by an empty tmpfs in the view (homes: keys, caches,
-    secrets). The interpreter's own prefix is bound back read-only if it lies under one."""
+    extra_paths: list[str] = field(default_factory=list)
+    """namespaces: host files or directories the program may read (bound read-only at the same
+    path, e.g. a directory of test data). The default view holds only the interpreter's prefix,
+    the directories of the shared libraries it loads, /etc/ld.so.cache, a minimal /dev, the
+    namespace's /proc and the scratch /tmp: not the dataset, the run directory, the repository,
+    caches or home directories."""
     uid_base: int = 1_000_000
     """namespaces: the code runs as uid = gid = uid_base + the worker's pid (unique among live
     workers; needs no passwd entry and owns no file)."""
     python: str = ""
     """The interpreter that runs the code, as ``python -I -S`` (isolated, no site-packages: the
-    standard library only); "" = this Python's base interpreter."""
+    standard library only); "" = this Python's base interpreter. Its installation prefix is in
+    the view (read-only)."""
 
     def validate(self) -> None:
-        for key in ("num_workers", "cpu_s", "memory_mb", "file_size_mb", "tmpfs_mb", "max_open_files",
-                    "max_processes", "max_output_bytes"):
+        for key in ("num_workers", "cpu_s", "memory_mb", "address_space_mb", "file_size_mb", "tmpfs_mb",
+                    "tmpfs_inodes", "max_open_files", "max_processes", "max_output_bytes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
         if self.max_open_files < 8:
             raise ValueError(f"max_open_files: the interpreter needs at least 8, got {self.max_open_files}")
+        for i, p in enumerate(self.extra_paths):
+            if not os.path.isabs(p) or not os.path.exists(p):
+                raise ValueError(f"extra_paths[{i}]: {p!r} must be an absolute path that exists")
         if not 1000 <= self.uid_base <= 2**31 - 2**22 - 2:
             raise ValueError(f"uid_base: must be in [1000, 2**31 - 2**22 - 2] (uid_base + pid), got {self.uid_base}")
 
@@ -130,7 +151,42 @@ def namespaces_unavailable() -> str | None:
         return f"unshare probe failed: {e}"
     if p.returncode != 0:
         return f"unshare probe failed: {p.stderr.strip() or p.returncode}"
+    try:
+        from areal_mega.sandbox.seccomp import filter_bpf
+
+        filter_bpf(allow_memfd=False)
+    except Exception as e:  # ImportError, or OSError: no libseccomp.so.2
+        return f"no seccomp filter (pyseccomp + libseccomp.so.2, tools/env/learner.txt): {e}"
     return None
+
+
+def view_paths(python: str, prefix: str) -> tuple[list[str], list[str]]:
+    """What the program sees of the host, read-only: (paths bound into the view, directories
+    masked by an empty one in it). The interpreter's executable and its standard library (not
+    its site-packages: the program runs ``-I -S``), the shared libraries the interpreter and its
+    extension modules load (their directories outside the prefix, the files inside it, as the
+    loader names them: from ``ldd``), and the loader's cache."""
+    import glob
+
+    stdlib = sorted(glob.glob(os.path.join(prefix, "lib", "python3*")))
+    stdlib = [d for d in stdlib if os.path.isdir(d)]
+    dynload = [so for d in stdlib for so in glob.glob(os.path.join(d, "lib-dynload", "*.so"))]
+    out = subprocess.run(["ldd", python, *dynload], capture_output=True, text=True, timeout=60).stdout
+    libs = []
+    for line in out.splitlines():
+        parts = line.split()
+        if line.endswith(":"):  # "file:" heads each file's list when ldd gets several
+            continue
+        path = parts[2] if len(parts) >= 3 and parts[1] == "=>" else parts[0] if parts else ""
+        if not path.startswith("/"):
+            continue
+        inside = path.startswith(prefix + "/")
+        libs.append(path if inside else os.path.dirname(path))
+    expose = [python, *stdlib, *sorted(set(libs))]
+    if os.path.exists("/etc/ld.so.cache"):
+        expose.append("/etc/ld.so.cache")
+    mask = [os.path.join(d, "site-packages") for d in stdlib if os.path.isdir(os.path.join(d, "site-packages"))]
+    return expose, mask
 
 
 class Sandbox:
@@ -149,11 +205,16 @@ class Sandbox:
                     "(no network, filesystem or process isolation)")
         self.cfg = cfg
         python, prefix = cfg.interpreter()
+        self.cgroup_unavailable = cgroup_unavailable()
+        """Why executions run without a memory + pids cgroup here (None: they run in one)."""
+        use_cgroup = self.cgroup_unavailable is None
+        expose, mask = view_paths(python, prefix) if cfg.mode == "namespaces" else ([], [])
         self._spec: dict[str, Any] = {
             "mode": cfg.mode, "timeout_s": cfg.timeout_s, "max_output_bytes": cfg.max_output_bytes,
-            "uid_base": cfg.uid_base, "tmpfs_mb": cfg.tmpfs_mb, "hide": list(cfg.hide_paths),
-            "python": python, "python_prefix": prefix,
-            "limits": {"cpu_s": cfg.cpu_s, "memory_bytes": cfg.memory_mb << 20, "file_bytes": cfg.file_size_mb << 20,
+            "uid_base": cfg.uid_base, "tmpfs_mb": cfg.tmpfs_mb, "tmpfs_inodes": cfg.tmpfs_inodes,
+            "expose": expose + list(cfg.extra_paths), "mask": mask, "python": python, "cgroup": use_cgroup, "memory_bytes": cfg.memory_mb << 20,
+            "limits": {"cpu_s": cfg.cpu_s, "file_bytes": cfg.file_size_mb << 20,
+                       "address_space_bytes": (cfg.address_space_mb if use_cgroup else cfg.memory_mb) << 20,
                        "open_files": cfg.max_open_files, "processes": cfg.max_processes},
         }
         from areal_mega.reward.pool import RewardWorkerPool  # here: areal_mega.reward imports this module

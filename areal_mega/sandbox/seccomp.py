@@ -1,0 +1,100 @@
+"""The sandbox's seccomp filter: an allowlist of the system calls CPython programs need.
+
+``filter_bpf(allow_memfd) -> bytes`` compiles it with libseccomp (``pyseccomp``: ctypes over the
+system's ``libseccomp.so.2``) in the sandbox worker, once per worker; ``jail.py`` loads the raw
+BPF program with ``prctl(PR_SET_SECCOMP)`` in the program's process just before the code runs,
+so the sandbox side needs no library. Everything not listed fails with EPERM; a foreign
+architecture (i386 ``int 0x80``, x32) kills the process.
+
+Denied on purpose (docs/rewards.md, "The seccomp filter"): keyrings (keyctl, add_key,
+request_key: the keyring is a kernel object no namespace covers), AIO and io_uring (a host-wide
+budget; io_uring bypasses the filter for its own operations), userfaultfd, perf_event_open, bpf,
+ptrace and process_vm_*, the mount family, chroot, pivot_root, unshare / setns and namespace
+flags of clone (new user namespaces), clone3 (its flags live in memory the filter cannot read:
+ENOSYS, so the C library falls back to clone), SysV IPC and POSIX message queues, sockets other
+than AF_UNIX / AF_INET / AF_INET6 (AF_VSOCK is not network-namespaced; netlink, packet),
+``memfd_create`` where no memory cgroup counts its pages, kexec, modules, swap, reboot, clock
+setting, personality, quotactl, name_to_handle_at / open_by_handle_at.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import tempfile
+
+ALLOWED = (
+    # files and descriptors
+    "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev", "preadv2", "pwritev2",
+    "open", "openat", "openat2", "creat", "close", "close_range", "lseek", "dup", "dup2", "dup3", "fcntl",
+    "flock", "fsync", "fdatasync", "sync_file_range", "truncate", "ftruncate", "fallocate", "fadvise64",
+    "stat", "fstat", "lstat", "newfstatat", "statx", "statfs", "fstatfs", "access", "faccessat", "faccessat2",
+    "getdents", "getdents64", "getcwd", "chdir", "fchdir", "rename", "renameat", "renameat2", "mkdir",
+    "mkdirat", "rmdir", "link", "linkat", "unlink", "unlinkat", "symlink", "symlinkat", "readlink",
+    "readlinkat", "chmod", "fchmod", "fchmodat", "chown", "fchown", "lchown", "fchownat", "umask",
+    "utime", "utimes", "utimensat", "futimesat", "getxattr", "lgetxattr", "fgetxattr", "listxattr",
+    "llistxattr", "flistxattr", "sendfile", "copy_file_range", "splice", "tee", "pipe", "pipe2", "ioctl",
+    "select", "pselect6", "poll", "ppoll", "epoll_create", "epoll_create1", "epoll_ctl", "epoll_wait",
+    "epoll_pwait", "epoll_pwait2", "eventfd", "eventfd2", "signalfd", "signalfd4", "timerfd_create",
+    "timerfd_settime", "timerfd_gettime", "inotify_init", "inotify_init1", "inotify_add_watch",
+    "inotify_rm_watch", "sync", "syncfs",
+    # memory
+    "brk", "mmap", "munmap", "mremap", "mprotect", "madvise", "msync", "mincore", "mlock", "munlock",
+    "mlock2", "membarrier", "get_mempolicy",
+    # processes, threads, signals (in the execution's own PID namespace)
+    "fork", "vfork", "execve", "execveat", "exit", "exit_group", "wait4", "waitid", "kill", "tkill",
+    "tgkill", "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "rt_sigpending", "rt_sigtimedwait",
+    "rt_sigsuspend", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "sigaltstack", "pause", "pidfd_open",
+    "pidfd_send_signal", "getpid", "getppid", "gettid", "getpgid", "setpgid", "getpgrp", "getsid", "setsid",
+    "getuid", "geteuid", "getgid", "getegid", "getresuid", "getresgid", "getgroups", "setuid", "setgid",
+    "setreuid", "setregid", "setresuid", "setresgid", "setgroups", "setfsuid", "setfsgid", "capget",
+    "prctl", "arch_prctl", "set_tid_address", "set_robust_list", "get_robust_list", "rseq", "futex",
+    "futex_waitv", "sched_yield", "sched_getaffinity", "sched_setaffinity", "sched_getparam",
+    "sched_getscheduler", "sched_get_priority_max", "sched_get_priority_min", "sched_rr_get_interval",
+    "getpriority", "setpriority", "getrlimit", "setrlimit", "prlimit64", "getrusage", "times", "uname",
+    "sysinfo", "getrandom", "restart_syscall",
+    # time
+    "nanosleep", "clock_nanosleep", "clock_gettime", "clock_getres", "gettimeofday", "time", "alarm",
+    "getitimer", "setitimer", "timer_create", "timer_settime", "timer_gettime", "timer_getoverrun",
+    "timer_delete",
+    # sockets (which families: see FAMILIES; a fresh network namespace holds only "lo", down)
+    "connect", "accept", "accept4", "bind", "listen", "shutdown", "sendto", "recvfrom", "sendmsg", "recvmsg",
+    "sendmmsg", "recvmmsg", "getsockname", "getpeername", "setsockopt", "getsockopt",
+)
+FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
+"""The socket families a program may create (socket, socketpair: AF_UNIX only)."""
+NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+CLONE_NEWTIME = 0x80
+
+
+def syscall_numbers(*names: str) -> dict[str, int]:
+    """This machine's numbers of ``names`` (for jail.py's raw ``syscall()`` calls)."""
+    import pyseccomp
+
+    arch = pyseccomp.system_arch()
+    return {n: pyseccomp.resolve_syscall(arch, n) for n in names}
+
+
+def filter_bpf(allow_memfd: bool) -> bytes:
+    """The compiled filter (struct sock_filter[], 8 bytes each)."""
+    import pyseccomp as sc
+
+    f = sc.SyscallFilter(sc.ERRNO(errno.EPERM))
+    f.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
+    arch = sc.system_arch()
+    for name in ALLOWED + (("memfd_create",) if allow_memfd else ()):
+        try:
+            number = sc.resolve_syscall(arch, name)
+        except Exception:
+            continue
+        if number >= 0:  # a name this architecture does not have resolves negative
+            f.add_rule(sc.ALLOW, name)
+    for fam in FAMILIES:
+        f.add_rule(sc.ALLOW, "socket", sc.Arg(0, sc.EQ, fam))
+    f.add_rule(sc.ALLOW, "socketpair", sc.Arg(0, sc.EQ, socket.AF_UNIX))
+    f.add_rule(sc.ALLOW, "clone", sc.Arg(0, sc.MASKED_EQ, NAMESPACE_FLAGS | CLONE_NEWTIME, 0))
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    with tempfile.TemporaryFile() as out:
+        f.export_bpf(out)
+        out.seek(0)
+        return out.read()
