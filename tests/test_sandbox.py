@@ -237,7 +237,7 @@ def attacks(port: int, tmp: Path, outside: Path, run: Path) -> dict[str, str]:
         "read_run_dir": f"print('pwned' if {SECRET!r} in open({str(run / 'metrics.jsonl')!r}).read() else '')",
         "read_home_cache": f"import os\nprint('pwned' if os.listdir({str(home_cache)!r}) else '')",
         "host_root_visible": "import os\nprint('pwned' if any(os.path.exists(p) for p in ('/etc/passwd', '/usr/bin/env', '/work', '/home')) else sorted(os.listdir('/')))",
-        "proc_root_escape": "import os\nprint(open('/proc/%d/root/etc/passwd' % os.getppid()).read()[:10])\nprint('pwned')",
+        "proc_root_escape": "import os\nopen('/proc/%d/root/etc/passwd' % os.getppid()).read()\nprint('pwned')",
         "host_unix_socket": f"""
             import socket
             s = socket.socket(socket.AF_UNIX)
@@ -246,7 +246,7 @@ def attacks(port: int, tmp: Path, outside: Path, run: Path) -> dict[str, str]:
             print("pwned")
         """,
         "pty_alloc": "import os\nm, s = os.openpty()\nprint('pwned')",
-        "tmpfs_inodes": "for i in range(10000):\n    open('e%d' % i, 'w').close()\nprint('pwned')",
+        "tmpfs_inodes": "for i in range(5000):\n    open('e%d' % i, 'w').close()\nprint('pwned')",
         # -- kernel objects that namespaces do not cover (the seccomp filter)
         "session_keyring_read": PRE + f"""
 buf = ctypes.create_string_buffer(256)
@@ -310,7 +310,14 @@ os.waitpid(pid, 0)
 print("pwned" if r == 0 else ctypes.get_errno())
 """,
         # -- memory outside a per-process limit
-        "memfd_memory": "import os\nfd = os.memfd_create('m')\nfor _ in range(160):\n    os.write(fd, b'x' * (1 << 20))\nprint('pwned')",
+        "memfd_memory": """
+            import os
+            fds = [os.memfd_create("m") for _ in range(50)]  # 3 MiB each: under RLIMIT_FSIZE too
+            for fd in fds:
+                for _ in range(3):
+                    os.write(fd, b"x" * (1 << 20))
+            print("pwned")
+        """,
         "multi_process_memory": """
             import os, time
             pids = []
@@ -352,9 +359,10 @@ UNSAFE_CONTROLS = ("read_repository", "read_run_dir", "read_home_cache", "host_r
                    "vsock_bind", "io_setup", "io_uring", "userfaultfd", "perf_event_open", "bpf_map",
                    "user_namespace", "clone_new_user", "mount_namespace", "netlink_socket", "packet_socket",
                    "ptrace_child", "network_connect", "read_trainer_env")
-# Attacks on the old per-process limits: a plain subprocess under RLIMIT_AS = MEMORY_MB (the old
-# memory limit) and no cgroup must print "pwned".
-PLAIN_CONTROLS = ("memfd_memory", "multi_process_memory", "thread_bomb")
+# Attacks on the old per-process limits: a plain subprocess under the old limit and no cgroup
+# must print "pwned" (memory: RLIMIT_AS = MEMORY_MB per process; threads: RLIMIT_NPROC =
+# MAX_PROCESSES, which binds per uid, and not root).
+PLAIN_CONTROLS = {"memfd_memory": "RLIMIT_AS", "multi_process_memory": "RLIMIT_AS", "thread_bomb": "RLIMIT_NPROC"}
 # The forged reasons, as (exit code, stderr's last line) from a plain subprocess: what the old
 # runner turned into sandbox_error, timeout, file_size, memory, killed.
 FORGED = {"forged_sandbox_error": (121, "sandbox set-up failed: forged"), "forged_timeout": (152, ""),
@@ -364,8 +372,9 @@ PWNED = {"tests": [{"input": "", "output": "pwned"}]}
 ANSWER_SAMPLE = {"tests": [{"input": QUESTION + "\n", "output": ANSWER}]}
 
 
-def _plain_limits() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_MB << 20, MEMORY_MB << 20))
+def _plain_limit(name: str):
+    value = MEMORY_MB << 20 if name == "RLIMIT_AS" else MAX_PROCESSES
+    return lambda: resource.setrlimit(getattr(resource, name), (value, value))
 
 
 def test_attack_suite(env, tmp_path):
@@ -375,7 +384,7 @@ def test_attack_suite(env, tmp_path):
     workers_before = {w.proc.pid for w in reward.sandbox.pool._all}
     assert len(workers_before) == 2
     assert reward.sandbox.cgroup_unavailable is None, reward.sandbox.cgroup_unavailable  # root on Linux here
-    control = CodeReward(SandboxConfig(mode="rlimits_only_unsafe", num_workers=2, timeout_s=20.0))
+    control = CodeReward(SandboxConfig(mode="rlimits_only_unsafe", num_workers=2, timeout_s=60.0))
 
     async def run_all():
         sandboxed = [reward.evaluate("", block(code), PWNED) for code in kinds.values()]
@@ -434,7 +443,7 @@ def test_attack_suite(env, tmp_path):
     assert len(connections) == 2 and set(connections) == {b"exfiltrated"}
     expected = {"infinite_loop": "timeout", "memory_bomb": "runtime_error", "memory_creep": "memory",
                 "fork_bomb": "timeout", "network_connect": "runtime_error", "flood_stdout": "output_limit",
-                "fill_disk_one_file": "file_size", "fill_disk_many_files": "runtime_error",
+                "fill_disk_one_file": "runtime_error", "fill_disk_many_files": "runtime_error",
                 "kill_parent": "runtime_error", "setuid_root": "runtime_error", "kill_everything": "runtime_error",
                 "daemon_then_hang": "timeout", "daemon_then_exit": "wrong_answer", "host_ipc": "wrong_answer",
                 "answer_key": "wrong_answer", "memfd_memory": "memory", "multi_process_memory": "memory",
@@ -483,13 +492,15 @@ print(sorted(out.items()))
     assert got == {k: 1 for k in got} and len(got) == 12, got
 
 
-def test_controls_plain_subprocess(env):
+def test_controls_plain_subprocess(env, tmp_path):
     """The memory attacks escape the old per-process limit; the forged reasons are what a runner
     reading exit codes and stderr would have believed."""
-    kinds = attacks(1, Path("/nonexistent"), Path("/nonexistent"), env["run"])
-    for kind in PLAIN_CONTROLS:
+    kinds = attacks(1, tmp_path, tmp_path, env["run"])
+    for kind, limit in PLAIN_CONTROLS.items():
+        if limit == "RLIMIT_NPROC" and os.geteuid() != 0:
+            continue  # RLIMIT_NPROC binds a non-root user: no control to show
         out = procs.run([sys.executable, "-I", "-S", "-c", textwrap.dedent(kinds[kind])], timeout=60,
-                        wrap=False, preexec_fn=_plain_limits)
+                        wrap=False, preexec_fn=_plain_limit(limit))
         assert out.stdout.strip() == "pwned", (kind, out)
     for kind, (code, line) in FORGED.items():
         out = procs.run([sys.executable, "-I", "-S", "-c", kinds[kind]], timeout=60)
@@ -572,14 +583,20 @@ def test_controls_escape_without_sandbox(tmp_path):
 
 
 def test_unsafe_mode_runs_with_rlimits_only():
-    with Sandbox(SandboxConfig(mode="rlimits_only_unsafe", num_workers=1, timeout_s=3.0, max_processes=16)) as sb:
+    with Sandbox(SandboxConfig(mode="rlimits_only_unsafe", num_workers=1, timeout_s=3.0, max_processes=16,
+                               memory_mb=MEMORY_MB)) as sb:
         ok = sb.run_sync("print(input()[::-1])", "abc\n")
         loop = sb.run_sync("while True: pass")
-        mem = sb.run_sync("x = bytearray(4 << 30)")
+        mem = sb.run_sync("x = bytearray(1 << 30)")  # touched (bytearray zero-fills): the cgroup counts it
         forks = sb.run_sync(COUNT_FORKS)
+        syntax = sb.run_sync("def f(:")
+        cgroup = sb.cgroup_unavailable is None
     assert (ok.reason, ok.stdout) == ("ok", "cba\n")
-    assert loop.reason == "timeout" and mem.reason == "memory"
-    if os.geteuid() == 0:  # the control for the uid switch: RLIMIT_NPROC does not bind root
+    assert loop.reason == "timeout" and syntax.reason == "syntax_error"
+    assert mem.reason == ("memory" if cgroup else "runtime_error"), mem
+    if cgroup:  # the pids cgroup binds whatever the uid (the unsafe mode runs as the trainer's user)
+        assert forks.ok and 0 < int(forks.stdout) < 16, forks
+    elif os.geteuid() == 0:  # without it, the control for the uid switch: RLIMIT_NPROC does not bind root
         assert forks.ok and int(forks.stdout) == 40, forks
 
 

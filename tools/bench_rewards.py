@@ -1,4 +1,5 @@
 """PYTHONPATH=. $L/bin/python tools/bench_rewards.py --workers 2 [--sglang-python $S/bin/python]
+   PYTHONPATH=. $L/bin/python tools/bench_rewards.py --workers 2 --compare-tree /tmp/old --rounds 5
 
 Reward throughput with N worker processes. Prints ONE JSON line:
 
@@ -13,6 +14,13 @@ Reward throughput with N worker processes. Prints ONE JSON line:
                               (tools/bench_judge.py's measurement, its fields under "judge");
                               null without --sglang-python
     workers, sandbox_mode, num_math, num_code, wall_s
+
+With ``--compare-tree DIR`` (a checkout of another commit, e.g. ``git archive <commit> | tar -x
+-C DIR``) it measures only sandboxed executions/s, of this tree's sandbox and of DIR's, each in
+a fresh process (same interpreter, same configuration: ``Sandbox(SandboxConfig(num_workers=N))``,
+--num-code executions), alternating between the two for --rounds rounds so that both see the same
+machine load; it prints {"compare": {"this": [per round], "other": [...], "median_this",
+"median_other", "ratio" (median this / median other), "loadavg_1min": [before each run]}}.
 
 Worker start-up (imports of math-verify, ~2-5 s) is excluded: each pool is warmed by one
 call per worker first. All calls of a phase are issued at once (asyncio.gather), as the rollout
@@ -54,6 +62,47 @@ async def timed(calls) -> float:
     return time.perf_counter() - t0
 
 
+# One measurement of the sandbox of the tree on sys.path[0]: executions/s (its own process).
+_MEASURE = """
+import asyncio, json, sys, time
+sys.path.insert(0, sys.argv[1])
+from areal_mega.sandbox import Sandbox, SandboxConfig
+workers, n = int(sys.argv[2]), int(sys.argv[3])
+with Sandbox(SandboxConfig(num_workers=workers, timeout_s=30.0)) as sb:
+    async def timed(calls):
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*calls)
+        assert all(r.ok for r in res), [r for r in res if not r.ok][:1]
+        return time.perf_counter() - t0
+    code = "a, b = map(int, input().split())\\nprint(a + b)"
+    asyncio.run(timed([sb.run("print(1)") for _ in range(workers)]))  # start + warm the workers
+    print(json.dumps({"executions_per_s": n / asyncio.run(timed([sb.run(code, f"{i} 1\\n") for i in range(n)]))}))
+"""
+
+
+def compare(other: str, workers: int, n: int, rounds: int) -> dict:
+    import os
+    import statistics
+    import subprocess
+
+    here = str(Path(__file__).resolve().parent.parent)
+    runs: dict[str, list[float]] = {"this": [], "other": []}
+    load = []
+    for r in range(rounds):
+        order = [("this", here), ("other", other)] if r % 2 == 0 else [("other", other), ("this", here)]
+        for name, tree in order:
+            load.append(round(os.getloadavg()[0], 1))
+            out = subprocess.run([sys.executable, "-c", _MEASURE, tree, str(workers), str(n)], cwd=tree,
+                                 capture_output=True, text=True, timeout=1800)
+            if out.returncode != 0:
+                raise SystemExit(f"bench_rewards: the {name} tree's sandbox failed: {out.stderr.strip()[-2000:]}")
+            runs[name].append(round(json.loads(out.stdout.strip().splitlines()[-1])["executions_per_s"], 2))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {"this": runs["this"], "other": runs["other"], "other_tree": other, "median_this": med["this"],
+            "median_other": med["other"], "ratio": round(med["this"] / med["other"], 3), "loadavg_1min": load,
+            "workers": workers, "num_code": n}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=2, help="worker processes (math pool and sandbox pool each)")
@@ -61,8 +110,17 @@ def main() -> None:
     ap.add_argument("--num-code", type=int, default=100, help="sandboxed executions (code samples x 4 tests / 4)")
     ap.add_argument("--sandbox-mode", default="namespaces", choices=["namespaces", "rlimits_only_unsafe"])
     ap.add_argument("--sglang-python", help="also measure judge requests/s on a real SGLang CPU server")
+    ap.add_argument("--compare-tree", help="measure only sandboxed executions/s, of this tree and of this "
+                    "checkout of another commit, alternating")
+    ap.add_argument("--rounds", type=int, default=5, help="--compare-tree: measurements of each tree")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    if args.compare_tree:
+        if not Path(args.compare_tree, "areal_mega", "sandbox").is_dir():
+            raise SystemExit(f"bench_rewards: --compare-tree {args.compare_tree} holds no areal_mega/sandbox")
+        res = compare(str(Path(args.compare_tree).resolve()), args.workers, args.num_code, args.rounds)
+        print(json.dumps({"compare": res, "wall_s": round(time.perf_counter() - t_start, 1)}))
+        return
 
     math = MathReward(num_workers=args.workers, timeout_s=30.0)
     try:

@@ -46,11 +46,13 @@ class SandboxUnavailable(UserError):
 @dataclass
 class SandboxConfig:
     mode: Literal["namespaces", "rlimits_only_unsafe"] = "namespaces"
-    """"namespaces": fresh network / PID / mount namespaces per execution, a read-only view of
-    the filesystem with a private tmpfs, an unprivileged uid, rlimits (needs root and unshare;
-    refused at start-up where unavailable). "rlimits_only_unsafe": rlimits, a scrubbed
-    environment and a timeout only -- the code can reach the network, the filesystem and other
-    processes of the user; for trusted code or machines without namespaces, by explicit choice."""
+    """"namespaces": fresh network / PID / mount / IPC / UTS namespaces per execution, a
+    default-deny view (the interpreter, its libraries, a scratch tmpfs; ``extra_paths``), an
+    unprivileged uid, a seccomp allowlist, rlimits (needs root, unshare and libseccomp; refused at
+    start-up where unavailable). "rlimits_only_unsafe": rlimits, a scrubbed environment and a
+    timeout only -- the code can reach the network, the filesystem and other processes of the
+    user; for trusted code or machines without namespaces, by explicit choice. Both modes use the
+    memory + pids cgroup where the machine has one."""
     num_workers: int = 2
     """Sandbox worker processes (concurrent executions)."""
     timeout_s: float = 5.0
@@ -212,7 +214,8 @@ class Sandbox:
         self._spec: dict[str, Any] = {
             "mode": cfg.mode, "timeout_s": cfg.timeout_s, "max_output_bytes": cfg.max_output_bytes,
             "uid_base": cfg.uid_base, "tmpfs_mb": cfg.tmpfs_mb, "tmpfs_inodes": cfg.tmpfs_inodes,
-            "expose": expose + list(cfg.extra_paths), "mask": mask, "python": python, "cgroup": use_cgroup, "memory_bytes": cfg.memory_mb << 20,
+            "expose": expose + list(cfg.extra_paths), "mask": mask, "python": python, "cgroup": use_cgroup,
+            "memory_bytes": cfg.memory_mb << 20,
             "limits": {"cpu_s": cfg.cpu_s, "file_bytes": cfg.file_size_mb << 20,
                        "address_space_bytes": (cfg.address_space_mb if use_cgroup else cfg.memory_mb) << 20,
                        "open_files": cfg.max_open_files, "processes": cfg.max_processes},
