@@ -1,6 +1,6 @@
 """Rewards: answer extraction, math-verify in worker processes, timeouts/crashes score 0,
 user functions by dotted path, shaping (format, DAPO overlong penalty, weighted composition;
-hand-computed), the sandbox's refusal without namespaces (~8 s: worker start-up imports
+hand-computed), the sandbox's refusal without namespaces and its verdict (~8 s: worker start-up imports
 math-verify). The worker-pool tests start processes: ``slow``; the sandbox's attack suite is
 tests/test_sandbox.py."""
 
@@ -103,6 +103,28 @@ def test_sandbox_refuses_without_namespaces(monkeypatch):
         build_reward(RewardConfig(kind="code"))
     with pytest.raises(ConfigError, match="reward.sandbox.mode"):
         from_dict(RewardConfig, {"kind": "code", "sandbox": {"mode": "bwrap"}}, prefix="reward.")
+
+
+def test_sandbox_verdict_is_the_runners():
+    """The reason comes from what the runner observed (its timer, the cgroup, PID 1's report of
+    the exit status or the signal), never from the program's exit code or stderr: the exit codes
+    the old classifier read as signals or set-up failures are runtime_error (issue #24)."""
+    import signal
+
+    from areal_mega.sandbox.runner import verdict
+
+    for forged in (121, 137, 128 + signal.SIGXCPU, 128 + signal.SIGXFSZ, 1):
+        assert verdict(None, False, {"exit": forged}) == "runtime_error"
+    assert verdict(None, False, {"exit": 0}) == "ok"
+    assert verdict(None, False, {"signal": signal.SIGXCPU}) == "timeout"
+    assert verdict(None, False, {"signal": signal.SIGXFSZ}) == "file_size"
+    assert verdict(None, False, {"signal": signal.SIGKILL}) == "killed"
+    assert verdict(None, True, {"signal": signal.SIGKILL}) == "memory"  # the cgroup's OOM killer
+    assert verdict(None, True, {"exit": 0}) == "memory"  # it killed a child; the main process went on
+    assert verdict("timeout", True, {}) == "timeout" and verdict("output_limit", False, {"exit": 0}) == "output_limit"
+    assert verdict(None, False, {"syntax_error": True}) == "syntax_error"
+    assert verdict(None, False, {"setup_error": "mount"}) == "sandbox_error"
+    assert verdict(None, False, {}) == "sandbox_error"  # PID 1 gone without a report
 
 
 @pytest.mark.parametrize("n,expected", [(0, 0.0), (15, 0.0), (16, -0.2), (18, -0.6), (20, -1.0), (21, -1.0), (500, -1.0)])

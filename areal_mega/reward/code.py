@@ -1,6 +1,9 @@
 """Code reward: run the completion's last ```python block against test cases in the sandbox
-(``areal_mega.sandbox``: fresh namespaces, unprivileged uid, rlimits, wall-clock timeout, capped
-output; one execution per test, concurrently). Reward = fraction of tests whose stdout matches.
+(``areal_mega.sandbox``: fresh namespaces, a default-deny view, unprivileged uid, seccomp, a
+memory + pids cgroup, rlimits, wall-clock timeout, capped output; one execution per test,
+concurrently). Reward = fraction of tests whose stdout matches. The program gets each test's
+input on stdin only: the expected output never enters the sandbox, the comparison (``judge``)
+happens here, in the trainer's process.
 
     reward = CodeReward(SandboxConfig(timeout_s=5))
     r = await reward.evaluate("", completion, {"tests": [{"input": "2 3\\n", "output": "5"}]})

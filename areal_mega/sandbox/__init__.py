@@ -173,7 +173,8 @@ def view_paths(python: str, prefix: str) -> tuple[list[str], list[str]]:
     stdlib = sorted(glob.glob(os.path.join(prefix, "lib", "python3*")))
     stdlib = [d for d in stdlib if os.path.isdir(d)]
     dynload = [so for d in stdlib for so in glob.glob(os.path.join(d, "lib-dynload", "*.so"))]
-    out = subprocess.run(["ldd", python, *dynload], capture_output=True, text=True, timeout=60).stdout
+    # ~0.3 s; minutes only on a machine under extreme load
+    out = subprocess.run(["ldd", python, *dynload], capture_output=True, text=True, timeout=600).stdout
     libs = []
     for line in out.splitlines():
         parts = line.split()
