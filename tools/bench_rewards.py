@@ -20,7 +20,10 @@ With ``--compare-tree DIR`` (a checkout of another commit, e.g. ``git archive <c
 a fresh process (same interpreter, same configuration: ``Sandbox(SandboxConfig(num_workers=N))``,
 --num-code executions), alternating between the two for --rounds rounds so that both see the same
 machine load; it prints {"compare": {"this": [per round], "other": [...], "median_this",
-"median_other", "ratio" (median this / median other), "loadavg_1min": [before each run]}}.
+"median_other", "ratio" (median this / median other), "cpu_ms_this", "cpu_ms_other" (CPU
+milliseconds per execution: the workers' own and their reaped children's, from /proc -- far less
+sensitive to the machine's load than wall-clock rates), "cpu_ratio", "loadavg_1min": [before each
+run]}}.
 
 Worker start-up (imports of math-verify, ~2-5 s) is excluded: each pool is warmed by one
 call per worker first. All calls of a phase are issued at once (asyncio.gather), as the rollout
@@ -64,7 +67,7 @@ async def timed(calls) -> float:
 
 # One measurement of the sandbox of the tree on sys.path[0]: executions/s (its own process).
 _MEASURE = """
-import asyncio, json, sys, time
+import asyncio, json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 from areal_mega.sandbox import Sandbox, SandboxConfig
 workers, n = int(sys.argv[2]), int(sys.argv[3])
@@ -74,9 +77,17 @@ with Sandbox(SandboxConfig(num_workers=workers, timeout_s=30.0)) as sb:
         res = await asyncio.gather(*calls)
         assert all(r.ok for r in res), [r for r in res if not r.ok][:1]
         return time.perf_counter() - t0
+    def cpu_s():  # the workers' CPU with their reaped children's (unshare, PID 1, the program)
+        tot = 0
+        for w in sb.pool._all:
+            f = open(f"/proc/{w.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+            tot += sum(int(x) for x in f[11:15])  # utime stime cutime cstime
+        return tot / os.sysconf("SC_CLK_TCK")
     code = "a, b = map(int, input().split())\\nprint(a + b)"
     asyncio.run(timed([sb.run("print(1)") for _ in range(workers)]))  # start + warm the workers
-    print(json.dumps({"executions_per_s": n / asyncio.run(timed([sb.run(code, f"{i} 1\\n") for i in range(n)]))}))
+    c0 = cpu_s()
+    wall = asyncio.run(timed([sb.run(code, f"{i} 1\\n") for i in range(n)]))
+    print(json.dumps({"executions_per_s": n / wall, "cpu_ms_per_execution": 1000 * (cpu_s() - c0) / n}))
 """
 
 
@@ -87,6 +98,7 @@ def compare(other: str, workers: int, n: int, rounds: int) -> dict:
 
     here = str(Path(__file__).resolve().parent.parent)
     runs: dict[str, list[float]] = {"this": [], "other": []}
+    cpu: dict[str, list[float]] = {"this": [], "other": []}
     load = []
     for r in range(rounds):
         order = [("this", here), ("other", other)] if r % 2 == 0 else [("other", other), ("this", here)]
@@ -96,10 +108,15 @@ def compare(other: str, workers: int, n: int, rounds: int) -> dict:
                                  capture_output=True, text=True, timeout=1800)
             if out.returncode != 0:
                 raise SystemExit(f"bench_rewards: the {name} tree's sandbox failed: {out.stderr.strip()[-2000:]}")
-            runs[name].append(round(json.loads(out.stdout.strip().splitlines()[-1])["executions_per_s"], 2))
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            runs[name].append(round(got["executions_per_s"], 2))
+            cpu[name].append(round(got["cpu_ms_per_execution"], 1))
     med = {k: statistics.median(v) for k, v in runs.items()}
+    cmed = {k: statistics.median(v) for k, v in cpu.items()}
     return {"this": runs["this"], "other": runs["other"], "other_tree": other, "median_this": med["this"],
-            "median_other": med["other"], "ratio": round(med["this"] / med["other"], 3), "loadavg_1min": load,
+            "median_other": med["other"], "ratio": round(med["this"] / med["other"], 3),
+            "cpu_ms_this": cpu["this"], "cpu_ms_other": cpu["other"],
+            "cpu_ratio": round(cmed["this"] / cmed["other"], 3), "loadavg_1min": load,
             "workers": workers, "num_code": n}
 
 
