@@ -78,10 +78,12 @@ with Sandbox(SandboxConfig(num_workers=workers, timeout_s=30.0)) as sb:
         assert all(r.ok for r in res), [r for r in res if not r.ok][:1]
         return time.perf_counter() - t0
     def cpu_s():  # the workers' CPU with their reaped children's (unshare, PID 1, the program)
+        from areal_mega.utils.procs import tree_pids
         tot = 0
-        for w in sb.pool._all:
-            f = open(f"/proc/{w.proc.pid}/stat").read().rsplit(")", 1)[1].split()
-            tot += sum(int(x) for x in f[11:15])  # utime stime cutime cstime
+        for w in sb.pool._all:  # the worker's launcher, the worker, and what is left under it
+            for pid in tree_pids(w.proc.pid):
+                f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                tot += sum(int(x) for x in f[11:15])  # utime stime cutime cstime
         return tot / os.sysconf("SC_CLK_TCK")
     code = "a, b = map(int, input().split())\\nprint(a + b)"
     asyncio.run(timed([sb.run("print(1)") for _ in range(workers)]))  # start + warm the workers
