@@ -449,10 +449,6 @@ def test_attack_suite(env, tmp_path):
     wrong = {k: (table[k][1], want) for k, want in expected.items()
              if table[k][1] != want and not (k in slow and table[k][1] == "timeout")}
     assert not wrong, wrong
-    # The denied system calls fail with EPERM (1), from the filter.
-    for kind in ("io_setup", "io_uring", "userfaultfd", "perf_event_open", "bpf_map", "user_namespace",
-                 "clone_new_user", "mount_namespace"):
-        assert results[kind].info["reasons"] == ["wrong_answer"], (kind, results[kind].info)
     # The pool survived: the same workers (no attack reached them), and they still work.
     assert {w.proc.pid for w in reward.sandbox.pool._all} == workers_before
     assert procs.alive(workers_before) == workers_before
