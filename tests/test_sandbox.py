@@ -119,14 +119,14 @@ def env():
     async def warm():  # both workers started, so that the suite can check they survive
         return await asyncio.gather(*[reward.sandbox.run("import time; time.sleep(0.5)") for _ in range(2)])
 
-    # A worker's first execution also starts it: on a loaded machine that can pass TIMEOUT_S, so
-    # wait until both have answered once (the condition), not a fixed number of tries.
-    deadline = time.monotonic() + 120
-    got = asyncio.run(warm())
-    while not all(r.ok for r in got):
-        assert time.monotonic() < deadline, f"sandbox workers never answered: {got}"
-        got = asyncio.run(warm())
     try:
+        # A worker's first execution also starts it: on a loaded machine that can pass TIMEOUT_S, so
+        # wait until both have answered once (the condition), not a fixed number of tries.
+        deadline = time.monotonic() + 120
+        got = asyncio.run(warm())
+        while not all(r.ok for r in got):
+            assert time.monotonic() < deadline, f"sandbox workers never answered: {got}"
+            got = asyncio.run(warm())
         yield {"reward": reward, "listener": listener, "outside": outside, "run": run, "host_sock": host_sock}
     finally:
         reward.close()
