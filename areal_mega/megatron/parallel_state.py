@@ -146,10 +146,37 @@ def _check_rank_order(g: ModelParallelGroups) -> None:
 
 
 def destroy_model_parallel(groups: ModelParallelGroups | None = None) -> None:
-    """Tear down megatron's model-parallel state (the default process group stays up)."""
+    """Tear down megatron's model-parallel state and destroy its process groups; the default
+    group stays up. Collective over the world (a barrier first).
+
+    megatron's own ``destroy_model_parallel`` only drops its references: c10d keeps every group
+    alive, and each gloo group its connection threads. A process that re-initialises per
+    layout (the layout tests) grew to ~1,500 threads per rank and drove this 2-core machine's
+    load to ~1,000 (tests/test_parallel_state_groups.py counts them)."""
     from megatron.core import parallel_state as mps
 
+    found: dict[int, Any] = {}
+
+    def collect(v: Any) -> None:
+        if isinstance(v, dist.ProcessGroup):
+            found[id(v)] = v
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                collect(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                collect(x)
+
+    for v in list(vars(mps).values()):
+        collect(v)
+    if groups is not None:
+        collect(list(vars(groups).values()))
+    world = dist.group.WORLD
+    dist.barrier()
     mps.destroy_model_parallel()
+    for g in found.values():
+        if g is not world and g != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(g)
 
 
 def tp_all_gather(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
