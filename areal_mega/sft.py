@@ -86,7 +86,7 @@ def run_sft(config_path: str, overrides: list[str]) -> int:
     from areal_mega.data import load_dataset
     from areal_mega.megatron.hf_export import save_hf_checkpoint
     from areal_mega.megatron.engine import MegatronTrainEngine
-    from areal_mega.megatron.packing import pack_sequences, shift_to_next_token
+    from areal_mega.batching.packing import pack_sequences, shift_to_next_token
     from areal_mega.megatron.parallel_state import init_model_parallel
     from areal_mega.parallel import ParallelLayout
 

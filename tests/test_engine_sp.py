@@ -177,7 +177,7 @@ def test_recompute_saved_bytes_as_the_estimator_predicts(res):
     mode's peak saved bytes, and so their ratios, within the issue's 15% (measured: within 3.2%)."""
     from areal_mega.launcher.config import ModelShape
     from areal_mega.launcher.memory import LearnerSettings, stage_activations
-    from areal_mega.megatron.packing import plan_microbatches
+    from areal_mega.batching.packing import plan_microbatches
     from areal_mega.models import get_adapter
     from tests.support.models import tiny_config
 

@@ -169,7 +169,7 @@ def measure(name, tp, pp, sp, recompute, method, num_layers, hf_dir) -> dict:
     from areal_mega.launcher.memory import settings_from_engine_config, stage_activations, stage_state
     from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
     from areal_mega.megatron.model import MegatronModelConfig
-    from areal_mega.megatron.packing import pack_sequences
+    from areal_mega.batching.packing import pack_sequences
     from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
     from areal_mega.models import get_adapter, load_hf_config
     from areal_mega.parallel import ParallelConfig, ParallelLayout

@@ -1,6 +1,6 @@
 """Advantage estimators over packed batches.
 
-Layout (same as ``areal_mega.megatron.packing``): B sequences back to back in flat per-token
+Layout (same as ``areal_mega.batching.packing``): B sequences back to back in flat per-token
 tensors of length T, delimited by ``cu_seqlens`` [B + 1]; per-sequence scalars are [B].
 ``loss_mask`` [T] marks the *action* positions (tokens the policy generated and is trained on).
 All per-token inputs of one call must share one alignment (this-token or next-token); the

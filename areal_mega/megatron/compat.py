@@ -102,7 +102,7 @@ from typing import Any, Callable
 
 import torch
 
-from areal_mega.megatron.packing import PAD_TOKEN_ID
+from areal_mega.batching.packing import PAD_TOKEN_ID
 
 
 # ---------------------------------------------------------------- torch Adam state (entries 1-3)

@@ -53,7 +53,7 @@ from areal_mega.api.engine import TrainEngine
 from areal_mega.megatron import compat
 from areal_mega.megatron.logprobs import vocab_parallel_logprobs
 from areal_mega.megatron.model import MegatronModel, MegatronModelConfig, check_context_parallel, packed_causal_mask
-from areal_mega.megatron.packing import (
+from areal_mega.batching.packing import (
     last_token_mask,
     next_token_labels,
     plan_microbatches,

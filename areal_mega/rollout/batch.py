@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.api.workflow import Trajectory
-from areal_mega.megatron.packing import shift_to_next_token
+from areal_mega.batching.packing import shift_to_next_token
 from areal_mega.algo.advantages import group_index_of
 
 

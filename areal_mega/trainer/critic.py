@@ -51,7 +51,7 @@ import torch
 
 from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
 from areal_mega.megatron.model import MegatronModel
-from areal_mega.megatron.packing import last_token_mask
+from areal_mega.batching.packing import last_token_mask
 
 
 @dataclass
