@@ -216,7 +216,7 @@ def run_eval(config: str, overrides: list[str], *, model: str, out: str, spec: E
 
     from areal_mega.inference.client import InferencePool
     from areal_mega.reward import build_reward
-    from areal_mega.trainer.config import load_experiment
+    from areal_mega.experiment import load_experiment
 
     spec.validate()
     out_dir = Path(out)

@@ -27,7 +27,7 @@ from areal_mega.parallel import ParallelLayout
 from areal_mega.algo.advantages import compute_advantages
 from areal_mega.rollout.batch import broadcast_batch, split_minibatches, to_engine_alignment, trajectories_to_batch
 from areal_mega.trainer.critic import CriticEngine
-from areal_mega.trainer.config import ExperimentConfig
+from areal_mega.experiment import ExperimentConfig
 from areal_mega.algo.losses import PPOActorLoss, PPOCriticLoss, global_counts, kl_estimate
 from areal_mega.rollout.driver import RolloutDriver
 from areal_mega.utils.metrics import Metrics

@@ -84,18 +84,79 @@ Engine, per GPU of a TP-t server: weights 2*P/t (norms replicated), KV cache
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
-from areal_mega.launcher.config import ModelShape
 from areal_mega.parallel import ParallelLayout
+
+if TYPE_CHECKING:
+    from areal_mega.experiment import ExperimentConfig
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LOGPROB_BYTES_PER_TOKEN = 26
 """The vocab-parallel log-prob's per-token saves besides the fp32 logits: fp32 max and sum-exp
 (4 + 4), int64 target index (8), two bool masks (1 + 1), int64 labels (8) -- counted on CPU."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Transformer shape for the memory estimate, named as in a HF ``config.json`` (Llama/Qwen2).
+
+    Never parsed from a config here: :meth:`from_arch` takes the model adapter's
+    :class:`~areal_mega.models.ModelArch` (``areal_mega.models.get_adapter(hf_config).arch``), the
+    parse ``build_model`` uses, so the plan and the trainer see the same model."""
+
+    num_hidden_layers: int
+    """Decoder layers (L)."""
+    hidden_size: int
+    """Model width (h)."""
+    intermediate_size: int
+    """MLP inner width (f); the MLP is gated (SwiGLU: gate, up, down = 3*h*f weights)."""
+    num_attention_heads: int
+    """Query heads (a)."""
+    num_key_value_heads: int
+    """KV heads (g, GQA groups); equal to num_attention_heads for MHA."""
+    vocab_size: int
+    """Vocabulary (V); input embedding V*h, output layer V*h unless tied."""
+    head_dim: int | None = None
+    """Per-head width (d); None = hidden_size // num_attention_heads."""
+    tie_word_embeddings: bool = False
+    """Output layer shares the input embedding (one V*h matrix; under PP the last stage keeps a copy)."""
+    attention_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2: true; Llama: false)."""
+    dtype: str = "bfloat16"
+    """The checkpoint's storage dtype (what the engine trains in when actor.model.dtype is null)."""
+    num_experts: int = 0
+    """MoE: routed experts per layer (every layer MoE, Qwen3-MoE); 0 = dense MLP."""
+    moe_intermediate_size: int = 0
+    """MoE: each expert's inner width (f_e); an expert is a gated MLP of 3*h*f_e weights."""
+    num_experts_per_tok: int = 0
+    """MoE: experts each token is routed to (k): activations scale with k*f_e, not E*f_e."""
+    qk_layernorm: bool = False
+    """Per-head q/k RMSNorms (Qwen3): 2*d replicated weights per layer."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @classmethod
+    def from_arch(cls, arch) -> "ModelShape":
+        """The shape of a :class:`~areal_mega.models.ModelArch` (the adapter's parse)."""
+        return cls(num_hidden_layers=arch.num_layers, hidden_size=arch.hidden_size,
+                   intermediate_size=arch.ffn_hidden_size, num_attention_heads=arch.num_heads,
+                   num_key_value_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, head_dim=arch.head_dim,
+                   tie_word_embeddings=arch.tie_word_embeddings, attention_bias=arch.qkv_bias, dtype=arch.dtype,
+                   num_experts=arch.num_experts or 0, moe_intermediate_size=arch.moe_ffn_hidden_size or 0,
+                   num_experts_per_tok=arch.moe_topk, qk_layernorm=arch.qk_layernorm)
+
+    @property
+    def d(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
 
 
 @dataclass(frozen=True)
@@ -149,7 +210,7 @@ def total_params(m: ModelShape) -> int:
 @dataclass(frozen=True)
 class LearnerSettings:
     """One megatron engine as the trainer builds it: every field is the resolved value of a
-    trainer config key (built by ``plan.learner_settings``; never a launcher-side copy)."""
+    trainer config key (built by :func:`learner_settings`; never a launcher-side copy)."""
 
     dtype: str = "bfloat16"
     """``actor.model.dtype`` (None there = the HF checkpoint's dtype)."""
@@ -198,6 +259,47 @@ def settings_from_engine_config(engine_cfg, arch_dtype: str, tp: int, *, on_gpu:
         distributed_optimizer=engine_cfg.optimizer.use_distributed_optimizer,
         make_vocab_size_divisible_by=mc.make_vocab_size_divisible_by, reserved_gib=reserved_gib,
     )
+
+
+def learner_settings(exp: "ExperimentConfig", m: ModelShape, layout: ParallelLayout, *,
+                     on_gpu: bool) -> tuple[LearnerSettings, LearnerSettings | None, bool]:
+    """(actor settings, critic settings or None, KL reference?) from the trainer's own typed
+    sections -- ``actor``, ``critic``, ``algorithm`` -- resolved as the trainer resolves them
+    (layer_spec "auto" = te on GPU nodes, local on CPU; sequence_parallel at the layout's TP)."""
+    from areal_mega.megatron.model import check_context_parallel  # torch: only when a plan is priced
+
+    res = exp.launch.learner.reserved_gib
+    s = settings_from_engine_config(exp.actor, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res, vpp=layout.vpp)
+    check_context_parallel(layout, s.layer_spec, s.attention)  # cp > 1: refused here as at start-up
+    critic = None
+    if exp.algorithm.adv_estimator == "gae":
+        critic = settings_from_engine_config(exp.critic, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res,
+                                             vpp=layout.vpp)
+    return s, critic, exp.algorithm.kl_coef > 0
+
+
+def model_shape(exp: "ExperimentConfig") -> ModelShape:
+    """The model as the trainer's adapter parses it: ``<model_path>/config.json``, or
+    ``launch.model_config`` (the same JSON inline) where model_path is not readable here."""
+    from areal_mega.models import get_adapter  # torch: only when a plan is priced
+
+    path = exp.model_path or exp.inference.server.model_path
+    hf_config = None
+    if path and (Path(path) / "config.json").is_file():
+        try:
+            hf_config = json.loads((Path(path) / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model_path: {path}/config.json is unreadable ({e})") from None
+    elif exp.launch.model_config is not None:
+        hf_config = dict(exp.launch.model_config)
+    if hf_config is None:
+        where = f"{path}/config.json does not exist here" if path else "no model_path"
+        raise ValueError(f"launch.model_config: not set and {where}; set launch.model_config to the model's "
+                         "config.json content to plan without the weights")
+    try:
+        return ModelShape.from_arch(get_adapter(hf_config).arch)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"model config ({'model_path' if path and Path(path).is_dir() else 'launch.model_config'}): {e}") from None
 
 
 @dataclass(frozen=True)
