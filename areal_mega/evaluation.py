@@ -233,7 +233,7 @@ def run_eval(config: str, overrides: list[str], *, model: str, out: str, spec: E
         raise EvalError("eval_data: no items to evaluate (set eval_data, or data.num_eval > 0)")
     tools = None
     if cfg.workflow.kind == "tool":  # the same tool registry the trainer builds
-        from areal_mega.tools import build_tools
+        from areal_mega.agent_tools import build_tools
 
         tools = build_tools(cfg.workflow.tools, timeout_s=cfg.workflow.tool_timeout_s,
                             max_output_chars=cfg.workflow.tool_max_output_chars)

@@ -168,7 +168,7 @@ class Trainer:
         reward = self.reward = build_reward(cfg.reward, policy_engine=self.driver.pool, policy_tokenizer=tok)
         split = load_dataset(cfg.data, tokenizer=tok)
         if cfg.workflow.kind == "tool":  # one registry (one python-tool sandbox) for both workflows
-            from areal_mega.tools import build_tools
+            from areal_mega.agent_tools import build_tools
 
             self.tools = build_tools(cfg.workflow.tools, timeout_s=cfg.workflow.tool_timeout_s,
                                      max_output_chars=cfg.workflow.tool_max_output_chars)
