@@ -4,6 +4,7 @@ The whole experiment (every section) is :class:`areal_mega.experiment.Experiment
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 __all__ = ["TrainerLoopConfig"]
 
@@ -26,7 +27,7 @@ class TrainerLoopConfig:
     """Evaluate the initial policy (version 0 or the resumed one) before training."""
     eval_at_end: bool = True
     """Evaluate the final policy after the last weight sync."""
-    backend: str = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend of the learners: "nccl", "gloo", or "auto" (nccl with CUDA)."""
     export_hf_at_end: bool = True
     """Also write the final weights as an HF checkpoint (``<output_dir>/hf``) via the adapter."""
@@ -41,5 +42,3 @@ class TrainerLoopConfig:
             raise ValueError(f"num_steps: must be >= 0, got {self.num_steps}")
         if self.save_every < 0 or self.eval_every < 0:
             raise ValueError("save_every / eval_every: must be >= 0")
-        if self.backend not in ("auto", "nccl", "gloo"):
-            raise ValueError(f"backend: {self.backend!r} is not one of auto, nccl, gloo")

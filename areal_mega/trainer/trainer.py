@@ -30,6 +30,7 @@ from areal_mega.trainer.critic import CriticEngine
 from areal_mega.experiment import ExperimentConfig
 from areal_mega.algo.losses import PPOActorLoss, PPOCriticLoss, global_counts, kl_estimate
 from areal_mega.rollout.driver import RolloutDriver
+from areal_mega.utils.distributed import resolve_backend
 from areal_mega.utils.metrics import Metrics
 from areal_mega.inference.sglang_api import SGLangClient
 from areal_mega.weight_sync import megatron_weight_sync
@@ -62,12 +63,6 @@ def train_on_minibatches(actor: MegatronTrainEngine, batch: dict[str, torch.Tens
             out[k] = sum(vals) / len(vals)
     out["num_updates"] = float(len(steps))
     return out, steps
-
-
-def _backend(name: str) -> str:
-    if name == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return name
 
 
 @dataclass
@@ -103,7 +98,7 @@ class Trainer:
     # ------------------------------------------------------------------ construction
     @classmethod
     def create(cls, cfg: ExperimentConfig) -> "Trainer":
-        backend = _backend(cfg.trainer.backend)
+        backend = resolve_backend(cfg.trainer.backend)
         if not dist.is_initialized():
             dist.init_process_group(backend)
         if torch.cuda.is_available():
