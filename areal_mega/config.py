@@ -24,6 +24,11 @@ import yaml
 
 from areal_mega.errors import UserError
 
+__all__ = [
+    "ConfigError", "T", "dump_yaml", "from_dict", "load_config", "load_dict", "parse_overrides", "to_dict",
+    "validate_tree", "yaml_error_line"
+]
+
 T = TypeVar("T")
 
 

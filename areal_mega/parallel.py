@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+__all__ = ["ParallelConfig", "ParallelLayout", "RankCoords"]
+
 
 @dataclass
 class ParallelConfig:

@@ -163,3 +163,23 @@ def test_the_checks_catch_what_they_forbid(tmp_path):
     # the relative import resolves; TYPE_CHECKING-only edges make no cycle, a runtime one does
     assert ("areal_mega.simulator.planner", False) in graph["areal_mega.launcher.cli"]
     assert _cycles(graph) == [{"areal_mega.launcher.plan", "areal_mega.trainer.loop"}]
+
+
+def test_public_surfaces_name_what_exists():
+    """Every ``__all__`` entry is defined or imported by its module (a stale name breaks
+    ``from m import *`` and misleads readers)."""
+    missing = []
+    for mod, (src, _) in _package_files().items():
+        tree = ast.parse(src)
+        names = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                 for a in n.names}
+        for n in tree.body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(n.name)
+            elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+                for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                    names |= {x.id for x in ast.walk(t) if isinstance(x, ast.Name)}  # a, b = ... too
+        for n in tree.body:
+            if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets):
+                missing += [f"{mod}.{e.value}" for e in n.value.elts if e.value not in names]
+    assert missing == []

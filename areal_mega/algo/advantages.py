@@ -33,6 +33,12 @@ import torch
 
 from areal_mega.algo.config import AlgorithmConfig
 
+__all__ = [
+    "EQUAL_ULPS", "broadcast_to_tokens", "compute_advantages", "gae_advantages", "group_index_of",
+    "grpo_advantages", "last_action_rewards", "reinforce_pp_advantages", "rloo_advantages", "segment_ids",
+    "shape_rewards"
+]
+
 
 def segment_ids(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """[T] index of the sequence each token belongs to."""

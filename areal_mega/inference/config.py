@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+__all__ = ["InferenceClientConfig", "InferenceConfig", "SGLangServerConfig"]
+
 
 @dataclass
 class SGLangServerConfig:

@@ -12,6 +12,8 @@ from areal_mega.launcher.plan import Allocation, ProcSpec
 from areal_mega.launcher.supervisor import Runner
 from areal_mega.utils import procs
 
+__all__ = ["LocalRunner", "local_allocation"]
+
 
 def local_allocation(gpus: int = 0, cpus: int | None = None) -> Allocation:
     return Allocation(job_id="local", nodes=("localhost",), addresses=("127.0.0.1",),

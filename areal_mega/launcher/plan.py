@@ -37,6 +37,11 @@ from areal_mega.simulator.planner import choose_learner_nodes
 from areal_mega.utils import secrets
 from areal_mega.utils.procs import free_ports
 
+__all__ = [
+    "Allocation", "LaunchPlan", "PLACEHOLDERS", "ProcSpec", "REPO_ROOT", "build_plan", "learner_node_count",
+    "render"
+]
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 PLACEHOLDERS = {

@@ -33,6 +33,10 @@ from dataclasses import dataclass
 
 from areal_mega.simulator.model import DecodeModel, LearnerModel, LengthModel, SimulationError, SyncModel
 
+__all__ = [
+    "ClusterCostModel", "WorkloadModel", "decode_model", "learner_flops_per_token", "learner_model", "sync_model"
+]
+
 
 @dataclass
 class ClusterCostModel:

@@ -31,6 +31,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from areal_mega.parallel import ParallelLayout
 
+__all__ = [
+    "Bucket", "DTYPE_BYTES", "PlanMismatchError", "SenderPlan", "SyncPlan", "TensorSpec", "bucketize",
+    "check_plan_against", "dtype_name", "plan_weight_sync"
+]
+
 # Item sizes of the dtypes weights travel in (names as SGLang's HTTP API spells them).
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
