@@ -66,26 +66,17 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
         gpus_per_node: int | None = None) -> int:
     """Plan, check memory, then (unless ``dry_run``) supervise; returns the exit code."""
     try:
-        cfg, raw, passthrough = load_launch_config(config, overrides)
-        if _runs_the_trainer(cfg):
-            # The learners will parse the same YAML and overrides: a bad key fails here, before
-            # any server starts (and in a dry run), not minutes later on every rank.
-            from areal_mega.experiment import load_experiment
-
-            load_experiment(config, overrides)
+        exp, raw, passthrough = load_launch(config, overrides)
+        cfg = exp.launch
         gpus = gpus_per_node if gpus_per_node is not None else cfg.gpus_per_node
         if mode == "slurm":
-            from areal_mega.launcher.slurm import SrunRunner, slurm_allocation
-
             alloc = slurm_allocation(nodelist=nodelist, gpus_per_node=gpus, resolve=not dry_run)
             runner = SrunRunner(alloc.job_id, cfg.srun_args)
         else:
-            from areal_mega.launcher.local import LocalRunner, local_allocation
-
             alloc = local_allocation(gpus or 0)
             runner = LocalRunner()
         plan: LaunchPlan = build_plan(cfg, alloc, raw=raw, config_path=config, overrides=passthrough,
-                                      engine_python=engine_python)
+                                      engine_python=engine_python, exp=exp)
     except ValueError as e:  # ConfigError included: the message names the key
         print(f"launcher: {e}", file=sys.stderr, flush=True)
         return 1
