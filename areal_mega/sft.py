@@ -20,10 +20,13 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from areal_mega.batching.packing import pack_sequences, shift_to_next_token
 from areal_mega.config import load_config
-from areal_mega.data import DatasetConfig
-from areal_mega.megatron.engine import MegatronEngineConfig
-from areal_mega.parallel import ParallelConfig
+from areal_mega.data import DatasetConfig, load_dataset
+from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine
+from areal_mega.megatron.hf_export import save_hf_checkpoint
+from areal_mega.megatron.parallel_state import init_model_parallel
+from areal_mega.parallel import ParallelConfig, ParallelLayout
 from areal_mega.utils.distributed import resolve_backend
 
 
@@ -85,13 +88,6 @@ def nll_loss(total_tokens: float):
 
 def run_sft(config_path: str, overrides: list[str]) -> int:
     from transformers import AutoTokenizer
-
-    from areal_mega.data import load_dataset
-    from areal_mega.megatron.hf_export import save_hf_checkpoint
-    from areal_mega.megatron.engine import MegatronTrainEngine
-    from areal_mega.batching.packing import pack_sequences, shift_to_next_token
-    from areal_mega.megatron.parallel_state import init_model_parallel
-    from areal_mega.parallel import ParallelLayout
 
     cfg = load_config(SFTConfig, config_path, overrides)
     backend = resolve_backend(cfg.trainer.backend)

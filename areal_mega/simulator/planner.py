@@ -31,6 +31,7 @@ from areal_mega.simulator.memory import (
 )
 from areal_mega.simulator.model import SimConfig, SimulationError
 from areal_mega.simulator.sim import simulate
+from areal_mega.simulator.plot import plot_plan
 
 if TYPE_CHECKING:
     from areal_mega.experiment import ExperimentConfig
@@ -296,8 +297,6 @@ def describe(rep: PlanReport) -> str:
 def write_plan(rep: PlanReport, out: Path) -> str:
     """``plan.json`` and ``throughput_plan.png`` (predicted samples/s vs. split and vs.
     max_staleness) into ``out``; returns the line saying what was written (OSError if not)."""
-    from areal_mega.simulator.plot import plot_plan
-
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(rep.to_dict(), indent=1) + "\n")
     png, why = plot_plan(rep, out / "throughput_plan.png")

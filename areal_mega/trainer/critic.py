@@ -21,6 +21,7 @@ import torch
 from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
 from areal_mega.megatron.model import MegatronModel
 from areal_mega.batching.packing import last_token_mask
+from areal_mega.megatron.model import build_model, load_hf_weights
 
 
 @dataclass
@@ -99,7 +100,6 @@ class CriticEngine(MegatronTrainEngine):
     def create(  # type: ignore[override]
         cls, cfg: CriticConfig, hf_config: Any, groups: Any, hf_weights_dir: str | None = None, *, seed: int = 1
     ) -> "CriticEngine":
-        from areal_mega.megatron.model import build_model, load_hf_weights
 
         cfg.validate()
         model = build_model(hf_config, groups, cfg.model)
