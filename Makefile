@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # EXAMPLE_ARGS: overrides of the training run, e.g. EXAMPLE_ARGS="trainer.num_steps=5".
 EXAMPLE_ARGS ?=
 
-.PHONY: demo example test test-real test-fast envs learner-env sglang-env
+.PHONY: demo example test test-real test-tools test-fast envs learner-env sglang-env
 
 learner-env:
 	@tools/env/make_venv.sh learner
@@ -28,13 +28,19 @@ example:
 
 test:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
-	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE --durations=30 -m "not real_model" $(PYTEST_ARGS)
+	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE --durations=30 -m "not real_model and not tools_heavy" $(PYTEST_ARGS)
 
 # The checks on the real pretrained model (SmolLM2-135M: layouts vs HF, TP3 weight sync; ~5-10 min),
 # kept out of `make test` to hold the CI run under its 40 minutes.
 test-real:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
 	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -m real_model $(PYTEST_ARGS)
+
+# The smoke runs of the tools/ scripts that need real SGLang servers and the trainer
+# (bench_judge, bench_async through bench_simulator; minutes on 2 cores): kept out of make test.
+test-tools:
+	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
+	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -m tools_heavy $(PYTEST_ARGS)
 
 # No process starts in this tier (no SGLang either): --audit-processes fails it if one does.
 test-fast:

@@ -91,7 +91,7 @@ def _main(argv: list[str] | None = None) -> int:
         return run_eval(args.config, _split_overrides(rest), model=args.model, out=args.out, spec=spec,
                         max_items=args.max_items)
     if args.cmd == "plan":
-        from areal_mega.simulator.planner import main as plan_main
+        from areal_mega.launcher.cli import plan_main
 
         return plan_main(rest)
     if args.cmd == "demo":

@@ -24,6 +24,11 @@ import yaml
 
 from areal_mega.errors import UserError
 
+__all__ = [
+    "ConfigError", "T", "dump_yaml", "from_dict", "load_config", "load_dict", "parse_overrides", "to_dict",
+    "validate_tree", "yaml_error_line"
+]
+
 T = TypeVar("T")
 
 
@@ -119,13 +124,14 @@ def _build(cls: type[T], data: dict, prefix: str, where: str) -> T:
     return obj
 
 
-def validate_tree(obj: Any, prefix: str = "", where: str = "") -> None:
-    """Call ``validate()`` on every nested dataclass, turning ValueError into ConfigError."""
+def validate_tree(obj: Any, prefix: str = "", where: str = "", *, depth: int = 0) -> None:
+    """Call ``validate()`` on every nested dataclass, turning ValueError into ConfigError
+    (``depth``: only on those at least that deep, 0 = ``obj`` itself)."""
     for f in dataclasses.fields(obj):
         child = getattr(obj, f.name)
         if dataclasses.is_dataclass(child):
-            validate_tree(child, f"{prefix}{f.name}.", where)
-    check = getattr(obj, "validate", None)
+            validate_tree(child, f"{prefix}{f.name}.", where, depth=max(0, depth - 1))
+    check = getattr(obj, "validate", None) if depth == 0 else None
     if check is not None:
         try:
             check()
@@ -165,11 +171,12 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def from_dict(cls: type[T], data: dict, where: str = "", prefix: str = "") -> T:
+def from_dict(cls: type[T], data: dict, where: str = "", prefix: str = "", *, depth: int = 0) -> T:
     """Build and validate ``cls`` from a plain dict (``where`` prefixes error messages;
-    ``prefix`` is the dotted key of ``data`` in a larger file, e.g. ``"launch."``)."""
+    ``prefix`` is the dotted key of ``data`` in a larger file, e.g. ``"launch."``; ``depth``:
+    run ``validate()`` only on the dataclasses nested at least that deep, see validate_tree)."""
     obj = _build(cls, data or {}, prefix, where)
-    validate_tree(obj, prefix, where)
+    validate_tree(obj, prefix, where, depth=depth)
     return obj
 
 

@@ -4,6 +4,8 @@ Command-line entry points catch :class:`UserError` and print its message alone (
 other exception is a bug and keeps its traceback.
 """
 
+__all__ = ["UserError"]
+
 
 class UserError(ValueError):
     """Bad input (a config key, a YAML file, a checkpoint path): the message is the whole story."""

@@ -216,7 +216,7 @@ def run_eval(config: str, overrides: list[str], *, model: str, out: str, spec: E
 
     from areal_mega.inference.client import InferencePool
     from areal_mega.reward import build_reward
-    from areal_mega.trainer.config import load_experiment
+    from areal_mega.experiment import load_experiment
 
     spec.validate()
     out_dir = Path(out)
@@ -233,7 +233,7 @@ def run_eval(config: str, overrides: list[str], *, model: str, out: str, spec: E
         raise EvalError("eval_data: no items to evaluate (set eval_data, or data.num_eval > 0)")
     tools = None
     if cfg.workflow.kind == "tool":  # the same tool registry the trainer builds
-        from areal_mega.tools import build_tools
+        from areal_mega.agent_tools import build_tools
 
         tools = build_tools(cfg.workflow.tools, timeout_s=cfg.workflow.tool_timeout_s,
                             max_output_chars=cfg.workflow.tool_max_output_chars)

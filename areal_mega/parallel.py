@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+__all__ = ["ParallelConfig", "ParallelLayout", "RankCoords"]
+
 
 @dataclass
 class ParallelConfig:
@@ -121,6 +123,12 @@ class ParallelLayout:
             )
         return cls(world_size=world_size, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, ep=ep,
                    etp_size=None if etp == tp else etp)
+
+    @classmethod
+    def smallest(cls, cfg: ParallelConfig) -> "ParallelLayout":
+        """The layout on the fewest ranks ``cfg`` allows: tp * pp * cp (* dp when it is set)."""
+        model = cfg.tensor_parallel * cfg.pipeline_parallel * cfg.context_parallel
+        return cls.build(cfg, model * (cfg.data_parallel or 1))
 
     def check_model(self, num_layers: int, num_heads: int, num_kv_heads: int) -> None:
         """Raise if the model's shape cannot be split this way (arithmetic in the message)."""

@@ -15,15 +15,19 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
+from areal_mega.batching.packing import pack_sequences, shift_to_next_token
 from areal_mega.config import load_config
-from areal_mega.data import DatasetConfig
-from areal_mega.megatron.engine import MegatronEngineConfig
-from areal_mega.parallel import ParallelConfig
+from areal_mega.data import DatasetConfig, load_dataset
+from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine
+from areal_mega.megatron.hf_export import save_hf_checkpoint
+from areal_mega.megatron.parallel_state import init_model_parallel
+from areal_mega.parallel import ParallelConfig, ParallelLayout
+from areal_mega.utils.distributed import resolve_backend
 
 
 @dataclass
@@ -34,6 +38,8 @@ class SFTLoopConfig:
     """Sequences per step (global, over all data-parallel ranks)."""
     log_every: int = 20
     """Print the loss every this many steps."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend of the ranks: "auto" = nccl with CUDA, else gloo (as the RL trainer's)."""
 
     def validate(self) -> None:
         if self.num_steps < 1 or self.batch_size < 1:
@@ -83,15 +89,8 @@ def nll_loss(total_tokens: float):
 def run_sft(config_path: str, overrides: list[str]) -> int:
     from transformers import AutoTokenizer
 
-    from areal_mega.data import load_dataset
-    from areal_mega.megatron.hf_export import save_hf_checkpoint
-    from areal_mega.megatron.engine import MegatronTrainEngine
-    from areal_mega.megatron.packing import pack_sequences, shift_to_next_token
-    from areal_mega.megatron.parallel_state import init_model_parallel
-    from areal_mega.parallel import ParallelLayout
-
     cfg = load_config(SFTConfig, config_path, overrides)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = resolve_backend(cfg.trainer.backend)
     dist.init_process_group(backend)
     layout = ParallelLayout.build(cfg.parallel, dist.get_world_size())
     groups = init_model_parallel(layout, backend=backend, seed=cfg.seed)

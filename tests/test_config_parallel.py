@@ -8,7 +8,7 @@ import pytest
 
 from areal_mega.config import ConfigError, load_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
-from areal_mega.trainer.config import ExperimentConfig, load_experiment
+from areal_mega.experiment import ExperimentConfig, load_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 

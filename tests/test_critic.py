@@ -18,7 +18,7 @@ import torch
 
 from areal_mega.algo.losses import kl_estimate
 from areal_mega.config import ConfigError
-from areal_mega.trainer.config import load_experiment
+from areal_mega.experiment import load_experiment
 from areal_mega.trainer.critic import CriticConfig, ValueHead
 from tests.support.launch import run_dist_script
 from tests.support.models import count_params

@@ -171,13 +171,12 @@ def test_recompute_same_loss_and_grads_fewer_saved_bytes(res):
 
 @pytest.mark.slow
 def test_recompute_saved_bytes_as_the_estimator_predicts(res):
-    """The launcher's estimator (areal_mega.launcher.memory) for this very run -- fp32 Qwen2,
+    """The launcher's estimator (areal_mega.simulator.memory) for this very run -- fp32 Qwen2,
     local spec, mask attention, TP2 with SP, the largest micro-batch of the plan (the meter
     reports the peak over ranks; micro-batches run one after another at PP1) -- predicts each
     mode's peak saved bytes, and so their ratios, within the issue's 15% (measured: within 3.2%)."""
-    from areal_mega.launcher.config import ModelShape
-    from areal_mega.launcher.memory import LearnerSettings, stage_activations
-    from areal_mega.megatron.packing import plan_microbatches
+    from areal_mega.simulator.memory import LearnerSettings, ModelShape, stage_activations
+    from areal_mega.batching.packing import plan_microbatches
     from areal_mega.models import get_adapter
     from tests.support.models import tiny_config
 

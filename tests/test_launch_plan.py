@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from areal_mega.config import ConfigError
-from areal_mega.launcher.cli import load_launch_config, run
-from areal_mega.launcher.config import LaunchConfig, ModelShape
-from areal_mega.launcher.memory import (
-    GIB, LOGPROB_BYTES_PER_TOKEN, LearnerSettings, count_params, estimate_engine, estimate_learner,
+from areal_mega.launcher.cli import load_launch, load_launch_config, run
+from areal_mega.launcher.config import LaunchConfig
+from areal_mega.simulator.memory import (
+    GIB, LOGPROB_BYTES_PER_TOKEN, LearnerSettings, ModelShape, count_params, estimate_engine, estimate_learner,
     layer_bytes_per_token, stage_activations, stage_state, total_params,
 )
 from areal_mega.launcher.plan import Allocation, build_plan, render
@@ -171,8 +171,8 @@ def test_split_follows_the_allocation(nodes):
     assert k + len(plan.engine_nodes) == nodes and len(plan.engines) == nodes - k
     assert plan.layout.tp == 8 and plan.layout.pp == 4 and plan.layout.dp == k * 8 // 32
     assert plan.fits and not any("idle" in n for n in plan.notes)
-    cfg, raw, _ = load_launch_config(CONFIG_70B, [])
-    rep = sweep(cfg, raw, label="", nodes=nodes, gpus_per_node=8, gpus_source="", staleness=(4,),
+    exp, _, _ = load_launch(CONFIG_70B, [])
+    rep = sweep(exp, label="", nodes=nodes, gpus_per_node=8, gpus_source="", staleness=(4,),
                 sweep_pipeline=False)
     ok = rep.feasible()
     assert all(s.layout.startswith("tp8 pp4 ") for s in ok)

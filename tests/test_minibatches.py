@@ -17,7 +17,7 @@ import torch
 
 from areal_mega.algo.config import AlgorithmConfig
 from areal_mega.config import ConfigError
-from areal_mega.trainer.config import load_experiment
+from areal_mega.experiment import load_experiment
 from areal_mega.rollout.batch import split_minibatches
 from tests.support.launch import run_dist_script
 

@@ -144,7 +144,7 @@ def test_refusals_dense_qwen3_and_off_values_accepted():
 
 
 def test_trainer_refuses_routing_replay_it_cannot_feed():
-    from areal_mega.trainer.config import ExperimentConfig
+    from areal_mega.experiment import ExperimentConfig
 
     cfg = ExperimentConfig(model_path="m")
     cfg.actor.model.moe_routing_replay = True

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from areal_mega.megatron.packing import (
+from areal_mega.batching.packing import (
     MicroBatch,
     next_token_labels,
     pack_into_bins,

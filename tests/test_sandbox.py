@@ -609,7 +609,7 @@ def test_python_and_user_tools_from_config(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     from areal_mega.api.engine import InferenceEngine
     from areal_mega.api.io import GenerationResult
-    from areal_mega.tools import ToolConfig, build_tools
+    from areal_mega.agent_tools import ToolConfig, build_tools
     from areal_mega.workflows import WorkflowConfig, build_workflow
 
     reg = build_tools([ToolConfig(kind="python", sandbox=SandboxConfig(num_workers=1, timeout_s=2.0)),

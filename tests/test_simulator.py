@@ -235,22 +235,21 @@ CONFIG_70B = "configs/grpo_llama70b.yaml"
 
 
 def test_planner_70b_respects_memory_plan_and_recommends():
-    from areal_mega.algo.config import AlgorithmConfig
-    from areal_mega.launcher.cli import load_launch_config
-    from areal_mega.launcher.plan import model_shape
+    from areal_mega.launcher.cli import build_plan_report, load_launch
     from areal_mega.parallel import ParallelConfig, ParallelLayout
     from areal_mega.simulator.costs import WorkloadModel
-    from areal_mega.simulator.planner import build_plan_report, learner_memory, recommendation
+    from areal_mega.simulator.memory import model_shape
+    from areal_mega.simulator.planner import learner_memory, recommendation
 
     rep = build_plan_report(CONFIG_70B, 8, staleness=(0, 2), workload=WorkloadModel(sim_steps=3))
-    cfg, raw, _ = load_launch_config(CONFIG_70B, [])
-    m = model_shape(cfg, raw)
+    exp, _, _ = load_launch(CONFIG_70B, [])
+    m = model_shape(exp)
     assert [s.learner_nodes for s in rep.splits] == list(range(1, 8))
     assert rep.splits[0].reason.startswith("no learner layout fits")  # 8 GPUs cannot hold a 70B learner
     for s in rep.feasible():
         tp, pp, dp = (int(x[2:]) for x in s.layout.split()[:3])
         lay = ParallelLayout.build(ParallelConfig(tp, pp), s.learner_nodes * 8)
-        assert lay.dp == dp and learner_memory(cfg, raw, m, lay, AlgorithmConfig())[0].fits  # the launcher's verdict
+        assert lay.dp == dp and learner_memory(exp, m, lay)[0].fits  # the launcher's verdict
         assert s.by_staleness[2]["samples_per_s"] >= 0.99 * s.by_staleness[0]["samples_per_s"]
         assert all(r["violations"] == 0 for r in s.by_staleness.values())
     best, eta = rep.best()
@@ -314,7 +313,7 @@ def test_plan_reads_the_yamls_planner_section(tmp_path):
     figures for `areal-mega plan`, the dry run and the launch's own split."""
     import yaml
 
-    from areal_mega.simulator.planner import build_plan_report
+    from areal_mega.launcher.cli import build_plan_report
 
     raw = yaml.safe_load(open(CONFIG_70B))
     raw["launch"]["planner"] = {"cost": {"train_mfu": 0.2}, "workload": {"sim_steps": 2}}

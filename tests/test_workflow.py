@@ -18,7 +18,7 @@ from areal_mega.rollout.controller import RolloutController
 from areal_mega.algo.losses import PPOActorLoss, global_counts
 from areal_mega.workflows import WorkflowConfig, build_workflow, calculator
 from areal_mega.reward import COMPLETION_TOKENS
-from areal_mega.tools import FunctionTool, ToolRegistry, calculator_tool, schema_of
+from areal_mega.agent_tools import FunctionTool, ToolRegistry, calculator_tool, schema_of
 from areal_mega.workflows.tool import cut_after_tool_call
 
 EOS = 3

@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 
 from areal_mega.inference.server import SGLangServer  # noqa: E402
 from areal_mega.utils import procs  # noqa: E402
-from areal_mega.trainer.config import load_experiment  # noqa: E402
+from areal_mega.experiment import load_experiment  # noqa: E402
 
 TRAIN_PHASES = ("prox_logp", "train", "weight_sync")
 

@@ -13,7 +13,7 @@ with pad-to-longest batching at the same token budget. Prints ONE JSON line:
     best_possible_efficiency  the integrality bound: ceil(tokens / (dp * budget)) full slots
     num_microbatches, pad_to_longest_num_microbatches, dp, max_tokens, num_seqs, total_tokens
 
-Pure python, < 2 s. The packing code is areal_mega/megatron/packing.py (plan_microbatches).
+Pure python, < 2 s. The packing code is areal_mega/batching/packing.py (plan_microbatches).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from areal_mega.megatron.packing import pad_to_longest_efficiency, plan_microbatches  # noqa: E402
+from areal_mega.batching.packing import pad_to_longest_efficiency, plan_microbatches  # noqa: E402
 
 
 def long_tail_lengths(num: int, median: float, sigma: float, max_len: int, seed: int) -> list[int]:

@@ -42,7 +42,7 @@ from areal_mega.simulator.calibrate import calibrate_and_predict, load_rows  # n
 from areal_mega.simulator.model import SimulationError  # noqa: E402
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--sglang-python", help="python of the SGLang venv (required unless --reuse)")
     p.add_argument("--learner-python", default=sys.executable)
@@ -59,7 +59,7 @@ def main() -> int:
                    help="decode model: running requests at half the peak throughput (not identifiable "
                         "from one concurrency level; see docs/simulator.md)")
     p.add_argument("bench_args", nargs="*", help="more arguments for tools/bench_async.py")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     work = (ROOT / args.work_dir) if not os.path.isabs(args.work_dir) else Path(args.work_dir)
     out_json = work / "bench_async.json"

@@ -14,7 +14,7 @@ split it into tensors and copy them into the model's parameters; --no-load skips
 the number isolates what weight sync adds over the wire. The receiver's copy runs after each
 bucket's broadcast (SGLang loads a bucket before answering), so it is not hidden; real servers
 add their own load_weights time. The weights are a Llama-shaped stack of bf16 tensors (hidden
-1024, vocab 32000, as many layers as fit in --mib).
+1024, vocab 32000 unless --hidden / --vocab say otherwise, as many layers as fit in --mib).
 
 Two baselines, both one flat broadcast of all the bytes:
   raw  (-> "efficiency")       the receiver allocates a fresh buffer, as SGLang does per bucket,
@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 
 from areal_mega.models import get_adapter
 from areal_mega.parallel import ParallelLayout
-from areal_mega.inference.sglang_api import SGLangClient
+from areal_mega.inference.sglang_api import Call, SGLangClient
 from areal_mega.weight_sync import WeightSync, WeightSyncConfig
 from areal_mega.utils.procs import free_port
 from areal_mega.weight_sync.transport import join_update_group
@@ -119,17 +119,19 @@ def receiver(port: int, ready: "mp.Queue", load: bool) -> None:
     srv.serve_forever()
 
 
-def llama_like(mib: int) -> dict:
-    h, v, f = 1024, 32000, 2816
+def llama_like(mib: float, h: int = 1024, v: int = 32000) -> dict:
+    f = h * 11 // 4
     per_layer = 2 * (2 * h + 4 * h * h + 3 * f * h)
     layers = max(1, (mib * 2**20 - 2 * 2 * v * h) // per_layer)
-    return dict(model_type="llama", num_hidden_layers=int(layers), hidden_size=h, num_attention_heads=16,
-                num_key_value_heads=16, intermediate_size=f, vocab_size=v, torch_dtype="bfloat16")  # fmt: skip
+    return dict(model_type="llama", num_hidden_layers=int(layers), hidden_size=h, num_attention_heads=h // 64,
+                num_key_value_heads=h // 64, intermediate_size=f, vocab_size=v, torch_dtype="bfloat16")  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mib", type=int, default=512, help="approximate model size in MiB (bf16)")
+    ap.add_argument("--mib", type=float, default=512, help="approximate model size in MiB (bf16)")
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden size (a multiple of 64; small = a smoke test)")
+    ap.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     ap.add_argument("--bucket-mib", type=float, default=64.0)
     ap.add_argument("--receivers", type=int, default=1, help="stand-in server processes")
     ap.add_argument("--no-load", action="store_true", help="receivers skip the copy into parameters (pure transport)")
@@ -148,7 +150,7 @@ def main() -> None:
             ready.get(timeout=120)
         store_port = free_port()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=0, world_size=1)
-        adapter = get_adapter(llama_like(args.mib))
+        adapter = get_adapter(llama_like(args.mib, args.hidden, args.vocab))
         layout = ParallelLayout(world_size=1)
         stage = adapter.plan(layout)[0]
         g = torch.Generator().manual_seed(0)
@@ -168,7 +170,7 @@ def main() -> None:
         def raw(warm: bool) -> float:
             with ThreadPoolExecutor(len(servers)) as ex:
                 body = {"nbytes": nbytes, "group_name": sender.group_name, "warm": warm}
-                futs = [ex.submit(s.call, "/raw_broadcast", body) for s in servers]
+                futs = [ex.submit(s.send, Call("POST", "/raw_broadcast", body)) for s in servers]
                 t0 = time.perf_counter()
                 dist.broadcast(flat, group_src=0, group=sender.group)
                 for f in futs:

@@ -15,7 +15,7 @@ recompute none / selective / full, it measures, per rank:
   saved_tensors_hooks``, deduplicated by storage, parameters excluded) while one training
   micro-batch runs forward and backward (:class:`SavedActivationMeter`);
 
-and compares each with ``areal_mega.launcher.memory.estimate_learner`` for the same config
+and compares each with ``areal_mega.simulator.memory.estimate_learner`` for the same config
 (the same ExperimentConfig fields the trainer builds the engine from). One JSON line per
 configuration (``predicted_bytes``, ``measured_bytes``, ``ratio`` per category, worst rank),
 then ``{"max_activation_error": ..., "exact_state_bytes": true|false}``. The acceptance bar
@@ -165,11 +165,10 @@ def _optimizer_tensors(optimizer):
 def measure(name, tp, pp, sp, recompute, method, num_layers, hf_dir) -> dict:
     import torch.distributed as dist
 
-    from areal_mega.launcher.config import ModelShape
-    from areal_mega.launcher.memory import settings_from_engine_config, stage_activations, stage_state
+    from areal_mega.simulator.memory import ModelShape, settings_from_engine_config, stage_activations, stage_state
     from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
     from areal_mega.megatron.model import MegatronModelConfig
-    from areal_mega.megatron.packing import pack_sequences
+    from areal_mega.batching.packing import pack_sequences
     from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
     from areal_mega.models import get_adapter, load_hf_config
     from areal_mega.parallel import ParallelConfig, ParallelLayout

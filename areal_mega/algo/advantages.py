@@ -1,6 +1,6 @@
 """Advantage estimators over packed batches.
 
-Layout (same as ``areal_mega.megatron.packing``): B sequences back to back in flat per-token
+Layout (same as ``areal_mega.batching.packing``): B sequences back to back in flat per-token
 tensors of length T, delimited by ``cu_seqlens`` [B + 1]; per-sequence scalars are [B].
 ``loss_mask`` [T] marks the *action* positions (tokens the policy generated and is trained on).
 All per-token inputs of one call must share one alignment (this-token or next-token); the
@@ -32,6 +32,12 @@ from typing import Sequence
 import torch
 
 from areal_mega.algo.config import AlgorithmConfig
+
+__all__ = [
+    "EQUAL_ULPS", "broadcast_to_tokens", "compute_advantages", "gae_advantages", "group_index_of",
+    "grpo_advantages", "last_action_rewards", "reinforce_pp_advantages", "rloo_advantages", "segment_ids",
+    "shape_rewards"
+]
 
 
 def segment_ids(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Tensor:

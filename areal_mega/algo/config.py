@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+__all__ = ["AlgorithmConfig"]
+
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
 Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]

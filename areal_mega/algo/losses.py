@@ -39,6 +39,11 @@ import torch
 from areal_mega.algo.advantages import segment_ids
 from areal_mega.algo.config import AlgorithmConfig
 
+__all__ = [
+    "KL_CLAMP", "LOG_RATIO_CLAMP", "PPOActorLoss", "PPOCriticLoss", "aggregate", "global_counts", "kl_estimate",
+    "ppo_policy_loss", "value_loss"
+]
+
 Stats = dict[str, torch.Tensor]
 
 LOG_RATIO_CLAMP = 20.0

@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 from areal_mega.api.io import GenerationRequest, GenerationResult
 
+__all__ = ["InferenceEngine", "TrainEngine"]
+
 
 class TrainEngine(ABC):
     """A (possibly model-parallel) trainable policy or critic.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+__all__ = ["GenerationRequest", "GenerationResult", "SamplingParams"]
+
 
 @dataclass
 class SamplingParams:

@@ -8,6 +8,8 @@ from typing import Any
 
 from areal_mega.api.engine import InferenceEngine
 
+__all__ = ["RolloutWorkflow", "Trajectory"]
+
 
 @dataclass
 class Trajectory:

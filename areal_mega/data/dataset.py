@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
+__all__ = ["DatasetConfig", "DatasetSplit", "PromptDataset", "PromptStream", "format_prompt", "load_dataset"]
+
 
 @dataclass
 class DatasetConfig:

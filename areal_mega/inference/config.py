@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+from areal_mega.utils.secrets import read_api_key
+
+__all__ = ["InferenceClientConfig", "InferenceConfig", "SGLangServerConfig"]
 
 
 @dataclass
@@ -147,7 +150,6 @@ class InferenceConfig:
     def resolved_api_key(self) -> str | None:
         """``api_key``, or the key read from ``api_key_file``, or None (no key)."""
         if self.api_key_file:
-            from areal_mega.utils.secrets import read_api_key
 
             return read_api_key(self.api_key_file)
         return self.api_key

@@ -1,37 +1,64 @@
-"""Launch learners and inference engines from one experiment YAML.
+"""Launch learners and inference engines from one experiment YAML; plan its throughput.
 
     python -m areal_mega.launcher slurm --config configs/grpo_llama70b.yaml [--dry-run] [key=value ...]
     python -m areal_mega.launcher local --config configs/grpo_tiny.yaml [--dry-run] [key=value ...]
     python -m areal_mega.launcher slurm --config X --dry-run --nodelist 'n[1-16]' --gpus-per-node 8
+    python -m areal_mega.cli plan --config X --nodes 16 [--gpus-per-node 8] [--staleness 0,1,2,4,8]
+        [--out DIR] [--json] [cost.train_mfu=0.3 workload.gen_mean_tokens=8000 key=value ...]
 
 ``slurm`` runs inside an allocation (launch/*.sh call it from sbatch); ``local`` runs the same
 plan on this machine. ``--dry-run`` prints the plan and the per-GPU memory estimate and exits
 0, or 2 when the plan does not fit the GPUs -- a real launch refuses such a plan the same way.
 Overrides ``launch.*`` configure the launcher; all others are passed to learners and engines.
+The YAML becomes one typed :class:`~areal_mega.experiment.ExperimentConfig` here, whose sections
+the plan, the memory estimate and the throughput planner (``areal-mega plan``,
+``simulator.planner.sweep``) read.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-
 from areal_mega.config import from_dict, load_dict
+from areal_mega.experiment import ExperimentConfig, experiment_from_dict
 from areal_mega.launcher.config import LaunchConfig
+from areal_mega.launcher.local import LocalRunner, local_allocation
 from areal_mega.launcher.plan import LaunchPlan, build_plan
+from areal_mega.launcher.slurm import SrunRunner, slurm_allocation
 from areal_mega.launcher.supervisor import supervise
+from areal_mega.simulator.costs import ClusterCostModel, WorkloadModel
+from areal_mega.simulator.model import SimulationError
+from areal_mega.simulator.planner import PlanReport, describe, recommendation, sweep, write_plan
 from areal_mega.utils.secrets import write_api_key
 
+__all__ = ["build_plan_report", "load_launch", "load_launch_config", "main", "plan_main", "run"]
+
 EXIT_DOES_NOT_FIT = 2
+DEFAULT_STALENESS = (0, 1, 2, 4, 8)
+DEFAULT_GPUS_PER_NODE = 8
+
+
+def load_launch(path: str, overrides: list[str]) -> tuple[ExperimentConfig, dict, list[str]]:
+    """(the typed experiment, the YAML with overrides applied, overrides for the other components).
+
+    When the learner command is ``areal-mega train`` the experiment is parsed whole, as the
+    learners will parse it (a bad key fails here, before any server starts, in a dry run too);
+    otherwise only its known sections (the YAML may carry the learner's own keys). The dict only
+    fills ``{cfg:key}`` placeholders."""
+    raw, where = load_dict(path, overrides)  # the trainer's own YAML loader and errors
+    launch = from_dict(LaunchConfig, raw.get("launch") or {}, where, prefix="launch.")
+    exp = experiment_from_dict(raw, where, whole=_runs_the_trainer(launch))
+    passthrough = [o for o in overrides if not o.split("=", 1)[0].strip().startswith("launch.")]
+    return exp, raw, passthrough
 
 
 def load_launch_config(path: str, overrides: list[str]) -> tuple[LaunchConfig, dict, list[str]]:
     """(launch section, whole YAML with overrides applied, overrides for the other components)."""
-    raw, where = load_dict(path, overrides)  # the trainer's own YAML loader and errors
-    cfg = from_dict(LaunchConfig, raw.get("launch") or {}, where, prefix="launch.")
-    passthrough = [o for o in overrides if not o.split("=", 1)[0].strip().startswith("launch.")]
-    return cfg, raw, passthrough
+    exp, raw, passthrough = load_launch(path, overrides)
+    return exp.launch, raw, passthrough
 
 
 def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
@@ -39,26 +66,17 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
         gpus_per_node: int | None = None) -> int:
     """Plan, check memory, then (unless ``dry_run``) supervise; returns the exit code."""
     try:
-        cfg, raw, passthrough = load_launch_config(config, overrides)
-        if _runs_the_trainer(cfg):
-            # The learners will parse the same YAML and overrides: a bad key fails here, before
-            # any server starts (and in a dry run), not minutes later on every rank.
-            from areal_mega.trainer.config import load_experiment
-
-            load_experiment(config, overrides)
+        exp, raw, passthrough = load_launch(config, overrides)
+        cfg = exp.launch
         gpus = gpus_per_node if gpus_per_node is not None else cfg.gpus_per_node
         if mode == "slurm":
-            from areal_mega.launcher.slurm import SrunRunner, slurm_allocation
-
             alloc = slurm_allocation(nodelist=nodelist, gpus_per_node=gpus, resolve=not dry_run)
             runner = SrunRunner(alloc.job_id, cfg.srun_args)
         else:
-            from areal_mega.launcher.local import LocalRunner, local_allocation
-
             alloc = local_allocation(gpus or 0)
             runner = LocalRunner()
         plan: LaunchPlan = build_plan(cfg, alloc, raw=raw, config_path=config, overrides=passthrough,
-                                      engine_python=engine_python)
+                                      engine_python=engine_python, exp=exp)
     except ValueError as e:  # ConfigError included: the message names the key
         print(f"launcher: {e}", file=sys.stderr, flush=True)
         return 1
@@ -94,8 +112,6 @@ def _print_throughput_plan(config: str, overrides: list[str], nodes: int, gpus_p
     docs/simulator.md), with its plan.json and plot written to ``out``; advisory: whatever goes
     wrong there is one line, never a failed dry run."""
     try:
-        from areal_mega.simulator.planner import build_plan_report, recommendation, write_plan
-
         rep = build_plan_report(config, nodes, overrides, gpus_per_node=gpus_per_node)
         lines = recommendation(rep)
         if out is not None:
@@ -119,3 +135,77 @@ def main(argv: list[str] | None = None) -> int:
     return run(args.mode, args.config, args.overrides, dry_run=args.dry_run, engine_python=args.engine_python,
                nodelist=args.nodelist, gpus_per_node=args.gpus_per_node)
 
+
+# ---------------------------------------------------------------- areal-mega plan
+def _planner_overrides(overrides: list[str]) -> list[str]:
+    """``cost.F=v`` / ``workload.F=v`` name the YAML's ``launch.planner.cost`` / ``.workload``
+    (one set of figures for the plan, the dry run and the launch); the rest pass unchanged."""
+    out = []
+    for o in overrides:
+        if "=" not in o:
+            raise SimulationError(f"override {o!r}: expected key=value")
+        key = o.split("=", 1)[0].strip()
+        out.append(f"launch.planner.{o.strip()}" if key.startswith(("cost.", "workload.")) else o)
+    return out
+
+
+def build_plan_report(config: str, nodes: int, overrides: list[str] | None = None, *, gpus_per_node: int | None = None,
+                      staleness: tuple[int, ...] = DEFAULT_STALENESS, tolerance: float = 0.02,
+                      cost: ClusterCostModel | None = None, workload: WorkloadModel | None = None) -> PlanReport:
+    """Sweep splits x max_staleness for the YAML at ``config`` (raises ValueError -- ConfigError,
+    SimulationError -- on bad input). ``cost``/``workload`` replace the YAML's ``launch.planner``."""
+    exp, _, _ = load_launch(config, _planner_overrides(list(overrides or [])))
+    cfg = exp.launch
+    if cost is not None:
+        cfg.planner.cost = cost
+    if workload is not None:
+        cfg.planner.workload = workload
+    src = "--gpus-per-node"
+    if gpus_per_node is None:
+        gpus_per_node, src = cfg.gpus_per_node, "launch.gpus_per_node"
+    if gpus_per_node is None:
+        gpus_per_node, src = DEFAULT_GPUS_PER_NODE, f"default {DEFAULT_GPUS_PER_NODE} (set --gpus-per-node)"
+    return sweep(exp, label=config, nodes=nodes, gpus_per_node=gpus_per_node, gpus_source=src,
+                 staleness=staleness, tolerance=tolerance)
+
+
+def _staleness_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SimulationError(f"--staleness: expected comma-separated integers, got {text!r}") from None
+    return vals
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    """``areal-mega plan``: choose the inference/learner node split and max_staleness by simulation
+    (``simulator.planner.sweep``; docs/simulator.md)."""
+    p = argparse.ArgumentParser(prog="areal-mega plan", description=plan_main.__doc__.split("\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--nodes", type=int, required=True, help="nodes in the allocation")
+    p.add_argument("--gpus-per-node", type=int, help=f"default launch.gpus_per_node, else {DEFAULT_GPUS_PER_NODE}")
+    p.add_argument("--staleness", default=",".join(map(str, DEFAULT_STALENESS)), help="max_staleness values to sweep")
+    p.add_argument("--tolerance", type=float, default=0.02, help="recommend the smallest max_staleness whose "
+                   "predicted throughput is within this fraction of the best (default 0.02)")
+    p.add_argument("--out", help="write plan.json and throughput_plan.png (predicted throughput vs split and "
+                   "vs max_staleness) into this directory")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON line instead")
+    p.add_argument("overrides", nargs="*", help="cost.<field>=v, workload.<field>=v (= launch.planner.cost/"
+                   "workload), or experiment key=value")
+    args = p.parse_intermixed_args(argv)
+    try:
+        rep = build_plan_report(args.config, args.nodes, args.overrides, gpus_per_node=args.gpus_per_node,
+                                staleness=_staleness_list(args.staleness), tolerance=args.tolerance)
+    except (ValueError, OSError) as e:  # ConfigError and SimulationError are ValueErrors
+        msg = " ".join(str(e).split())
+        print(f"areal-mega plan: {msg}", file=sys.stderr, flush=True)
+        return 1
+    print(json.dumps(rep.to_dict()) if args.json else describe(rep), flush=True)
+    if args.out:
+        try:
+            said = write_plan(rep, Path(args.out))
+        except OSError as e:
+            print(f"areal-mega plan: cannot write {args.out}: {e.strerror or e}", file=sys.stderr, flush=True)
+            return 1
+        print(said, file=sys.stderr if args.json else sys.stdout, flush=True)
+    return 0

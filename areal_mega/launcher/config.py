@@ -17,61 +17,7 @@ from typing import Any
 
 from areal_mega.simulator.costs import ClusterCostModel, WorkloadModel
 
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Transformer shape for the memory estimate, named as in a HF ``config.json`` (Llama/Qwen2).
-
-    Never parsed from a config here: :meth:`from_arch` takes the model adapter's
-    :class:`~areal_mega.models.ModelArch` (``areal_mega.models.get_adapter(hf_config).arch``), the
-    parse ``build_model`` uses, so the plan and the trainer see the same model."""
-
-    num_hidden_layers: int
-    """Decoder layers (L)."""
-    hidden_size: int
-    """Model width (h)."""
-    intermediate_size: int
-    """MLP inner width (f); the MLP is gated (SwiGLU: gate, up, down = 3*h*f weights)."""
-    num_attention_heads: int
-    """Query heads (a)."""
-    num_key_value_heads: int
-    """KV heads (g, GQA groups); equal to num_attention_heads for MHA."""
-    vocab_size: int
-    """Vocabulary (V); input embedding V*h, output layer V*h unless tied."""
-    head_dim: int | None = None
-    """Per-head width (d); None = hidden_size // num_attention_heads."""
-    tie_word_embeddings: bool = False
-    """Output layer shares the input embedding (one V*h matrix; under PP the last stage keeps a copy)."""
-    attention_bias: bool = False
-    """Biases on the q/k/v projections (Qwen2: true; Llama: false)."""
-    dtype: str = "bfloat16"
-    """The checkpoint's storage dtype (what the engine trains in when actor.model.dtype is null)."""
-    num_experts: int = 0
-    """MoE: routed experts per layer (every layer MoE, Qwen3-MoE); 0 = dense MLP."""
-    moe_intermediate_size: int = 0
-    """MoE: each expert's inner width (f_e); an expert is a gated MLP of 3*h*f_e weights."""
-    num_experts_per_tok: int = 0
-    """MoE: experts each token is routed to (k): activations scale with k*f_e, not E*f_e."""
-    qk_layernorm: bool = False
-    """Per-head q/k RMSNorms (Qwen3): 2*d replicated weights per layer."""
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @classmethod
-    def from_arch(cls, arch) -> "ModelShape":
-        """The shape of a :class:`~areal_mega.models.ModelArch` (the adapter's parse)."""
-        return cls(num_hidden_layers=arch.num_layers, hidden_size=arch.hidden_size,
-                   intermediate_size=arch.ffn_hidden_size, num_attention_heads=arch.num_heads,
-                   num_key_value_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, head_dim=arch.head_dim,
-                   tie_word_embeddings=arch.tie_word_embeddings, attention_bias=arch.qkv_bias, dtype=arch.dtype,
-                   num_experts=arch.num_experts or 0, moe_intermediate_size=arch.moe_ffn_hidden_size or 0,
-                   num_experts_per_tok=arch.moe_topk, qk_layernorm=arch.qk_layernorm)
-
-    @property
-    def d(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
+__all__ = ["EngineLaunchConfig", "LaunchConfig", "LearnerLaunchConfig", "PlannerLaunchConfig"]
 
 
 @dataclass

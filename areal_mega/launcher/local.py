@@ -12,13 +12,7 @@ from areal_mega.launcher.plan import Allocation, ProcSpec
 from areal_mega.launcher.supervisor import Runner
 from areal_mega.utils import procs
 
-
-def run_local(config: str, overrides: list[str], *, dry_run: bool = False,
-              engine_python: str | None = None, gpus: int | None = None) -> int:
-    """``areal-mega launch``: the plan of ``config`` on this machine; returns the exit code."""
-    from areal_mega.launcher.cli import run
-
-    return run("local", config, overrides, dry_run=dry_run, engine_python=engine_python, gpus_per_node=gpus)
+__all__ = ["LocalRunner", "local_allocation"]
 
 
 def local_allocation(gpus: int = 0, cpus: int | None = None) -> Allocation:

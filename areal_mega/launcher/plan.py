@@ -17,7 +17,7 @@ launcher then writes them all to ``engines_file``, which the learner command rec
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import re
 import shlex
 import sys
@@ -25,17 +25,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from areal_mega.algo.config import AlgorithmConfig
-from areal_mega.config import from_dict
-from areal_mega.inference.config import SGLangServerConfig
+from areal_mega.experiment import ExperimentConfig, experiment_from_dict
 from areal_mega.inference.server import build_launch_command
-from areal_mega.launcher.config import LaunchConfig, ModelShape
-from areal_mega.launcher.memory import (
-    EngineMemory, LearnerMemory, LearnerSettings, estimate_engine, estimate_learner, settings_from_engine_config,
+from areal_mega.launcher.config import LaunchConfig
+from areal_mega.parallel import ParallelLayout
+from areal_mega.simulator.memory import (
+    EngineMemory, LearnerMemory, LearnerSettings, ModelShape, estimate_engine, estimate_learner, learner_settings,
+    model_shape,
 )
-from areal_mega.parallel import ParallelConfig, ParallelLayout
+from areal_mega.simulator.planner import choose_learner_nodes
 from areal_mega.utils import secrets
 from areal_mega.utils.procs import free_ports
+
+__all__ = [
+    "Allocation", "LaunchPlan", "PLACEHOLDERS", "ProcSpec", "REPO_ROOT", "build_plan", "learner_node_count",
+    "render"
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -208,65 +213,6 @@ def render(template: list[str], values: dict[str, Any], raw: dict, overrides: li
     return out
 
 
-def server_config(raw: dict) -> SGLangServerConfig:
-    """The ``inference.server`` section (owned by areal_mega.inference), defaults if absent."""
-    section = dict(((raw.get("inference") or {}).get("server")) or {})
-    # As the experiment loader does: servers start from the learners' weights unless told otherwise.
-    if not section.get("model_path") and raw.get("model_path"):
-        section["model_path"] = raw["model_path"]
-    return from_dict(SGLangServerConfig, section, prefix="inference.server.")
-
-
-def parallel_config(cfg: LaunchConfig, raw: dict) -> ParallelConfig:
-    """The trainer's top-level ``parallel`` section (the layout the learners are built with)."""
-    return from_dict(ParallelConfig, raw.get("parallel") or {}, prefix="parallel.")
-
-
-def model_shape(cfg: LaunchConfig, raw: dict) -> ModelShape:
-    """The model as the trainer's adapter parses it: ``<model_path>/config.json``, or
-    ``launch.model_config`` (the same JSON inline) where model_path is not readable here."""
-    from areal_mega.models import get_adapter
-
-    path = raw.get("model_path") or ((raw.get("inference") or {}).get("server") or {}).get("model_path")
-    hf_config = None
-    if path and (Path(path) / "config.json").is_file():
-        try:
-            hf_config = json.loads((Path(path) / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"model_path: {path}/config.json is unreadable ({e})") from None
-    elif cfg.model_config is not None:
-        hf_config = dict(cfg.model_config)
-    if hf_config is None:
-        where = f"{path}/config.json does not exist here" if path else "no model_path"
-        raise ValueError(f"launch.model_config: not set and {where}; set launch.model_config to the model's "
-                         "config.json content to plan without the weights")
-    try:
-        return ModelShape.from_arch(get_adapter(hf_config).arch)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"model config ({'model_path' if path and Path(path).is_dir() else 'launch.model_config'}): {e}") from None
-
-
-def learner_settings(cfg: LaunchConfig, raw: dict, m: ModelShape, layout: ParallelLayout, *,
-                     on_gpu: bool) -> tuple[LearnerSettings, LearnerSettings | None, bool]:
-    """(actor settings, critic settings or None, KL reference?) from the trainer's own typed
-    sections -- ``actor``, ``critic``, ``algorithm`` -- resolved as the trainer resolves them
-    (layer_spec "auto" = te on GPU nodes, local on CPU; sequence_parallel at the layout's TP)."""
-    from areal_mega.megatron.engine import MegatronEngineConfig
-    from areal_mega.megatron.model import check_context_parallel
-    from areal_mega.trainer.critic import CriticConfig
-
-    actor = from_dict(MegatronEngineConfig, raw.get("actor") or {}, prefix="actor.")
-    alg = from_dict(AlgorithmConfig, raw.get("algorithm") or {}, prefix="algorithm.")
-    res = cfg.learner.reserved_gib
-    s = settings_from_engine_config(actor, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res, vpp=layout.vpp)
-    check_context_parallel(layout, s.layer_spec, s.attention)  # cp > 1: refused here as at start-up
-    critic = None
-    if alg.adv_estimator == "gae":
-        c = from_dict(CriticConfig, raw.get("critic") or {}, prefix="critic.")
-        critic = settings_from_engine_config(c, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res, vpp=layout.vpp)
-    return s, critic, alg.kl_coef > 0
-
-
 def _what_would_fit(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, gib: float, *,
                     reference: bool, critic: LearnerSettings | None) -> str | None:
     """A hint for a plan that does not fit: the first of the config's own switches (SP,
@@ -291,12 +237,12 @@ def _what_would_fit(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, g
     return None
 
 
-def learner_node_count(cfg: LaunchConfig, alloc: Allocation, raw: dict) -> tuple[int, str | None]:
+def learner_node_count(exp: ExperimentConfig, alloc: Allocation) -> tuple[int, str | None]:
     """How many nodes train (and a note saying who chose it): ``launch.learner.num_nodes`` when
     set; else, with ``launch.engine.num_nodes`` set, the nodes the engines leave; else on GPU
     nodes the throughput planner's best split for this allocation (``simulator.planner
     .choose_learner_nodes``: the trainer's own layout, within the memory plan); else 1."""
-    lc, ec = cfg.learner, cfg.engine
+    lc, ec = exp.launch.learner, exp.launch.engine
     if lc.num_nodes is not None:
         return lc.num_nodes, None
     if alloc.local:
@@ -313,20 +259,18 @@ def learner_node_count(cfg: LaunchConfig, alloc: Allocation, raw: dict) -> tuple
                          f"{lc.nproc_per_node} of {alloc.gpus_per_node} GPUs; set num_nodes too")
     if n < 2:
         raise ValueError(f"launch.learner.num_nodes: null needs >= 2 nodes (learners and engines), got {n}")
-    from areal_mega.simulator.planner import choose_learner_nodes
-
-    return choose_learner_nodes(cfg, raw, nodes=n, gpus_per_node=alloc.gpus_per_node)
+    return choose_learner_nodes(exp, nodes=n, gpus_per_node=alloc.gpus_per_node)
 
 
-def _learner_world(cfg: LaunchConfig, par: ParallelConfig, gpus: int, num_nodes: int) -> tuple[int, int]:
+def _learner_world(exp: ExperimentConfig, gpus: int, num_nodes: int) -> tuple[int, int]:
     """(ranks per learner node, world size) on ``num_nodes`` learner nodes."""
-    lc = cfg.learner
+    lc = exp.launch.learner
     if lc.nproc_per_node is not None:
         nproc = lc.nproc_per_node
     elif gpus:
         nproc = gpus
     else:  # CPU: just the model-parallel size (times an explicit dp), spread over the nodes
-        world = par.tensor_parallel * par.pipeline_parallel * par.context_parallel * (par.data_parallel or 1)
+        world = ParallelLayout.smallest(exp.parallel).world_size
         if world % num_nodes:
             raise ValueError(
                 f"launch.learner.nproc_per_node: on CPU nodes it defaults to tp*pp*cp*dp({world}) / "
@@ -339,11 +283,16 @@ def _learner_world(cfg: LaunchConfig, par: ParallelConfig, gpus: int, num_nodes:
 
 
 def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: str,
-               overrides: list[str], python: str = sys.executable,
-               engine_python: str | None = None) -> LaunchPlan:
-    """Place learners and engines on ``alloc`` (raises ValueError naming the key on a bad fit)."""
+               overrides: list[str], python: str = sys.executable, engine_python: str | None = None,
+               exp: ExperimentConfig | None = None) -> LaunchPlan:
+    """Place learners and engines on ``alloc`` (raises ValueError naming the key on a bad fit).
+
+    ``exp``: the typed experiment the launcher built once (every section the plan reads comes
+    from it; ``cfg`` is its ``launch`` section); None = the sections of ``raw`` (callers that hold
+    only a dict). ``raw`` itself only fills ``{cfg:key}`` placeholders."""
+    exp = dataclasses.replace(exp if exp is not None else experiment_from_dict(raw, whole=False), launch=cfg)
     lc, ec = cfg.learner, cfg.engine
-    srv = server_config(raw)
+    srv = exp.inference.server
     tp = srv.tp_size
     gpus = alloc.gpus_per_node
     job = alloc.job_id
@@ -353,19 +302,18 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
     # The servers' API key: the YAML's own key file, or one written for this launch (the YAML's
     # inline key, else a random one) -- every launch protects its servers, and the key never
     # reaches a command line or a log (utils.secrets).
-    inf = raw.get("inference") or {}
-    secrets_dir = None if inf.get("api_key_file") else run_dir / "secrets"
-    key_file = inf.get("api_key_file") or str(secrets_dir / secrets.KEY_FILE)
+    inf = exp.inference
+    secrets_dir = None if inf.api_key_file else run_dir / "secrets"
+    key_file = inf.api_key_file or str(secrets_dir / secrets.KEY_FILE)
     sglang_secret = str(secrets_dir / secrets.SGLANG_CONFIG) if secrets_dir else None
     if secrets_dir is not None:  # learners read the key from the file, never from the YAML
         overrides = [*overrides, f"inference.api_key_file={key_file}", "inference.api_key=null"]
     # Checkpoint-and-stop on SIGUSR1/SIGTERM goes through the trainer's stop file.
-    stop_file = Path(((raw.get("trainer") or {}).get("stop_file")) or run_dir / "STOP")
+    stop_file = Path(exp.trainer.stop_file or run_dir / "STOP")
     overrides = [*overrides, f"trainer.stop_file={stop_file}"]
-    par = parallel_config(cfg, raw)
-    n_learn, split_note = learner_node_count(cfg, alloc, raw)
-    nproc, world = _learner_world(cfg, par, gpus, n_learn)
-    layout = ParallelLayout.build(par, world)
+    n_learn, split_note = learner_node_count(exp, alloc)
+    nproc, world = _learner_world(exp, gpus, n_learn)
+    layout = ParallelLayout.build(exp.parallel, world)
     notes: list[str] = [split_note] if split_note else []
 
     # Nodes per role.
@@ -492,7 +440,7 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
         ))
 
     try:
-        m = model_shape(cfg, raw)
+        m = model_shape(exp)
     except ValueError as e:
         if gpus:  # GPU plans are refused without an estimate
             raise
@@ -500,7 +448,7 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
         notes.append(f"memory not estimated: {e}")
     learner_mem = None
     if m is not None:
-        settings, critic, reference = learner_settings(cfg, raw, m, layout, on_gpu=gpus > 0)
+        settings, critic, reference = learner_settings(exp, m, layout, on_gpu=gpus > 0)
         learner_mem = estimate_learner(m, settings, layout, cfg.gpu_memory_gib, reference=reference, critic=critic)
     if gpus and learner_mem is not None and not learner_mem.fits:
         hint = _what_would_fit(m, settings, layout, cfg.gpu_memory_gib, reference=reference, critic=critic)
@@ -517,6 +465,6 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
         engine_nodes=tuple(dict.fromkeys(n for n, _, _ in engine_slots)),
         master_addr=f"{master_addr}:{lc.master_port}", engines=tuple(engines), learners=tuple(learners),
         engines_file=engines_file, env=env, learner_memory=learner_mem, engine_memory=engine_mem,
-        checks_gpu_memory=gpus > 0, notes=tuple(notes), secrets_dir=secrets_dir, api_key=inf.get("api_key"),
+        checks_gpu_memory=gpus > 0, notes=tuple(notes), secrets_dir=secrets_dir, api_key=inf.api_key,
         stop_file=stop_file, preempt_grace_s=cfg.preempt_grace_s,
     )

@@ -18,6 +18,8 @@ import time
 from areal_mega.launcher.plan import Allocation, ProcSpec
 from areal_mega.launcher.supervisor import Runner
 
+__all__ = ["STEP_PREFIX", "SrunRunner", "expand_nodelist", "slurm_allocation"]
+
 STEP_PREFIX = "am-"
 
 

@@ -30,6 +30,8 @@ from typing import Callable
 
 from areal_mega.launcher.plan import LaunchPlan, ProcSpec
 
+__all__ = ["EXIT_REQUEUE", "Runner", "failed_rank_report", "supervise", "tail"]
+
 
 class Runner(ABC):
     """Starts a :class:`ProcSpec` somewhere and stops what it started."""

@@ -1,5 +1,5 @@
 """megatron-core backend: parallel state wrapper, CPU compatibility, model building, checkpoints.
 
 Import submodules explicitly (``areal_mega.megatron.model`` ...); this package imports nothing
-heavy so that ``import areal_mega.megatron.packing`` stays cheap.
+heavy, so that importing one submodule stays cheap.
 """

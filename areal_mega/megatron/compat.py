@@ -54,7 +54,7 @@ One entry per upstream bug -- what breaks in 0.16.1 / symptom seen / fix / call 
    order -- "size of tensor a (70) must match ... b (49)", gloo "Received data size doesn't match
    expected size", once a hang. Fix: ``variable_seq_lengths=False`` (in 6) and every micro-batch
    padded to the step's longest: :func:`pad_microbatch` + :func:`trimmed_loss` (cost +24% /
-   +56% token positions on the test batch). Call site: ``MegatronTrainEngine._run_schedule``
+   +56% token positions on the test batch). Call site: ``megatron.model.run_schedule`` (the engine and forward_logits)
    under VPP (and the ``variable_seq_lengths != vpp`` assert in ``__init__``). Upgrade: try
    ``variable_seq_lengths=True`` under VPP without padding;
    tests/test_engine.py::test_vpp_training_matches_plain_pp must pass before deleting both.
@@ -62,7 +62,7 @@ One entry per upstream bug -- what breaks in 0.16.1 / symptom seen / fix / call 
    M % N == 0 or >= pp for ``microbatch_group_size_per_vp_stage`` = N ("The remainder of M ...
    should be 0, or larger than or equal to the pipeline-parallel size"); its default N = pp
    fails e.g. for M = 5 at PP2. Fix: :func:`microbatch_group_size` (smallest valid N, lowest
-   warm-up memory). Call site: ``MegatronTrainEngine._run_schedule``, per step. Upgrade: check
+   warm-up memory). Call site: ``megatron.model.run_schedule`` (the engine and forward_logits), per step. Upgrade: check
    the rule in ``schedules.forward_backward_pipelining_with_interleaving``; keep in sync. (M >= pp
    itself is a schedule requirement, met by filler micro-batches in ``MegatronTrainEngine._plan``.)
 
@@ -102,7 +102,7 @@ from typing import Any, Callable
 
 import torch
 
-from areal_mega.megatron.packing import PAD_TOKEN_ID
+from areal_mega.batching.packing import PAD_TOKEN_ID
 
 
 # ---------------------------------------------------------------- torch Adam state (entries 1-3)
@@ -309,7 +309,7 @@ def configure_interleaved_p2p(tcfg: Any) -> None:
     packed micro-batches: batched p2p -> a rank receives another micro-batch's activation
     ("size of tensor a (70) must match ... b (49)"); unbatched p2p -> the swapped shapes no
     longer match the data (gloo "Received data size doesn't match expected size", 17920 vs 12544
-    bytes); an earlier attempt saw a hang. So under VPP the engine's ``_run_schedule`` pads every
+    bytes); an earlier attempt saw a hang. So under VPP ``model.run_schedule`` pads every
     micro-batch to the longest one of the step (fixed p2p shape; :func:`pad_microbatch`,
     :func:`trimmed_loss`). Cost: M * T_max token positions computed instead of sum(T_i), plus a
     [T_max, T_max] mask per micro-batch on the mask path -- on the test batch +24% (4

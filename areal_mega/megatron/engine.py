@@ -27,7 +27,7 @@ tested here (no GPU, TE does not import on CPU).
 
 Sequence parallelism (``actor.model.sequence_parallel``, on by default at TP > 1): megatron
 splits the token dimension over the TP ranks between the attention/MLP blocks, so every
-micro-batch row must hold a multiple of TP tokens. ``_run_schedule`` pads each one (one pad
+micro-batch row must hold a multiple of TP tokens. ``model.run_schedule`` pads each one (one pad
 "sequence" after the real ones, its own block of the mask / its own cu_seqlens entry, so real
 tokens compute exactly what they would unpadded) and the loss sees only the real tokens
 (``compat.pad_microbatch`` / ``compat.trimmed_loss``, shared with the VPP padding). Activation
@@ -43,7 +43,6 @@ logprobs) with them before calling train_batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable, Literal
 
 import torch
@@ -52,8 +51,11 @@ import torch.distributed as dist
 from areal_mega.api.engine import TrainEngine
 from areal_mega.megatron import compat
 from areal_mega.megatron.logprobs import vocab_parallel_logprobs
-from areal_mega.megatron.model import MegatronModel, MegatronModelConfig, check_context_parallel, packed_causal_mask
-from areal_mega.megatron.packing import (
+from areal_mega.megatron.model import (
+    MegatronModel, MegatronModelConfig, build_model, check_context_parallel, load_hf_weights, packed_causal_mask,
+    run_schedule,
+)
+from areal_mega.batching.packing import (
     last_token_mask,
     next_token_labels,
     plan_microbatches,
@@ -61,6 +63,7 @@ from areal_mega.megatron.packing import (
     slice_microbatch,
     validate_batch,
 )
+from areal_mega.megatron.checkpoint import load_training_checkpoint, read_metadata, save_checkpoint
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``loss_fn(logprobs [T_mb], entropy [T_mb], micro_batch) -> (loss, stats)``.
@@ -270,7 +273,6 @@ class MegatronTrainEngine(TrainEngine):
         (forward-only when ``trainable`` is False, see ``__init__``)."""
         import dataclasses
 
-        from areal_mega.megatron.model import build_model, load_hf_weights
 
         model_cfg = cfg.model
         if not trainable and model_cfg.recompute != "none":
@@ -328,47 +330,9 @@ class MegatronTrainEngine(TrainEngine):
         ends = last_token_mask(mb["cu_seqlens"], labels.numel())
         return lp.masked_fill(ends, 0.0), ent.masked_fill(ends, 0.0)
 
-    def _padded_length(self, num_tokens: int) -> int:
-        """Row length a micro-batch of ``num_tokens`` runs at: a multiple of TP under sequence
-        parallelism (megatron scatters the token dim over the TP ranks), else unchanged."""
-        m = self.layout.tp if self.model.config.sequence_parallel else 1
-        return -(-num_tokens // m) * m
-
     def _run_schedule(self, mbs: list[dict[str, torch.Tensor]], loss_func: Callable, forward_only: bool) -> list[Any]:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        seq_length = max(self._padded_length(int(mb["input_ids"].numel())) for mb in mbs)
-        many = len(self.chunks) > 1
-        if many:
-            # Interleaved 1F1B: fixed-shape p2p (no variable_seq_lengths, see
-            # compat.configure_interleaved_p2p), so every micro-batch runs padded to the longest one.
-            # megatron-core 0.16.1's rule for micro-batch groups (compat entry 8).
-            group = compat.microbatch_group_size(len(mbs), self.layout.pp)
-            self.model.config.microbatch_group_size_per_vp_stage = group
-
-        def step(data_iterator, chunk):
-            # Each chunk has its own iterator over the same list: megatron's interleaved schedule
-            # runs every chunk's forwards in micro-batch order (get_schedule_table), warm-up and
-            # cool-down included, so the k-th next() of every chunk is micro-batch k.
-            mb = {k: v.to(self._device) for k, v in next(data_iterator).items()}
-            T = int(mb["input_ids"].numel())
-            # VPP: the fixed p2p shape (compat entry 7); else a multiple of TP under SP (or T).
-            target = seq_length if many else self._padded_length(T)
-            if T == target:
-                return self._model_forward(chunk, mb), partial(loss_func, mb)
-            # Padded: the loss sees only the real tokens (compat.pad_microbatch / trimmed_loss).
-            padded = compat.pad_microbatch(mb, target)
-            return self._model_forward(chunk, padded), partial(compat.trimmed_loss, loss_func, mb, T)
-
-        return get_forward_backward_func()(
-            forward_step_func=step,
-            data_iterator=[iter(mbs) for _ in self.chunks] if many else iter(mbs),
-            model=self.chunks if many else self.chunks[0],
-            num_microbatches=len(mbs),
-            seq_length=seq_length,  # the p2p shape under VPP; ignored (variable_seq_lengths) otherwise
-            micro_batch_size=1,
-            forward_only=forward_only,
-        )
+        return run_schedule(self.model, self.chunks, mbs, loss_func, self._model_forward, device=self._device,
+                            forward_only=forward_only)
 
     def _last_stage_rank(self) -> int:
         c = self.groups.coords
@@ -535,8 +499,6 @@ class MegatronTrainEngine(TrainEngine):
         ``atomic``: staged and renamed into place (an existing ``path`` is replaced), else
         written straight into ``path``. The calling script must be
         ``if __name__ == "__main__"``-guarded (dist_checkpointing spawns a Manager)."""
-        from areal_mega.megatron.checkpoint import save_checkpoint
-
         self._require_trainable("save")
         save_checkpoint(
             self.model, path,
@@ -555,8 +517,6 @@ class MegatronTrainEngine(TrainEngine):
         """Inverse of :meth:`save`, into this engine's (possibly different) layout. Refuses
         (CheckpointError, one line) a missing or incomplete checkpoint, another format version,
         another role (policy vs critic) and a weights-only checkpoint."""
-        from areal_mega.megatron.checkpoint import load_training_checkpoint, read_metadata
-
         self._require_trainable("load")
         read_metadata(path, role=self.checkpoint_role, training=True)  # clean errors before any optimizer work
         # megatron-core 0.16.1 dist-opt + torch Adam: state_dict() needs Adam state (compat entry 1).

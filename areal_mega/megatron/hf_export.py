@@ -14,8 +14,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from areal_mega.megatron.checkpoint import build_model_from_checkpoint, load_checkpoint, read_metadata
 from areal_mega.megatron.model import MegatronModel, export_hf_weights
+from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel, init_process_group_for_script
 from areal_mega.models.base import torch_dtype
+from areal_mega.parallel import ParallelConfig, ParallelLayout
 
 # Files of the source HF dir that describe weights we are replacing.
 _SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
@@ -71,13 +74,6 @@ def export_checkpoint(ckpt: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: 
     tools/convert_mcore_to_hf.py and ``areal-mega eval --model <checkpoint>``."""
     import time
 
-    from areal_mega.megatron.checkpoint import build_model_from_checkpoint, load_checkpoint, read_metadata
-    from areal_mega.megatron.parallel_state import (
-        destroy_model_parallel,
-        init_model_parallel,
-        init_process_group_for_script,
-    )
-    from areal_mega.parallel import ParallelConfig, ParallelLayout
 
     meta = read_metadata(ckpt)
     own_world = init_process_group_for_script("gloo")  # False when called inside a running world

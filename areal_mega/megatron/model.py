@@ -15,9 +15,10 @@ it would see alone (checked against per-sequence HF logits in tests/test_megatro
 from __future__ import annotations
 
 import importlib
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -420,6 +421,57 @@ def packed_causal_mask(cu_seqlens: torch.Tensor, total_len: int | None = None) -
     return (~allowed).view(1, 1, total, total)
 
 
+def padded_length(model: MegatronModel, num_tokens: int) -> int:
+    """Row length a micro-batch of ``num_tokens`` runs at: a multiple of TP under sequence
+    parallelism (megatron scatters the token dim over the TP ranks), else unchanged."""
+    m = model.groups.layout.tp if model.config.sequence_parallel else 1
+    return -(-num_tokens // m) * m
+
+
+def run_schedule(model: MegatronModel, chunks: list, mbs: list[dict[str, torch.Tensor]], loss_func: Callable,
+                 model_forward: Callable, *, device: torch.device, forward_only: bool) -> list[Any]:
+    """megatron's forward(-backward) schedule over the micro-batches ``mbs`` (packed rows:
+    ``input_ids`` [T], ``cu_seqlens``, per-token fields) through ``chunks`` (the model's, or its
+    DDP wrappers); ``model_forward(chunk, mb)`` runs one chunk, ``loss_func(mb, output)`` sees
+    only the real tokens. Rows are padded as megatron needs them (:func:`padded_length`; under
+    VPP every row to the longest, compat entries 7-8). The engine and :func:`forward_logits`
+    both run through here."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    seq_length = max(padded_length(model, int(mb["input_ids"].numel())) for mb in mbs)
+    many = len(chunks) > 1
+    if many:
+        # Interleaved 1F1B: fixed-shape p2p (no variable_seq_lengths, see
+        # compat.configure_interleaved_p2p), so every micro-batch runs padded to the longest one.
+        # megatron-core 0.16.1's rule for micro-batch groups (compat entry 8).
+        group = compat.microbatch_group_size(len(mbs), model.groups.layout.pp)
+        model.config.microbatch_group_size_per_vp_stage = group
+
+    def step(data_iterator, chunk):
+        # Each chunk has its own iterator over the same list: megatron's interleaved schedule
+        # runs every chunk's forwards in micro-batch order (get_schedule_table), warm-up and
+        # cool-down included, so the k-th next() of every chunk is micro-batch k.
+        mb = {k: v.to(device) for k, v in next(data_iterator).items()}
+        T = int(mb["input_ids"].numel())
+        # VPP: the fixed p2p shape (compat entry 7); else a multiple of TP under SP (or T).
+        target = seq_length if many else padded_length(model, T)
+        if T == target:
+            return model_forward(chunk, mb), partial(loss_func, mb)
+        # Padded: the loss sees only the real tokens (compat.pad_microbatch / trimmed_loss).
+        padded = compat.pad_microbatch(mb, target)
+        return model_forward(chunk, padded), partial(compat.trimmed_loss, loss_func, mb, T)
+
+    return get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=[iter(mbs) for _ in chunks] if many else iter(mbs),
+        model=chunks if many else chunks[0],
+        num_microbatches=len(mbs),
+        seq_length=seq_length,  # the p2p shape under VPP; ignored (variable_seq_lengths) otherwise
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+
+
 def forward_logits(
     model: MegatronModel, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, *, gather_vocab: bool = True
 ) -> torch.Tensor | None:
@@ -430,47 +482,28 @@ def forward_logits(
     local vocab shard [T, padded_vocab / tp]) on the LAST pipeline stage, None on the others.
     Collective over the model-parallel ranks of this data-parallel replica.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     cpu_compat.apply()
     g = model.groups
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     n_real = int(input_ids.numel())
-    # Sequence parallelism scatters the token dim over TP: pad the row to a multiple of tp with
-    # pad tokens that attend only to themselves (packed_causal_mask), dropped from the output.
-    m = g.layout.tp if model.config.sequence_parallel else 1
-    T = -(-n_real // m) * m
-    ids = torch.cat([input_ids.reshape(-1), input_ids.new_zeros(T - n_real)]) if T > n_real else input_ids
-    tokens = ids.view(1, T).to(dev)
-    positions = torch.arange(T, device=dev).view(1, T)
-    mask = packed_causal_mask(cu_seqlens, T).to(dev)
     out: list[torch.Tensor] = []
 
-    def step(data_iterator, chunk):
-        logits = chunk(tokens, positions, mask)
+    def mask_forward(chunk, mb):
+        T = int(mb["input_ids"].numel())
+        positions = torch.arange(T, device=dev).view(1, T)
+        return chunk(mb["input_ids"].view(1, T), positions, packed_causal_mask(mb["cu_seqlens"], T).to(dev))
 
-        def loss_func(output):
-            out.append(output.detach())
-            # The schedule divides the returned loss in place: give it a fresh tensor.
-            return torch.zeros((), device=output.device), {}
-
-        return logits, loss_func
+    def keep(mb, output):
+        out.append(output.detach())
+        # The schedule divides the returned loss in place: give it a fresh tensor.
+        return torch.zeros((), device=output.device), {}
 
     # The interleaved (VPP) schedule needs >= pp micro-batches: feed the same row pp times and
     # keep the first output (forward_logits is for checks and tools, not the training hot path).
-    n_chunks = len(model.chunks)
-    num_mb = g.layout.pp if n_chunks > 1 else 1
-    fb = get_forward_backward_func()
+    row = {"input_ids": input_ids.reshape(-1), "cu_seqlens": cu_seqlens}
+    mbs = [row] * (g.layout.pp if len(model.chunks) > 1 else 1)
     with torch.no_grad():
-        fb(
-            forward_step_func=step,
-            data_iterator=[iter([None] * num_mb) for _ in range(n_chunks)] if n_chunks > 1 else iter([None]),
-            model=model.chunks if n_chunks > 1 else model.chunks[0],
-            num_microbatches=num_mb,
-            seq_length=T,
-            micro_batch_size=1,
-            forward_only=True,
-        )
+        run_schedule(model, list(model.chunks), mbs, keep, mask_forward, device=dev, forward_only=True)
     if not g.is_last_stage:
         return None
     logits = out[0][0, :n_real].float()  # [T, vocab/tp]

@@ -14,6 +14,7 @@ Re-initialising with another layout in the same process (tests) is supported: de
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from areal_mega.megatron import cpu_compat
 from areal_mega.parallel import ParallelLayout, RankCoords
+from areal_mega.utils.procs import free_port
 
 
 @dataclass
@@ -193,9 +195,6 @@ def init_process_group_for_script(backend: str = "gloo") -> bool:
     """Join the torchrun world (RANK/WORLD_SIZE/MASTER_* set by torchrun), or, when the script was
     started as a plain ``python`` process, form a world of one on a free local port. Returns
     False (and does nothing) when a default group already exists, so tools can run in-process."""
-    import os
-
-    from areal_mega.utils.procs import free_port
 
     if dist.is_initialized():
         return False

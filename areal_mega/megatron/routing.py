@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+from areal_mega.models.base import unwrap
 
 
 def _replays(model) -> list:
-    from areal_mega.models.base import unwrap
 
     out = []
     for chunk in model.chunks:

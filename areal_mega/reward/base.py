@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+__all__ = ["COMPLETION_TOKENS", "RewardFn", "RewardResult", "evaluate"]
+
 COMPLETION_TOKENS = "completion_num_tokens"
 """Key of ``data`` the workflows set to the completion's generated-token count (int)."""
 

@@ -15,8 +15,10 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.api.workflow import Trajectory
-from areal_mega.megatron.packing import shift_to_next_token
+from areal_mega.batching.packing import shift_to_next_token
 from areal_mega.algo.advantages import group_index_of
+
+__all__ = ["broadcast_batch", "split_minibatches", "to_engine_alignment", "trajectories_to_batch"]
 
 
 def trajectories_to_batch(trajs: Sequence[Trajectory] | Sequence[Sequence[Trajectory]]) -> dict[str, torch.Tensor]:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import threading
 from typing import Callable, Sequence, TypeVar
 
+__all__ = ["StalenessManager", "can_form_batch", "take_oldest"]
+
 T = TypeVar("T")
 
 

@@ -5,8 +5,9 @@
   (``rollout.staleness.StalenessManager``) and batch-formation rule (``can_form_batch``)
 * ``calibrate``: cost models fitted to a real run's ``metrics.jsonl`` (tools/bench_simulator.py)
 * ``costs``: GPU cost models from published figures (ClusterCostModel, WorkloadModel)
-* ``planner``: ``areal-mega plan``: sweep the inference/learner split and max_staleness within
-  the launcher's memory plan
+* ``memory``: the per-GPU memory estimate (the launcher's verdict, docs/launch.md)
+* ``planner``: the sweep behind ``areal-mega plan`` (command line in launcher/cli.py): the
+  inference/learner split and max_staleness within that memory plan
 * ``plot``: the PNG of predicted throughput (optional: needs matplotlib)
 
 No torch, no numpy: it runs wherever the launcher's dry run does. Design notes: docs/simulator.md.

@@ -36,6 +36,11 @@ from pathlib import Path
 from areal_mega.simulator.model import DecodeModel, LearnerModel, LengthModel, SimConfig, SimulationError, SyncModel
 from areal_mega.simulator.sim import simulate
 
+__all__ = [
+    "RunStats", "calibrate_and_predict", "fit_decode", "fit_learner", "fit_lengths", "load_rows", "run_stats",
+    "timed"
+]
+
 
 def load_rows(path: str | Path) -> list[dict]:
     """The per-step rows of a metrics.jsonl (eval and other rows skipped)."""

@@ -32,6 +32,11 @@ import math
 from dataclasses import dataclass
 
 from areal_mega.simulator.model import DecodeModel, LearnerModel, LengthModel, SimulationError, SyncModel
+from areal_mega.simulator.calibrate import fit_lengths, load_rows
+
+__all__ = [
+    "ClusterCostModel", "WorkloadModel", "decode_model", "learner_flops_per_token", "learner_model", "sync_model"
+]
 
 
 @dataclass
@@ -102,7 +107,6 @@ class WorkloadModel:
 
     def lengths(self, max_new_tokens: int) -> LengthModel:
         if self.lengths_from:
-            from areal_mega.simulator.calibrate import fit_lengths, load_rows
 
             return fit_lengths(load_rows(self.lengths_from), max_new_tokens)
         mean = self.gen_mean_tokens or 0.4 * max_new_tokens

@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
+__all__ = ["DecodeModel", "LearnerModel", "LengthModel", "SimConfig", "SimulationError", "SyncModel"]
+
 
 class SimulationError(ValueError):
     """A simulation input is invalid, or the simulated pipeline stalled."""

@@ -1,13 +1,11 @@
-"""``areal-mega plan``: choose the inference/learner node split and max_staleness by simulation.
-
-    python -m areal_mega.cli plan --config configs/grpo_llama70b.yaml --nodes 16 [--gpus-per-node 8]
-        [--staleness 0,1,2,4,8] [--out DIR] [--json] [cost.train_mfu=0.3 workload.gen_mean_tokens=8000 key=value ...]
+"""The throughput planner behind ``areal-mega plan`` (its command line: launcher/cli.py): choose
+the inference/learner node split and max_staleness by simulation, for a typed experiment.
 
 For every split (``k`` learner nodes, ``nodes - k`` engine nodes) the learner layout keeps the
 config's tensor (and context) parallel size and tries every pipeline size up to 16 that divides
 the layers and the learner GPUs (data parallel = what is left);
 a layout is admissible only if the launcher's own memory estimate says it fits
-(``areal_mega.launcher.memory.estimate_learner``, the check ``--dry-run`` enforces), and the
+(``simulator.memory.estimate_learner``, the check ``--dry-run`` enforces), and the
 engines must fit too (``estimate_engine``, whose KV-cache size becomes the servers' capacity).
 Among admissible layouts the one with the shortest modelled learner step is kept. Each
 (split, max_staleness) is then simulated (``areal_mega.simulator.sim``) with cost models
@@ -18,22 +16,30 @@ its speedup is reported against the best synchronous (max_staleness 0) configura
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from areal_mega.parallel import ParallelLayout
 from areal_mega.simulator.costs import (
     ClusterCostModel, WorkloadModel, decode_model, learner_flops_per_token, learner_model, sync_model,
 )
+from areal_mega.simulator.memory import (
+    GIB, ModelShape, count_params, estimate_engine, estimate_learner, learner_settings, model_shape, total_params,
+)
 from areal_mega.simulator.model import SimConfig, SimulationError
 from areal_mega.simulator.sim import simulate
+from areal_mega.simulator.plot import plot_plan
 
-DEFAULT_STALENESS = (0, 1, 2, 4, 8)
+if TYPE_CHECKING:
+    from areal_mega.experiment import ExperimentConfig
+
+__all__ = ["PlanReport", "SplitResult", "choose_learner_nodes", "describe", "learner_memory", "recommendation",
+           "sweep", "write_plan"]
+
 MAX_PP = 16
-DEFAULT_GPUS_PER_NODE = 8
 
 
 @dataclass
@@ -105,65 +111,26 @@ class PlanReport:
         return d
 
 
-def _planner_overrides(overrides: list[str]) -> list[str]:
-    """``cost.F=v`` / ``workload.F=v`` name the YAML's ``launch.planner.cost`` / ``.workload``
-    (one set of figures for the plan, the dry run and the launch); the rest pass unchanged."""
-    out = []
-    for o in overrides:
-        if "=" not in o:
-            raise SimulationError(f"override {o!r}: expected key=value")
-        key = o.split("=", 1)[0].strip()
-        out.append(f"launch.planner.{o.strip()}" if key.startswith(("cost.", "workload.")) else o)
-    return out
-
-
-def learner_memory(cfg, raw: dict, m, layout, alg):
+def learner_memory(exp: "ExperimentConfig", m: ModelShape, layout: ParallelLayout):
     """The launcher's own memory verdict for a learner layout (the check ``--dry-run`` enforces),
     with the recompute mode and micro-batch tokens it assumed: (LearnerMemory, recompute, tokens).
     The settings are the trainer's own sections, resolved as the launcher resolves them
-    (``plan.learner_settings``): the memory plan the launch would enforce."""
-    from areal_mega.launcher import memory, plan
-
-    s, critic, reference = plan.learner_settings(cfg, raw, m, layout, on_gpu=True)
-    est = memory.estimate_learner(m, s, layout, cfg.gpu_memory_gib, reference=reference, critic=critic)
+    (``memory.learner_settings``): the memory plan the launch would enforce."""
+    s, critic, reference = learner_settings(exp, m, layout, on_gpu=True)
+    est = estimate_learner(m, s, layout, exp.launch.gpu_memory_gib, reference=reference, critic=critic)
     return est, s.recompute, s.micro_batch_tokens
 
 
-def build_plan_report(config: str, nodes: int, overrides: list[str] | None = None, *, gpus_per_node: int | None = None,
-                      staleness: tuple[int, ...] = DEFAULT_STALENESS, tolerance: float = 0.02,
-                      cost: ClusterCostModel | None = None, workload: WorkloadModel | None = None) -> PlanReport:
-    """Sweep splits x max_staleness for the YAML at ``config`` (raises ValueError -- ConfigError,
-    SimulationError -- on bad input). ``cost``/``workload`` replace the YAML's ``launch.planner``."""
-    from areal_mega.launcher.cli import load_launch_config
-
-    cfg, raw, _ = load_launch_config(config, _planner_overrides(list(overrides or [])))
-    if cost is not None:
-        cfg.planner.cost = cost
-    if workload is not None:
-        cfg.planner.workload = workload
-    src = "--gpus-per-node"
-    if gpus_per_node is None:
-        gpus_per_node, src = cfg.gpus_per_node, "launch.gpus_per_node"
-    if gpus_per_node is None:
-        gpus_per_node, src = DEFAULT_GPUS_PER_NODE, f"default {DEFAULT_GPUS_PER_NODE} (set --gpus-per-node)"
-    return sweep(cfg, raw, label=config, nodes=nodes, gpus_per_node=gpus_per_node, gpus_source=src,
-                 staleness=staleness, tolerance=tolerance)
-
-
-def sweep(cfg, raw: dict, *, label: str, nodes: int, gpus_per_node: int, gpus_source: str,
+def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int, gpus_source: str,
           staleness: tuple[int, ...], tolerance: float = 0.02, sweep_pipeline: bool = True) -> PlanReport:
-    """Simulate every split of ``nodes`` x every ``staleness`` for a parsed launch config.
+    """Simulate every split of ``nodes`` x every ``staleness`` for a typed experiment (its
+    ``launch.planner`` figures, model, ``parallel``, ``actor``/``critic``/``algorithm``,
+    ``inference.server``, ``rollout`` and ``workflow`` sections).
 
     ``sweep_pipeline``: try every pipeline size (what ``areal-mega plan`` reports) or only the
     trainer's own ``parallel`` layout (what a launch with ``learner.num_nodes: null`` runs: the
     trainer is started with that YAML, so only its data-parallel size follows the split)."""
-    from areal_mega.algo.config import AlgorithmConfig
-    from areal_mega.config import from_dict
-    from areal_mega.launcher.memory import GIB, count_params, estimate_engine, total_params
-    from areal_mega.launcher.plan import model_shape, parallel_config, server_config
-    from areal_mega.parallel import ParallelLayout
-    from areal_mega.rollout.config import RolloutConfig
-
+    cfg = exp.launch
     cost, workload = cfg.planner.cost, cfg.planner.workload
     if nodes < 2:
         raise SimulationError(f"--nodes: need >= 2 (one learner and one engine node), got {nodes}")
@@ -173,10 +140,10 @@ def sweep(cfg, raw: dict, *, label: str, nodes: int, gpus_per_node: int, gpus_so
         raise SimulationError(f"--staleness: need a list of values >= 0, got {list(staleness)}")
     if gpus_per_node < 1:
         raise SimulationError(f"{gpus_source}: the planner models GPU nodes, got {gpus_per_node} GPUs per node")
-    m = model_shape(cfg, raw)
+    m = model_shape(exp)
     P = total_params(m)
     PA = count_params(m).active(m.num_hidden_layers)  # MoE: FLOPs follow the k active experts
-    srv = server_config(raw)
+    srv = exp.inference.server
     et = srv.tp_size
     if et > gpus_per_node:
         raise SimulationError(f"inference.server.tp_size: {et} > {gpus_per_node} GPUs per node (a server never spans nodes)")
@@ -185,12 +152,9 @@ def sweep(cfg, raw: dict, *, label: str, nodes: int, gpus_per_node: int, gpus_so
                           kv_dtype_bytes=cfg.engine.kv_cache_dtype_bytes, gpu_memory_gib=cfg.gpu_memory_gib)
     if not eng.fits:
         raise SimulationError(f"engine does not fit: {eng.describe()}")
-    par = parallel_config(cfg, raw)
-    alg = from_dict(AlgorithmConfig, raw.get("algorithm") or {}, prefix="algorithm.")
-    ro = from_dict(RolloutConfig, raw.get("rollout") or {}, prefix="rollout.")
-    wf = raw.get("workflow") or {}
-    group = int(wf.get("group_size", 4))
-    max_new = int((wf.get("sampling") or {}).get("max_new_tokens", 256))
+    par, alg, ro = exp.parallel, exp.algorithm, exp.rollout
+    group = exp.workflow.group_size
+    max_new = exp.workflow.sampling.max_new_tokens
     lengths = workload.lengths(max_new)
     lengths.validate()
     mean_gen, mean_ctx = lengths.moments()
@@ -219,7 +183,7 @@ def sweep(cfg, raw: dict, *, label: str, nodes: int, gpus_per_node: int, gpus_so
                 layout = ParallelLayout.build(dataclasses.replace(
                     par, pipeline_parallel=pp, virtual_pipeline_parallel=vpp,
                     data_parallel=par.data_parallel if own else None), world)
-                mem, recompute, mbt = learner_memory(cfg, raw, m, layout, alg)
+                mem, recompute, mbt = learner_memory(exp, m, layout)
             except ValueError as e:
                 reasons.append(f"pp{pp}: {e}")
                 continue
@@ -255,16 +219,13 @@ def sweep(cfg, raw: dict, *, label: str, nodes: int, gpus_per_node: int, gpus_so
                       cost=cost, workload=workload, configured=configured, tolerance=tolerance)
 
 
-def choose_learner_nodes(cfg, raw: dict, *, nodes: int, gpus_per_node: int) -> tuple[int, str]:
+def choose_learner_nodes(exp: "ExperimentConfig", *, nodes: int, gpus_per_node: int) -> tuple[int, str]:
     """The split a launch with ``launch.learner.num_nodes: null`` uses on ``nodes`` GPU nodes:
     the predicted-fastest split at the trainer's own layout (TP/PP/CP; DP follows) and
     ``rollout.max_staleness``, among those whose learner plan fits (the dry run's own check).
     Returns (learner nodes, a note for the plan); raises ValueError naming the keys if none fits."""
-    from areal_mega.config import from_dict
-    from areal_mega.rollout.config import RolloutConfig
-
-    eta = from_dict(RolloutConfig, raw.get("rollout") or {}, prefix="rollout.").max_staleness
-    rep = sweep(cfg, raw, label="", nodes=nodes, gpus_per_node=gpus_per_node, gpus_source="gpus per node",
+    eta = exp.rollout.max_staleness
+    rep = sweep(exp, label="", nodes=nodes, gpus_per_node=gpus_per_node, gpus_source="gpus per node",
                 staleness=(eta,), sweep_pipeline=False)
     ok = rep.feasible()
     if not ok:
@@ -333,51 +294,9 @@ def describe(rep: PlanReport) -> str:
     return "\n".join(lines + recommendation(rep))
 
 
-def _staleness_list(text: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SimulationError(f"--staleness: expected comma-separated integers, got {text!r}") from None
-    return vals
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="areal-mega plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True)
-    p.add_argument("--nodes", type=int, required=True, help="nodes in the allocation")
-    p.add_argument("--gpus-per-node", type=int, help=f"default launch.gpus_per_node, else {DEFAULT_GPUS_PER_NODE}")
-    p.add_argument("--staleness", default=",".join(map(str, DEFAULT_STALENESS)), help="max_staleness values to sweep")
-    p.add_argument("--tolerance", type=float, default=0.02, help="recommend the smallest max_staleness whose "
-                   "predicted throughput is within this fraction of the best (default 0.02)")
-    p.add_argument("--out", help="write plan.json and throughput_plan.png (predicted throughput vs split and "
-                   "vs max_staleness) into this directory")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON line instead")
-    p.add_argument("overrides", nargs="*", help="cost.<field>=v, workload.<field>=v (= launch.planner.cost/"
-                   "workload), or experiment key=value")
-    args = p.parse_intermixed_args(argv)
-    try:
-        rep = build_plan_report(args.config, args.nodes, args.overrides, gpus_per_node=args.gpus_per_node,
-                                staleness=_staleness_list(args.staleness), tolerance=args.tolerance)
-    except (ValueError, OSError) as e:  # ConfigError and SimulationError are ValueErrors
-        msg = " ".join(str(e).split())
-        print(f"areal-mega plan: {msg}", file=sys.stderr, flush=True)
-        return 1
-    print(json.dumps(rep.to_dict()) if args.json else describe(rep), flush=True)
-    if args.out:
-        try:
-            said = write_plan(rep, Path(args.out))
-        except OSError as e:
-            print(f"areal-mega plan: cannot write {args.out}: {e.strerror or e}", file=sys.stderr, flush=True)
-            return 1
-        print(said, file=sys.stderr if args.json else sys.stdout, flush=True)
-    return 0
-
-
 def write_plan(rep: PlanReport, out: Path) -> str:
     """``plan.json`` and ``throughput_plan.png`` (predicted samples/s vs. split and vs.
     max_staleness) into ``out``; returns the line saying what was written (OSError if not)."""
-    from areal_mega.simulator.plot import plot_plan
-
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(rep.to_dict(), indent=1) + "\n")
     png, why = plot_plan(rep, out / "throughput_plan.png")

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from areal_mega.rollout.staleness import StalenessManager, can_form_batch, take_oldest
 from areal_mega.simulator.model import SimConfig, SimulationError
 
+__all__ = ["SimResult", "TrainedEpisode", "simulate"]
+
 _EPS = 1e-9
 
 

@@ -1,7 +1,8 @@
-"""Trainer assembly: the experiment config, the :class:`~areal_mega.trainer.trainer.Trainer` that
+"""Trainer assembly: the :class:`~areal_mega.trainer.trainer.Trainer` that
 owns the engines, weight sync and the rollout driver, the one-screen loop, and the PPO critic.
 
-* ``config``: ExperimentConfig, the one YAML of a run, and ``load_experiment``
+* ``config``: TrainerLoopConfig, the ``trainer:`` section (the whole YAML of a run is
+  ``areal_mega.experiment.ExperimentConfig``)
 * ``trainer``: Trainer (built once per learner rank; everything the loop calls)
 * ``loop``: ``run_train``, the training loop
 * ``critic``: CriticEngine (PPO value model)

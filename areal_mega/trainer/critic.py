@@ -5,41 +5,10 @@
     batch.update(compute_advantages(batch, cfg.algorithm))         # gae: advantages + returns
     stats = critic.train_batch(batch, PPOCriticLoss(cfg.algorithm, total_tokens=..., total_seqs=...))
 
-Design (why a head swap, not a separate model class): the critic is the SAME GPTModel as the
-actor (same layer spec, TP/PP sharding, HF weight loading through the model adapter, megatron
-DDP/optimizer/dist_checkpointing) with one change on the last pipeline stage: the vocab-parallel
-``output_layer`` (ColumnParallelLinear hidden -> V/tp) is replaced by :class:`ValueHead`, a
-plain torch ``Linear(hidden, 1)`` REPLICATED on every TP rank. GPTModel's post-process calls
-``output_layer(hidden, weight=..., runtime_gather_output=...)`` after the final norm and returns
-``[b, s, out]``; the head honours that call signature, so megatron's schedules, PP p2p and the
-engine's micro-batching work unchanged. Why this is correct under TP: the head sees the
-complete final hidden states, identical on every TP rank -- without sequence parallelism they
-are complete already; with it each rank holds 1/tp of the tokens and the head all-gathers them
-first (``gather_from_sequence_parallel_region`` with ``tensor_parallel_output_grad=False``: its
-backward keeps this rank's slice of the gradient instead of reduce-scattering, right because
-every rank computed the same loss on all tokens) -- so every TP rank computes the same values
-and the same loss, the head's gradient is identical on every TP rank, and the gradient reaching
-the trunk is the full one (a column-parallel head would instead all-reduce partial input
-gradients). Activation recompute (``critic.model.recompute``) is the actor's: megatron's, on
-the trunk. megatron's grad-norm counts a parameter
-without the ``tensor_model_parallel`` attribute once (TP rank 0), which is right for a replica.
-Tied embeddings: the critic unties them (``share_embeddings_and_output_weights = False`` on
-every chunk), otherwise megatron would treat the head's weight as the LM head's copy of the
-embedding (first/last-stage gradient all-reduce, checkpoint tying).
-
-The head is initialised from a seeded CPU generator (``N(0, value_head_init_std)``, bias 0),
-not from megatron's RNG, so every layout (and every TP rank) starts from bit-identical values.
-Its parameters have the trunk's dtype (one dtype per model keeps megatron's DDP buffers and
-optimizer groups as for the actor), but the product is computed in fp32, and megatron's
-optimizer keeps fp32 master weights for bf16 models.
-
-Alignment: like every engine output, values are next-token aligned: ``values[i]`` = V(state
-after tokens <= i) = the value of the state from which token i+1 is generated, which is what
-GAE needs at action position i (``loss_mask`` is shifted the same way); 0 at sequence ends.
-
-The critic is never synced to the inference servers; it is saved next to the actor as
-``checkpoints/stepN/critic`` (an areal_mega checkpoint with role "critic": model, Adam, LR
-schedule; areal_mega/megatron/checkpoint.py).
+The critic is the actor's GPTModel with the vocab-parallel output layer swapped for a replicated
+``Linear(hidden, 1)`` (:class:`ValueHead`) on the last stage, so megatron's schedules, PP p2p and
+the engine's micro-batching work unchanged; why that is exact under TP and SP, the head's init,
+dtype and alignment: docs/engine.md ("The PPO critic and the reference model").
 """
 
 from __future__ import annotations
@@ -51,7 +20,8 @@ import torch
 
 from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
 from areal_mega.megatron.model import MegatronModel
-from areal_mega.megatron.packing import last_token_mask
+from areal_mega.batching.packing import last_token_mask
+from areal_mega.megatron.model import build_model, load_hf_weights
 
 
 @dataclass
@@ -130,7 +100,6 @@ class CriticEngine(MegatronTrainEngine):
     def create(  # type: ignore[override]
         cls, cfg: CriticConfig, hf_config: Any, groups: Any, hf_weights_dir: str | None = None, *, seed: int = 1
     ) -> "CriticEngine":
-        from areal_mega.megatron.model import build_model, load_hf_weights
 
         cfg.validate()
         model = build_model(hf_config, groups, cfg.model)

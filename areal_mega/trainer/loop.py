@@ -15,7 +15,7 @@ synchronous RL. The decoupled PPO loss corrects for the policy gap (``algorithm.
 
 from __future__ import annotations
 
-from areal_mega.trainer.config import load_experiment
+from areal_mega.experiment import load_experiment
 from areal_mega.trainer.trainer import Trainer
 
 

@@ -27,9 +27,10 @@ from areal_mega.parallel import ParallelLayout
 from areal_mega.algo.advantages import compute_advantages
 from areal_mega.rollout.batch import broadcast_batch, split_minibatches, to_engine_alignment, trajectories_to_batch
 from areal_mega.trainer.critic import CriticEngine
-from areal_mega.trainer.config import ExperimentConfig
+from areal_mega.experiment import ExperimentConfig
 from areal_mega.algo.losses import PPOActorLoss, PPOCriticLoss, global_counts, kl_estimate
 from areal_mega.rollout.driver import RolloutDriver
+from areal_mega.utils.distributed import resolve_backend
 from areal_mega.utils.metrics import Metrics
 from areal_mega.inference.sglang_api import SGLangClient
 from areal_mega.weight_sync import megatron_weight_sync
@@ -62,12 +63,6 @@ def train_on_minibatches(actor: MegatronTrainEngine, batch: dict[str, torch.Tens
             out[k] = sum(vals) / len(vals)
     out["num_updates"] = float(len(steps))
     return out, steps
-
-
-def _backend(name: str) -> str:
-    if name == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return name
 
 
 @dataclass
@@ -103,7 +98,7 @@ class Trainer:
     # ------------------------------------------------------------------ construction
     @classmethod
     def create(cls, cfg: ExperimentConfig) -> "Trainer":
-        backend = _backend(cfg.trainer.backend)
+        backend = resolve_backend(cfg.trainer.backend)
         if not dist.is_initialized():
             dist.init_process_group(backend)
         if torch.cuda.is_available():
@@ -168,7 +163,7 @@ class Trainer:
         reward = self.reward = build_reward(cfg.reward, policy_engine=self.driver.pool, policy_tokenizer=tok)
         split = load_dataset(cfg.data, tokenizer=tok)
         if cfg.workflow.kind == "tool":  # one registry (one python-tool sandbox) for both workflows
-            from areal_mega.tools import build_tools
+            from areal_mega.agent_tools import build_tools
 
             self.tools = build_tools(cfg.workflow.tools, timeout_s=cfg.workflow.tool_timeout_s,
                                      max_output_chars=cfg.workflow.tool_max_output_chars)

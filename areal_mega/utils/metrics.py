@@ -14,6 +14,8 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
+__all__ = ["Metrics"]
+
 
 class Metrics:
     def __init__(self, log_dir: str | None, *, enabled: bool = True, echo: bool = True,

@@ -39,6 +39,11 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
+__all__ = [
+    "alive", "children", "die_with_parent", "free_port", "free_ports", "group_pids", "host_address", "main_pid",
+    "run", "signal_group", "spawn", "stop_pids", "stop_tree", "tree_pids"
+]
+
 # ---------------------------------------------------------------------------------------------
 # ports
 

@@ -12,6 +12,8 @@ import os
 import secrets
 from pathlib import Path
 
+__all__ = ["KEY_FILE", "SGLANG_CONFIG", "read_api_key", "sglang_key_config", "write_api_key", "write_private"]
+
 KEY_FILE = "api_key"
 SGLANG_CONFIG = "sglang.yaml"
 

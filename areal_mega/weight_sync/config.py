@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+__all__ = ["WeightSyncConfig"]
+
 MiB = 1 << 20
 
 

@@ -31,6 +31,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from areal_mega.parallel import ParallelLayout
 
+__all__ = [
+    "Bucket", "DTYPE_BYTES", "PlanMismatchError", "SenderPlan", "SyncPlan", "TensorSpec", "bucketize",
+    "check_plan_against", "dtype_name", "plan_weight_sync"
+]
+
 # Item sizes of the dtypes weights travel in (names as SGLang's HTTP API spells them).
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -100,7 +105,10 @@ class Bucket:
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class SenderPlan:
+    """What one sender rank broadcasts: pipeline stage ``stage``'s HF tensors, in buckets. (What a
+    stage HOLDS, its megatron params, is ``models.base.StagePlan``.)"""
+
     stage: int
     sender_rank: int
     """Global learner rank that gathers this stage's TP shards and broadcasts them."""
@@ -119,7 +127,7 @@ class StagePlan:
 class SyncPlan:
     layout: ParallelLayout
     bucket_bytes: int
-    stages: tuple[StagePlan, ...]
+    stages: tuple[SenderPlan, ...]
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +141,7 @@ class SyncPlan:
     def num_buckets(self) -> int:
         return sum(len(s.buckets) for s in self.stages)
 
-    def stage_of_rank(self, rank: int) -> StagePlan | None:
+    def stage_of_rank(self, rank: int) -> SenderPlan | None:
         """The stage this rank sends, or None when the rank is not a sender."""
         for s in self.stages:
             if s.sender_rank == rank:
@@ -195,7 +203,7 @@ def plan_weight_sync(
         buckets = tuple(
             Bucket(stage=s, index=i, tensors=tuple(b)) for i, b in enumerate(bucketize(specs, bucket_bytes))
         )
-        stages.append(StagePlan(stage=s, sender_rank=layout.rank(pp=s), buckets=buckets))
+        stages.append(SenderPlan(stage=s, sender_rank=layout.rank(pp=s), buckets=buckets))
     return SyncPlan(layout=layout, bucket_bytes=bucket_bytes, stages=tuple(stages))
 
 

@@ -41,7 +41,7 @@ from areal_mega.parallel import ParallelLayout
 from areal_mega.weight_sync.config import WeightSyncConfig
 from areal_mega.weight_sync.planner import (
     PlanMismatchError,
-    StagePlan,
+    SenderPlan,
     SyncPlan,
     TensorSpec,
     check_plan_against,
@@ -135,7 +135,7 @@ class WeightSync:
         coords = layout.coords(rank)
         self.stage = coords.pp
         self.exports = layout.exports(rank)  # dense dp=0/cp=0 replica, plus MoE expert owners
-        self.stage_plan: StagePlan | None = self.plan.stage_of_rank(rank)
+        self.stage_plan: SenderPlan | None = self.plan.stage_of_rank(rank)
         # Control messages are tiny python objects: keep them on gloo even when the world is NCCL.
         self._ctrl = world_group if dist.get_backend(world_group) == "gloo" else dist.new_group(backend="gloo")
         self._world = world_group

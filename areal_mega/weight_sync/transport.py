@@ -27,20 +27,12 @@ import torch.distributed as dist
 
 from areal_mega.inference import sglang_api as api
 from areal_mega.inference.sglang_api import SGLangClient
+from areal_mega.utils.distributed import resolve_backend
 from areal_mega.weight_sync.planner import Bucket, TensorSpec, dtype_name
 
 
 class WeightSyncError(RuntimeError):
     """A weight sync failed after it started (a server refused a call, a collective failed)."""
-
-
-def resolve_backend(backend: str) -> str:
-    """"auto" -> "nccl" when CUDA is available, else "gloo"."""
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"backend: must be 'auto', 'nccl' or 'gloo', got {backend!r}")
-    return backend
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
     wf = build_workflow(WorkflowConfig(kind="single_turn", group_size=8), tokenizer, reward_fn)
 
 single_turn: one answer per sample; multi_turn: retry with feedback; tool: calls of the tools in
-an ``areal_mega.tools.ToolRegistry`` (built from ``cfg.tools`` unless one is passed: pass one
+an ``areal_mega.agent_tools.ToolRegistry`` (built from ``cfg.tools`` unless one is passed: pass one
 registry to several workflows to share its sandbox workers; close it yourself then).
 agent: agent code written against an OpenAI-style client (workflows/agent.py).
 Prompt / feedback / tool-output tokens have loss_mask 0; generated tokens carry the engine's
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from areal_mega.reward import RewardFn
 from areal_mega.workflows.agent import AgentClient, AgentWorkflow
-from areal_mega.tools import ToolRegistry
+from areal_mega.agent_tools import ToolRegistry
 from areal_mega.workflows.base import Tokenizer, WorkflowConfig
 from areal_mega.workflows.multi_turn import MultiTurnWorkflow
 from areal_mega.workflows.single_turn import SingleTurnWorkflow

@@ -9,7 +9,7 @@ from typing import Any, Literal, Protocol
 from areal_mega.api.io import GenerationResult, SamplingParams
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
 from areal_mega.reward import RewardFn
-from areal_mega.tools import ToolConfig
+from areal_mega.agent_tools import ToolConfig
 
 
 class Tokenizer(Protocol):
@@ -57,7 +57,7 @@ class WorkflowConfig:
     """agent: a trajectory's reward is the episode's times this ** (calls made after its last
     call); 1.0 = no discount."""
     tools: list[ToolConfig] = field(default_factory=lambda: [ToolConfig(kind="calculator", name="calc")])
-    """tool: the tools the model may call, by name (``areal_mega.tools``: calculator, python in
+    """tool: the tools the model may call, by name (``areal_mega.agent_tools``: calculator, python in
     the sandbox, user tools by "module:function")."""
     tool_timeout_s: float = 30.0
     """tool: a tool call that takes longer returns "error: ... timed out" to the model."""

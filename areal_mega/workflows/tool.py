@@ -1,4 +1,4 @@
-"""Tool-using agent workflow: the model calls tools of a :class:`~areal_mega.tools.ToolRegistry`
+"""Tool-using agent workflow: the model calls tools of a :class:`~areal_mega.agent_tools.ToolRegistry`
 by name, in tags.
 
 Call syntax (what the prompt should teach the model), for a tool named NAME::
@@ -28,8 +28,8 @@ from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest
 from areal_mega.api.workflow import Trajectory
 from areal_mega.reward import COMPLETION_TOKENS, RewardFn, evaluate
-from areal_mega.tools import ToolRegistry, build_tools
-from areal_mega.tools.calculator import calculator
+from areal_mega.agent_tools import ToolRegistry, build_tools
+from areal_mega.agent_tools.calculator import calculator
 from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id
 
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"

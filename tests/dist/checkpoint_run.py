@@ -43,7 +43,7 @@ from areal_mega.megatron.checkpoint import (
 from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
 from areal_mega.megatron.hf_export import save_hf_checkpoint
 from areal_mega.megatron.model import MegatronModelConfig
-from areal_mega.megatron.packing import pack_sequences, shift_to_next_token
+from areal_mega.batching.packing import pack_sequences, shift_to_next_token
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from areal_mega.trainer.critic import CriticConfig, CriticEngine

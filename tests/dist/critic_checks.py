@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
 from areal_mega.megatron.model import MegatronModelConfig
-from areal_mega.megatron.packing import pack_sequences, shift_to_next_token
+from areal_mega.batching.packing import pack_sequences, shift_to_next_token
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout

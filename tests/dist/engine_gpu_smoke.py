@@ -57,7 +57,7 @@ def main() -> int:
 
     from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
     from areal_mega.megatron.model import MegatronModelConfig, te_available
-    from areal_mega.megatron.packing import pack_sequences, shift_to_next_token
+    from areal_mega.batching.packing import pack_sequences, shift_to_next_token
     from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
     from areal_mega.parallel import ParallelLayout
 

@@ -4,7 +4,7 @@
     workflow: {kind: agent, agent: "areal_mega.workflows.examples.calculator_agent:calculator_agent", max_turns: 4}
 
 Each step asks the model; a tool call is run by the project's tool registry
-(``areal_mega.tools``: the same tools the tool workflow calls, here the safe AST calculator),
+(``areal_mega.agent_tools``: the same tools the tool workflow calls, here the safe AST calculator),
 its result sent back as a tool message; a reply with ``Answer: <value>`` ends the episode with
 that answer (scored by the configured reward); any other reply gets a nudge and another step,
 at most ``MAX_STEPS``.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from areal_mega.tools import ToolRegistry, calculator_tool
+from areal_mega.agent_tools import ToolRegistry, calculator_tool
 
 MAX_STEPS = 4
 SYSTEM = "Solve the problem. Use the calculator tool for arithmetic. Finish with 'Answer: <number>'."

@@ -1,101 +1,95 @@
 """Per-GPU memory estimates for learners (megatron) and engines (SGLang), in bytes.
 
-Everything is a closed formula of the model shape (:class:`ModelShape`, built from the model
-adapter's :class:`~areal_mega.models.ModelArch` -- the parse the trainer uses), the layout and
-:class:`LearnerSettings` -- the trainer's own config fields (``actor.model.*``,
-``actor.max_tokens_per_microbatch``, ``actor.attention``, ``actor.optimizer.*``, ``critic.*``,
-``algorithm.kl_coef``; see ``areal_mega.launcher.plan.learner_settings``), so the plan prices
-what the trainer builds
-and can refuse it before any node is touched. Notation: L layers, h hidden, f MLP width, a query
-heads, g KV heads, d head dim, V vocab padded as the engine pads it (lcm(128, t)), t TP,
-sigma = t with sequence parallelism else 1, p PP, v virtual stages, dp data parallel,
-T = s tokens of one packed micro-batch (``max_tokens_per_microbatch``), b bytes of the
-parameter dtype (2 bf16, 4 fp32). docs/launch.md explains every term; the formula is checked
-against the engine's real tensors by tools/check_memory_model.py (state bytes exact,
-activations within 15%).
-
-Parameters (Llama/Qwen2 decoder, gated MLP, RMSNorm):
-    per layer   h*a*d + 2*h*g*d (+ a*d + 2*g*d biases)  [q, k, v]  + a*d*h [o]  + 3*h*f [MLP]
-                + 2*h [norms, replicated over TP]
-    embedding   V*h (vocab-parallel over TP), output layer V*h unless tied, final norm h.
-    Llama-3-70B (L=80, h=8192, f=28672, a=64, g=8, V=128256): 70,553,706,496.
-    Qwen3 adds q/k norms, 2*d per layer (replicated).
-    MoE (Qwen3-MoE, E experts of width f_e, top-k): the MLP is E experts of 3*h*f_e, sharded
-    over expert parallelism x expert TP (ep * etp GPUs share one copy), plus the router E*h
-    (replicated). Qwen3-30B-A3B: 30,532,122,624 total, of which a token uses 3.3B (k=8 of 128).
-
-MoE learner state: expert weights / grads per GPU are L_stage * E * 3*h*f_e / (ep * etp);
-their distributed-optimizer share is divided by the EXPERT data-parallel size
-edp = dp*cp*tp / (ep*etp), not dp (megatron shards expert optimizer state over the expert-DP
-group). Activations use the ACTIVE width: each token passes through k experts, so the MLP terms
-below read k*f_e for f, plus the dispatcher: the router's fp32 logits/probabilities (8*E per
-token), the permuted token copies sent to and received from the experts (2 * k * b*h per token,
-all-to-all in and out) -- on average; a skewed router puts more tokens on some EP ranks.
-
-Learner state, per GPU of pipeline stage k (layers split evenly; embedding on stage 0, output
-layer on stage p-1, which keeps its own copy when embeddings are tied under PP):
-    weights     b per TP-sharded parameter; norms 4 bytes with the local spec (torch RMSNorm
-                weights stay fp32 in bf16 models), b with transformer-engine
-    grads       megatron DDP grad buffer: 4 bytes per parameter with grad_reduce_in_fp32 (or
-                fp32 params), else the parameter's bytes
-    optimizer   Adam m and v in fp32 (8) + an fp32 master copy (4) of every 16-bit parameter,
-                divided by dp with the distributed optimizer -- for bf16 the "6 + 12/dp" of
-                megatron-core's distributed-optimizer documentation.
-
-Activations, bytes saved for backward (counted tensor by tensor from megatron-core 0.16.1's
-local spec on CPU; transformer-engine terms from TE's saved-tensor lists, see docs/launch.md):
-    per layer and token, no recompute, local spec:
-        2 norms (fp32 input + fp32 normalised + rstd)      2 * (8h + 4) / sigma
-        qkv and fc1 linear inputs                           2 * b*h / sigma
-        RoPE cos/sin for q and k                            4 * b*d
-        q, k and v as attention reads them (k, v expanded
-        to a heads under GQA) and the o-proj input          4 * b*a*d / t
-        attention "mask": fp32 softmax + its b-byte copy    (4 + b) * a*s / t   (fp32: 4 * a*s / t)
-        MLP: fc1 output, SwiGLU halves, fc2 input           5 * b*f / t
-      transformer-engine + THD (fused varlen attention, no s^2 term):
-        2 fused norm+linear (input, ln_out, rstd)           2 * (2b*h + 4) / sigma
-        RoPE                                                4 * b*d
-        rotated q, k + qkv buffer (v) + output + lse        b*(2a + 3g)*d/t + b*a*d/t + 4a/t
-        MLP: fc1 output, SwiGLU output                      3 * b*f / t
-    once per micro-batch and chunk: the block-diagonal mask s^2 bytes (attention "mask").
-    recompute "selective" (core attention): the layer keeps q, k and the qkv buffer instead
-        of the attention internals; one layer's attention is rematerialised at a time.
-    recompute "full": a recompute unit keeps only its input b*h/sigma per token (+ fp32 RoPE
-        freqs 4d once); one unit (recompute_num_layers layers) is rematerialised at a time;
-        "block" recomputes only the first recompute_num_layers layers of each chunk.
-    in flight: 1F1B keeps min(p - k, M) micro-batches on stage k (interleaved: + (p-1)/v,
-        Korthikanti et al. 2022), all but one at their forward's saves; that one at its peak,
-        the larger of two phases: the end of its forward (on the last stage with the final
-        norm, output-layer input and fp32 logits, 4 V/t + 26 bytes per token: targets, log-prob
-        and entropy pieces), or a rematerialisation in its backward, which coexists only with
-        the EARLIER layers' saves (backward frees each layer's saves after that layer).
-    first stage: token ids 8 bytes per token (+ 1 byte vocab mask at t > 1).
-    + reserved_gib (CUDA context, NCCL buffers, fragmentation).
-    + KL reference (algorithm.kl_coef > 0): a frozen forward-only copy: weights only.
-    + PPO critic (adv_estimator gae): the same trunk with a value head (h + 1, replicated) in
-      place of the output layer, with its own grads and optimizer state (critic.* settings).
-      Its activations are not added: actor and critic train one after the other, and the
-      actor's (with logits) are the larger.
-
-Engine, per GPU of a TP-t server: weights 2*P/t (norms replicated), KV cache
-    max_total_tokens * 2 (K, V) * L * max(1, g/t) * d * kv_bytes;  SGLang must fit
-    weights + KV in mem_fraction_static of the GPU.
+Closed formulas of the model shape (:class:`ModelShape`, from the model adapter's parse), the
+layout and :class:`LearnerSettings` (the trainer's own config fields), so the launcher prices
+what the trainer builds and refuses a plan before any node is touched. The formulas, term by
+term, and their check against the engine's real tensors (tools/check_memory_model.py) are in
+docs/launch.md ("The memory estimate").
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
-from areal_mega.launcher.config import ModelShape
 from areal_mega.parallel import ParallelLayout
+
+if TYPE_CHECKING:
+    from areal_mega.experiment import ExperimentConfig
+
+__all__ = [
+    "DTYPE_BYTES", "EngineMemory", "GIB", "LOGPROB_BYTES_PER_TOKEN", "LearnerMemory", "LearnerSettings",
+    "ModelShape", "ParamCount", "StageState", "activation_bytes_per_token", "count_params", "estimate_engine",
+    "estimate_learner", "in_flight", "layer_bytes_per_token", "learner_settings", "microbatch_activation_bytes",
+    "model_shape", "selective_layer_bytes_per_token", "settings_from_engine_config", "stage_activations",
+    "stage_state", "total_params"
+]
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LOGPROB_BYTES_PER_TOKEN = 26
 """The vocab-parallel log-prob's per-token saves besides the fp32 logits: fp32 max and sum-exp
 (4 + 4), int64 target index (8), two bool masks (1 + 1), int64 labels (8) -- counted on CPU."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Transformer shape for the memory estimate, named as in a HF ``config.json`` (Llama/Qwen2).
+
+    Never parsed from a config here: :meth:`from_arch` takes the model adapter's
+    :class:`~areal_mega.models.ModelArch` (``areal_mega.models.get_adapter(hf_config).arch``), the
+    parse ``build_model`` uses, so the plan and the trainer see the same model."""
+
+    num_hidden_layers: int
+    """Decoder layers (L)."""
+    hidden_size: int
+    """Model width (h)."""
+    intermediate_size: int
+    """MLP inner width (f); the MLP is gated (SwiGLU: gate, up, down = 3*h*f weights)."""
+    num_attention_heads: int
+    """Query heads (a)."""
+    num_key_value_heads: int
+    """KV heads (g, GQA groups); equal to num_attention_heads for MHA."""
+    vocab_size: int
+    """Vocabulary (V); input embedding V*h, output layer V*h unless tied."""
+    head_dim: int | None = None
+    """Per-head width (d); None = hidden_size // num_attention_heads."""
+    tie_word_embeddings: bool = False
+    """Output layer shares the input embedding (one V*h matrix; under PP the last stage keeps a copy)."""
+    attention_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2: true; Llama: false)."""
+    dtype: str = "bfloat16"
+    """The checkpoint's storage dtype (what the engine trains in when actor.model.dtype is null)."""
+    num_experts: int = 0
+    """MoE: routed experts per layer (every layer MoE, Qwen3-MoE); 0 = dense MLP."""
+    moe_intermediate_size: int = 0
+    """MoE: each expert's inner width (f_e); an expert is a gated MLP of 3*h*f_e weights."""
+    num_experts_per_tok: int = 0
+    """MoE: experts each token is routed to (k): activations scale with k*f_e, not E*f_e."""
+    qk_layernorm: bool = False
+    """Per-head q/k RMSNorms (Qwen3): 2*d replicated weights per layer."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @classmethod
+    def from_arch(cls, arch) -> "ModelShape":
+        """The shape of a :class:`~areal_mega.models.ModelArch` (the adapter's parse)."""
+        return cls(num_hidden_layers=arch.num_layers, hidden_size=arch.hidden_size,
+                   intermediate_size=arch.ffn_hidden_size, num_attention_heads=arch.num_heads,
+                   num_key_value_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, head_dim=arch.head_dim,
+                   tie_word_embeddings=arch.tie_word_embeddings, attention_bias=arch.qkv_bias, dtype=arch.dtype,
+                   num_experts=arch.num_experts or 0, moe_intermediate_size=arch.moe_ffn_hidden_size or 0,
+                   num_experts_per_tok=arch.moe_topk, qk_layernorm=arch.qk_layernorm)
+
+    @property
+    def d(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
 
 
 @dataclass(frozen=True)
@@ -149,7 +143,7 @@ def total_params(m: ModelShape) -> int:
 @dataclass(frozen=True)
 class LearnerSettings:
     """One megatron engine as the trainer builds it: every field is the resolved value of a
-    trainer config key (built by ``plan.learner_settings``; never a launcher-side copy)."""
+    trainer config key (built by :func:`learner_settings`; never a launcher-side copy)."""
 
     dtype: str = "bfloat16"
     """``actor.model.dtype`` (None there = the HF checkpoint's dtype)."""
@@ -198,6 +192,47 @@ def settings_from_engine_config(engine_cfg, arch_dtype: str, tp: int, *, on_gpu:
         distributed_optimizer=engine_cfg.optimizer.use_distributed_optimizer,
         make_vocab_size_divisible_by=mc.make_vocab_size_divisible_by, reserved_gib=reserved_gib,
     )
+
+
+def learner_settings(exp: "ExperimentConfig", m: ModelShape, layout: ParallelLayout, *,
+                     on_gpu: bool) -> tuple[LearnerSettings, LearnerSettings | None, bool]:
+    """(actor settings, critic settings or None, KL reference?) from the trainer's own typed
+    sections -- ``actor``, ``critic``, ``algorithm`` -- resolved as the trainer resolves them
+    (layer_spec "auto" = te on GPU nodes, local on CPU; sequence_parallel at the layout's TP)."""
+    from areal_mega.megatron.model import check_context_parallel  # torch: only when a plan is priced
+
+    res = exp.launch.learner.reserved_gib
+    s = settings_from_engine_config(exp.actor, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res, vpp=layout.vpp)
+    check_context_parallel(layout, s.layer_spec, s.attention)  # cp > 1: refused here as at start-up
+    critic = None
+    if exp.algorithm.adv_estimator == "gae":
+        critic = settings_from_engine_config(exp.critic, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res,
+                                             vpp=layout.vpp)
+    return s, critic, exp.algorithm.kl_coef > 0
+
+
+def model_shape(exp: "ExperimentConfig") -> ModelShape:
+    """The model as the trainer's adapter parses it: ``<model_path>/config.json``, or
+    ``launch.model_config`` (the same JSON inline) where model_path is not readable here."""
+    from areal_mega.models import get_adapter  # torch: only when a plan is priced
+
+    path = exp.model_path or exp.inference.server.model_path
+    hf_config = None
+    if path and (Path(path) / "config.json").is_file():
+        try:
+            hf_config = json.loads((Path(path) / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model_path: {path}/config.json is unreadable ({e})") from None
+    elif exp.launch.model_config is not None:
+        hf_config = dict(exp.launch.model_config)
+    if hf_config is None:
+        where = f"{path}/config.json does not exist here" if path else "no model_path"
+        raise ValueError(f"launch.model_config: not set and {where}; set launch.model_config to the model's "
+                         "config.json content to plan without the weights")
+    try:
+        return ModelShape.from_arch(get_adapter(hf_config).arch)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"model config ({'model_path' if path and Path(path).is_dir() else 'launch.model_config'}): {e}") from None
 
 
 @dataclass(frozen=True)

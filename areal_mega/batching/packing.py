@@ -43,6 +43,12 @@ from typing import Any, Sequence
 
 import torch
 
+__all__ = [
+    "MicroBatch", "MicroBatchPlan", "PAD_TOKEN_ID", "cu_seqlens_of", "last_token_mask", "next_token_labels",
+    "pack_into_bins", "pack_sequences", "pad_to_longest_efficiency", "plan_microbatches", "scatter_to_batch",
+    "seqlens_of", "shift_to_next_token", "slice_microbatch", "split_for_dp", "validate_batch"
+]
+
 PAD_TOKEN_ID = 0
 
 

@@ -1,5 +1,5 @@
-"""Tools an agent can call: one small registry, shared by the tool workflow (tag syntax) and
-OpenAI-style tool calls (JSON arguments).
+"""Tools an agent can call (not the repository's ``tools/`` scripts): one small registry, shared
+by the tool workflow (tag syntax) and OpenAI-style tool calls (JSON arguments).
 
     registry = build_tools([ToolConfig(kind="calculator", name="calc"),
                             ToolConfig(kind="python"),
@@ -32,8 +32,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol, Sequence, runtime_checkable
 
+from areal_mega.agent_tools.calculator import calculator
 from areal_mega.sandbox import Sandbox, SandboxConfig
-from areal_mega.tools.calculator import calculator
 
 
 @runtime_checkable

@@ -1,0 +1,105 @@
+"""The experiment config: one YAML file for the trainer, the servers and the launcher.
+
+Each section is owned by the component that reads it; this module only nests them and checks the
+few facts that span sections. It sits above trainer/ and launcher/ (both read it, neither owns
+it), so that neither imports the other for its config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from areal_mega.algo.config import AlgorithmConfig
+from areal_mega.config import from_dict, load_dict
+from areal_mega.data import DatasetConfig
+from areal_mega.inference.config import InferenceConfig
+from areal_mega.launcher.config import LaunchConfig
+from areal_mega.megatron.engine import MegatronEngineConfig
+from areal_mega.parallel import ParallelConfig
+from areal_mega.reward import RewardConfig
+from areal_mega.rollout.config import RolloutConfig
+from areal_mega.trainer.config import TrainerLoopConfig
+from areal_mega.trainer.critic import CriticConfig
+from areal_mega.weight_sync.config import WeightSyncConfig
+from areal_mega.workflows import WorkflowConfig
+
+__all__ = ["ExperimentConfig", "experiment_from_dict", "load_experiment"]
+
+
+@dataclass
+class ExperimentConfig:
+    model_path: str = ""
+    """HF model directory (config.json, safetensors, tokenizer) the learners start from."""
+    output_dir: str = "runs/experiment"
+    """Checkpoints, TensorBoard logs (``tb/``), metrics.jsonl and the final HF export."""
+    seed: int = 1
+    """Seed of the learners (megatron RNG) and of data order."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Learner layout (tp, pp, cp, dp)."""
+    actor: MegatronEngineConfig = field(default_factory=MegatronEngineConfig)
+    """The policy's megatron engine: model build, optimizer, micro-batching. With
+    ``algorithm.kl_coef > 0`` a frozen, forward-only copy of the initial policy (``model_path``,
+    same layout and ``actor.model`` settings, no optimizer) serves as the KL reference."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The PPO critic (trunk from ``model_path`` + value head, its own optimizer); built only
+    when ``algorithm.adv_estimator`` is "gae"."""
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """SGLang servers (launched by the pool, or at ``inference.addresses``) and the client."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How new weights reach the servers after each step."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Batch size (episodes), max_staleness, concurrency, dynamic filtering."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator and policy loss (GRPO/PPO/RLOO/REINFORCE++, decoupled PPO, ...)."""
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    """How one episode is generated (group size, sampling, prompt template, turns/tools)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How completions are scored."""
+    data: DatasetConfig = field(default_factory=DatasetConfig)
+    """Training prompts."""
+    eval_data: DatasetConfig | None = None
+    """Held-out prompts for evaluation (greedy, one sample each); None disables evaluation."""
+    trainer: TrainerLoopConfig = field(default_factory=TrainerLoopConfig)
+    """Run length, checkpoints, evaluation."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Placement for the launchers (local / Slurm); the trainer itself ignores it."""
+
+    def validate(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path: must name an HF model directory")
+        if self.algorithm.num_minibatches > self.rollout.batch_size:
+            raise ValueError(f"algorithm.num_minibatches: {self.algorithm.num_minibatches} mini-batches of whole groups "
+                             f"need rollout.batch_size >= {self.algorithm.num_minibatches} groups per batch, "
+                             f"got {self.rollout.batch_size}")
+        if self.actor.model.moe_routing_replay:
+            # The learner side exists (megatron/routing.py); the rollout does not carry the
+            # servers' routes yet, so replay would silently replay nothing: refused.
+            raise ValueError("actor.model.moe_routing_replay: routing replay in training needs the servers' routes "
+                             "(SGLang enable_return_routed_experts), which the trainer does not collect yet; set false")
+
+
+def experiment_from_dict(data: dict, where: str = "", *, whole: bool = True) -> ExperimentConfig:
+    """The typed experiment of a YAML's dict (``where`` prefixes error messages).
+
+    ``whole=False`` is for a launch whose learner command is not the trainer (the launcher's
+    stand-ins, a site's own script): its YAML may carry other keys and need not name a model, so
+    only the known sections it has are parsed (types and keys checked, and every setting nested
+    in a section validated); the checks a section or the experiment makes across its fields for
+    the trainer's use (e.g. ``inference``: a model or addresses) are skipped."""
+    data = dict(data or {})
+    # Servers start from the learners' initial weights unless the file says otherwise.
+    inference = data.get("inference")
+    server = inference.get("server") if isinstance(inference, dict) else None
+    if (data.get("model_path") and (inference is None or isinstance(inference, dict))
+            and (server is None or isinstance(server, dict)) and not (server or {}).get("model_path")):
+        data["inference"] = {**(inference or {}), "server": {**(server or {}), "model_path": data["model_path"]}}
+    if whole:
+        return from_dict(ExperimentConfig, data, where)
+    known = {f.name for f in dataclasses.fields(ExperimentConfig)}
+    return from_dict(ExperimentConfig, {k: v for k, v in data.items() if k in known}, where, depth=2)
+
+
+def load_experiment(path: str | None, overrides: list[str] | None = None) -> ExperimentConfig:
+    data, where = load_dict(path, overrides)
+    return experiment_from_dict(data, where)

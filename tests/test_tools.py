@@ -1,0 +1,164 @@
+"""Every script in tools/ runs with small arguments somewhere in the suite (issue 20: one of them
+crashed for weeks and nothing noticed). ``SMOKE`` says where; the scripts no other test runs
+are run here: the pure ones in this process (fast tier), the ones that start processes with
+stand-ins (slow tier), and the ones that need real SGLang servers and the trainer under
+``make test-tools`` (marker ``tools_heavy``: minutes on 2 cores, outside make test's budget).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+
+import pytest
+
+from tests.support.launch import REPO, SGLANG_PYTHON, child_env, needs_sglang, run_checked
+
+# tools/<script> -> the test that runs it ("file::test").
+SMOKE = {
+    "bench_async.py": "test_tools.py::test_bench_simulator_runs_bench_async",
+    "bench_judge.py": "test_tools.py::test_bench_judge",
+    "bench_packing.py": "test_packing.py::test_bench_packing_meets_target",
+    "bench_rewards.py": "test_tools.py::test_bench_rewards",
+    "bench_rollout_client.py": "test_tools.py::test_bench_rollout_client",
+    "bench_simulator.py": "test_tools.py::test_bench_simulator_reuse",
+    "bench_weight_sync.py": "test_tools.py::test_bench_weight_sync",
+    "check_memory_model.py": "test_launch_plan.py::test_estimator_matches_what_the_engine_holds",
+    "convert_hf_to_mcore.py": "test_megatron_model.py::test_conversion_tools_roundtrip_bit_exact",
+    "convert_mcore_to_hf.py": "test_megatron_model.py::test_conversion_tools_roundtrip_bit_exact",
+    "make_smollm2.py": "test_smollm2.py::test_learner_logprobs_equal_hf_on_smollm2",  # make test-real
+    "plot_run.py": "test_tools.py::test_plot_run",
+}
+
+
+def _tool(name: str):
+    """tools/<name>.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", REPO / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _json_line(stdout: str) -> dict:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    assert lines, stdout[-2000:]
+    return json.loads(lines[-1])
+
+
+def test_every_tool_has_a_smoke_test():
+    scripts = {p.name for p in (REPO / "tools").glob("*.py")}
+    assert scripts == set(SMOKE), f"tools/ without a smoke test: {sorted(scripts - set(SMOKE))}"
+    for script, where in SMOKE.items():
+        file, test = where.split("::")
+        src = (REPO / "tests" / file).read_text()
+        assert f"def {test}(" in src, f"{script}: {where} does not exist"
+        if file != "test_tools.py":  # the test elsewhere really starts the script
+            assert f"tools/{script}" in src or f'"{script[:-3]}"' in src or script in src, (script, where)
+
+
+# ---------------------------------------------------------------- fast: in this process
+def test_plot_run(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rows = [{"version": v, "rollout/reward/mean": 0.1 * v, "staleness/mean": 0.5, "staleness/max": 1,
+             "train/clip_frac": 0.01, "train/importance_weight/mean": 1.0} for v in range(1, 6)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "curves.png"
+    assert _tool("plot_run").main([str(metrics), str(out), "--title", "smoke"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+    assert _tool("plot_run").main([str(tmp_path / "missing.jsonl"), str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_bench_simulator_reuse(tmp_path, capsys):
+    """``--reuse`` on runs the simulator itself produced (as tests/test_simulator.py's calibration
+    test does): the tool must hand calibration the bench's batch, group, staleness and warm-up
+    (a wrong one would not reproduce the simulated throughput to 1e-4)."""
+    from areal_mega.simulator import SimConfig, simulate
+    from tests.test_simulator import _det, _rows
+
+    true = _det(0, B=4, G=8, L=8, P=9, peak=3000.0, half=32.0, a=0.11, b=0.0, S=0.035, steps=8)
+    sync = simulate(true)
+    asyn = simulate(SimConfig(**{**true.__dict__, "max_staleness": 2, "max_concurrent": 4}))
+    for run, sim in (("sync0", sync), ("async0", asyn)):
+        (tmp_path / run).mkdir()
+        rows = _rows(11, rollout=sim.gen_wait_s, learner=0.11, sync=0.035, gen=256, total=32 * 17)
+        (tmp_path / run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    bench = {"rounds": 1, "warmup_steps": 2, "batch_size": 4, "group_size": 8, "max_staleness": 2,
+             "max_new_tokens": 8, "sync_samples_per_s": 1.5, "async_samples_per_s": 2.5}
+    (tmp_path / "bench_async.json").write_text(json.dumps(bench) + "\n")
+    assert _tool("bench_simulator").main(["--reuse", "--work-dir", str(tmp_path), "--half-batch", "32"]) == 0
+    res = _json_line(capsys.readouterr().out)
+    assert res["predicted_sync"] == pytest.approx(sync.samples_per_s, rel=1e-4)
+    assert res["predicted_async"] == pytest.approx(asyn.samples_per_s, rel=1e-3)
+    assert (res["measured_sync_bench_async"], res["measured_async_bench_async"]) == (1.5, 2.5)
+    assert _tool("bench_simulator").main(["--reuse", "--work-dir", str(tmp_path / "none")]) == 1
+
+
+# ---------------------------------------------------------------- slow: stand-in processes
+@pytest.mark.slow
+def test_bench_weight_sync(tmp_path):
+    """The real sender path into 2 stand-in receivers (one spawn each): every byte of the tiny
+    model's plan goes over the wire, and the script itself checks both receivers' versions."""
+    from areal_mega.models import get_adapter
+    from areal_mega.parallel import ParallelLayout
+
+    args = ["--mib", "1", "--hidden", "128", "--vocab", "512", "--bucket-mib", "0.25", "--receivers", "2",
+            "--repeats", "1"]
+    r = run_checked([sys.executable, "tools/bench_weight_sync.py", *args], timeout_s=600)
+    res = _json_line(r.stdout)
+    cfg = _tool("bench_weight_sync").llama_like(1, 128, 512)
+    stage = get_adapter(cfg).plan(ParallelLayout(world_size=1))[0]
+    assert res["bytes"] == sum(math.prod(t.shape) * 2 for t in stage.tensors)  # bf16: the whole model, once
+    assert res["receivers"] == 2 and res["buckets"] >= res["bytes"] // (2**20 // 4)
+    assert res["GBps"] > 0 and res["raw_GBps"] > 0 and res["efficiency"] > 0
+
+
+@pytest.mark.slow
+def test_bench_rollout_client():
+    """64 requests through the real InferencePool into the stub, which holds every answer until all
+    have arrived: all 64 must be in flight at once."""
+    r = run_checked([sys.executable, "tools/bench_rollout_client.py", "--num-requests", "64", "--rounds", "1"],
+                    timeout_s=300)
+    res = _json_line(r.stdout)
+    assert res["num_requests"] == res["in_flight_peak"] == 64
+    assert res["cold"]["completed_per_s"] > 0 and res["peak_rss_mib"] > 0
+
+
+@pytest.mark.slow
+def test_bench_rewards():
+    r = run_checked([sys.executable, "tools/bench_rewards.py", "--workers", "1", "--num-math", "6", "--num-code", "1"],
+                    timeout_s=300)
+    res = _json_line(r.stdout)
+    assert (res["num_math"], res["num_code"], res["workers"]) == (6, 1, 1)
+    assert res["math_rewards_per_s"] > 0 and res["sandbox_executions_per_s"] > 0 and res["judge"] is None
+
+
+# ---------------------------------------------------------------- make test-tools: real SGLang
+@pytest.mark.slow
+@pytest.mark.tools_heavy
+@needs_sglang
+def test_bench_judge():
+    r = run_checked([sys.executable, "tools/bench_judge.py", "--sglang-python", SGLANG_PYTHON, "--num-requests", "4",
+                     "--max-concurrent", "2"], timeout_s=900)
+    res = _json_line(r.stdout)
+    assert res["num_requests"] == 4 and res["judge_requests_per_s"] > 0
+    assert sum(res["outcomes"].values()) >= 4, res["outcomes"]
+
+
+@pytest.mark.slow
+@pytest.mark.tools_heavy
+@needs_sglang
+def test_bench_simulator_runs_bench_async(tmp_path):
+    """bench_simulator without --reuse starts bench_async (the real trainer, sync then async, one
+    SGLang CPU server): the smallest run, both modes measured and predicted."""
+    r = run_checked([sys.executable, "tools/bench_simulator.py", "--sglang-python", SGLANG_PYTHON,
+                     "--work-dir", str(tmp_path), "--steps", "2", "--warmup-steps", "1", "--batch-size", "2",
+                     "--group-size", "2", "--max-new-tokens", "4"], timeout_s=1500, env=child_env())
+    res = _json_line(r.stdout)
+    assert res["measured_sync_bench_async"] > 0 and res["measured_async_bench_async"] > 0
+    assert res["predicted_sync"] > 0 and res["predicted_async"] > 0
+    bench = json.loads((tmp_path / "bench_async.json").read_text())
+    assert bench["sync_samples_per_s"] == res["measured_sync_bench_async"]
