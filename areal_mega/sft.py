@@ -87,14 +87,10 @@ def run_sft(config_path: str, overrides: list[str]) -> int:
     from areal_mega.megatron.hf_export import save_hf_checkpoint
     from areal_mega.megatron.engine import MegatronTrainEngine
     from areal_mega.megatron.packing import pack_sequences, shift_to_next_token
-    from areal_mega.megatron.parallel_state import init_model_parallel
-    from areal_mega.parallel import ParallelLayout
+    from areal_mega.megatron.parallel_state import init_learner
 
     cfg = load_config(SFTConfig, config_path, overrides)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    layout = ParallelLayout.build(cfg.parallel, dist.get_world_size())
-    groups = init_model_parallel(layout, backend=backend, seed=cfg.seed)
+    groups, _ = init_learner(cfg.parallel, seed=cfg.seed)
     engine = MegatronTrainEngine.create(cfg.actor, cfg.model_path, groups, hf_weights_dir=cfg.model_path)
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     samples = list(load_dataset(cfg.data, tokenizer=tok).train)

@@ -97,9 +97,19 @@ class ExperimentConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """Placement for the launchers (local / Slurm); the trainer itself ignores it."""
 
+    def __post_init__(self) -> None:
+        # The one place the default is applied: servers start from the learners' initial weights
+        # unless the file says otherwise.
+        if self.model_path and not self.inference.server.model_path:
+            self.inference.server.model_path = self.model_path
+
     def validate(self) -> None:
         if not self.model_path:
             raise ValueError("model_path: must name an HF model directory")
+        if self.workflow.sampling.temperature <= 0:
+            # pi_theta / pi_prox / pi_ref are computed at the behaviour policy's temperature
+            raise ValueError(f"workflow.sampling.temperature: the learner's log-probs are taken at the sampling "
+                             f"temperature, which must be > 0 for training, got {self.workflow.sampling.temperature}")
         if self.algorithm.num_minibatches > self.rollout.batch_size:
             raise ValueError(f"algorithm.num_minibatches: {self.algorithm.num_minibatches} mini-batches of whole groups "
                              f"need rollout.batch_size >= {self.algorithm.num_minibatches} groups per batch, "
@@ -113,8 +123,4 @@ class ExperimentConfig:
 
 def load_experiment(path: str | None, overrides: list[str] | None = None) -> ExperimentConfig:
     data, where = load_dict(path, overrides)
-    # Servers start from the learners' initial weights unless the file says otherwise.
-    server = data.setdefault("inference", {}).setdefault("server", {})
-    if isinstance(server, dict) and not server.get("model_path") and data.get("model_path"):
-        server["model_path"] = data["model_path"]
     return from_dict(ExperimentConfig, data, where)

@@ -21,7 +21,7 @@ from areal_mega.trainer.trainer import Trainer
 
 def run_train(config_path: str, overrides: list[str]) -> int:
     cfg = load_experiment(config_path, overrides)
-    trainer = Trainer.create(cfg)  # process groups, actor engine, weight sync, rank-0 rollout driver
+    trainer = Trainer.create(cfg)  # process groups, actor engine, weight sync, rank-0 rollout service
     actor, m = trainer.actor, trainer.metrics
     if cfg.trainer.eval_at_start:
         trainer.evaluate(step=trainer.start_step)
@@ -30,7 +30,7 @@ def run_train(config_path: str, overrides: list[str]) -> int:
             batch, rollout_stats = trainer.next_batch()  # rank 0 samples, every rank receives
         if cfg.algorithm.decoupled:  # pi_prox: the policy before this update (one extra forward)
             with m.phase("prox_logp"):
-                batch["prox_logprobs"] = actor.forward_logprobs(batch, cfg.workflow.sampling.temperature)
+                batch["prox_logprobs"] = actor.forward_logprobs(batch, trainer.temperature)
         batch.update(trainer.ref_and_values(batch))  # ref log-probs / KL (kl_coef > 0), critic values (gae)
         batch.update(trainer.advantages(batch))
         with m.phase("train"):
