@@ -2,11 +2,11 @@
 
     torchrun --nproc-per-node 2 -m areal_mega.cli train --config configs/grpo_tiny.yaml
 
-Every rank runs :func:`run_train`; rank 0 also drives generation (``RolloutDriver``: the
+Every rank runs :func:`run_train`; rank 0 also drives generation (``RolloutService``: the
 inference pool and the rollout controller in a background thread). The loop:
 
     rollout batch (rank 0, broadcast) -> proximal log-probs -> advantages (both on the whole batch)
-      -> optimizer step(s) (one per mini-batch and epoch) -> weight sync to the servers -> version bump (learner, servers, staleness manager)
+      -> optimizer step(s) (one per mini-batch and epoch) -> weight sync to the servers -> version bump (learner; the rollout service's one counter)
 
 Generation never waits for training: the controller keeps sampling with the current weights
 while the learner trains, bounded by ``rollout.max_staleness``; ``max_staleness = 0`` is

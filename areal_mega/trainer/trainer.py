@@ -87,7 +87,7 @@ class Trainer:
     @property
     def temperature(self) -> float:
         """The learner's temperature (log-probs of the actor, pi_prox and the reference): the
-        behaviour policy's, ``workflow.sampling.temperature`` (> 0: ExperimentConfig.validate),
+        behaviour policy's, ``workflow.sampling`` temperature (> 0: ExperimentConfig.validate),
         read here and nowhere else."""
         return self.cfg.workflow.sampling.temperature
 
