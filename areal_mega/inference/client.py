@@ -22,8 +22,9 @@ Invariants:
 
 Every call is built by ``inference.sglang_api`` (the one route table, shared with weight sync);
 capabilities come from its one detection. Weight sync talks to the servers itself (blocking
-``SGLangClient``, from its sender threads) and tells the pool through ``set_version``; the pool
-only pauses/continues generation around it and loads disk checkpoints for restarted servers.
+``SGLangClient``, from its sender threads, which may live on other learner ranks than the pool);
+the pool only pauses/continues generation around it. The version it reads is the rollout
+service's counter (``PolicyVersion``), moved by the service after each sync.
 """
 
 from __future__ import annotations

@@ -229,11 +229,10 @@ class Trainer:
                 "perf/tokens_per_s": batch["input_ids"].numel() / max(dt, 1e-9)}
 
     def sync_weights(self, version: int) -> SyncStats:
-        """Push the weights as ``version`` to every live server and bump the version on the
-        generation side (collective). Rank 0 pauses generation through the pool (so the pool
-        knows its servers are paused, not dead) and picks the targets after a fresh health pass:
-        a dead server is skipped, a recovered one is brought up to date before it takes traffic
-        again; a server dying mid-sync costs one retry."""
+        """Push the weights as ``version`` to every live server (collective). The rollout service
+        (rank 0) pauses generation and names the targets (``begin_update``: a dead server is
+        skipped, a recovered one is brought up to date before it takes traffic again), then moves
+        its one version counter (``end_update``); a server dying mid-sync costs one retry."""
         gen = self.generation
         synced = False
         try:
