@@ -168,3 +168,62 @@ def test_next_batch_asks_for_a_resync_when_every_server_waits_for_weights():
         ex.shutdown(wait=False)
         svc.close()
         f.close()
+
+
+class _RecordingSync:
+    """Weight sync stand-in: records targets; fails the first ``fail`` syncs."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.fail, self.server_urls, self.calls = fail, [], []
+
+    def set_targets(self, urls):
+        self.server_urls = list(urls)
+
+    def sync(self, version):
+        from areal_mega.weight_sync.sync import SyncStats, WeightSyncError
+
+        self.calls.append((version, list(self.server_urls)))
+        if self.fail:
+            self.fail -= 1
+            raise WeightSyncError("test: a server died mid-sync")
+        return SyncStats(version=version, bytes=0, seconds=0.0, num_buckets=0)
+
+    def close(self):
+        pass
+
+
+def test_trainer_sync_weights_goes_through_the_service():
+    """Trainer.sync_weights (world of one, gloo): targets come from begin_update, the version moves
+    only after a sync succeeded (one retry after a WeightSyncError), a sync that fails twice moves
+    nothing and still resumes generation."""
+    import types
+
+    import torch.distributed as dist
+
+    from areal_mega.trainer.trainer import Trainer
+    from areal_mega.utils.procs import free_port
+    from areal_mega.weight_sync.sync import WeightSyncError
+
+    if dist.is_initialized():
+        pytest.skip("a default process group exists in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    f = Fakes(2)
+    svc = f.service()
+    try:
+        cfg = types.SimpleNamespace(weight_sync=types.SimpleNamespace(server_wait_s=0))
+        ws = _RecordingSync(fail=1)
+        t = Trainer(cfg=cfg, groups=types.SimpleNamespace(rank=0), actor=None, weight_sync=ws, metrics=None,
+                    ctrl_group=dist.group.WORLD, start_step=0, generation=svc)
+        for fk in f.fakes:
+            fk.weight_version = "1"
+        t.sync_weights(version=1)
+        assert ws.calls == [(1, svc.pool.urls), (1, svc.pool.urls)]  # the retry resent everything
+        assert svc.version == 1 and not any(fk.paused for fk in f.fakes)
+        ws.fail = 2
+        with pytest.raises(WeightSyncError):
+            t.sync_weights(version=2)
+        assert svc.version == 1 and not any(fk.paused for fk in f.fakes)  # nothing moved, generation resumed
+    finally:
+        svc.close()
+        f.close()
+        dist.destroy_process_group()
