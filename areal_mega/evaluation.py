@@ -9,12 +9,12 @@ Used by three callers, all through :func:`evaluate_items`:
   (converted first by the one HF export path, ``megatron/hf_export.py``), on the config's
   ``eval_data`` (else the held-out split of ``data``), through SGLang servers it starts with the
   pool's own launcher (``InferencePool.launch``) or running ones (``inference.addresses``);
-* the trainer's periodic evaluation (``Trainer.evaluate`` -> ``RolloutDriver.evaluate``);
+* the trainer's periodic evaluation (``Trainer.evaluate`` -> ``RolloutService.evaluate``);
 * the demo's before/after numbers (which read the trainer's ``eval.jsonl``).
 
-What is scored is exactly what training scores: the config's workflow (prompt already
-templated by ``data`` -- chat template included -- tokenizer EOS as stop token) and the reward
-from ``build_reward(cfg.reward)``. An item is *correct* when its reward is >= 1.
+What is scored is exactly what training scores: the trainer's episode stack
+(``workflows/stack.py``: the config's workflow -- prompt already templated by ``data``, chat
+template included, tokenizer EOS as stop token -- its tools and the reward of ``cfg.reward``). An item is *correct* when its reward is >= 1.
 
 Numbers (per evaluation over ``n`` items):
 
@@ -91,22 +91,6 @@ class EvalSpec:
         if self.pass_k:
             return tuple(self.pass_k)
         return tuple(sorted({1, self.num_samples})) if self.num_samples else ()
-
-
-def eval_workflows(workflow_cfg: Any, tokenizer: Any, reward: Any, spec: EvalSpec, tools: Any = None) -> tuple[Any, Any]:
-    """(greedy workflow: one sample at temperature 0, sampling workflow for pass@k or None):
-    the training workflow with only group size and temperature changed (``tools``: the tool
-    registry of workflow kind "tool")."""
-    from areal_mega.workflows import build_workflow
-
-    greedy = dataclasses.replace(workflow_cfg, group_size=1,
-                                 sampling=dataclasses.replace(workflow_cfg.sampling, temperature=0.0))
-    sampled = None
-    if spec.num_samples:
-        sampled = dataclasses.replace(workflow_cfg, group_size=spec.num_samples,
-                                      sampling=dataclasses.replace(workflow_cfg.sampling, temperature=spec.temperature))
-    return (build_workflow(greedy, tokenizer, reward, tools),
-            build_workflow(sampled, tokenizer, reward, tools) if sampled is not None else None)
 
 
 async def evaluate_items(engine: Any, greedy: Any, items: Sequence[dict[str, Any]], spec: EvalSpec,
@@ -215,8 +199,8 @@ def run_eval(config: str, overrides: list[str], *, model: str, out: str, spec: E
     from transformers import AutoTokenizer
 
     from areal_mega.inference.client import InferencePool
-    from areal_mega.reward import build_reward
     from areal_mega.experiment import load_experiment
+    from areal_mega.workflows.stack import EpisodeStack
 
     spec.validate()
     out_dir = Path(out)
@@ -231,31 +215,21 @@ def run_eval(config: str, overrides: list[str], *, model: str, out: str, spec: E
         raise e if isinstance(e, UserError) else EvalError(f"eval_data: {e}") from None
     if not items:
         raise EvalError("eval_data: no items to evaluate (set eval_data, or data.num_eval > 0)")
-    tools = None
-    if cfg.workflow.kind == "tool":  # the same tool registry the trainer builds
-        from areal_mega.agent_tools import build_tools
-
-        tools = build_tools(cfg.workflow.tools, timeout_s=cfg.workflow.tool_timeout_s,
-                            max_output_chars=cfg.workflow.tool_max_output_chars)
 
     async def main() -> tuple[dict[str, float], list[dict[str, Any]]]:
         pool = await InferencePool.launch(cfg.inference)
-        reward = None
+        stack = None
         try:
-            # as the trainer builds it: a judge on the policy's servers uses this pool
-            reward = build_reward(cfg.reward, policy_engine=pool, policy_tokenizer=tok)
-            greedy, sampled = eval_workflows(cfg.workflow, tok, reward, spec, tools)
+            # the trainer's episode stack (a judge on the policy's servers uses this pool)
+            stack = EpisodeStack.build(str(model_dir), cfg.workflow, cfg.reward, policy_engine=pool)
+            greedy, sampled = stack.eval_workflows(num_samples=spec.num_samples, temperature=spec.temperature)
             return await evaluate_items(pool, greedy, items, spec, sampled)
         finally:
-            if reward is not None:
-                reward.close()
+            if stack is not None:
+                stack.close()
             await pool.close()
 
-    try:
-        summary, rows = asyncio.run(main())
-    finally:
-        if tools is not None:
-            tools.close()
+    summary, rows = asyncio.run(main())
     summary = {"model": str(model_dir), "config": config, **summary,
                "temperature": spec.temperature if spec.num_samples else None, "num_samples": spec.num_samples}
     with open(out_dir / "items.jsonl", "w") as f:

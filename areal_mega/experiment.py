@@ -65,9 +65,19 @@ class ExperimentConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """Placement for the launchers (local / Slurm); the trainer itself ignores it."""
 
+    def __post_init__(self) -> None:
+        # The one place the default is applied: servers start from the learners' initial weights
+        # unless the file says otherwise.
+        if self.model_path and not self.inference.server.model_path:
+            self.inference.server.model_path = self.model_path
+
     def validate(self) -> None:
         if not self.model_path:
             raise ValueError("model_path: must name an HF model directory")
+        if self.workflow.sampling.temperature <= 0:
+            # pi_theta / pi_prox / pi_ref are computed at the behaviour policy's temperature
+            raise ValueError(f"workflow.sampling.temperature: the learner's log-probs are taken at the sampling "
+                             f"temperature, which must be > 0 for training, got {self.workflow.sampling.temperature}")
         if self.algorithm.num_minibatches > self.rollout.batch_size:
             raise ValueError(f"algorithm.num_minibatches: {self.algorithm.num_minibatches} mini-batches of whole groups "
                              f"need rollout.batch_size >= {self.algorithm.num_minibatches} groups per batch, "
@@ -87,13 +97,7 @@ def experiment_from_dict(data: dict, where: str = "", *, whole: bool = True) -> 
     only the known sections it has are parsed (types and keys checked, and every setting nested
     in a section validated); the checks a section or the experiment makes across its fields for
     the trainer's use (e.g. ``inference``: a model or addresses) are skipped."""
-    data = dict(data or {})
-    # Servers start from the learners' initial weights unless the file says otherwise.
-    inference = data.get("inference")
-    server = inference.get("server") if isinstance(inference, dict) else None
-    if (data.get("model_path") and (inference is None or isinstance(inference, dict))
-            and (server is None or isinstance(server, dict)) and not (server or {}).get("model_path")):
-        data["inference"] = {**(inference or {}), "server": {**(server or {}), "model_path": data["model_path"]}}
+    data = dict(data or {})  # the model_path default: ExperimentConfig.__post_init__
     if whole:
         return from_dict(ExperimentConfig, data, where)
     known = {f.name for f in dataclasses.fields(ExperimentConfig)}

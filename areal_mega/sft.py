@@ -25,9 +25,8 @@ from areal_mega.config import load_config
 from areal_mega.data import DatasetConfig, load_dataset
 from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine
 from areal_mega.megatron.hf_export import save_hf_checkpoint
-from areal_mega.megatron.parallel_state import init_model_parallel
-from areal_mega.parallel import ParallelConfig, ParallelLayout
-from areal_mega.utils.distributed import resolve_backend
+from areal_mega.megatron.parallel_state import init_learner
+from areal_mega.parallel import ParallelConfig
 
 
 @dataclass
@@ -90,10 +89,7 @@ def run_sft(config_path: str, overrides: list[str]) -> int:
     from transformers import AutoTokenizer
 
     cfg = load_config(SFTConfig, config_path, overrides)
-    backend = resolve_backend(cfg.trainer.backend)
-    dist.init_process_group(backend)
-    layout = ParallelLayout.build(cfg.parallel, dist.get_world_size())
-    groups = init_model_parallel(layout, backend=backend, seed=cfg.seed)
+    groups, _ = init_learner(cfg.parallel, backend=cfg.trainer.backend, seed=cfg.seed)
     engine = MegatronTrainEngine.create(cfg.actor, cfg.model_path, groups, hf_weights_dir=cfg.model_path)
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     samples = list(load_dataset(cfg.data, tokenizer=tok).train)

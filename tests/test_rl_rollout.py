@@ -211,31 +211,40 @@ def test_dynamic_filter_oversamples_and_progress_only_on_tty():
 
 
 def test_thread_mode_and_error_propagation():
+    """The product's threading: the controller's loop in one thread, the trainer's
+    ``set_version`` from another (here a worker thread of the loop)."""
     engine = FakeEngine(random.Random(2))
     cfg = RolloutConfig(batch_size=2, max_staleness=1, show_progress=False)
-    ctrl = RolloutController(engine, GroupWorkflow(), dataset(3), cfg)
-    ctrl.start()
-    try:
-        for v in range(4):  # 4 * 2 episodes over 3 prompts: cycles epochs
-            b = ctrl.get_batch(timeout=10)
-            assert b.version == v and len(b.trajectories) == 4
-            engine.set_version(v + 1)
-            ctrl.set_version(v + 1)
-        assert ctrl.epoch >= 2
-    finally:
-        ctrl.close()
+
+    async def run_versions():
+        ctrl = RolloutController(engine, GroupWorkflow(), dataset(3), cfg)
+        await ctrl.astart()
+        try:
+            for v in range(4):  # 4 * 2 episodes over 3 prompts: cycles epochs
+                b = await asyncio.wait_for(ctrl.aget_batch(), 10)
+                assert b.version == v and len(b.trajectories) == 4
+                engine.set_version(v + 1)
+                await asyncio.to_thread(ctrl.set_version, v + 1)
+            assert ctrl.epoch >= 2
+        finally:
+            await ctrl.aclose()
+
+    asyncio.run(run_versions())
 
     class Boom(RolloutWorkflow):
         async def arun_episode(self, engine, data):
             raise KeyError("answer")
 
-    ctrl = RolloutController(engine, Boom(), dataset(3), cfg)
-    ctrl.start()
-    try:
-        with pytest.raises(RuntimeError, match="episode failed"):
-            ctrl.get_batch(timeout=10)
-    finally:
-        ctrl.close()
+    async def run_boom():
+        ctrl = RolloutController(engine, Boom(), dataset(3), cfg)
+        await ctrl.astart()
+        try:
+            with pytest.raises(RuntimeError, match="episode failed"):
+                await asyncio.wait_for(ctrl.aget_batch(), 10)
+        finally:
+            await ctrl.aclose()
+
+    asyncio.run(run_boom())
 
 
 def test_pause_stops_admission():

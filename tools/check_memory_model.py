@@ -244,13 +244,14 @@ def measure(name, tp, pp, sp, recompute, method, num_layers, hf_dir) -> dict:
 def main() -> None:
     import torch.distributed as dist
 
+    from areal_mega.megatron.parallel_state import init_process_group_for_script
     from tests.support.models import save_tiny_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="also write the JSON lines here")
     ap.add_argument("--only", help="comma-separated config names (default: all)")
     args = ap.parse_args()
-    dist.init_process_group("gloo")
+    init_process_group_for_script("gloo")  # the learners' one distributed start (torchrun world)
     work = tempfile.mkdtemp(prefix="check_memory_model_") if dist.get_rank() == 0 else None
     box = [work]
     dist.broadcast_object_list(box, src=0)

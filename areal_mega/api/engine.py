@@ -2,7 +2,8 @@
 (``InferenceEngine``). Rollout methods stay off the train engine and vice versa. They meet only
 in weight sync (``areal_mega.weight_sync``), which is not a contract of either: it reads the
 learner's model chunks through the family adapter, talks to the servers through
-``inference.sglang_api``, and then both sides are told the new version (``set_version``)."""
+``inference.sglang_api``, and takes its targets from the generation service
+(``api/generation.py``), which then moves the generation side's one version counter."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ class TrainEngine(ABC):
         """Per-token log-prob of each next token (aligned to input_ids, last of each seq = 0)."""
 
     @abstractmethod
-    def train_batch(self, batch: dict[str, Any], loss_fn: Callable[..., Any]) -> dict[str, float]:
-        """One optimizer step over ``batch`` split into token-budget micro-batches."""
+    def train_batch(self, batch: dict[str, Any], loss_fn: Callable[..., Any], temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step over ``batch`` split into token-budget micro-batches; ``loss_fn``
+        sees log-probs at ``temperature`` (the sampling temperature: > 0). Stats combined by
+        ``areal_mega.utils.stats``."""
 
     @abstractmethod
     def save(self, path: str) -> None:

@@ -22,8 +22,9 @@ Invariants:
 
 Every call is built by ``inference.sglang_api`` (the one route table, shared with weight sync);
 capabilities come from its one detection. Weight sync talks to the servers itself (blocking
-``SGLangClient``, from its sender threads) and tells the pool through ``set_version``; the pool
-only pauses/continues generation around it and loads disk checkpoints for restarted servers.
+``SGLangClient``, from its sender threads, which may live on other learner ranks than the pool);
+the pool only pauses/continues generation around it. The version it reads is the rollout
+service's counter (``PolicyVersion``), moved by the service after each sync.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any, Awaitable, Callable, Sequence
 import aiohttp
 
 from areal_mega.api.engine import InferenceEngine
+from areal_mega.api.generation import PolicyVersion
 from areal_mega.api.io import GenerationRequest, GenerationResult, SamplingParams
 from areal_mega.inference import sglang_api as api
 from areal_mega.inference.config import InferenceConfig
@@ -158,14 +160,17 @@ class InferencePool(InferenceEngine):
     Use ``pool = await InferencePool.launch(cfg)`` (starts servers; ``close()`` stops them) or
     ``InferencePool(cfg, servers_or_addresses)`` + ``await pool.start()``.
 
-    ``resync`` is the hook that brings a restarted server to the current weights before it takes
-    traffic again; the weight-sync layer sets it. The default reloads the last
-    ``update_weights_from_disk`` checkpoint, if any (a restart already loads the initial model
-    under ``client.initial_version``).
+    ``resync`` (given at construction by whoever owns the weights: the rollout service) brings a
+    server that rejoins with weights older than ``version`` up to date before it takes traffic
+    again. Without one, the pool reloads its last ``update_weights_from_disk`` checkpoint, if
+    any (a restart already loads the initial model under ``client.initial_version``).
+    ``version`` is the counter the pool reads (the rollout service's :class:`PolicyVersion`,
+    shared with the staleness manager); default: a counter of its own.
     """
 
     def __init__(self, cfg: InferenceConfig, servers: Sequence[SGLangServer | str] = (),
-                 *, own_servers: bool = False) -> None:
+                 *, own_servers: bool = False, version: PolicyVersion | None = None,
+                 resync: ResyncHook | None = None) -> None:
         self.cfg = cfg
         ccfg = cfg.client
         if not servers:
@@ -176,9 +181,9 @@ class InferencePool(InferenceEngine):
             ServerHandle(i, s.address, s) if isinstance(s, SGLangServer) else ServerHandle(i, s)
             for i, s in enumerate(servers)
         ]
-        self.resync: ResyncHook | None = None
+        self._resync = resync
         self._own_servers = own_servers
-        self._version = ccfg.initial_version
+        self.version = version if version is not None else PolicyVersion(ccfg.initial_version)
         self._last_disk_update: tuple[str, int] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._monitor_task: asyncio.Task | None = None
@@ -198,15 +203,16 @@ class InferencePool(InferenceEngine):
 
     # -- lifecycle ------------------------------------------------------------------------------
     @classmethod
-    async def launch(cls, cfg: InferenceConfig) -> "InferencePool":
+    async def launch(cls, cfg: InferenceConfig, *, version: PolicyVersion | None = None,
+                     resync: ResyncHook | None = None) -> "InferencePool":
         """Start ``cfg.num_servers`` SGLang servers (in parallel) and a pool that owns them, or
         connect to ``cfg.addresses`` when set."""
         if cfg.addresses:
-            pool = cls(cfg, cfg.addresses)
+            pool = cls(cfg, cfg.addresses, version=version, resync=resync)
             await pool.start()
             return pool
         servers = make_servers(cfg)
-        pool = cls(cfg, servers, own_servers=True)
+        pool = cls(cfg, servers, own_servers=True, version=version, resync=resync)
         try:
             for s in servers:
                 s.start(weight_version=cfg.client.initial_version)
@@ -261,16 +267,20 @@ class InferencePool(InferenceEngine):
 
     # -- InferenceEngine ------------------------------------------------------------------------
     def get_version(self) -> int:
-        return self._version
+        return self.version.get()
 
     def set_version(self, version: int) -> None:
-        """Record the policy version the servers now hold (the weight-sync layer calls this after
-        pushing weights tagged with ``version``). Restarted servers are resynced to it."""
-        self._version = version
+        """Record the policy version the servers now hold (whoever pushed weights tagged with
+        ``version``: the rollout service after a weight sync). Rejoining servers are resynced to it."""
+        self.version.set(version)
 
     def healthy_servers(self) -> list[ServerHandle]:
         """Servers in rotation now (the ones a weight update must reach)."""
         return [h for h in self.servers if h.healthy]
+
+    @property
+    def urls(self) -> list[str]:
+        return [h.url for h in self.servers]
 
     @property
     def paused(self) -> bool:
@@ -293,7 +303,7 @@ class InferencePool(InferenceEngine):
         default resync of restarted servers."""
         await self._on_all(lambda h: h.send(api.update_weights_from_disk(model_path, version)))
         self._last_disk_update = (model_path, version)
-        self._version = version
+        self.version.set(version)
 
     @property
     def capabilities(self) -> api.ServerCapabilities:
@@ -495,8 +505,8 @@ class InferencePool(InferenceEngine):
 
     async def _rejoin(self, h: ServerHandle) -> None:
         await h.detect_capabilities()
-        if self._parse_version(await h.get_weight_version()) != self._version:
-            await (self.resync or self._default_resync)(h)
+        if self._parse_version(await h.get_weight_version()) != self.version.get():
+            await (self._resync or self._default_resync)(h)
         async with self._pause_lock:
             if self.paused:
                 await h.send(api.pause_generation(self.cfg.client.pause_mode))
@@ -512,7 +522,7 @@ class InferencePool(InferenceEngine):
             logger.warning(
                 "server %s restarted with the initial weights (version %d) while the pool is at "
                 "version %d and no resync hook is set: its tokens carry the old version",
-                h.address, self.cfg.client.initial_version, self._version)
+                h.address, self.cfg.client.initial_version, self.version.get())
 
     async def check_health(self) -> None:
         """One health pass, now: servers that exited or do not answer leave the rotation and are

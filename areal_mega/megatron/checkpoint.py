@@ -30,13 +30,11 @@ On disk, one directory:
                         OptimizerParamScheduler.state_dict()}  -- with contents "optimizer"
       extra             the caller's (the trainer: model_path, critic subdirectory)
 
-The trainer's run checkpoint (:func:`save_run_checkpoint`) adds the rest of the run's state:
-``run_state.json`` (rank 0: the prompt stream's position and the prompts to give back, see
-``areal_mega.data.PromptStream``) and ``rng/rank<R>.pt`` (every rank: Python, NumPy and torch
-generator states), written into the same staging directory, so they are part of the same commit.
+The trainer's run checkpoint (``areal_mega.trainer.run_state``) adds the rest of the run's
+state into the same staging directory (:func:`staged`), so it is part of the same commit.
 
 A half-written checkpoint is never loaded: :func:`save_checkpoint` (and the trainer's
-:func:`save_run_checkpoint`) write into ``.<name>.partial`` next to the target and rank 0
+``save_run_checkpoint``) write into ``.<name>.partial`` next to the target and rank 0
 renames it into place after a barrier; a directory without ``areal_mega.json`` is incomplete.
 ``latest`` is a relative symlink replaced by rename. Resume (:func:`find_resume_checkpoint`)
 takes the newest complete ``stepNNNNNN`` and skips incomplete ones.
@@ -51,7 +49,6 @@ import json
 import os
 import re
 import shutil
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -383,98 +380,3 @@ def find_resume_checkpoint(root: str | Path) -> tuple[Path | None, list[Path]]:
                 continue
             (done.append((int(m.group(1)), d)) if is_complete(d) else skipped.append(d))
     return (max(done)[1] if done else None), sorted(skipped)
-
-
-RUN_STATE_FILE = "run_state.json"
-"""Rank 0's run state in a trainer checkpoint (prompt stream position, prompts to give back)."""
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's generator states: Python, NumPy, torch CPU (and CUDA where present)."""
-    import random
-
-    import numpy as np
-    import torch
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-    import torch
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def read_run_state(path: str | Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """(rank 0's run state or None, this rank's RNG state or None) of a trainer checkpoint
-    (None for checkpoints written without them, e.g. converted ones)."""
-    import torch
-
-    path = Path(path)
-    run = json.loads((path / RUN_STATE_FILE).read_text()) if (path / RUN_STATE_FILE).is_file() else None
-    rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
-    rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
-    return run, rng
-
-
-def save_run_checkpoint(root: str | Path, step: int, actor: Any, critic: Any = None, *,
-                        extra: dict[str, Any] | None = None, run_state: dict[str, Any] | None = None) -> Path:
-    """The trainer's checkpoint (collective): ``root/stepNNNNNN`` = the actor engine's checkpoint
-    with the critic's in ``critic/``, rank 0's ``run_state`` and every rank's RNG states, staged
-    and renamed into place as ONE directory, then ``root/latest`` moved to it.
-    ``actor``/``critic``: MegatronTrainEngine (anything with ``save(path, step=, extra=,
-    atomic=)``). Returns the checkpoint's path."""
-    import torch
-
-    root = Path(root)
-    final = root / step_dir_name(step)
-    extra = {**(extra or {}), "critic": "critic" if critic is not None else None}
-    with staged(final, replace=True) as stage:
-        actor.save(str(stage), step=step, extra=extra, atomic=False)
-        if critic is not None:
-            critic.save(str(stage / "critic"), step=step, atomic=False)
-        # After the engines (megatron refuses a non-empty target); all of it inside the stage,
-        # which becomes the checkpoint in one rename.
-        if dist.get_rank() == 0:
-            (stage / "rng").mkdir(exist_ok=True)
-            if run_state is not None:
-                (stage / RUN_STATE_FILE).write_text(json.dumps(run_state, indent=1))
-        dist.barrier()
-        torch.save(rng_state(), stage / "rng" / f"rank{dist.get_rank()}.pt")
-    if dist.get_rank() == 0:
-        update_latest(root, final)
-    dist.barrier()
-    return final
-
-
-def resume_run_checkpoint(root: str | Path, actor: Any, critic: Any = None, *, group: Any = None) -> Path | None:
-    """The trainer's resume (collective): rank 0 picks :func:`find_resume_checkpoint` in ``root``
-    and tells every rank (over ``group``, which must carry Python objects: gloo), which loads the
-    actor (and the critic from its ``critic/``). Returns the loaded path, None when there is
-    none (nothing is loaded)."""
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        path, skipped = find_resume_checkpoint(root)
-        for s in skipped:
-            print(f"resume: skipping {s} (incomplete: no {METADATA_FILE})", file=sys.stderr, flush=True)
-        if path is not None:
-            print(f"resume: loading {path}", file=sys.stderr, flush=True)
-        box[0] = str(path) if path is not None else None
-    dist.broadcast_object_list(box, src=0, group=group)
-    if box[0] is None:
-        return None
-    path = Path(box[0])
-    actor.load(str(path))
-    if critic is not None:
-        critic.load(str(path / "critic"))
-    return path

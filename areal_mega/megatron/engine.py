@@ -51,6 +51,7 @@ import torch.distributed as dist
 from areal_mega.api.engine import TrainEngine
 from areal_mega.megatron import compat
 from areal_mega.megatron.logprobs import vocab_parallel_logprobs
+from areal_mega.utils.stats import LAST, reduction
 from areal_mega.megatron.model import (
     MegatronModel, MegatronModelConfig, build_model, check_context_parallel, load_hf_weights, packed_causal_mask,
     run_schedule,
@@ -387,9 +388,9 @@ class MegatronTrainEngine(TrainEngine):
         Returns (on every rank): ``loss`` (sum of loss_fn shares over all micro-batches and DP
         ranks = the global objective), ``grad_norm`` (before clipping), ``lr`` (used by this
         step), ``num_microbatches`` (per DP rank), ``num_tokens`` (global), ``step``, and
-        loss_fn's stats reduced over all micro-batches and DP ranks: keys ending in "/max" or
-        "/min" by max/min, "n_tokens" by sum, the rest by an ``n_tokens``-weighted mean when
-        stats contain "n_tokens", else a plain mean over micro-batches.
+        loss_fn's stats reduced over all micro-batches and DP ranks by the one rule of
+        ``areal_mega.utils.stats`` (totals summed, "/max" "/min" by max/min, the rest by an
+        ``n_tokens``-weighted mean when stats contain "n_tokens", else a plain mean).
         """
         self._require_trainable("train_batch")
         if temperature <= 0:
@@ -436,25 +437,17 @@ class MegatronTrainEngine(TrainEngine):
         if self.groups.is_last_stage:
             records = [{k: v.float().cpu() for k, v in r.items()} for r in records]
             keys = sorted(records[0])
-            weights = [r["n_tokens"] if "n_tokens" in r else torch.ones(()) for r in records]
-            sums, maxs, mins = [], [], []
-            for k in keys:
-                vals = torch.stack([r[k] for r in records])
-                if k in ("loss", "n_tokens"):
-                    sums.append(vals.sum())
-                elif k.endswith("/max"):
-                    maxs.append(vals.max())
-                elif k.endswith("/min"):
-                    mins.append(vals.min())
-                else:
-                    sums.append((vals * torch.stack(weights)).sum())
-            sum_keys = [k for k in keys if k in ("loss", "n_tokens") or not (k.endswith("/max") or k.endswith("/min"))]
-            max_keys = [k for k in keys if k.endswith("/max")]
-            min_keys = [k for k in keys if k.endswith("/min")]
-            total_w = torch.stack(weights).sum()
-            s = torch.stack(sums + [total_w]) if sums else total_w.reshape(1)
-            mx = torch.stack(maxs) if maxs else torch.zeros(0)
-            mn = torch.stack(mins) if mins else torch.zeros(0)
+            how = {k: reduction(k) for k in keys}
+            assert "last" not in how.values(), f"loss_fn stats must not use the names {sorted(LAST)}"
+            weights = torch.stack([r["n_tokens"] if "n_tokens" in r else torch.ones(()) for r in records])
+            sum_keys = [k for k in keys if how[k] in ("sum", "mean")]
+            max_keys = [k for k in keys if how[k] == "max"]
+            min_keys = [k for k in keys if how[k] == "min"]
+            # Means travel as weighted sums (plus the total weight) through one all-reduce.
+            sums = [torch.stack([r[k] for r in records]) * (1.0 if how[k] == "sum" else weights) for k in sum_keys]
+            s = torch.stack([v.sum() for v in sums] + [weights.sum()])
+            mx = torch.stack([torch.stack([r[k] for r in records]).max() for k in max_keys]) if max_keys else torch.zeros(0)
+            mn = torch.stack([torch.stack([r[k] for r in records]).min() for k in min_keys]) if min_keys else torch.zeros(0)
             if self.layout.dp > 1:
                 s, mx, mn = s.to(self._device), mx.to(self._device), mn.to(self._device)
                 dist.all_reduce(s, group=self.groups.dp)
@@ -466,7 +459,7 @@ class MegatronTrainEngine(TrainEngine):
             total_w = float(s[-1])
             res: dict[str, float] = {}
             for i, k in enumerate(sum_keys):
-                res[k] = float(s[i]) if k in ("loss", "n_tokens") else float(s[i]) / max(total_w, 1e-12)
+                res[k] = float(s[i]) if how[k] == "sum" else float(s[i]) / max(total_w, 1e-12)
             res.update({k: float(mx[i]) for i, k in enumerate(max_keys)})
             res.update({k: float(mn[i]) for i, k in enumerate(min_keys)})
             out[0] = res

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.megatron import cpu_compat
-from areal_mega.parallel import ParallelLayout, RankCoords
+from areal_mega.parallel import ParallelConfig, ParallelLayout, RankCoords
+from areal_mega.utils.distributed import resolve_backend
 from areal_mega.utils.procs import free_port
 
 
@@ -203,3 +204,20 @@ def init_process_group_for_script(backend: str = "gloo") -> bool:
         return True
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return True
+
+
+def init_learner(parallel: ParallelConfig, *, backend: str = "auto", seed: int = 1) -> tuple[ModelParallelGroups, Any]:
+    """The one distributed start of a learner process (trainer, sft, tools): join the torchrun
+    world (or form a world of one, :func:`init_process_group_for_script`), pin this rank's GPU,
+    build the validated layout and megatron's groups. Returns (groups, ctrl): ``ctrl`` carries
+    Python objects (batches, URLs), so it is gloo even when the learners use NCCL."""
+    import os
+
+    backend = resolve_backend(backend)
+    init_process_group_for_script(backend)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # torchrun's local rank
+    layout = ParallelLayout.build(parallel, dist.get_world_size())
+    groups = init_model_parallel(layout, backend=backend, seed=seed)
+    ctrl = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+    return groups, ctrl

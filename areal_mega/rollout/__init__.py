@@ -3,7 +3,7 @@
 * ``config``: RolloutConfig (``rollout.*``)
 * ``staleness``: StalenessManager, the bounded-staleness admission rule
 * ``controller``: RolloutController, episodes in flight feeding finished batches
-* ``driver``: RolloutDriver, the inference pool + controller on a background event loop (rank 0)
+* ``service``: RolloutService, the generation side behind next_batch / begin_update / end_update (rank 0)
 * ``batch``: trajectories -> packed batch dict, broadcast to every learner rank
 
 Submodules are imported explicitly (``from areal_mega.rollout.staleness import ...``).

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from areal_mega.rollout.staleness import check_staleness_args
+
 __all__ = ["RolloutConfig"]
 
 
@@ -29,12 +31,7 @@ class RolloutConfig:
     forever."""
 
     def validate(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size: must be >= 1, got {self.batch_size}")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
-        if self.max_concurrent < 1:
-            raise ValueError(f"max_concurrent: must be >= 1, got {self.max_concurrent}")
+        check_staleness_args(self.batch_size, self.max_staleness, self.max_concurrent)
         if self.max_consecutive_rejects < 1:
             raise ValueError(f"max_consecutive_rejects: must be >= 1, got {self.max_consecutive_rejects}")
         if self.batch_timeout_s < 0:

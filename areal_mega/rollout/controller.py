@@ -1,6 +1,6 @@
 """Asynchronous rollout controller: runs a workflow over a dataset and feeds the trainer.
 
-Dataflow (one asyncio loop, in a background thread or the caller's loop)::
+Dataflow (one asyncio loop: the rollout service's, in its own thread)::
 
     dataset ──> producer ──admit?──> episode tasks ──> workflow.arun_episode(engine, data)
                    ^   (StalenessManager +                 │
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import sys
 import threading
 import time
@@ -43,7 +42,7 @@ import numpy as np
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
 from areal_mega.rollout.config import RolloutConfig
-from areal_mega.rollout.staleness import StalenessManager, can_form_batch, take_oldest
+from areal_mega.rollout.staleness import PolicyVersion, StalenessManager, can_form_batch, take_oldest
 
 
 class StalenessViolation(RuntimeError):
@@ -94,10 +93,9 @@ class RolloutController:
     carries its prompt's position, and :meth:`in_flight_positions` says which prompts a
     checkpoint must give back) or any re-iterable of samples.
 
-    Synchronous callers (the trainer): ``start()``, then ``get_batch()`` / ``set_version(v)`` /
-    ``pause()`` / ``resume()`` / ``close()`` from any thread. Async callers: ``await astart()``
-    and ``await aget_batch()`` in their own loop (which may run in another thread:
-    ``set_version`` / ``pause`` / ``resume`` are safe to call from any thread).
+    ``await astart()``, ``await aget_batch()``, ``await aclose()`` in one event loop (the rollout
+    service's, in its own thread); ``set_version`` / ``pause`` / ``resume`` are safe to call
+    from any thread.
     """
 
     def __init__(
@@ -108,7 +106,7 @@ class RolloutController:
         config: RolloutConfig,
         *,
         staleness: StalenessManager | None = None,
-        version: int = 0,
+        version: int | PolicyVersion = 0,
         accept: Callable[[list[Trajectory]], bool] | None = None,
         progress_stream: TextIO | None = None,
     ) -> None:
@@ -144,7 +142,6 @@ class RolloutController:
         self._accepted_since_batch = 0
         self._last_progress = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._producer: asyncio.Task | None = None
         self._loop_thread_id: int | None = None
 
@@ -157,22 +154,6 @@ class RolloutController:
         self._loop_thread_id = threading.get_ident()
         self._producer = asyncio.create_task(self._produce())
 
-    def start(self) -> None:
-        """Start a background thread running its own event loop with the producer."""
-        ready = threading.Event()
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(loop)
-            loop.run_until_complete(self.astart())
-            ready.set()
-            loop.run_forever()
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="rollout-controller", daemon=True)
-        self._thread.start()
-        ready.wait(timeout=30)
-
     async def aclose(self) -> None:
         self._closed = True
         if self._last_progress:  # end the in-place status line
@@ -183,16 +164,6 @@ class RolloutController:
                 t.cancel()
         await asyncio.gather(*[t for t in [self._producer, *self._tasks] if t is not None], return_exceptions=True)
         self._notify()
-
-    def close(self, timeout: float = 30.0) -> None:
-        if self._thread is None:
-            raise RuntimeError("close() is for controllers started with start(); use aclose()")
-        loop = self._loop
-        assert loop is not None
-        asyncio.run_coroutine_threadsafe(self.aclose(), loop).result(timeout)
-        loop.call_soon_threadsafe(loop.stop)
-        self._thread.join(timeout)
-        self._thread = None
 
     # ---- trainer-facing --------------------------------------------------------------
 
@@ -208,23 +179,6 @@ class RolloutController:
     def resume(self) -> None:
         self._paused = False
         self._notify_threadsafe()
-
-    def get_batch(self, num_episodes: int | None = None, timeout: float | None = None) -> RolloutBatch:
-        """Blocking ``aget_batch`` for a controller started with ``start()``."""
-        if self._thread is None or self._loop is None:
-            raise RuntimeError("get_batch() needs start(); in async code use await aget_batch()")
-        fut = asyncio.run_coroutine_threadsafe(self.aget_batch(num_episodes), self._loop)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise TimeoutError(f"no rollout batch within {timeout} s") from None
-
-    def run_coroutine(self, coro: Any, timeout: float | None = None) -> Any:
-        """Run a coroutine (e.g. ``engine.pause()``) on the controller's loop and wait for it:
-        the engine's HTTP sessions belong to that loop."""
-        assert self._loop is not None, "controller not started"
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def aget_batch(self, num_episodes: int | None = None) -> RolloutBatch:
         """Wait for ``num_episodes`` (default batch_size) accepted episodes and form a batch."""
@@ -251,8 +205,7 @@ class RolloutController:
 
     def in_flight_positions(self) -> list[tuple[int, int]]:
         """Prompt positions drawn but not yet handed out in a batch (running or ready episodes),
-        oldest admission first: what a checkpoint gives back to the stream. Loop thread only
-        (``run_coroutine`` from other threads)."""
+        oldest admission first: what a checkpoint gives back to the stream. Loop thread only."""
         held = [(seq, pos) for seq, pos in self._positions.items()]
         held += [(r.seq, r.pos) for r in self._ready]
         return [pos for _, pos in sorted(held) if pos is not None]

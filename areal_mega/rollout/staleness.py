@@ -22,52 +22,63 @@ from __future__ import annotations
 import threading
 from typing import Callable, Sequence, TypeVar
 
-__all__ = ["StalenessManager", "can_form_batch", "take_oldest"]
+from areal_mega.api.generation import PolicyVersion
+
+__all__ = ["StalenessManager", "can_form_batch", "take_oldest", "check_staleness_args"]
 
 T = TypeVar("T")
+
+
+def check_staleness_args(batch_size: int, max_staleness: int, max_concurrent: int) -> None:
+    """The admission rule's preconditions (``rollout.*`` keys): the one check, shared by
+    ``RolloutConfig.validate`` and the manager itself."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
+    if max_concurrent < 1:
+        raise ValueError(f"max_concurrent: must be >= 1, got {max_concurrent}")
 
 
 class StalenessManager:
     """Counts admitted / running / accepted episodes and says how many more may start.
 
     Thread-safe: the rollout loop admits and finishes episodes while the trainer thread
-    bumps the version.
+    bumps the version. ``version`` is the :class:`PolicyVersion` it reads (shared with the
+    pool by the rollout service), or the start version of a counter of its own.
     """
 
-    def __init__(self, batch_size: int, max_staleness: int, max_concurrent: int, version: int = 0) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
-        if max_concurrent < 1:
-            raise ValueError(f"max_concurrent: must be >= 1, got {max_concurrent}")
+    def __init__(self, batch_size: int, max_staleness: int, max_concurrent: int,
+                 version: int | PolicyVersion = 0) -> None:
+        check_staleness_args(batch_size, max_staleness, max_concurrent)
         self.batch_size = batch_size
         self.max_staleness = max_staleness
         self.max_concurrent = max_concurrent
         self._lock = threading.Lock()
-        self._base_version = version
-        self._version = version
+        self.policy_version = version if isinstance(version, PolicyVersion) else PolicyVersion(version)
+        self._base_version = self.policy_version.get()
         self._running = 0
         self._accepted = 0
         self._rejected = 0
 
     # The formula lives here and only here.
-    def _capacity_locked(self) -> int:
-        steps = self._version - self._base_version
+    def _capacity_locked(self, version: int) -> int:
+        steps = version - self._base_version
         by_staleness = (self.max_staleness + steps + 1) * self.batch_size - (self._accepted + self._running)
         return min(self.max_concurrent - self._running, by_staleness)
 
     def capacity(self) -> int:
         with self._lock:
-            return self._capacity_locked()
+            return self._capacity_locked(self.policy_version.get())
 
     def try_admit(self) -> int | None:
         """Admit one episode if capacity allows: returns the version it is admitted at, else None."""
         with self._lock:
-            if self._capacity_locked() <= 0:
+            version = self.policy_version.get()  # read once: the version may move meanwhile
+            if self._capacity_locked(version) <= 0:
                 return None
             self._running += 1
-            return self._version
+            return version
 
     def on_accepted(self) -> None:
         with self._lock:
@@ -82,24 +93,21 @@ class StalenessManager:
             self._rejected += 1
 
     def set_version(self, version: int) -> None:
-        with self._lock:
-            if version < self._version:
-                raise ValueError(f"version: must not decrease ({self._version} -> {version})")
-            self._version = version
+        self.policy_version.set(version)
 
     @property
     def version(self) -> int:
-        with self._lock:
-            return self._version
+        return self.policy_version.get()
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
+            version = self.policy_version.get()
             return {
-                "version": self._version,
+                "version": version,
                 "running": self._running,
                 "accepted": self._accepted,
                 "rejected": self._rejected,
-                "capacity": self._capacity_locked(),
+                "capacity": self._capacity_locked(version),
             }
 
 

@@ -1,5 +1,5 @@
 """Trainer assembly: the :class:`~areal_mega.trainer.trainer.Trainer` that
-owns the engines, weight sync and the rollout driver, the one-screen loop, and the PPO critic.
+owns the engines, weight sync and the rollout service, the one-screen loop, and the PPO critic.
 
 * ``config``: TrainerLoopConfig, the ``trainer:`` section (the whole YAML of a run is
   ``areal_mega.experiment.ExperimentConfig``)

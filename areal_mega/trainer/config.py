@@ -42,3 +42,5 @@ class TrainerLoopConfig:
             raise ValueError(f"num_steps: must be >= 0, got {self.num_steps}")
         if self.save_every < 0 or self.eval_every < 0:
             raise ValueError("save_every / eval_every: must be >= 0")
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"backend: {self.backend!r} is not one of auto, nccl, gloo")

@@ -2,11 +2,11 @@
 
     torchrun --nproc-per-node 2 -m areal_mega.cli train --config configs/grpo_tiny.yaml
 
-Every rank runs :func:`run_train`; rank 0 also drives generation (``RolloutDriver``: the
+Every rank runs :func:`run_train`; rank 0 also drives generation (``RolloutService``: the
 inference pool and the rollout controller in a background thread). The loop:
 
     rollout batch (rank 0, broadcast) -> proximal log-probs -> advantages (both on the whole batch)
-      -> optimizer step(s) (one per mini-batch and epoch) -> weight sync to the servers -> version bump (learner, servers, staleness manager)
+      -> optimizer step(s) (one per mini-batch and epoch) -> weight sync to the servers -> version bump (learner; the rollout service's one counter)
 
 Generation never waits for training: the controller keeps sampling with the current weights
 while the learner trains, bounded by ``rollout.max_staleness``; ``max_staleness = 0`` is
@@ -21,7 +21,7 @@ from areal_mega.trainer.trainer import Trainer
 
 def run_train(config_path: str, overrides: list[str]) -> int:
     cfg = load_experiment(config_path, overrides)
-    trainer = Trainer.create(cfg)  # process groups, actor engine, weight sync, rank-0 rollout driver
+    trainer = Trainer.create(cfg)  # process groups, actor engine, weight sync, rank-0 rollout service
     actor, m = trainer.actor, trainer.metrics
     if cfg.trainer.eval_at_start:
         trainer.evaluate(step=trainer.start_step)
@@ -30,7 +30,7 @@ def run_train(config_path: str, overrides: list[str]) -> int:
             batch, rollout_stats = trainer.next_batch()  # rank 0 samples, every rank receives
         if cfg.algorithm.decoupled:  # pi_prox: the policy before this update (one extra forward)
             with m.phase("prox_logp"):
-                batch["prox_logprobs"] = actor.forward_logprobs(batch, cfg.workflow.sampling.temperature)
+                batch["prox_logprobs"] = actor.forward_logprobs(batch, trainer.temperature)
         batch.update(trainer.ref_and_values(batch))  # ref log-probs / KL (kl_coef > 0), critic values (gae)
         batch.update(trainer.advantages(batch))
         with m.phase("train"):

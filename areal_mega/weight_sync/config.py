@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 __all__ = ["WeightSyncConfig"]
 
@@ -12,6 +12,13 @@ MiB = 1 << 20
 
 @dataclass
 class WeightSyncConfig:
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "pause_mode": "set inference.client.pause_mode (the one pause mode: the pool pauses the servers "
+                      "around a weight sync)",
+        "pause_servers": "the trainer pauses through its rollout service (scripts: WeightSync(pause_servers=...))",
+    }
+    """Keys that were removed, with where their setting lives now (a one-line error names it)."""
+
     mode: Literal["distributed", "disk"] = "distributed"
     """"distributed": broadcast over a torch.distributed group shared with the servers (SGLang's
     /update_weights_from_distributed). "disk": save HF safetensors to ``disk_dir`` and call
@@ -27,15 +34,6 @@ class WeightSyncConfig:
     load_format: Literal["flattened_bucket", "per_tensor"] = "flattened_bucket"
     """"flattened_bucket": one uint8 buffer per bucket (one collective per bucket);
     "per_tensor": one broadcast per tensor (older servers)."""
-    pause_mode: Literal["abort", "retract", "in_place"] = "retract"
-    """How the servers pause generation during a sync: "abort" returns in-flight requests at once
-    (the client resubmits them), "retract" holds them and recomputes their KV cache after the
-    update, "in_place" holds them with their old KV cache (no cache flush)."""
-    pause_servers: bool = True
-    """Pause generation on the servers around a sync (in ``pause_mode``) and continue it after.
-    False: the caller does it -- the trainer pauses through its inference pool, so that the pool
-    knows its servers are paused (a paused server fails /health) -- and ``pause_mode`` must name
-    the mode the caller used (it decides whether the KV cache is flushed)."""
     master_address: str = "127.0.0.1"
     """Address the servers use to reach the learner's stage senders (their TCP rendezvous)."""
     master_port_base: int = 0

@@ -106,6 +106,12 @@ class WeightSync:
     per-stage metadata (identical on all ranks); ``export`` is the adapter's runtime gather for
     THIS rank's stage (called only on dp=0, cp=0 ranks); ``expected_fn`` maps a server's HF config
     to the tensors it expects (used when ``cfg.check_model``).
+
+    ``servers`` are the first targets; the trainer gives none and names each sync's targets with
+    ``set_targets`` (from the rollout service's ``begin_update``). ``pause_mode`` is the servers'
+    pause mode (``inference.client.pause_mode``: in_place keeps the KV cache, so no flush);
+    ``pause_servers``: pause and continue them around a sync here (False: the caller does,
+    the trainer through its rollout service).
     """
 
     def __init__(
@@ -120,8 +126,16 @@ class WeightSync:
         servers: Sequence[SGLangClient],
         expected_fn: ExpectedFn | None = None,
         hf_config: dict | None = None,
+        pause_mode: str = "retract",
+        pause_servers: bool = True,
+        api_key: str | None = None,
     ) -> None:
         cfg.validate()
+        if pause_mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_mode: {pause_mode!r} is not one of abort, retract, in_place")
+        self.pause_mode = pause_mode
+        self.pause_servers = pause_servers
+        self._api_key = api_key
         if cfg.check_model and expected_fn is None:
             raise ValueError("check_model: needs expected_fn (the adapter's metadata for an HF config)")
         self.cfg = cfg
@@ -269,15 +283,15 @@ class WeightSync:
         )
 
     def _pause_and_begin(self) -> None:
-        if self.cfg.pause_servers:
-            send_all(self.servers, api.pause_generation(self.cfg.pause_mode))
+        if self.pause_servers:
+            send_all(self.servers, api.pause_generation(self.pause_mode))
         if self._session and self.cfg.mode == "distributed":
             send_all(self.servers, api.begin_weight_update())
 
     def _end_and_continue(self) -> None:
         if self._session and self.cfg.mode == "distributed":
             send_all(self.servers, api.end_weight_update())
-        if self.cfg.pause_servers:
+        if self.pause_servers:
             send_all(self.servers, api.continue_generation())
 
     def _stage_tensors(self) -> Iterator[tuple[Any, list[torch.Tensor]]]:
@@ -299,7 +313,7 @@ class WeightSync:
     def _send_stages(self, version: int) -> None:
         last = self.plan.stages[-1].buckets[-1]
         # Flushing the radix cache is refused while requests are held with their KV (in_place).
-        flush = self.cfg.pause_mode != "in_place"
+        flush = self.pause_mode != "in_place"
         for stage in self.plan.stages:
             err = None
             if self.exports and self.stage == stage.stage:
@@ -361,7 +375,7 @@ class WeightSync:
                 src = Path(self.servers[0].model_info()["model_path"]) / "config.json"
                 (out / "config.json").write_text(src.read_text())
             send_all(self.servers, api.update_weights_from_disk(str(out), version,
-                                                                flush_cache=self.cfg.pause_mode != "in_place"))
+                                                                flush_cache=self.pause_mode != "in_place"))
 
         self._on_rank0(load)
 
@@ -369,14 +383,17 @@ class WeightSync:
     def server_urls(self) -> list[str]:
         return [s.url for s in self.servers]
 
-    def set_servers(self, servers: Sequence[SGLangClient]) -> None:
-        """Push to ``servers`` from now on (collective: the same list on every rank). When the
-        membership changes (a server died, or came back and awaits weights) the current groups are
-        torn down and the next ``sync`` connects afresh, so a dead server never blocks a sync."""
-        if [s.url for s in servers] == self.server_urls:
+    def set_targets(self, urls: Sequence[str]) -> None:
+        """Push to the servers at ``urls`` from now on (collective: the same list on every rank);
+        a server already known keeps its client. When the membership changes (a server died, or
+        came back and awaits weights) the current groups are torn down and the next ``sync``
+        connects afresh, so a dead server never blocks a sync."""
+        if list(urls) == self.server_urls:
             return
         self.close()
-        self.servers = list(servers)
+        known = {s.url: s for s in self.servers}
+        self.servers = [known.get(u) or SGLangClient(u, timeout_s=self.cfg.http_timeout_s, api_key=self._api_key)
+                        for u in urls]
 
     def close(self) -> None:
         """Destroy this rank's learner<->server group (call on every rank)."""
@@ -392,9 +409,12 @@ def megatron_weight_sync(
     adapter: Any,
     chunks: list[torch.nn.Module],
     groups: Any,
-    servers: Sequence[SGLangClient],
+    servers: Sequence[SGLangClient] = (),
     world_group: Any = None,
     dtype: str | None = None,
+    pause_mode: str = "retract",
+    pause_servers: bool = True,
+    api_key: str | None = None,
 ) -> WeightSync:
     """A :class:`WeightSync` for a megatron model built with ``adapter`` (areal_mega.models).
 
@@ -402,7 +422,7 @@ def megatron_weight_sync(
     the gather). The plan is the adapter's pure per-stage metadata; every tensor travels in
     ``dtype`` (default: the HF checkpoint's dtype), since megatron keeps some parameters (norms)
     in fp32 inside a bf16 model. Servers are checked against ``get_adapter(server config).plan``
-    at TP1 x PP1.
+    at TP1 x PP1. ``pause_mode`` / ``pause_servers`` / ``api_key``: as for :class:`WeightSync`.
     """
     from areal_mega.megatron.model import expert_export
     from areal_mega.models import get_adapter
@@ -427,4 +447,7 @@ def megatron_weight_sync(
         servers=servers,
         expected_fn=expected,
         hf_config=adapter.hf_config,
+        pause_mode=pause_mode,
+        pause_servers=pause_servers,
+        api_key=api_key,
     )

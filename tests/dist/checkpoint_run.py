@@ -33,13 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from areal_mega.megatron.checkpoint import (
-    METADATA_FILE,
-    CheckpointError,
-    resume_run_checkpoint,
-    save_checkpoint,
-    save_run_checkpoint,
-)
+from areal_mega.megatron.checkpoint import METADATA_FILE, CheckpointError, save_checkpoint
+from areal_mega.trainer.run_state import resume_run_checkpoint, save_run_checkpoint
 from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
 from areal_mega.megatron.hf_export import save_hf_checkpoint
 from areal_mega.megatron.model import MegatronModelConfig

@@ -56,11 +56,12 @@ def main() -> None:
         for chunk in model.chunks:
             for p in chunk.parameters():
                 p.add_(0.002 * torch.sin(1000.0 * p + 1.0))
-    cfg = WeightSyncConfig(backend="gloo", bucket_mib=64, master_address="127.0.0.1", pause_mode="retract")
+    cfg = WeightSyncConfig(backend="gloo", bucket_mib=64, master_address="127.0.0.1")
     res["sync"] = {}
     for dtype, url in urls.items():
         ws = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
-                                  servers=[SGLangClient(url, timeout_s=300)], dtype=dtype)
+                                  servers=[SGLangClient(url, timeout_s=300)], dtype=dtype,
+                                  pause_mode="retract")
         st = ws.sync(1)
         res["sync"][dtype] = {"bytes": st.bytes, "seconds": st.seconds}
         ws.close()

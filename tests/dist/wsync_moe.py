@@ -47,9 +47,9 @@ def main() -> None:
     if rank == 0:
         res["v0"] = server_state(urls)
     perturb(model, 1)
-    cfg = WeightSyncConfig(backend="gloo", bucket_mib=0.25, master_address="127.0.0.1", pause_mode="retract")
+    cfg = WeightSyncConfig(backend="gloo", bucket_mib=0.25, master_address="127.0.0.1")
     ws = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
-                              servers=[SGLangClient(u, timeout_s=120) for u in urls])
+                              servers=[SGLangClient(u, timeout_s=120) for u in urls], pause_mode="retract")
     res["plan"] = ws.plan.summary()
     stats = ws.sync(1)
     res["sync1"] = {"bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.num_buckets}

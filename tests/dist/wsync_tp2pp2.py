@@ -122,7 +122,7 @@ def main() -> None:
     model = build_model(args.hf_dir, groups, mcfg)
     load_hf_weights(model, args.hf_dir)
     servers = [SGLangClient(u, timeout_s=120) for u in urls]
-    cfg = WeightSyncConfig(backend="gloo", bucket_mib=0.25, master_address="127.0.0.1", pause_mode="retract")
+    cfg = WeightSyncConfig(backend="gloo", bucket_mib=0.25, master_address="127.0.0.1")
     res: dict = {"plan": None}
     if rank == 0:
         res["v0"] = server_state(urls)
@@ -130,7 +130,8 @@ def main() -> None:
     log("model loaded")
     # 1. mismatched learner (vocab 640 instead of 512): refused before anything is sent.
     bad = build_model(dict(load_hf_config(args.hf_dir), vocab_size=640), groups, mcfg)
-    ws_bad = megatron_weight_sync(cfg, adapter=bad.adapter, chunks=bad.chunks, groups=groups, servers=servers)
+    ws_bad = megatron_weight_sync(cfg, adapter=bad.adapter, chunks=bad.chunks, groups=groups, servers=servers,
+                                  pause_mode="retract")
     try:
         ws_bad.sync(1)
         res["mismatch_error"] = None
@@ -142,7 +143,8 @@ def main() -> None:
     log("mismatch checked")
     # 2. distributed sync of perturbed weights as version 1.
     perturb(model, 1)
-    ws = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups, servers=servers)
+    ws = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups, servers=servers,
+                              pause_mode="retract")
     res["plan"] = ws.plan.summary()
     stats = ws.sync(1)
     res["sync1"] = {"bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.num_buckets, "phases": stats.phase_s}
@@ -154,8 +156,9 @@ def main() -> None:
     log("server state v1 read")
     # 3. disk fallback: another perturbation, version 2.
     perturb(model, 2)
-    dcfg = WeightSyncConfig(mode="disk", disk_dir=os.path.join(args.work_dir, "disk"), pause_mode="abort")
-    ws_disk = megatron_weight_sync(dcfg, adapter=model.adapter, chunks=model.chunks, groups=groups, servers=servers)
+    dcfg = WeightSyncConfig(mode="disk", disk_dir=os.path.join(args.work_dir, "disk"))
+    ws_disk = megatron_weight_sync(dcfg, adapter=model.adapter, chunks=model.chunks, groups=groups, servers=servers,
+                                   pause_mode="abort")
     stats2 = ws_disk.sync(2)
     res["sync2"] = {"bytes": stats2.bytes, "seconds": stats2.seconds}
     log("disk sync done")
@@ -190,7 +193,8 @@ def main() -> None:
     vmodel = build_model(args.hf_dir, vgroups, mcfg)
     load_checkpoint(vmodel, ckpt)
     perturb(vmodel, 3)
-    wsv = megatron_weight_sync(cfg, adapter=vmodel.adapter, chunks=vmodel.chunks, groups=vgroups, servers=servers)
+    wsv = megatron_weight_sync(cfg, adapter=vmodel.adapter, chunks=vmodel.chunks, groups=vgroups, servers=servers,
+                               pause_mode="retract")
     res["plan_vpp"] = wsv.plan.summary()
     wsv.sync(3)
     lp3 = learner_logprobs(vmodel)

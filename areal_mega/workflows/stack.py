@@ -1,0 +1,71 @@
+"""The episode stack: tokenizer, reward, tools and workflow, built ONE way for the trainer and for
+``areal-mega eval`` (what evaluation scores is exactly what training scores).
+
+    stack = EpisodeStack.build(model_path, cfg.workflow, cfg.reward, policy_engine=pool)
+    stack.workflow                      # the training workflow
+    greedy, sampled = stack.eval_workflows(temperature=..., num_samples=...)
+    stack.close()                       # reward workers, the python tool's sandbox workers
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from areal_mega.api.engine import InferenceEngine
+from areal_mega.api.workflow import RolloutWorkflow
+from areal_mega.reward import RewardConfig, RewardFn, build_reward
+from areal_mega.agent_tools import ToolRegistry, build_tools
+from areal_mega.workflows import build_workflow
+from areal_mega.workflows.base import Tokenizer, WorkflowConfig
+
+__all__ = ["EpisodeStack"]
+
+
+@dataclass
+class EpisodeStack:
+    cfg: WorkflowConfig
+    tokenizer: Tokenizer
+    reward: RewardFn
+    """Owns worker processes for math / isolated rewards; a judge on the policy's servers
+    (``reward.judge.servers: policy``) uses ``policy_engine``."""
+    tools: ToolRegistry | None
+    """Workflow kind "tool": one registry (one python-tool sandbox) for every workflow built here."""
+    workflow: RolloutWorkflow
+    """The training workflow."""
+
+    @classmethod
+    def build(cls, model_path: str, workflow: WorkflowConfig, reward: RewardConfig, *,
+              policy_engine: InferenceEngine) -> "EpisodeStack":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_path)
+        tools = None
+        if workflow.kind == "tool":
+            tools = build_tools(workflow.tools, timeout_s=workflow.tool_timeout_s,
+                                max_output_chars=workflow.tool_max_output_chars)
+        try:
+            fn = build_reward(reward, policy_engine=policy_engine, policy_tokenizer=tok)
+        except BaseException:
+            if tools is not None:
+                tools.close()
+            raise
+        return cls(workflow, tok, fn, tools, build_workflow(workflow, tok, fn, tools))
+
+    def eval_workflows(self, *, num_samples: int = 0, temperature: float = 1.0
+                       ) -> tuple[RolloutWorkflow, RolloutWorkflow | None]:
+        """(greedy: one sample at temperature 0, sampled: ``num_samples`` at ``temperature`` for
+        pass@k or None): the training workflow with only group size and temperature changed."""
+        def variant(group_size: int, temp: float) -> RolloutWorkflow:
+            cfg = dataclasses.replace(self.cfg, group_size=group_size,
+                                      sampling=dataclasses.replace(self.cfg.sampling, temperature=temp))
+            return build_workflow(cfg, self.tokenizer, self.reward, self.tools)
+
+        return variant(1, 0.0), (variant(num_samples, temperature) if num_samples else None)
+
+    def close(self) -> None:
+        try:
+            self.reward.close()
+        finally:
+            if self.tools is not None:
+                self.tools.close()
