@@ -45,7 +45,7 @@ test-fast:
 	  $$L/bin/python -m pytest -q -rfE -m "not slow" --audit-processes $(PYTEST_ARGS)
 
 # The learner exactness tests on the newest megatron-core and transformers (tools/env/learner-latest.txt,
-# its own venv; docs/environments.md#two-learner-tiers). No SGLang needed; ~40 min on 2 cores.
+# its own venv; docs/environments.md#two-learner-tiers). No SGLang needed; 103 tests.
 MCORE_LATEST_TESTS = tests/test_compat.py tests/test_megatron_model_plan.py tests/test_megatron_model.py \
   tests/test_megatron_moe.py tests/test_engine.py tests/test_engine_sp.py tests/test_critic.py \
   tests/test_minibatches.py tests/test_checkpoint.py
