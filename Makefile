@@ -8,10 +8,13 @@ PYTEST_ARGS ?=
 # EXAMPLE_ARGS: overrides of the training run, e.g. EXAMPLE_ARGS="trainer.num_steps=5".
 EXAMPLE_ARGS ?=
 
-.PHONY: demo example test test-real test-tools test-fast envs learner-env sglang-env
+.PHONY: demo example test test-real test-tools test-fast test-mcore-latest envs learner-env learner-latest-env sglang-env
 
 learner-env:
 	@tools/env/make_venv.sh learner
+
+learner-latest-env:
+	@tools/env/make_venv.sh learner-latest
 
 sglang-env:
 	@tools/env/make_venv.sh sglang
@@ -46,3 +49,12 @@ test-tools:
 test-fast:
 	@L=$$(tools/env/make_venv.sh learner) && \
 	  $$L/bin/python -m pytest -q -rfE -m "not slow" --audit-processes $(PYTEST_ARGS)
+
+# The learner exactness tests on the newest megatron-core and transformers (tools/env/learner-latest.txt,
+# its own venv; docs/environments.md#two-learner-tiers). No SGLang needed; 103 tests.
+MCORE_LATEST_TESTS = tests/test_compat.py tests/test_megatron_model_plan.py tests/test_megatron_model.py \
+  tests/test_megatron_moe.py tests/test_engine.py tests/test_engine_sp.py tests/test_critic.py \
+  tests/test_minibatches.py tests/test_checkpoint.py
+test-mcore-latest:
+	@L=$$(tools/env/make_venv.sh learner-latest) && \
+	  $$L/bin/python -m pytest -q -rfE --durations=30 $(MCORE_LATEST_TESTS) $(PYTEST_ARGS)

@@ -1,95 +1,16 @@
-"""Workarounds for megatron-core 0.16.1 bugs that the learner engine hits on EVERY device.
+"""The compat registry: workarounds for megatron-core problems the learner engine hits on EVERY
+device (the CPU-only CUDA shims are :mod:`areal_mega.megatron.cpu_compat`, same rules).
 
-This is the file to revisit on a megatron-core upgrade. Each function below works around one
-upstream problem; :class:`areal_mega.megatron.engine.MegatronTrainEngine` calls them at marked
-points (grep ``compat.`` in engine.py). The CPU-only CUDA shims are a separate module,
-:mod:`areal_mega.megatron.cpu_compat`, because they follow a different rule: they are installed
-only when ``not torch.cuda.is_available()`` and are a no-op on GPU, whereas everything here is
-applied on GPU and CPU alike (check both files on an upgrade).
+Each workaround is one :class:`Entry` in :data:`ENTRIES`: the symptom, the megatron-core versions
+it applies to (a PEP 440 specifier, checked against the installed version -- a workaround is
+applied only there, never tried and caught) and the test that shows it. The functions below do
+nothing where their entry does not apply. Verified on megatron-core 0.16.1 (the default tier) and
+0.19.2 (``make test-mcore-latest``); each entry's range and how it was found (run without it /
+read upstream's source) is in docs/environments.md#megatron-core-compat-registry. On an upgrade:
+run ``make test-mcore-latest`` with the new pin, then each entry's test with the entry's range
+narrowed to exclude the new version; an entry whose test still passes ends its range there.
 
-One entry per upstream bug -- what breaks in 0.16.1 / symptom seen / fix / call site / on upgrade:
-
-1. Distributed optimizer + torch Adam (no TE/apex), fresh optimizer: ``DistributedOptimizer.
-   state_dict()`` asserts all Adam states share one ``step``, which fails when there is no state
-   yet -- i.e. loading a checkpoint into a new engine. Fix: :func:`materialise_optimizer_state`
-   (zero state, overwritten by the load). Call site: ``MegatronTrainEngine.load``, before the
-   sharded state dict is built. Upgrade: drop the call; the resume tests
-   (tests/test_engine.py::test_save_tp2_load_pp2_continues, test_bf16_resume_is_exact) must pass.
-2. Distributed optimizer + torch Adam, load: ``load_parameter_state_from_fully_reshardable``
-   copies every key of each Adam state, but its source dict has no ``step`` -> KeyError 'step'.
-   Fix: :func:`skip_adam_step_on_param_state_load` hides ``step`` during that copy only. Call
-   site: ``MegatronTrainEngine.load``, around ``optimizer.load_state_dict``. Upgrade: remove the
-   hiding half and run the resume tests (as in 1).
-3. Distributed optimizer + torch Adam, after load: ``load_state_dict`` puts ONE ``step`` tensor
-   object into every param's state; torch Adam increments it in place per param, so it advances
-   by #params per step and breaks bias correction (the 2nd step after a resume diverged by 0.27
-   nats). Fix: the same context manager (2) gives every state its own copy on exit. Call site as
-   in 2. Upgrade: remove the cloning loop; the resume tests must still match the
-   uninterrupted run exactly.
-4. Distributed optimizer, param group mixing fp32 and bf16 params (our bf16 models keep the
-   local spec's RMSNorm weights fp32; Qwen2's qkv bias shares the no-decay group with them):
-   ``model_param_group_index_map`` goes stale, so checkpointing reads another param's state --
-   save failed with "The size of tensor a (128) must match the size of tensor b (64)", where
-   sizes agree state would be swapped silently. Fix: :func:`fix_param_group_index_map`
-   (upstream issue NVIDIA/Megatron-LM#2777, fixed the same way by PR #5835). Call site:
-   ``MegatronTrainEngine.__init__``, right after ``get_megatron_optimizer``. Upgrade: delete
-   once the release contains PR #5835 (then the function is a no-op); guard:
-   tests/test_engine.py::test_bf16_resume_is_exact (tests/dist/engine_bf16_resume.py).
-5. NON-distributed bf16/fp16 optimizer (``Float16OptimizerWithFloat16Params``) with fp32 params
-   (same fp32 norms): ``sharded_state_dict`` numbers state ids over 16-bit params only -- Llama
-   "Param id 10 does not match any model sharded param", Qwen2 "Optimizer shape ((64,) does not
-   match model shape ((128,))"; and a group without 16-bit params made load fail with "Cannot
-   merge two lists with different lengths (0 and 10)". Fix:
-   :func:`fix_float16_optimizer_sharded_state_dict` (per-instance replacement, only where fp32
-   params exist). Call site: ``MegatronTrainEngine.__init__``, after (4). Upgrade: drop it and
-   run test_bf16_resume_is_exact's non-distributed cases; delete if they pass.
-6. Interleaved pipeline (VPP) with PP = 2 and the default ``batch_p2p_comm=True``: the
-   steady-state send-next/send-prev call goes to one peer in crossed order, activations land in
-   gradient buffers -- silently: grad norm 54.3 instead of 0.974 (PP2 x VPP2, 4 micro-batches).
-   Fix: :func:`configure_interleaved_p2p` (``batch_p2p_comm=False, overlap_p2p_comm=True``,
-   Megatron-LM's own interleaving default). Call site: ``MegatronTrainEngine.__init__`` when the
-   layout has VPP. Upgrade: tests/test_engine.py::test_vpp_negative_control_batched_p2p_is_wrong
-   runs megatron's default; once it FAILS (batched p2p now correct) the override can go.
-7. VPP with ``variable_seq_lengths``: the shape exchange is always batched in the same crossing
-   order -- "size of tensor a (70) must match ... b (49)", gloo "Received data size doesn't match
-   expected size", once a hang. Fix: ``variable_seq_lengths=False`` (in 6) and every micro-batch
-   padded to the step's longest: :func:`pad_microbatch` + :func:`trimmed_loss` (cost +24% /
-   +56% token positions on the test batch). Call site: ``megatron.model.run_schedule`` (the engine and forward_logits)
-   under VPP (and the ``variable_seq_lengths != vpp`` assert in ``__init__``). Upgrade: try
-   ``variable_seq_lengths=True`` under VPP without padding;
-   tests/test_engine.py::test_vpp_training_matches_plain_pp must pass before deleting both.
-8. VPP micro-batch groups: 0.16.1's interleaved schedule raises unless pp <= N <= M and
-   M % N == 0 or >= pp for ``microbatch_group_size_per_vp_stage`` = N ("The remainder of M ...
-   should be 0, or larger than or equal to the pipeline-parallel size"); its default N = pp
-   fails e.g. for M = 5 at PP2. Fix: :func:`microbatch_group_size` (smallest valid N, lowest
-   warm-up memory). Call site: ``megatron.model.run_schedule`` (the engine and forward_logits), per step. Upgrade: check
-   the rule in ``schedules.forward_backward_pipelining_with_interleaving``; keep in sync. (M >= pp
-   itself is a schedule requirement, met by filler micro-batches in ``MegatronTrainEngine._plan``.)
-
-9. Sequence parallelism with the local (torch) layer spec: ``WrappedTorchNorm`` -- the norm
-   ``get_gpt_layer_local_spec`` and ``TransformerBlock`` (final norm, without TE/apex) use --
-   asserts "sequence parallel not supported by torch LayerNorm". Nothing in a norm's math
-   depends on SP (it is per token); what SP needs is that the replicated norm weights, whose
-   gradients now come from 1/tp of the tokens on each TP rank, carry
-   ``param.sequence_parallel = True`` so that ``finalize_model_grads`` sums them over the TP
-   group (``_allreduce_non_tensor_model_parallel_grads``), as megatron's FusedLayerNorm/TENorm
-   do. Fix: :class:`SequenceParallelRMSNorm` (torch ``RMSNorm``, same parameter name and dtype as
-   before, that attribute set) swapped into the local layer spec
-   (:func:`local_spec_with_sp_norms`) and into the block spec's final norm
-   (:func:`block_spec_with_sp_final_norm`). Used with SP on and off (one model structure). Call
-   site: ``areal_mega.megatron.model.build_model`` (local spec). Upgrade: check whether
-   WrappedTorchNorm still asserts; tests/test_engine_sp.py (SP on == SP off, incl. the norm
-   gradients through the optimizer step) must pass either way.
-   Qwen3's per-head q/k norms (``qk_layernorm``) get the same module (its SP flag is harmless:
-   finalize_model_grads already sums q/k-norm grads over TP by name).
-10. MoE router without transformer-engine: ``moe_utils.RouterGatingLinearFunction`` tests
-   ``te_general_gemm is not None``, but 0.16.1 only defines that name inside its ``import
-   transformer_engine`` try-block, so every MoE forward without TE raises NameError. Fix:
-   :func:`define_missing_te_gemm` sets ``moe_utils.te_general_gemm = None`` when it is undefined
-   (megatron's own torch.mm path then runs). Call site: ``build_model`` for MoE models.
-   Upgrade: delete when the name is defined in the ``except ImportError`` branch.
-
-Not a workaround that can be deleted, noted for upgrades: the engine saves the optimizer with
+Not a workaround, noted for upgrades: the engine saves the optimizer with
 ``distrib_optim_sharding_type="fully_reshardable"`` (needed to reshard across layouts anyway);
 megatron's default, ``fully_sharded_model_space``, uses ``flattened_range``, which 0.16.1's
 dist_checkpointing rejects. Entry 2 lives on that fully_reshardable load path.
@@ -98,11 +19,135 @@ dist_checkpointing rejects. Entry 2 lives on that fully_reshardable load path.
 from __future__ import annotations
 
 import contextlib
+import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from areal_mega.batching.packing import PAD_TOKEN_ID
+
+# The megatron-core versions the registry was verified on (the two tiers; docs/environments.md).
+VERIFIED_VERSIONS = ("0.16.1", "0.19.2")
+
+
+@functools.cache
+def megatron_core_version() -> Version:
+    """The installed megatron-core's version (``package_info``: also set in a source checkout)."""
+    from megatron.core import package_info
+
+    return Version(package_info.__version__)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One workaround of a megatron-core problem."""
+
+    symptom: str
+    """What breaks without it (the error or the wrong number seen)."""
+    versions: str
+    """PEP 440 specifier of the megatron-core versions it applies to (pre-releases included)."""
+    test: str
+    """The pytest node id that shows it (fails without the workaround where it applies)."""
+
+    def applies(self, version: Version | None = None) -> bool:
+        v = megatron_core_version() if version is None else version
+        return SpecifierSet(self.versions).contains(v, prereleases=True)
+
+
+ENTRIES: dict[int, Entry] = {
+    1: Entry(
+        "distributed optimizer + torch Adam (no TE/apex), fresh optimizer: DistributedOptimizer."
+        "state_dict() asserts all Adam states share one 'step' -- fails with no state yet, i.e. "
+        "loading a checkpoint into a new engine (materialise_optimizer_state, in engine.load)",
+        ">=0.16.1",
+        "tests/test_engine.py::test_save_tp2_load_pp2_continues",
+    ),
+    2: Entry(
+        "distributed optimizer + torch Adam, load: load_parameter_state_from_fully_reshardable "
+        "copies every key of each Adam state, its source has no 'step' -> KeyError 'step' "
+        "(skip_adam_step_on_param_state_load hides it during the copy; engine.load)",
+        ">=0.16.1",
+        "tests/test_engine.py::test_save_tp2_load_pp2_continues",
+    ),
+    3: Entry(
+        "distributed optimizer + torch Adam, after load: ONE 'step' tensor object in every param's "
+        "state; torch Adam increments it in place per param (advances by #params per step, breaks "
+        "bias correction: the 2nd step after a resume diverged by 0.27 nats). Each state gets its "
+        "own copy (on exit of skip_adam_step_on_param_state_load)",
+        ">=0.16.1",
+        "tests/test_engine.py::test_bf16_resume_is_exact",
+    ),
+    4: Entry(
+        "distributed optimizer, a param group mixing fp32 and bf16 params (fp32 norms, Qwen2's bf16 "
+        "qkv bias): model_param_group_index_map goes stale, checkpointing reads another param's "
+        "state -- 'The size of tensor a (128) must match the size of tensor b (64)', or silently "
+        "swapped state where sizes agree (NVIDIA/Megatron-LM#2777; fix_param_group_index_map)",
+        ">=0.16.1",
+        "tests/test_engine.py::test_bf16_resume_is_exact",
+    ),
+    5: Entry(
+        "NON-distributed bf16 optimizer (Float16OptimizerWithFloat16Params) with fp32 params: "
+        "sharded_state_dict numbers state ids over 16-bit params only -- 'Param id 10 does not "
+        "match any model sharded param' (Llama), 'Optimizer shape ((64,) does not match model "
+        "shape ((128,))' (Qwen2), load 'Cannot merge two lists with different lengths (0 and 10)' "
+        "(fix_float16_optimizer_sharded_state_dict)",
+        ">=0.16.1",
+        "tests/test_engine.py::test_bf16_resume_is_exact",
+    ),
+    6: Entry(
+        "interleaved pipeline (VPP) at PP = 2 with the default batch_p2p_comm=True: send-next and "
+        "send-prev to the same peer cross, activations land in gradient buffers -- silently, grad "
+        "norm 54.3 instead of 0.974 (configure_interleaved_p2p: unbatched, overlapped p2p)",
+        ">=0.16.1",
+        "tests/test_engine.py::test_vpp_negative_control_batched_p2p_is_wrong",
+    ),
+    7: Entry(
+        "VPP with variable_seq_lengths: the shape exchange is always batched in the crossing order "
+        "-- 'size of tensor a (70) must match ... b (49)', gloo 'Received data size doesn't match "
+        "expected size', once a hang (fixed shapes: pad_microbatch + trimmed_loss under VPP)",
+        ">=0.16.1",
+        "tests/test_engine.py::test_vpp_training_matches_plain_pp",
+    ),
+    8: Entry(
+        "the interleaved schedule raises unless pp <= N <= M and M % N == 0 or >= pp for "
+        "microbatch_group_size_per_vp_stage = N ('The remainder of M ... should be 0, or larger "
+        "than or equal to the pipeline-parallel size'); its default N = pp fails for M = 5 at PP2 "
+        "(microbatch_group_size: the smallest valid N)",
+        ">=0.16.1",
+        "tests/test_engine.py::test_vpp_training_matches_plain_pp",
+    ),
+    9: Entry(
+        "sequence parallelism with the local spec: WrappedTorchNorm asserts 'sequence parallel not "
+        "supported by torch LayerNorm' (SequenceParallelRMSNorm swapped into the local layer spec "
+        "and the final norm; marked sequence_parallel so finalize_model_grads sums its grads over TP)",
+        ">=0.16.1",
+        "tests/test_engine_sp.py::test_sp_forward_and_step_equal_sp_off_and_hf",
+    ),
+    10: Entry(
+        "MoE router without transformer-engine: moe_utils.te_general_gemm is defined only inside "
+        "the 'import transformer_engine' try-block -> NameError on every MoE forward "
+        "(define_missing_te_gemm sets it to None)",
+        ">=0.16.1,<0.17",
+        "tests/test_megatron_moe.py::test_logprobs_match_hf_every_layout",
+    ),
+}
+
+
+def check_megatron_core_version() -> None:
+    """Refuse a megatron-core older than the registry covers (its entries start at 0.16.1)."""
+    v = megatron_core_version()
+    if v < Version(VERIFIED_VERSIONS[0]):
+        raise ValueError(
+            f"megatron-core {v}: areal_mega needs >= {VERIFIED_VERSIONS[0]} (verified: {', '.join(VERIFIED_VERSIONS)})"
+        )
+
+
+def applies(entry: int) -> bool:
+    """Whether compat entry ``entry`` applies to the installed megatron-core."""
+    return ENTRIES[entry].applies()
 
 
 # ---------------------------------------------------------------- torch Adam state (entries 1-3)
@@ -114,6 +159,8 @@ def materialise_optimizer_state(optimizer: Any) -> None:
     all torch-Adam states share one 'step', which fails on a fresh optimizer (no state):
     the very case of loading a checkpoint into a new engine. Values are overwritten by load.
     """
+    if not applies(1):
+        return
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = opt.optimizer
         for group in inner.param_groups:
@@ -139,7 +186,7 @@ def skip_adam_step_on_param_state_load(optimizer: Any):
     the resume test: the second step diverged by 0.27 nats).
     """
     patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]) if applies(2) else []:
         orig = getattr(opt, "_set_main_param_and_optimizer_states", None)
         if orig is None:  # not a DistributedOptimizer
             continue
@@ -161,7 +208,7 @@ def skip_adam_step_on_param_state_load(optimizer: Any):
     finally:
         for opt in patched:
             del opt._set_main_param_and_optimizer_states  # back to the class method
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]) if applies(3) else []:
         for st in opt.optimizer.state.values():
             if isinstance(st.get("step"), torch.Tensor):
                 st["step"] = st["step"].detach().clone()
@@ -192,6 +239,8 @@ def fix_param_group_index_map(optimizer: Any) -> None:
     in the installed order). For single-dtype groups and fixed megatron versions the rebuilt
     map is identical to megatron's, so this is a no-op there.
     """
+    if not applies(4):
+        return
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if not hasattr(opt, "model_param_group_index_map"):  # not a DistributedOptimizer
             continue
@@ -223,6 +272,8 @@ def fix_float16_optimizer_sharded_state_dict(optimizer: Any) -> None:
     ``load_state_dict`` converts it back before calling megatron's. Installed only on instances
     that hold fp32 params (single-dtype models keep megatron's code path and format).
     """
+    if not applies(5):
+        return
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
         make_sharded_optimizer_tensor,
@@ -317,8 +368,11 @@ def configure_interleaved_p2p(tcfg: Any) -> None:
     real ones than pp) costs a whole padded micro-batch. Keep micro-batches even (sequences no
     longer than max_tokens_per_microbatch) to keep the waste small.
     """
-    tcfg.batch_p2p_comm = False
-    tcfg.overlap_p2p_comm = True
+    if applies(6):
+        tcfg.batch_p2p_comm = False
+        tcfg.overlap_p2p_comm = True
+    # Entry 7 has no "off" branch yet: model.run_schedule pads every VPP micro-batch.
+    assert applies(7), f"compat entry 7: no unpadded VPP path for megatron-core {megatron_core_version()}"
     tcfg.variable_seq_lengths = False
 
 
@@ -347,6 +401,8 @@ def microbatch_group_size(num_microbatches: int, pp: int) -> int:
     micro-batches each model chunk runs back to back. 0.16.1 requires pp <= N <= M and M % N == 0
     or >= pp; the smallest valid N (megatron's default is pp) keeps the warm-up, and so activation
     memory, lowest."""
+    if not applies(8):
+        return pp  # megatron's default
     for n in range(pp, num_microbatches + 1):
         r = num_microbatches % n
         if r == 0 or r >= pp:
@@ -375,7 +431,7 @@ def define_missing_te_gemm() -> None:
     """Entry 10: ``megatron.core.transformer.moe.moe_utils.te_general_gemm = None`` without TE."""
     from megatron.core.transformer.moe import moe_utils
 
-    if not hasattr(moe_utils, "te_general_gemm"):
+    if applies(10) and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
 
@@ -386,6 +442,8 @@ def local_spec_with_sp_norms(layer_spec: Any) -> Any:
 
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    if not applies(9):
+        return layer_spec
     spec = copy.deepcopy(layer_spec)
     sub = spec.submodules
     for name in ("input_layernorm", "pre_mlp_layernorm", "pre_cross_attn_layernorm"):
@@ -407,5 +465,7 @@ def block_spec_with_sp_final_norm(layer_spec: Any, tcfg: Any, vp_stage: int | No
     :class:`SequenceParallelRMSNorm` instead of the module-level ``LayerNormImpl``."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    if not applies(9):
+        return layer_spec  # megatron builds the block (and its final norm) from the layer spec
     n = get_num_layers_to_build(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * n, layer_norm=SequenceParallelRMSNorm)

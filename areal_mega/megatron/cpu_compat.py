@@ -1,58 +1,11 @@
-"""Make megatron-core 0.16.1 run on a CPU-only machine (CI, laptops). On GPU it does nothing.
+"""Make megatron-core run on a CPU-only machine (CI, laptops). On GPU it does nothing.
 
 megatron-core hard-codes CUDA in a handful of places that the CPU tests and the CPU demo reach.
-:func:`apply` patches exactly those, once per process, and only when
-``torch.cuda.is_available()`` is False. Patched call sites (megatron-core 0.16.1):
-
-1. ``tensor_parallel/random.py`` -- ``CudaRNGStatesTracker.add/fork`` read and write the CUDA RNG
-   (``torch.cuda.get_rng_state``). We pre-install :class:`CpuRNGStatesTracker`, which keeps the
-   named states (data-parallel / model-parallel / expert) as CPU generator states, so
-   ``model_parallel_cuda_manual_seed`` and dropout under ``get_cuda_rng_tracker().fork()``
-   work unchanged.
-2. ``torch.cuda.current_device()`` -- called by utils.py (GlobalMemoryBuffer),
-   rotary_pos_embedding.py, p2p_communication.py, param_and_grad_buffer.py,
-   distrib_optimizer.py to pick a device: returns ``"cpu"``.
-3. ``torch.cuda.synchronize()`` -- p2p_communication.py, dist_checkpointing
-   filesystem_async.py: a no-op (CPU ops are synchronous).
-4. ``device="cuda"`` tensor creation (pipeline schedules' token counters, optimizer found_inf /
-   scale tensors, grad_scaler, clip_grads), ``tensor.cuda()`` (tied embeddings under PP,
-   optimizer state reload) and ``tensor.type() == "torch.cuda.FloatTensor"`` asserts
-   (optimizer.py, distrib_optimizer.py): a :class:`torch.overrides.TorchFunctionMode` that maps
-   every CUDA device argument to CPU, turns ``.cuda()`` into identity, and reports CPU tensor
-   types with their CUDA names. It costs roughly 2x step time on tiny models -- acceptable for
-   tests; production runs on GPU where none of this is installed.
-5. ``tensor_parallel/random.py`` -- activation recompute (``CheckpointFunction``, used by
-   ``recompute: selective | full``) snapshots and restores ``_get_cuda_rng_state()`` /
-   ``_set_cuda_rng_state()`` (``torch.cuda.random.get_rng_state``: "Torch not compiled with
-   CUDA" on CPU) around the recomputed forward, next to the CPU RNG and the tracker states it
-   also saves. On CPU there is no CUDA generator to keep in step: the getter returns an empty
-   placeholder and the setter ignores it (the CPU RNG -- the one CPU dropout draws from -- and
-   the :class:`CpuRNGStatesTracker` states are still saved and restored by megatron itself, so a
-   recomputed dropout mask equals the original).
-6. ``transformer/moe/token_dispatcher.py`` -- the all-to-all MoE dispatcher creates a class-wide
-   ``torch.cuda.Stream()`` for its device-to-host copies of the token counts and enters it with
-   ``torch.cuda.stream(...)``, comparing it with ``torch.cuda.current_stream()`` and syncing on
-   ``record_event().synchronize()``; moe_utils.py ``record_stream(torch.cuda.current_stream())``
-   (only for CUDA tensors). On CPU all of that is ordering of a single synchronous stream:
-   :class:`_CpuStream` is one stand-in object for "the" stream (so current == side stream, no
-   wait), ``torch.cuda.stream(s)`` is a null context, events synchronise trivially.
-7. ``transformer/moe/token_dispatcher.py`` -- the all-to-all split sizes reach
-   ``all_to_all_single`` through ``maybe_move_tensor_to_cpu(t, as_numpy=True)``, which converts
-   only CUDA tensors; a CPU tensor stays a tensor and c10d's binding rejects it as split sizes.
-   The dispatcher's reference to it is replaced by a version that also turns CPU tensors into
-   numpy when ``as_numpy`` (what the GPU path hands to c10d).
-8. ``tensor_parallel/mappings.py`` -- with expert tensor parallelism the dispatcher gathers /
-   reduce-scatters tokens over the expert-TP group with UNEVEN split sizes
-   (``_gather_along_first_dim(..., output_split_sizes)``: ``dist.all_gather`` into tensors of
-   different sizes; ``_reduce_scatter_along_first_dim(..., input_split_sizes)``:
-   ``dist.reduce_scatter`` of a list), which NCCL supports and gloo refuses ("invalid tensor
-   size"). On CPU (gloo) the uneven branches become: all-gather of every shard zero-padded to the
-   largest, then trimmed; all-reduce of the whole input, then this rank's slice. Same values
-   (a sum over the same ranks); the even-split branches are untouched.
-
-megatron-core bugs that bite on GPU as well (optimizer checkpointing, interleaved-pipeline p2p)
-are worked around in :mod:`areal_mega.megatron.compat`, unconditionally; on a megatron-core
-upgrade revisit both modules (this one's list of call sites above, compat's list of bugs).
+:func:`apply` patches exactly those, once per process, and only when ``torch.cuda.is_available()``
+is False. Each patched call site is one :class:`~areal_mega.megatron.compat.Entry` in
+:data:`ENTRIES` (symptom, megatron-core versions, the test that shows it), applied only where its
+version range holds -- the same registry rules as :mod:`areal_mega.megatron.compat`, whose
+entries (megatron bugs that bite on GPU too) apply on every device; revisit both on an upgrade.
 
 Invariant: :func:`apply` is idempotent and must run on the thread that later calls megatron
 (torch function modes are thread-local); ``areal_mega.megatron.parallel_state.init_model_parallel``
@@ -66,6 +19,70 @@ import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from areal_mega.megatron.compat import Entry
+
+ENTRIES: dict[int, Entry] = {
+    1: Entry(
+        "tensor_parallel/random.py CudaRNGStatesTracker.add/fork read and write the CUDA RNG "
+        "(torch.cuda.get_rng_state: 'Torch not compiled with CUDA'). CpuRNGStatesTracker keeps the "
+        "named states (data-parallel / model-parallel / expert) as CPU generator states",
+        ">=0.16.1",
+        "tests/test_megatron_model.py::test_logits_match_hf_every_layout",
+    ),
+    2: Entry(
+        "torch.cuda.current_device() picks the device in utils.py (GlobalMemoryBuffer), "
+        "rotary_pos_embedding.py, p2p_communication.py, param_and_grad_buffer.py, "
+        "distrib_optimizer.py: returns 'cpu'",
+        ">=0.16.1",
+        "tests/test_megatron_model.py::test_logits_match_hf_every_layout",
+    ),
+    3: Entry(
+        "torch.cuda.synchronize() in p2p_communication.py and dist_checkpointing "
+        "filesystem_async.py: a no-op (CPU ops are synchronous)",
+        ">=0.16.1",
+        "tests/test_megatron_model.py::test_checkpoint_saved_tp2_loads_pp2",
+    ),
+    4: Entry(
+        "device='cuda' tensor creation (schedules' token counters, optimizer found_inf / scale, "
+        "grad_scaler, clip_grads), tensor.cuda() (tied embeddings under PP, optimizer state "
+        "reload), tensor.type() == 'torch.cuda.FloatTensor' asserts (optimizer.py, "
+        "distrib_optimizer.py): a TorchFunctionMode maps CUDA devices to CPU, .cuda() to identity "
+        "and reports CPU tensor types by their CUDA names (about 2x step time on tiny models)",
+        ">=0.16.1",
+        "tests/test_engine.py::test_one_step_same_in_every_layout",
+    ),
+    5: Entry(
+        "activation recompute (CheckpointFunction) snapshots _get_cuda_rng_state() / "
+        "_set_cuda_rng_state() ('Torch not compiled with CUDA'): an empty placeholder and a no-op "
+        "(the CPU RNG and the tracker states are still saved by megatron, so recomputed dropout "
+        "masks equal the original)",
+        ">=0.16.1",
+        "tests/test_engine_sp.py::test_recompute_same_loss_and_grads_fewer_saved_bytes",
+    ),
+    6: Entry(
+        "the all-to-all MoE dispatcher's class-wide torch.cuda.Stream() for device-to-host copies, "
+        "torch.cuda.stream(...), current_stream(), record_event().synchronize(): one _CpuStream "
+        "stand-in (current == side stream), a null stream context, trivially complete events",
+        ">=0.16.1",
+        "tests/test_megatron_moe.py::test_logprobs_match_hf_every_layout",
+    ),
+    7: Entry(
+        "all-to-all split sizes reach all_to_all_single through maybe_move_tensor_to_cpu(t, "
+        "as_numpy=True), which converts only CUDA tensors; c10d rejects a CPU tensor as split "
+        "sizes: the dispatcher's reference converts CPU tensors to numpy too",
+        ">=0.16.1",
+        "tests/test_megatron_moe.py::test_logprobs_match_hf_every_layout",
+    ),
+    8: Entry(
+        "expert tensor parallelism gathers / reduce-scatters tokens with UNEVEN split sizes "
+        "(tensor_parallel/mappings.py), which gloo refuses ('invalid tensor size'): zero-padded "
+        "all-gather then trim; all-reduce then this rank's slice (same sums)",
+        ">=0.16.1",
+        "tests/test_megatron_moe.py::test_logprobs_match_hf_every_layout",
+    ),
+}
+
 
 _applied_threads: set[int] = set()
 _lock = threading.Lock()
@@ -88,7 +105,7 @@ def _to_cpu_device(dev):
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Maps CUDA device arguments to CPU for every torch call made under it (call site 4)."""
+    """Maps CUDA device arguments to CPU for every torch call made under it (entry 4)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -106,7 +123,7 @@ class _CudaToCpuMode(TorchFunctionMode):
 
 
 class CpuRNGStatesTracker:
-    """CPU stand-in for megatron's CudaRNGStatesTracker (call site 1).
+    """CPU stand-in for megatron's CudaRNGStatesTracker (entry 1).
 
     Same interface (reset/get_states/set_states/add/fork/is_initialized); each named state is a
     CPU generator state. ``fork(name)`` swaps the global CPU RNG to ``name``'s state for the block
@@ -157,7 +174,7 @@ class CpuRNGStatesTracker:
 
 
 class _CpuStream:
-    """Call site 6: the one "stream" of a CPU process (every op is already synchronous)."""
+    """Entry 6: the one "stream" of a CPU process (every op is already synchronous)."""
 
     def wait_stream(self, other) -> None:
         pass
@@ -173,17 +190,20 @@ _CPU_STREAM = _CpuStream()
 
 
 def _patch_moe_streams() -> None:
-    """Call site 6 (see the module doc)."""
+    """Entries 6 and 7 (see ENTRIES)."""
+    from megatron.core.transformer.moe import token_dispatcher
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    torch.cuda.current_stream = lambda *a, **k: _CPU_STREAM
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _CPU_STREAM
-    from megatron.core.transformer.moe import token_dispatcher
+    if ENTRIES[6].applies():
+        torch.cuda.current_stream = lambda *a, **k: _CPU_STREAM
+        torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _CPU_STREAM
+    if not ENTRIES[7].applies():
+        return
 
     upstream = token_dispatcher.maybe_move_tensor_to_cpu
 
-    def to_cpu(tensor, as_numpy=False, record_stream=False):  # call site 7
+    def to_cpu(tensor, as_numpy=False, record_stream=False):
         if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
             return tensor.numpy()
         return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
@@ -192,7 +212,7 @@ def _patch_moe_streams() -> None:
 
 
 def _patch_uneven_tp_collectives() -> None:
-    """Call site 8 (see the module doc)."""
+    """Entry 8 (see ENTRIES)."""
     import torch.distributed as dist
     from megatron.core.tensor_parallel import mappings
 
@@ -224,12 +244,14 @@ def install_rng_tracker() -> None:
     """Install a fresh :class:`CpuRNGStatesTracker` as megatron's global tracker."""
     from megatron.core.tensor_parallel import random as mrandom
 
+    if not ENTRIES[1].applies():
+        return
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
 def _patch_recompute_rng_state() -> None:
-    """Call site 5: CUDA RNG snapshots of megatron's activation checkpointing, as no-ops."""
+    """Entry 5: CUDA RNG snapshots of megatron's activation checkpointing, as no-ops."""
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
@@ -243,15 +265,19 @@ def apply() -> bool:
         return False
     with _lock:
         if not _global_patched:
-            torch.cuda.current_device = lambda: "cpu"  # call site 2
-            torch.cuda.synchronize = lambda *a, **k: None  # call site 3
-            install_rng_tracker()  # call site 1
-            _patch_recompute_rng_state()  # call site 5
-            _patch_moe_streams()  # call sites 6 and 7
-            _patch_uneven_tp_collectives()  # call site 8
+            if ENTRIES[2].applies():
+                torch.cuda.current_device = lambda: "cpu"
+            if ENTRIES[3].applies():
+                torch.cuda.synchronize = lambda *a, **k: None
+            install_rng_tracker()  # entry 1
+            if ENTRIES[5].applies():
+                _patch_recompute_rng_state()
+            _patch_moe_streams()  # entries 6 and 7
+            if ENTRIES[8].applies():
+                _patch_uneven_tp_collectives()
             _global_patched = True
         tid = threading.get_ident()
-        if tid not in _applied_threads:
+        if tid not in _applied_threads and ENTRIES[4].applies():
             # Entered for the rest of the thread's life on purpose: megatron creates CUDA
             # tensors from deep inside its schedules/optimizer, not from one call we could wrap.
             _CudaToCpuMode().__enter__()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.megatron import cpu_compat
+from areal_mega.megatron.compat import check_megatron_core_version
 from areal_mega.parallel import ParallelConfig, ParallelLayout, RankCoords
 from areal_mega.utils.distributed import resolve_backend
 from areal_mega.utils.procs import free_port
@@ -86,6 +87,7 @@ def init_model_parallel(
             f"parallel layout: layout.world_size({layout.world_size}) != "
             f"torch.distributed world_size({dist.get_world_size()})"
         )
+    check_megatron_core_version()
     compat = cpu_compat.apply()
     from megatron.core import parallel_state as mps
     from megatron.core import tensor_parallel

