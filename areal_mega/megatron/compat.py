@@ -88,6 +88,21 @@ One entry per upstream bug -- what breaks in 0.16.1 / symptom seen / fix / call 
    :func:`define_missing_te_gemm` sets ``moe_utils.te_general_gemm = None`` when it is undefined
    (megatron's own torch.mm path then runs). Call site: ``build_model`` for MoE models.
    Upgrade: delete when the name is defined in the ``except ImportError`` branch.
+11. Multi-latent attention without transformer-engine: ``multi_latent_attention.py`` sets
+   ``HAVE_TE = True`` whenever ``megatron.core.extensions.transformer_engine`` imports -- which
+   it does without TE, leaving ``TELinear`` a non-type -- so ``MLASelfAttention.__init__`` raises
+   "isinstance() arg 2 must be a type" on the local spec. Fix: :func:`fix_mla_have_te` sets that
+   module's ``HAVE_TE = False`` when transformer_engine does not import. Call site:
+   ``build_model`` for MLA models. Upgrade: delete when MLA builds on the local spec without it
+   (tests/test_megatron_families.py, the DeepSeek-V3 rows).
+12. Multi-latent attention at TP > 1 without sequence parallelism: ``finalize_model_grads``
+   sums every grad named ``*q_layernorm*`` over TP when ``qk_layernorm`` (right for per-head q
+   norms, each rank holding some heads), but MLA's q-latent norm acts on the TP-gathered latent
+   and each rank's gradient is already complete (ColumnParallelLinear's input all-reduce): it
+   would be summed tp times. Under SP its gradient is partial (sequence shards) and the sum is
+   right. Fix: ``build_model`` refuses MLA at TP > 1 with sequence_parallel false (one-line
+   ValueError naming actor.model.sequence_parallel); "auto" turns SP on at TP > 1. Upgrade:
+   re-check ``_allreduce_non_tensor_model_parallel_grads``' name rule.
 
 Not a workaround that can be deleted, noted for upgrades: the engine saves the optimizer with
 ``distrib_optim_sharding_type="fully_reshardable"`` (needed to reshard across layouts anyway);
@@ -379,6 +394,16 @@ def define_missing_te_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def fix_mla_have_te() -> None:
+    """Entry 11: ``multi_latent_attention.HAVE_TE = False`` when transformer_engine does not import."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # a broken TE install raises RuntimeError, not ImportError
+        mla.HAVE_TE = False
+
+
 def local_spec_with_sp_norms(layer_spec: Any) -> Any:
     """Entry 9: the local layer spec with its (input, pre-MLP) norms replaced by
     :class:`SequenceParallelRMSNorm` (IdentityOp slots stay identity)."""
@@ -395,17 +420,20 @@ def local_spec_with_sp_norms(layer_spec: Any) -> Any:
     # torch RMSNorm over head_dim; finalize_model_grads sums their grads over TP (each TP rank
     # normalised only its heads) by name ("q_layernorm" / "k_layernorm") or the SP flag, once.
     attn = getattr(sub.self_attention, "submodules", None)
-    for name in ("q_layernorm", "k_layernorm"):
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):  # kv_layernorm: MLA's latent norm
         if getattr(attn, name, None) is WrappedTorchNorm:
             setattr(attn, name, SequenceParallelRMSNorm)
     return spec
 
 
-def block_spec_with_sp_final_norm(layer_spec: Any, tcfg: Any, vp_stage: int | None, pp_rank: int) -> Any:
-    """Entry 9: a TransformerBlockSubmodules for this pipeline chunk -- the layer spec repeated as
-    megatron's ``_get_block_submodules`` would (same layer count) -- whose final norm is
+def block_spec_with_sp_final_norm(layer_specs: list[Any], tcfg: Any, vp_stage: int | None, pp_rank: int) -> Any:
+    """Entry 9: a TransformerBlockSubmodules for this pipeline chunk -- the specs of its layers
+    (``layer_specs`` has one per GLOBAL layer: dense and MoE layers differ), as megatron's
+    ``_get_block_submodules`` would pick them -- whose final norm is
     :class:`SequenceParallelRMSNorm` instead of the module-level ``LayerNormImpl``."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     n = get_num_layers_to_build(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * n, layer_norm=SequenceParallelRMSNorm)
+    off = get_transformer_layer_offset(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=list(layer_specs[off:off + n]), layer_norm=SequenceParallelRMSNorm)
