@@ -148,3 +148,16 @@ def test_families_map_to_megatron_settings():
                           moe_intermediate_size=16, shared_expert_intermediate_size=48, mlp_only_layers=[1],
                           decoder_sparse_step=2)).arch
     assert q2.dense_layers == (0, 1, 2) and q2.moe_shared_expert_gate  # HF: sparse iff (i + 1) % step == 0
+
+
+def test_launcher_memory_estimate_refuses_what_it_does_not_model():
+    """The memory model counts Qwen3-MoE-style MoE only: MLA, shared experts and dense first
+    layers are refused by name instead of estimated as another model (docs/engine.md)."""
+    from areal_mega.launcher.config import ModelShape
+
+    with pytest.raises(ValueError, match="^model_type 'deepseek_v3': the launcher's memory estimate does not model "
+                                         "multi-latent attention, shared experts, dense layers between MoE layers"):
+        ModelShape.from_arch(get_adapter(_ds()).arch)
+    mixtral = dict(model_type="mixtral", num_hidden_layers=2, hidden_size=64, intermediate_size=32,
+                   num_attention_heads=4, vocab_size=100, num_local_experts=4, num_experts_per_tok=2)
+    assert ModelShape.from_arch(get_adapter(mixtral).arch).num_experts == 4
