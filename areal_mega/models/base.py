@@ -523,6 +523,13 @@ class ModelAdapter:
         layout.check_model(a.num_layers, a.num_heads, a.num_kv_heads)
         if a.is_moe:
             layout.check_experts(a.num_experts, a.moe_ffn_hidden_size)
+        split = [("moe_shared_expert_intermediate_size", a.moe_shared_ffn_hidden_size or 0)]
+        if a.mla is not None and spec == "local":  # the local spec splits MLA's down projections over TP
+            split += [("q_lora_rank", a.mla.q_lora_rank or 0),
+                      ("kv_lora_rank + qk_rope_head_dim", a.mla.kv_lora_rank + a.mla.qk_rope_head_dim)]
+        for what, size in split:
+            if size % layout.tp:
+                raise ValueError(f"parallel layout: {what}({size}) % tp({layout.tp}) != 0")
         dtype = dtype or a.dtype
         vocab = padded_vocab_size(a.vocab_size, layout.tp, make_vocab_size_divisible_by)
         h = a.hidden_size
