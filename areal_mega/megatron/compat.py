@@ -133,6 +133,22 @@ ENTRIES: dict[int, Entry] = {
         ">=0.16.1,<0.17",
         "tests/test_megatron_moe.py::test_logprobs_match_hf_every_layout",
     ),
+    11: Entry(
+        "multi-latent attention without transformer-engine: multi_latent_attention.HAVE_TE is True "
+        "whenever megatron.core.extensions.transformer_engine imports (it does without TE), so "
+        "MLASelfAttention raises 'isinstance() arg 2 must be a type' on the local spec "
+        "(fix_mla_have_te sets HAVE_TE = False when transformer_engine does not import)",
+        ">=0.16.1",
+        "tests/test_megatron_families.py::test_logprobs_match_hf_every_family_and_layout",
+    ),
+    12: Entry(
+        "multi-latent attention at TP > 1 without sequence parallelism: finalize_model_grads sums "
+        "every *q_layernorm* grad over TP, but MLA's q-latent norm gradient is already complete on "
+        "each rank -> summed tp times (build_model refuses MLA at TP > 1 with sequence_parallel "
+        "false; under SP the grads are partial and the sum is right)",
+        ">=0.16.1",
+        "tests/test_moe_families_plan.py::test_refusals_name_the_key",
+    ),
 }
 
 
@@ -435,6 +451,18 @@ def define_missing_te_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def fix_mla_have_te() -> None:
+    """Entry 11: ``multi_latent_attention.HAVE_TE = False`` when transformer_engine does not import."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not applies(11):
+        return
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # a broken TE install raises RuntimeError, not ImportError
+        mla.HAVE_TE = False
+
+
 def local_spec_with_sp_norms(layer_spec: Any) -> Any:
     """Entry 9: the local layer spec with its (input, pre-MLP) norms replaced by
     :class:`SequenceParallelRMSNorm` (IdentityOp slots stay identity)."""
@@ -453,19 +481,22 @@ def local_spec_with_sp_norms(layer_spec: Any) -> Any:
     # torch RMSNorm over head_dim; finalize_model_grads sums their grads over TP (each TP rank
     # normalised only its heads) by name ("q_layernorm" / "k_layernorm") or the SP flag, once.
     attn = getattr(sub.self_attention, "submodules", None)
-    for name in ("q_layernorm", "k_layernorm"):
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):  # kv_layernorm: MLA's latent norm
         if getattr(attn, name, None) is WrappedTorchNorm:
             setattr(attn, name, SequenceParallelRMSNorm)
     return spec
 
 
-def block_spec_with_sp_final_norm(layer_spec: Any, tcfg: Any, vp_stage: int | None, pp_rank: int) -> Any:
-    """Entry 9: a TransformerBlockSubmodules for this pipeline chunk -- the layer spec repeated as
-    megatron's ``_get_block_submodules`` would (same layer count) -- whose final norm is
+def block_spec_with_sp_final_norm(layer_specs: list[Any], tcfg: Any, vp_stage: int | None, pp_rank: int) -> Any:
+    """Entry 9: a TransformerBlockSubmodules for this pipeline chunk -- the specs of its layers
+    (``layer_specs`` has one per GLOBAL layer: dense and MoE layers differ), as megatron's
+    ``_get_block_submodules`` would pick them -- whose final norm is
     :class:`SequenceParallelRMSNorm` instead of the module-level ``LayerNormImpl``."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     if not applies(9):
         return layer_spec  # megatron builds the block (and its final norm) from the layer spec
     n = get_num_layers_to_build(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * n, layer_norm=SequenceParallelRMSNorm)
+    off = get_transformer_layer_offset(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=list(layer_specs[off:off + n]), layer_norm=SequenceParallelRMSNorm)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_mega.megatron import compat, cpu_compat
+from areal_mega.megatron.attention import with_core_attention
 from areal_mega.megatron.parallel_state import ModelParallelGroups, tp_all_gather
 from areal_mega.models import get_adapter
 from areal_mega.models.base import ExpertExport, ModelAdapter, ModelArch, StagePlan, padded_vocab_size, torch_dtype
@@ -147,11 +148,12 @@ def resolve_layer_spec(spec: str) -> Literal["local", "te"]:
 def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: MegatronModelConfig, dtype: str,
                        spec_name: str = "local"):
     """megatron TransformerConfig for a Llama-style ``arch`` under ``groups.layout``."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     lay = groups.layout
     dt = torch_dtype(dtype)
-    return TransformerConfig(
+    cls = MLATransformerConfig if arch.mla is not None else TransformerConfig
+    return cls(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -186,12 +188,35 @@ def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: Megatr
         gradient_accumulation_fusion=False,
         use_cpu_initialization=groups.cpu_compat,
         variable_seq_lengths=True,  # packed rows differ in length between micro-batches
-        qk_layernorm=arch.qk_layernorm,
+        qk_layernorm=arch.qk_layernorm or arch.mla is not None,  # MLA: the q / kv latent norms
         # 0.16.1 rejects variable lengths with the allgather dispatcher: alltoall for dense too.
         moe_token_dispatcher_type="alltoall",
         **moe_kwargs(arch, lay, cfg, grouped=spec_name == "te"),
+        **mla_kwargs(arch),
         **recompute_kwargs(cfg),
     )
+
+
+def mla_kwargs(arch: ModelArch) -> dict[str, Any]:
+    """MLATransformerConfig fields for a DeepSeek-V3-family ``arch`` (empty otherwise).
+
+    RoPE: HF's rope_interleave (pairs (x0, x1), (x2, x3)... share a frequency) is what megatron's
+    MLA does (rope_utils de-interleaves when multi_latent_attention). YaRN: megatron's
+    YarnRotaryEmbedding takes HF's factor / original_max_position_embeddings / beta_fast /
+    beta_slow / mscale / mscale_all_dim; both scale cos/sin by mscale(f, mscale) /
+    mscale(f, mscale_all_dim) and the softmax by mscale(f, mscale_all_dim)^2 / sqrt(q_head_dim)."""
+    m = arch.mla
+    if m is None:
+        return {}
+    kw = dict(multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+              qk_head_dim=m.qk_nope_head_dim, qk_pos_emb_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+              rotary_base=arch.rope_theta, rotary_percent=1.0)
+    y = arch.yarn
+    if y is None:  # plain RoPE; rotary_scaling_factor 1 makes megatron's softmax mscale 1
+        return {**kw, "rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+    return {**kw, "rope_type": "yarn", "rotary_scaling_factor": y.factor,
+            "original_max_position_embeddings": y.original_max_position_embeddings, "beta_fast": y.beta_fast,
+            "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim}
 
 
 def moe_kwargs(arch: ModelArch, lay, cfg: MegatronModelConfig, grouped: bool = False) -> dict[str, Any]:
@@ -203,12 +228,27 @@ def moe_kwargs(arch: ModelArch, lay, cfg: MegatronModelConfig, grouped: bool = F
     p_i / sum_topk p_j). No capacity factor: no token is ever dropped or padded."""
     if not arch.is_moe:
         return {}
+    families = {  # sigmoid + bias / groups / scaling / shared experts / dense layers (models/moe_families.py)
+        "moe_router_score_function": arch.moe_score_function,
+        "moe_router_enable_expert_bias": arch.moe_expert_bias,
+        # the bias stays the checkpoint's, as in HF: megatron's per-step update adds rate * sign(...) = 0
+        "moe_router_bias_update_rate": 0.0,
+        "moe_router_num_groups": arch.moe_num_groups,
+        "moe_router_group_topk": arch.moe_group_topk,
+        "moe_router_topk_scaling_factor": arch.moe_scaling_factor,
+        "moe_shared_expert_intermediate_size": arch.moe_shared_ffn_hidden_size,
+        "moe_shared_expert_gate": arch.moe_shared_expert_gate,
+        "moe_shared_expert_overlap": False,
+        "moe_layer_freq": [0 if i in arch.dense_layers else 1 for i in range(arch.num_layers)],
+    }
+    if arch.moe_score_function == "sigmoid":
+        families["moe_router_dtype"] = "fp32"  # HF's DeepseekV3TopkRouter: fp32 logits
     return {
+        **families,
         "num_moe_experts": arch.num_experts,
         "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
         "moe_router_topk": arch.moe_topk,
-        "moe_router_score_function": "softmax",
-        "moe_router_pre_softmax": not arch.moe_norm_topk_prob,
+        "moe_router_pre_softmax": arch.moe_score_function == "softmax" and not arch.moe_norm_topk_prob,
         "moe_router_load_balancing_type": "aux_loss" if cfg.moe_aux_loss_coef > 0 else "none",
         "moe_aux_loss_coeff": cfg.moe_aux_loss_coef,
         "moe_expert_capacity_factor": None,
@@ -267,6 +307,7 @@ def build_model(
     ``adapter`` overrides the registry lookup (tests inject deliberately broken mappings)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
@@ -296,12 +337,30 @@ def build_model(
     moe = dict(num_experts=arch.num_experts, moe_grouped_gemm=spec_name == "te") if arch.is_moe else {}
     if arch.is_moe:
         compat.define_missing_te_gemm()  # compat entry 10
-    if spec_name == "te":
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm, **moe)
-    else:
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm, **moe)
-        # torch RMSNorm that works under sequence parallelism (megatron's asserts; compat entry 9).
-        layer_spec = compat.local_spec_with_sp_norms(layer_spec)
+    if arch.mla is not None and lay.tp > 1 and not tcfg.sequence_parallel:
+        # compat entry 12: finalize_model_grads sums "q_layernorm" grads over TP, which MLA's
+        # (replicated, already complete) q latent norm must not get; under SP the sum is right.
+        raise ValueError(f"actor.model.sequence_parallel: false with multi-latent attention at tensor_parallel "
+                         f"{lay.tp} > 1 is not supported (megatron 0.16.1 would sum the q-latent norm's gradient "
+                         "over TP); use sequence_parallel: auto")
+    qk_ln = arch.qk_layernorm or arch.mla is not None
+    mla = arch.mla is not None
+    if mla:
+        compat.fix_mla_have_te()  # compat entry 11
+
+    def spec_for(experts: dict):
+        if spec_name == "te":
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_ln, multi_latent_attention=mla, **experts)
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_ln, multi_latent_attention=mla,
+                                        **experts)
+        # torch RMSNorm that works under sequence parallelism (megatron's asserts; compat entry 9),
+        # and the project's core attention (any q/k/v head dims, packed THD; megatron/attention.py).
+        return with_core_attention(compat.local_spec_with_sp_norms(spec))
+
+    # One spec per global layer: dense-MLP layers (first_k_dense_replace, mlp_only_layers) and MoE ones.
+    moe_spec, dense_spec = spec_for(moe), (spec_for({}) if arch.dense_layers else None)
+    layer_specs = [dense_spec if i in arch.dense_layers else moe_spec for i in range(arch.num_layers)]
+    layer_spec = moe_spec
     vocab = padded_vocab_size(arch.vocab_size, lay.tp, cfg.make_vocab_size_divisible_by)
     vpp = lay.vpp or 1
     pp_rank = groups.coords.pp
@@ -312,8 +371,11 @@ def build_model(
         m = GPTModel(
             config=tcfg,
             transformer_layer_spec=(
-                compat.block_spec_with_sp_final_norm(layer_spec, tcfg, c if lay.vpp else None, pp_rank)
-                if spec_name == "local" else layer_spec
+                compat.block_spec_with_sp_final_norm(layer_specs, tcfg, c if lay.vpp else None, pp_rank)
+                if spec_name == "local" else
+                # TE: megatron's own per-layer specs from moe_layer_freq (dense / MoE layers)
+                get_gpt_decoder_block_spec(tcfg, use_transformer_engine=True, vp_stage=c if lay.vpp else None,
+                                           pp_rank=pp_rank) if arch.dense_layers else layer_spec
             ),
             vocab_size=vocab,
             max_sequence_length=arch.max_position_embeddings,
@@ -325,6 +387,7 @@ def build_model(
             rotary_base=arch.rope_theta,
             rope_scaling=arch.rope_scaling_factor is not None,
             rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+            rotary_percent=arch.rotary_percent,
             pg_collection=groups.pg_collection,
             vp_stage=c if lay.vpp else None,
         )

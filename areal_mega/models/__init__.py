@@ -12,6 +12,7 @@ from typing import Any
 
 from areal_mega.models.base import HFTensorSpec, McoreParam, ModelAdapter, ModelArch, StagePlan, padded_vocab_size
 from areal_mega.models.llama import LlamaAdapter
+from areal_mega.models.moe_families import DeepseekV3Adapter, Glm4MoeAdapter, MixtralAdapter, Qwen2MoeAdapter
 from areal_mega.models.qwen2 import Qwen2Adapter
 from areal_mega.models.qwen3 import Qwen3Adapter, Qwen3MoeAdapter
 
@@ -21,6 +22,10 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {
     "qwen2": Qwen2Adapter,
     "qwen3": Qwen3Adapter,
     "qwen3_moe": Qwen3MoeAdapter,
+    "qwen2_moe": Qwen2MoeAdapter,
+    "mixtral": MixtralAdapter,
+    "deepseek_v3": DeepseekV3Adapter,
+    "glm4_moe": Glm4MoeAdapter,
 }
 
 

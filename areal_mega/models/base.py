@@ -95,6 +95,30 @@ class ModelArch:
     """MoE: experts per token (HF num_experts_per_tok)."""
     moe_norm_topk_prob: bool = False
     """MoE: renormalise the top-k softmax probabilities to sum to 1 (HF norm_topk_prob)."""
+    dense_layers: tuple[int, ...] = ()
+    """MoE: global ids of the layers that keep a dense MLP (DeepSeek's first_k_dense_replace,
+    Qwen2-MoE's mlp_only_layers); megatron's moe_layer_freq list."""
+    moe_score_function: str = "softmax"
+    """MoE router scores: "softmax" (Qwen/Mixtral) or "sigmoid" (DeepSeek-V3, GLM-4.5)."""
+    moe_expert_bias: bool = False
+    """MoE: a per-expert bias added to the scores for the top-k choice only (DeepSeek-V3's
+    e_score_correction_bias, aux-loss-free balancing); megatron's router.expert_bias buffer."""
+    moe_num_groups: int | None = None
+    """MoE grouped routing: experts split into this many groups (HF n_group); None = no groups."""
+    moe_group_topk: int | None = None
+    """MoE grouped routing: groups kept per token (HF topk_group)."""
+    moe_scaling_factor: float | None = None
+    """MoE: the routing weights times this (HF routed_scaling_factor); None = 1."""
+    moe_shared_ffn_hidden_size: int | None = None
+    """MoE: intermediate size of the shared expert(s) every token goes through; None = none."""
+    moe_shared_expert_gate: bool = False
+    """MoE: the shared expert's output times sigmoid(x . w) (Qwen2-MoE's shared_expert_gate)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dims that RoPE rotates (GLM-4.5's partial_rotary_factor)."""
+    mla: "MLAArch | None" = None
+    """Multi-latent attention dims (DeepSeek-V3 family); None = standard GQA attention."""
+    yarn: "YarnArch | None" = None
+    """YaRN rope scaling (DeepSeek-V3 family); None = plain RoPE."""
 
     @property
     def heads_per_group(self) -> int:
@@ -103,6 +127,36 @@ class ModelArch:
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer not in self.dense_layers
+
+
+@dataclass(frozen=True)
+class MLAArch:
+    """Multi-latent attention (DeepSeek-V2/V3): queries through an optional low-rank bottleneck,
+    keys/values from one shared latent plus a shared rotary key (megatron's MLATransformerConfig)."""
+
+    q_lora_rank: int | None
+    """Query bottleneck rank (HF q_lora_rank); None = a full q_proj (V2-Lite, Moonlight)."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    """Per-head query/key dims without RoPE (megatron qk_head_dim)."""
+    qk_rope_head_dim: int
+    """Per-head query/key dims with RoPE, the key's shared by all heads (qk_pos_emb_head_dim)."""
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class YarnArch:
+    """YaRN RoPE scaling as DeepSeek-V3 configures it (HF rope_type "yarn")."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
 
 
 @dataclass(frozen=True)
@@ -243,45 +297,79 @@ class ModelAdapter:
         )
 
     # ---- naming -------------------------------------------------------------------------------
-    def layer_rules(self, spec: LayerSpec = "local") -> list[_Rule]:
-        """Per-layer rules, names relative to ``decoder.layers.{i}.`` / ``model.layers.{j}.``."""
-        ln_in = "self_attention.linear_qkv.layer_norm_weight" if spec == "te" else "input_layernorm.weight"
+    # HF names of the MoE block, per family (Qwen-style defaults; Mixtral and DeepSeek override).
+    hf_moe: ClassVar[str] = "mlp"
+    """HF module holding a layer's router and experts (Mixtral: block_sparse_moe)."""
+    hf_expert_proj: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
+    """HF names of an expert's gate / up / down projections (Mixtral: w1, w3, w2)."""
+    hf_shared: ClassVar[str] = "mlp.shared_experts"
+    """HF module of the shared expert(s) (Qwen2-MoE: mlp.shared_expert)."""
+
+    def layer_rules(self, spec: LayerSpec = "local", layer: int = 0) -> list[_Rule]:
+        """Rules of global layer ``layer``, names relative to ``decoder.layers.{i}.`` /
+        ``model.layers.{j}.`` (dense and MoE layers differ in their MLP)."""
+        a = self.arch
+        moe = a.is_moe_layer(layer)
+        ln_in = "self_attention.linear_qkv.layer_norm_weight" if spec == "te" and a.mla is None else "input_layernorm.weight"
         ln_mlp = "mlp.linear_fc1.layer_norm_weight" if spec == "te" else "pre_mlp_layernorm.weight"
-        rules = [
-            _Rule(ln_in, ("input_layernorm.weight",), None, "none"),
-            _Rule(
+        rules = [_Rule(ln_in, ("input_layernorm.weight",), None, "none")]
+        if a.mla is not None:
+            rules += self.mla_rules(spec)
+        else:
+            rules.append(_Rule(
                 "self_attention.linear_qkv.weight",
-                ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-                0,
-                "qkv",
-            ),
-        ]
-        if self.arch.qkv_bias:
-            rules.append(
-                _Rule(
+                ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), 0, "qkv"))
+            if a.qkv_bias:
+                rules.append(_Rule(
                     "self_attention.linear_qkv.bias",
-                    ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-                    0,
-                    "qkv",
-                )
-            )
-        if self.arch.qk_layernorm:
-            rules += [
-                _Rule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), None, "none"),
-                _Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), None, "none"),
-            ]
+                    ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), 0, "qkv"))
+            if a.qk_layernorm:
+                rules += [
+                    _Rule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), None, "none"),
+                    _Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), None, "none"),
+                ]
         rules += [
             _Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), 1, "none"),
-            _Rule(ln_mlp if not self.arch.is_moe else "pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), None, "none"),
+            _Rule(ln_mlp if not moe else "pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), None, "none"),
         ]
-        if self.arch.is_moe:  # the router; the experts come from expert_params (EP-sharded)
-            rules.append(_Rule("mlp.router.weight", ("mlp.gate.weight",), None, "none"))
+        if moe:  # the router (+ shared experts); the routed experts come from expert_params
+            rules.append(_Rule("mlp.router.weight", (f"{self.hf_moe}.gate.weight",), None, "none"))
+            if a.moe_expert_bias:  # a buffer, not a trained parameter (see docs/engine.md)
+                rules.append(_Rule("mlp.router.expert_bias", (f"{self.hf_moe}.gate.e_score_correction_bias",), None, "none"))
+            if a.moe_shared_ffn_hidden_size:
+                sh = self.hf_shared
+                rules += [
+                    _Rule("mlp.shared_experts.linear_fc1.weight", (f"{sh}.gate_proj.weight", f"{sh}.up_proj.weight"), 0, "gate_up"),
+                    _Rule("mlp.shared_experts.linear_fc2.weight", (f"{sh}.down_proj.weight",), 1, "none"),
+                ]
+                if a.moe_shared_expert_gate:
+                    rules.append(_Rule("mlp.shared_experts.gate_weight", ("mlp.shared_expert_gate.weight",), None, "none"))
         else:
             rules += [
                 _Rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0, "gate_up"),
                 _Rule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), 1, "none"),
             ]
         return rules
+
+    def mla_rules(self, spec: LayerSpec) -> list[_Rule]:
+        """MLASelfAttention (local spec: column-parallel down projections, gathered inside megatron;
+        TE spec: the latent norms fused into the up projections -- unverified here, no TE on CPU)."""
+        m = self.arch.mla
+        q_ln = "self_attention.linear_q_up_proj.layer_norm_weight" if spec == "te" else "self_attention.q_layernorm.weight"
+        kv_ln = "self_attention.linear_kv_up_proj.layer_norm_weight" if spec == "te" else "self_attention.kv_layernorm.weight"
+        if m.q_lora_rank is None:
+            rules = [_Rule("self_attention.linear_q_proj.weight", ("self_attn.q_proj.weight",), 0, "none")]
+        else:
+            rules = [
+                _Rule("self_attention.linear_q_down_proj.weight", ("self_attn.q_a_proj.weight",), 0 if spec == "local" else None, "none"),
+                _Rule(q_ln, ("self_attn.q_a_layernorm.weight",), None, "none"),
+                _Rule("self_attention.linear_q_up_proj.weight", ("self_attn.q_b_proj.weight",), 0, "none"),
+            ]
+        return rules + [
+            _Rule("self_attention.linear_kv_down_proj.weight", ("self_attn.kv_a_proj_with_mqa.weight",), 0 if spec == "local" else None, "none"),
+            _Rule(kv_ln, ("self_attn.kv_a_layernorm.weight",), None, "none"),
+            _Rule("self_attention.linear_kv_up_proj.weight", ("self_attn.kv_b_proj.weight",), 0, "none"),
+        ]
 
     def expert_params(self, chunk: int, local_layer: int, layer: int, layout: ParallelLayout,
                       grouped: bool = False) -> list[McoreParam]:
@@ -290,33 +378,32 @@ class ModelAdapter:
         SequentialMLP (``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight``, local spec) or,
         with ``grouped``, TEGroupedMLP (``mlp.experts.linear_fc{1,2}.weight{j}``, TE spec)."""
         a = self.arch
-        if not a.is_moe:
+        if not a.is_moe_layer(layer):
             return []
         per = a.num_experts // layout.ep
         h, f = a.hidden_size, a.moe_ffn_hidden_size
+        gate, up, down = self.hf_expert_proj
         out = []
         for g in range(a.num_experts):
             j = g % per
             pre = f"decoder.layers.{local_layer}.mlp.experts."
             fc1 = f"{pre}linear_fc1.weight{j}" if grouped else f"{pre}local_experts.{j}.linear_fc1.weight"
             fc2 = f"{pre}linear_fc2.weight{j}" if grouped else f"{pre}local_experts.{j}.linear_fc2.weight"
-            hf = f"model.layers.{layer}.mlp.experts.{g}."
-            out.append(McoreParam(chunk, fc1, (2 * f, h), 0, "gate_up", (hf + "gate_proj.weight", hf + "up_proj.weight"),
+            hf = f"model.layers.{layer}.{self.hf_moe}.experts.{g}."
+            out.append(McoreParam(chunk, fc1, (2 * f, h), 0, "gate_up", (hf + f"{gate}.weight", hf + f"{up}.weight"),
                                   ep_rank=g // per))
-            out.append(McoreParam(chunk, fc2, (h, f), 1, "none", (hf + "down_proj.weight",), ep_rank=g // per))
+            out.append(McoreParam(chunk, fc2, (h, f), 1, "none", (hf + f"{down}.weight",), ep_rank=g // per))
         return out
 
-    def hf_shape(self, hf_name: str) -> tuple[int, ...]:
+    def _leaf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF shape per layer-relative name (experts as ``<moe>.experts.*.<proj>.weight``)."""
         a = self.arch
         h, d = a.hidden_size, a.head_dim
-        leaf = hf_name.split("layers.")[-1].split(".", 1)[-1] if ".layers." in hf_name else hf_name
-        if leaf.startswith("mlp.experts."):  # mlp.experts.{i}.gate_proj.weight -> one shape per kind
-            leaf = "mlp.experts.*." + leaf.split(".", 3)[3]
         e, f = a.num_experts or 0, a.moe_ffn_hidden_size or 0
+        gate, up, down = self.hf_expert_proj
+        ex = f"{self.hf_moe}.experts.*."
+        fs, sh = a.moe_shared_ffn_hidden_size or 0, self.hf_shared
         table = {
-            "model.embed_tokens.weight": (a.vocab_size, h),
-            "lm_head.weight": (a.vocab_size, h),
-            "model.norm.weight": (h,),
             "input_layernorm.weight": (h,),
             "post_attention_layernorm.weight": (h,),
             "self_attn.q_proj.weight": (a.num_heads * d, h),
@@ -331,12 +418,79 @@ class ModelAdapter:
             "mlp.down_proj.weight": (h, a.ffn_hidden_size),
             "self_attn.q_norm.weight": (d,),
             "self_attn.k_norm.weight": (d,),
-            "mlp.gate.weight": (e, h),
-            "mlp.experts.*.gate_proj.weight": (f, h),
-            "mlp.experts.*.up_proj.weight": (f, h),
-            "mlp.experts.*.down_proj.weight": (h, f),
+            f"{self.hf_moe}.gate.weight": (e, h),
+            f"{self.hf_moe}.gate.e_score_correction_bias": (e,),
+            f"{ex}{gate}.weight": (f, h),
+            f"{ex}{up}.weight": (f, h),
+            f"{ex}{down}.weight": (h, f),
+            f"{sh}.gate_proj.weight": (fs, h),
+            f"{sh}.up_proj.weight": (fs, h),
+            f"{sh}.down_proj.weight": (h, fs),
+            "mlp.shared_expert_gate.weight": (1, h),
         }
-        return table[leaf]
+        m = a.mla
+        if m is not None:
+            qd = m.qk_nope_head_dim + m.qk_rope_head_dim
+            n = a.num_heads
+            table.update({
+                "self_attn.q_proj.weight": (n * qd, h),
+                "self_attn.q_a_proj.weight": (m.q_lora_rank or 0, h),
+                "self_attn.q_a_layernorm.weight": (m.q_lora_rank or 0,),
+                "self_attn.q_b_proj.weight": (n * qd, m.q_lora_rank or 0),
+                "self_attn.kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+                "self_attn.kv_a_layernorm.weight": (m.kv_lora_rank,),
+                "self_attn.kv_b_proj.weight": (n * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                "self_attn.o_proj.weight": (h, n * m.v_head_dim),
+            })
+        return table
+
+    def hf_shape(self, hf_name: str) -> tuple[int, ...]:
+        a = self.arch
+        h = a.hidden_size
+        top = {"model.embed_tokens.weight": (a.vocab_size, h), "lm_head.weight": (a.vocab_size, h), "model.norm.weight": (h,)}
+        if hf_name in top:
+            return top[hf_name]
+        leaf = hf_name.split("layers.")[-1].split(".", 1)[-1] if ".layers." in hf_name else hf_name
+        ex = f"{self.hf_moe}.experts."
+        if leaf.startswith(ex):  # <moe>.experts.{i}.gate_proj.weight -> one shape per kind
+            leaf = ex + "*." + leaf[len(ex):].split(".", 1)[1]
+        return self._leaf_shapes()[leaf]
+
+    def mcore_shape(self, leaf: str) -> tuple[int, ...]:
+        """Full (TP=1, vocab unpadded) shape of a layer-relative megatron parameter."""
+        a = self.arch
+        h = a.hidden_size
+        qkv_rows = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+        full = {
+            "self_attention.linear_qkv.weight": (qkv_rows, h),
+            "self_attention.linear_qkv.bias": (qkv_rows,),
+            "self_attention.linear_proj.weight": (h, a.num_heads * a.head_dim),
+            "mlp.linear_fc1.weight": (2 * a.ffn_hidden_size, h),
+            "mlp.linear_fc2.weight": (h, a.ffn_hidden_size),
+            "self_attention.q_layernorm.weight": (a.head_dim,),
+            "self_attention.k_layernorm.weight": (a.head_dim,),
+            "mlp.router.weight": (a.num_experts or 0, h),
+            "mlp.router.expert_bias": (a.num_experts or 0,),
+            "mlp.shared_experts.linear_fc1.weight": (2 * (a.moe_shared_ffn_hidden_size or 0), h),
+            "mlp.shared_experts.linear_fc2.weight": (h, a.moe_shared_ffn_hidden_size or 0),
+            "mlp.shared_experts.gate_weight": (1, h),
+        }
+        m = a.mla
+        if m is not None:
+            qd, q = m.qk_nope_head_dim + m.qk_rope_head_dim, m.q_lora_rank or 0
+            full.update({
+                "self_attention.linear_q_proj.weight": (a.num_heads * qd, h),
+                "self_attention.linear_q_down_proj.weight": (q, h),
+                "self_attention.q_layernorm.weight": (q,),
+                "self_attention.linear_q_up_proj.layer_norm_weight": (q,),
+                "self_attention.linear_q_up_proj.weight": (a.num_heads * qd, q),
+                "self_attention.linear_kv_down_proj.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+                "self_attention.kv_layernorm.weight": (m.kv_lora_rank,),
+                "self_attention.linear_kv_up_proj.layer_norm_weight": (m.kv_lora_rank,),
+                "self_attention.linear_kv_up_proj.weight": (a.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                "self_attention.linear_proj.weight": (h, a.num_heads * m.v_head_dim),
+            })
+        return full.get(leaf, (h,))
 
     def hf_names(self) -> list[str]:
         """Every tensor of the HF checkpoint, in plan order for a single stage."""
@@ -369,21 +523,16 @@ class ModelAdapter:
         layout.check_model(a.num_layers, a.num_heads, a.num_kv_heads)
         if a.is_moe:
             layout.check_experts(a.num_experts, a.moe_ffn_hidden_size)
+        split = [("moe_shared_expert_intermediate_size", a.moe_shared_ffn_hidden_size or 0)]
+        if a.mla is not None and spec == "local":  # the local spec splits MLA's down projections over TP
+            split += [("q_lora_rank", a.mla.q_lora_rank or 0),
+                      ("kv_lora_rank + qk_rope_head_dim", a.mla.kv_lora_rank + a.mla.qk_rope_head_dim)]
+        for what, size in split:
+            if size % layout.tp:
+                raise ValueError(f"parallel layout: {what}({size}) % tp({layout.tp}) != 0")
         dtype = dtype or a.dtype
         vocab = padded_vocab_size(a.vocab_size, layout.tp, make_vocab_size_divisible_by)
         h = a.hidden_size
-        qkv_rows = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-        full = {
-            "self_attention.linear_qkv.weight": (qkv_rows, h),
-            "self_attention.linear_qkv.bias": (qkv_rows,),
-            "self_attention.linear_proj.weight": (h, a.num_heads * a.head_dim),
-            "mlp.linear_fc1.weight": (2 * a.ffn_hidden_size, h),
-            "mlp.linear_fc2.weight": (h, a.ffn_hidden_size),
-            "self_attention.q_layernorm.weight": (a.head_dim,),
-            "self_attention.k_layernorm.weight": (a.head_dim,),
-            "mlp.router.weight": (a.num_experts or 0, h),
-        }
-        rules = self.layer_rules(spec)
         stages = []
         chunks = layer_chunks(a.num_layers, layout)
         for p, stage_chunks in enumerate(chunks):
@@ -395,12 +544,12 @@ class ModelAdapter:
                         McoreParam(c, "embedding.word_embeddings.weight", (vocab, h), 0, "vocab", ("model.embed_tokens.weight",))
                     )
                 for local, gid in enumerate(layer_ids):
-                    for r in rules:
+                    for r in self.layer_rules(spec, gid):
                         params.append(
                             McoreParam(
                                 c,
                                 f"decoder.layers.{local}.{r.mcore}",
-                                full.get(r.mcore, (h,)),
+                                self.mcore_shape(r.mcore),
                                 r.tp_dim,
                                 r.fusion,
                                 tuple(f"model.layers.{gid}.{n}" for n in r.hf),
@@ -530,7 +679,7 @@ class ModelAdapter:
             if unknown:
                 raise ValueError(f"names: {sorted(unknown)[:5]} are not exported by stage {stage_plan.stage}")
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-        local = [dict(unwrap(m).named_parameters()) for m in chunks]
+        local = [named_tensors(m) for m in chunks]
         dense = experts is None or experts.dense
         for prm in stage_plan.params:
             if not prm.exported or (wanted is not None and not wanted.intersection(prm.hf_names)):
@@ -544,6 +693,9 @@ class ModelAdapter:
                 canon = self._gather(prm, local[prm.chunk][prm.name].detach(), tp_group, tp)
             else:
                 canon = None
+            if canon is not None and prm.name.endswith("router.expert_bias"):
+                # megatron keeps the bias in fp32 whatever the params' dtype: export it in theirs
+                canon = canon.to(local[prm.chunk][prm.name.replace("expert_bias", "weight")].dtype)
             outs = self.to_hf(prm, canon) if canon is not None else [None] * len(prm.hf_names)
             for n, t in zip(prm.hf_names, outs):
                 if wanted is None or n in wanted:
@@ -585,7 +737,7 @@ class ModelAdapter:
         """
         etp = tp if etp is None else etp
         etp_rank = tp_rank if etp_rank is None else etp_rank
-        local = [dict(unwrap(m).named_parameters()) for m in chunks]
+        local = [named_tensors(m) for m in chunks]
         mine = [p for p in stage_plan.params if p.ep_rank is None or p.ep_rank == ep_rank]
         for prm in mine:
             if prm.name not in local[prm.chunk]:
@@ -652,6 +804,15 @@ class ExpertExport:
             dist.recv(buf, src=owner)
             return buf
         return None
+
+
+def named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters of ``module`` (unwrapped) plus the buffers that hold HF weights: the routers'
+    ``expert_bias`` (DeepSeek-V3's e_score_correction_bias, not gradient-trained)."""
+    m = unwrap(module)
+    out = dict(m.named_parameters())
+    out.update({n: b for n, b in m.named_buffers() if n.endswith("router.expert_bias")})
+    return out
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

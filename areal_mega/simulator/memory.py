@@ -78,7 +78,14 @@ class ModelShape:
 
     @classmethod
     def from_arch(cls, arch) -> "ModelShape":
-        """The shape of a :class:`~areal_mega.models.ModelArch` (the adapter's parse)."""
+        """The shape of a :class:`~areal_mega.models.ModelArch` (the adapter's parse). Refuses what
+        the memory model does not count yet, rather than estimating another model."""
+        missing = [what for what, on in (("multi-latent attention", getattr(arch, "mla", None) is not None),
+                                         ("shared experts", bool(getattr(arch, "moe_shared_ffn_hidden_size", None))),
+                                         ("dense layers between MoE layers", bool(getattr(arch, "dense_layers", ())))) if on]
+        if missing:
+            raise ValueError(f"model_type {arch.model_type!r}: the launcher's memory estimate does not model "
+                             f"{', '.join(missing)} yet (the learner runs it; size the job by hand, see docs/engine.md)")
         return cls(num_hidden_layers=arch.num_layers, hidden_size=arch.hidden_size,
                    intermediate_size=arch.ffn_hidden_size, num_attention_heads=arch.num_heads,
                    num_key_value_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, head_dim=arch.head_dim,

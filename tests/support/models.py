@@ -25,7 +25,7 @@ DEFAULTS = dict(
     num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
-FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe")
+FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe")
 # The weight-sync tests' model (the live TP2 x PP2 sync and the pure planner): bf16 on disk,
 # head_dim 64 (what SGLang's CPU attention takes), tied embeddings, qkv bias.
 WSYNC_QWEN2 = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
@@ -51,6 +51,10 @@ def _hf_classes_and_config(family: str, overrides: dict):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     }[family]
     return config_cls, model_cls, cfg
 
@@ -71,6 +75,9 @@ def tiny_model(family: str = "qwen2", *, seed: int = 0, scale: float = 1.0, nois
             g = torch.Generator().manual_seed(noise_seed)
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * noise)
+            for n, b in model.named_buffers():  # DeepSeek-V3 / GLM-4.5's routing bias (a weight, not trained)
+                if n.endswith("e_score_correction_bias"):
+                    b.add_(torch.randn(b.shape, generator=g) * noise)
     return model
 
 

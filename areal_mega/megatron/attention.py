@@ -1,0 +1,151 @@
+"""The project's core attention for megatron-core's local layer spec (CPU, or GPU without TE).
+
+megatron-core 0.16.1's local ``DotProductAttention`` takes one head size (``kv_channels``), so
+``MLASelfAttention`` -- which hands its core attention ``k_channels`` (q/k head size, nope + rope)
+and ``v_channels`` -- fails at construction (TypeError), and it asserts
+``packed_seq_params is None``. :class:`CoreAttention` is a drop-in replacement, plugged in
+through the layer spec (:func:`with_core_attention`):
+
+* any q/k head size and any v head size (MLA: 192 / 128 on DeepSeek-V3), GQA by repeating K/V;
+* masks: megatron's boolean ``attention_mask`` (True = masked, [b|1, 1, sq, sk]); causal when
+  no mask is given; or packed THD sequences from ``PackedSeqParams`` (``cu_seqlens_q`` /
+  ``cu_seqlens_kv``): a block-diagonal causal mask built by :func:`block_causal_mask`;
+* exact: the same operations in the same order as ``DotProductAttention`` (baddbmm with the
+  softmax scale, megatron's ``FusedScaleMaskSoftmax`` torch path with -10000 fill, fp32 softmax,
+  bmm) -- so where both run, the outputs are bit-identical (tests/test_core_attention.py).
+
+Context parallelism (a later issue) is planned to extend this module, not replace it: the mask is
+computed from *global* token indices (``q_index`` / ``k_index`` in :func:`block_causal_mask`), so
+a CP rank that holds some query rows and all-gathered K/V passes its rows' global indices and gets
+the same per-sequence causal attention. The CP all-gather itself is not implemented here
+(``context_parallel_size > 1`` is still refused at start-up, megatron/model.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+
+def block_causal_mask(cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor | None = None, *,
+                      q_index: Tensor | None = None, k_index: Tensor | None = None) -> Tensor:
+    """Boolean mask [1, 1, sq, sk], True = masked (megatron's convention), for packed sequences.
+
+    Token ``i`` of the query rows attends to key ``j`` iff both lie in the same sequence and
+    ``j <= i`` in the packed row's global order. ``cu_seqlens_*`` = [0, l0, l0+l1, ...] over the
+    full packed row; ``q_index`` / ``k_index`` (default: all tokens) are the global positions of
+    the rows actually present (a context-parallel rank's chunk; all-gathered K/V = all of them).
+    Tokens past ``cu_seqlens[-1]`` (padding) attend only to themselves.
+    """
+    cu_q = cu_seqlens_q.to("cpu", torch.long)
+    cu_k = cu_q if cu_seqlens_kv is None else cu_seqlens_kv.to("cpu", torch.long)
+    if not torch.equal(cu_q, cu_k):
+        raise ValueError("cu_seqlens_kv: must equal cu_seqlens_q for causal self-attention")
+    total = int(cu_q[-1])
+    qi = torch.arange(total) if q_index is None else q_index.to("cpu", torch.long)
+    ki = torch.arange(total) if k_index is None else k_index.to("cpu", torch.long)
+    n = int(max(int(qi.max()) if qi.numel() else 0, int(ki.max()) if ki.numel() else 0, total - 1)) + 1
+    seq = torch.full((n,), -1, dtype=torch.long)
+    for s in range(len(cu_q) - 1):
+        seq[cu_q[s]: cu_q[s + 1]] = s
+    pad = seq < 0
+    seq[pad] = -1 - torch.arange(int(pad.sum()))  # each padding token is its own "sequence"
+    allowed = (seq[qi][:, None] == seq[ki][None, :]) & (ki[None, :] <= qi[:, None])
+    return (~allowed).view(1, 1, len(qi), len(ki))
+
+
+class CoreAttention(torch.nn.Module):
+    """softmax(scale * q k^T + mask) v for megatron's attention modules (see the module doc).
+
+    Constructor and forward signatures are the ones megatron's ``SelfAttention`` and
+    ``MLASelfAttention`` call their ``core_attention`` submodule with (0.16.1)."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection: Any = None):
+        from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+        from megatron.core.transformer.utils import attention_mask_func
+
+        super().__init__()
+        self.config = config
+        if config.context_parallel_size != 1:
+            raise ValueError(f"context_parallel_size: {config.context_parallel_size} > 1 is not implemented by "
+                             "areal_mega's CoreAttention yet (K/V all-gather across CP ranks)")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"softmax_type: {config.softmax_type!r} is not supported by CoreAttention")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError("window_size: sliding-window attention is not supported by CoreAttention")
+        tp = 1 if pg_collection is None else pg_collection.tp.size()
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.k_channels = k_channels or config.kv_channels
+        self.v_channels = v_channels or config.kv_channels
+        if config.num_attention_heads % tp or config.num_query_groups % tp:
+            raise ValueError(f"num_attention_heads ({config.num_attention_heads}) and num_query_groups "
+                             f"({config.num_query_groups}) must divide by tensor parallel size {tp}")
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        self.softmax_scale = 1.0 / math.sqrt(self.k_channels) if softmax_scale is None else softmax_scale
+        coeff = None
+        if config.apply_query_key_layer_scaling:
+            coeff = self.layer_number
+            self.softmax_scale /= coeff
+        self.scale_mask_softmax = FusedScaleMaskSoftmax(
+            input_in_fp16=config.fp16, input_in_bf16=config.bf16, attn_mask_type=attn_mask_type,
+            scaled_masked_softmax_fusion=False, mask_func=attention_mask_func,
+            softmax_in_fp32=config.attention_softmax_in_fp32, scale=coeff, window_size=None)
+        self.attention_dropout = torch.nn.Dropout(config.attention_dropout if attention_dropout is None
+                                                  else attention_dropout)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                attn_mask_type: Any = None, attention_bias: Optional[Tensor] = None,
+                packed_seq_params: Any = None) -> Tensor:
+        """query [sq, b, np, dk], key [sk, b, ng, dk], value [sk, b, ng, dv] (THD: no b axis)
+        -> [sq, b, np * dv] (THD: [t, np * dv])."""
+        from megatron.core import tensor_parallel
+
+        if attention_bias is not None:
+            raise ValueError("attention_bias: not supported by CoreAttention")
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if thd:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            attention_mask = block_causal_mask(packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv,
+                                               ).to(query.device)
+        elif packed_seq_params is not None:
+            raise ValueError(f"packed_seq_params.qkv_format: {packed_seq_params.qkv_format!r} is not supported (thd)")
+        rep = query.size(2) // key.size(2)
+        if rep > 1:  # GQA: each K/V head serves rep consecutive query heads (megatron's order)
+            key = key.repeat_interleave(rep, dim=2)
+            value = value.repeat_interleave(rep, dim=2)
+        sq, b, npart = query.size(0), query.size(1), query.size(2)
+        sk = key.size(0)
+        q = query.reshape(sq, b * npart, -1)
+        k = key.reshape(sk, b * npart, -1)
+        scores = torch.baddbmm(torch.empty(b * npart, sq, sk, dtype=q.dtype, device=q.device),
+                               q.transpose(0, 1), k.transpose(0, 1).transpose(1, 2), beta=0.0,
+                               alpha=self.softmax_scale).view(b, npart, sq, sk)
+        probs = self.scale_mask_softmax(scores, attention_mask, None)
+        if not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                probs = self.attention_dropout(probs)
+        else:
+            probs = self.attention_dropout(probs)
+        dv = value.size(3)
+        v = value.reshape(sk, b * npart, dv)
+        ctx = torch.bmm(probs.view(b * npart, sq, sk), v.transpose(0, 1)).view(b, npart, sq, dv)
+        ctx = ctx.permute(2, 0, 1, 3).contiguous().view(sq, b, npart * dv)
+        return ctx[:, 0] if thd else ctx
+
+
+def with_core_attention(layer_spec: Any) -> Any:
+    """``layer_spec`` (a local-spec TransformerLayer ModuleSpec) with :class:`CoreAttention` as
+    its self-attention's ``core_attention`` (a copy; the input is not modified)."""
+    import copy
+
+    spec = copy.deepcopy(layer_spec)
+    spec.submodules.self_attention.submodules.core_attention = CoreAttention
+    return spec

@@ -1,0 +1,142 @@
+"""PYTHONPATH=. python -m torch.distributed.run --nproc-per-node 4 tests/dist/family_layouts.py --work-dir W --out R.pt
+
+One 4-rank gloo launch for the MoE families of areal_mega/models/moe_families.py (Mixtral,
+Qwen2-MoE, DeepSeek-V3 with and without q_lora_rank, GLM-4.5): for each tiny HF model in W
+(written by tests/test_megatron_families.py, HF reference logits in W/ref.pt) and each layout of
+LAYOUTS (tp, pp, ep; dp fills the rest), re-initialising megatron's parallel state each time,
+records on rank 0 into R.pt:
+
+* logits[model][layout]: packed-batch logits (last stage, TP-gathered);
+* export[model][layout]: per exporting rank (pp, tp, dp, ep, #bit-identical to the HF file,
+  #differing, #None, names) from ModelAdapter.export_hf -- the weight-sync code path;
+* negative[control]: logits with one piece deliberately dropped (NEGATIVE);
+* W/<model>_ckpt, W/<model>_hf: each model converted HF -> megatron (EP2 x PP2) -> HF (EP2 x TP2)
+  by the conversion tools' main() functions, run inside this world.
+
+``__main__`` guard: dist_checkpointing.save re-imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from areal_mega.megatron.model import (
+    HFCheckpointReader,
+    MegatronModelConfig,
+    build_model,
+    export_hf_weights,
+    forward_logits,
+    load_hf_weights,
+)
+from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
+from areal_mega.models import get_adapter, load_hf_config
+from areal_mega.parallel import ParallelConfig, ParallelLayout
+
+# (tp, pp, ep): TP1, TP2, PP2, EP2, EP2 x TP2, EP2 x PP2 (expert TP = TP)
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]
+# control -> (model, layout, what is dropped: an HF tensor-name suffix read as zeros)
+NEGATIVE = {
+    "expert_bias_dropped": ("deepseek_v3", (1, 1, 2), "mlp.gate.e_score_correction_bias"),
+    "shared_expert_dropped": ("qwen2_moe", (2, 1, 1), "mlp.shared_expert.down_proj.weight"),
+    "glm_expert_bias_dropped": ("glm4_moe", (1, 1, 1), "mlp.gate.e_score_correction_bias"),
+}
+# The families whose weight kinds the others lack: MLA + expert bias + shared experts + dense
+# layers (DeepSeek-V3), the gated shared expert (Qwen2-MoE). The rest share their code paths
+# (load_hf, export_hf), bit-checked at every layout by the export rows. Each pair costs ~2 saves.
+ROUNDTRIP = ("deepseek_v3", "qwen2_moe")
+
+
+def key_of(tp, pp, ep) -> str:
+    return f"tp{tp}pp{pp}ep{ep}"
+
+
+def dropping(adapter_cls, suffix: str):
+    """A subclass of ``adapter_cls`` whose load reads the HF tensors ending in ``suffix`` as zeros."""
+
+    class Dropped(adapter_cls):
+        def load_hf(self, chunks, stage_plan, tp, tp_rank, read_slice, shape_of, **kw):
+            def read(name, *a):
+                t = read_slice(name, *a)
+                return torch.zeros_like(t) if name.endswith(suffix) else t
+
+            return super().load_hf(chunks, stage_plan, tp, tp_rank, read, shape_of, **kw)
+
+    return Dropped
+
+
+def gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def last_stage_value(out):
+    return [o for o in gather(out) if o is not None][0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work-dir", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    work = Path(args.work_dir)
+    dist.init_process_group("gloo")
+    ws = dist.get_world_size()
+    ref = torch.load(work / "ref.pt")
+    res: dict = {"logits": {}, "export": {}, "negative": {}}
+    for name, r in ref.items():
+        hf_dir = work / name
+        ids, cu = r["input_ids"], r["cu_seqlens"]
+        hf_file = HFCheckpointReader(hf_dir)
+        res["logits"][name], res["export"][name] = {}, {}
+        for tp, pp, ep in LAYOUTS:
+            lay = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep), ws)
+            key = key_of(tp, pp, ep)
+            groups = init_model_parallel(lay, backend="gloo")
+            model = build_model(hf_dir, groups, MegatronModelConfig(layer_spec="local"))
+            load_hf_weights(model, hf_dir)
+            res["logits"][name][key] = last_stage_value(forward_logits(model, ids, cu))
+            c = groups.coords
+            row = None
+            if lay.exports(groups.rank):
+                same, diff, none, names = 0, 0, 0, []
+                for n, t in export_hf_weights(model):
+                    names.append(n)
+                    if t is None:
+                        none += 1
+                    elif torch.equal(t, hf_file.read(n)):
+                        same += 1
+                    else:
+                        diff += 1
+                row = (c.pp, c.tp, c.dp, c.ep, same, diff, none, names)
+            res["export"][name][key] = gather(row)
+            for control, (m, lay_key, suffix) in NEGATIVE.items():
+                if m == name and lay_key == (tp, pp, ep):
+                    cls = type(get_adapter(load_hf_config(hf_dir)))
+                    neg = build_model(hf_dir, groups, adapter=dropping(cls, suffix)(load_hf_config(hf_dir)))
+                    load_hf_weights(neg, hf_dir)
+                    res["negative"][control] = (name, last_stage_value(forward_logits(neg, ids, cu)))
+            destroy_model_parallel(groups)
+    # HF -> megatron (EP2 x PP2) -> HF (EP2 x TP2) through the conversion tools' own main().
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import convert_hf_to_mcore
+    import convert_mcore_to_hf
+
+    for name in ROUNDTRIP:
+        convert_hf_to_mcore.main(["--hf-dir", str(work / name), "--out", str(work / f"{name}_ckpt"), "--ep", "2",
+                                  "--pp", "2"])
+        convert_mcore_to_hf.main(["--ckpt", str(work / f"{name}_ckpt"), "--out", str(work / f"{name}_hf"), "--ep", "2",
+                                  "--tp", "2"])
+    if dist.get_rank() == 0:
+        torch.save(res, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
