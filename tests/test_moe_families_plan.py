@@ -153,7 +153,7 @@ def test_families_map_to_megatron_settings():
 def test_launcher_memory_estimate_refuses_what_it_does_not_model():
     """The memory model counts Qwen3-MoE-style MoE only: MLA, shared experts and dense first
     layers are refused by name instead of estimated as another model (docs/engine.md)."""
-    from areal_mega.launcher.config import ModelShape
+    from areal_mega.simulator.memory import ModelShape
 
     with pytest.raises(ValueError, match="^model_type 'deepseek_v3': the launcher's memory estimate does not model "
                                          "multi-latent attention, shared experts, dense layers between MoE layers"):
