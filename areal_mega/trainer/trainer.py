@@ -28,6 +28,7 @@ from areal_mega.algo.advantages import compute_advantages
 from areal_mega.rollout.batch import broadcast_batch, split_minibatches, to_engine_alignment, trajectories_to_batch
 from areal_mega.trainer.critic import CriticEngine
 from areal_mega.trainer.config import ExperimentConfig
+from areal_mega.trainer.runlog import cut_logs_past
 from areal_mega.algo.losses import PPOActorLoss, PPOCriticLoss, global_counts, kl_estimate
 from areal_mega.rollout.driver import RolloutDriver
 from areal_mega.utils.metrics import Metrics
@@ -145,6 +146,10 @@ class Trainer:
             ws.sync(version=start_step)
         if rank0:
             out.mkdir(parents=True, exist_ok=True)
+            # Records past the checkpoint (a killed run's last steps) are redone: move them out.
+            for name, n in cut_logs_past(out, start_step).items():
+                print(f"trainer: {n} record(s) of {name} past checkpoint {start_step} moved to "
+                      f"{name}.superseded", file=sys.stderr, flush=True)
         metrics = Metrics(str(out / "tb") if rank0 else None, enabled=rank0, jsonl_path=str(out / "metrics.jsonl"))
         trainer = cls(cfg=cfg, groups=groups, actor=actor, weight_sync=ws, metrics=metrics, ctrl_group=ctrl,
                     start_step=start_step, driver=driver, ref=ref, critic=critic)
@@ -212,10 +217,15 @@ class Trainer:
 
     def _log_prompts(self, rb: Any) -> None:
         """``prompts.jsonl``: the prompts each batch trains, by stream position and sample id
-        (what lets a resumed or failed-over run be checked for prompts lost or trained twice)."""
+        (what lets a resumed or failed-over run be checked for prompts lost or trained twice), and
+        the prompts skipped since the previous batch (their episodes kept failing: ``skipped``,
+        ``[epoch, index, id, reason]``)."""
         rows = [[*pos, pid] for pos, pid in zip(rb.positions, rb.prompt_ids) if pos is not None]
+        record: dict[str, Any] = {"version": rb.version, "prompts": rows}
+        if rb.skipped:
+            record["skipped"] = [[*(s["pos"] or [None, None]), s["id"], s["reason"]] for s in rb.skipped]
         with open(Path(self.cfg.output_dir) / "prompts.jsonl", "a") as f:
-            f.write(json.dumps({"version": rb.version, "prompts": rows}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
     def ref_and_values(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the advantages and losses need from the extra models, {} when neither is built:
