@@ -5,8 +5,11 @@
     python -m areal_mega.launcher slurm --config X --dry-run --nodelist 'n[1-16]' --gpus-per-node 8
 
 ``slurm`` runs inside an allocation (launch/*.sh call it from sbatch); ``local`` runs the same
-plan on this machine. ``--dry-run`` prints the plan and the per-GPU memory estimate and exits
-0, or 2 when the plan does not fit the GPUs -- a real launch refuses such a plan the same way.
+plan on this machine. ``--dry-run`` prints the plan, the per-GPU memory estimate and the
+pre-flight checks (``launcher/preflight.py``) and exits 0. Exit codes (docs/launch.md): 2 = refused
+before anything started (a bad key, layout, split, a plan over the GPU memory, a failed
+pre-flight check: one line naming the key), the same in a dry run and a real launch; 1 = a started
+run failed; 75 = checkpointed and stopped on a signal (requeue); 128 + N = stopped by signal N.
 Overrides ``launch.*`` configure the launcher; all others are passed to learners and engines.
 """
 
@@ -18,12 +21,13 @@ from pathlib import Path
 
 
 from areal_mega.config import from_dict, load_dict
+from areal_mega.errors import EXIT_REFUSED
 from areal_mega.launcher.config import LaunchConfig
 from areal_mega.launcher.plan import LaunchPlan, build_plan
 from areal_mega.launcher.supervisor import supervise
 from areal_mega.utils.secrets import write_api_key
 
-EXIT_DOES_NOT_FIT = 2
+EXIT_DOES_NOT_FIT = EXIT_REFUSED  # a refusal like any other: nothing started
 
 
 def load_launch_config(path: str, overrides: list[str]) -> tuple[LaunchConfig, dict, list[str]]:
@@ -40,12 +44,13 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
     """Plan, check memory, then (unless ``dry_run``) supervise; returns the exit code."""
     try:
         cfg, raw, passthrough = load_launch_config(config, overrides)
+        exp = None
         if _runs_the_trainer(cfg):
             # The learners will parse the same YAML and overrides: a bad key fails here, before
             # any server starts (and in a dry run), not minutes later on every rank.
             from areal_mega.trainer.config import load_experiment
 
-            load_experiment(config, overrides)
+            exp = load_experiment(config, overrides)
         gpus = gpus_per_node if gpus_per_node is not None else cfg.gpus_per_node
         if mode == "slurm":
             from areal_mega.launcher.slurm import SrunRunner, slurm_allocation
@@ -59,11 +64,20 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
             runner = LocalRunner()
         plan: LaunchPlan = build_plan(cfg, alloc, raw=raw, config_path=config, overrides=passthrough,
                                       engine_python=engine_python)
-    except ValueError as e:  # ConfigError included: the message names the key
-        print(f"launcher: {e}", file=sys.stderr, flush=True)
-        return 1
+        checks: list[str] = []
+        if exp is not None:  # paths, interpreters, functions: before anything starts (preflight.py)
+            from areal_mega.launcher.preflight import preflight
+
+            checks = preflight(exp, engine_python=engine_python,
+                               starts_sglang=bool(plan.engines) and cfg.engine.command is None,
+                               here=not (mode == "slurm" and dry_run and nodelist is not None))
+    except ValueError as e:  # ConfigError and PreflightError included: the message names the key
+        print(f"launcher: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
 
     print(plan.describe(), flush=True)
+    if dry_run:
+        print("\n".join(f"preflight: ok {c}" for c in checks), flush=True)
     if not plan.fits:
         print("launcher: refusing this plan: the per-GPU memory estimate above exceeds "
               f"launch.gpu_memory_gib = {cfg.gpu_memory_gib} GiB (engines: their mem_fraction_static share)",

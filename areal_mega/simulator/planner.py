@@ -361,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # ConfigError and SimulationError are ValueErrors
         msg = " ".join(str(e).split())
         print(f"areal-mega plan: {msg}", file=sys.stderr, flush=True)
-        return 1
+        from areal_mega.errors import EXIT_REFUSED
+
+        return EXIT_REFUSED
     print(json.dumps(rep.to_dict()) if args.json else describe(rep), flush=True)
     if args.out:
         try:
