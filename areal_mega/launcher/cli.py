@@ -76,6 +76,10 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
         return EXIT_REFUSED
 
     print(plan.describe(), flush=True)
+    for note in plan.notes:
+        if "left idle" in note:  # paid for, unused: say so where it is seen, not only in the plan's notes
+            print(f"launcher: WARNING: {note} by the fixed split (launch.learner.num_nodes / "
+                  "launch.engine.num_nodes); null lets the split follow the allocation", file=sys.stderr, flush=True)
     if dry_run:
         print("\n".join(f"preflight: ok {c}" for c in checks), flush=True)
     if not plan.fits:
