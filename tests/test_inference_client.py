@@ -270,7 +270,7 @@ def test_busy_server_whose_health_check_is_slow_stays_in_rotation():
     client.health_check_failures misses in a row (negative control: the check still bites)."""
     async def body(pool, fakes):
         h = pool.servers[0]
-        fakes[0].health_delay_s = 10.0  # health_check_timeout_s is 2: /health never answers in time
+        fakes[0].health_delay_s = 15.0  # health_check_timeout_s is 5: /health never answers in time
         reqs = [pool.agenerate(GenerationRequest([i, 3], SamplingParams(max_new_tokens=200))) for i in range(4)]
         task = asyncio.gather(*reqs)
         out_of_rotation = 0
@@ -282,11 +282,11 @@ def test_busy_server_whose_health_check_is_slow_stays_in_rotation():
         assert out_of_rotation == 0 and h.num_failures == 0 and pool.num_failovers == 0
         # idle: /health is the probe again, and it keeps timing out
         seen = fakes[0].num_health
-        deadline = asyncio.get_running_loop().time() + 120  # 3 passes of 2 s timeouts; generous under load
+        deadline = asyncio.get_running_loop().time() + 180  # 3 passes of 5 s timeouts; generous under load
         while h.healthy and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         assert not h.healthy and fakes[0].num_health - seen >= 3  # 3 = health_check_failures
 
     asyncio.run(_with_fakes(1, body, token_delay_s=0.01,
-                            client={"health_check_interval_s": 0.05, "health_check_timeout_s": 2.0,
+                            client={"health_check_interval_s": 0.05, "health_check_timeout_s": 5.0,
                                     "health_check_failures": 3}))
