@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # EXAMPLE_ARGS: overrides of the training run, e.g. EXAMPLE_ARGS="trainer.num_steps=5".
 EXAMPLE_ARGS ?=
 
-.PHONY: demo example test test-real test-tools test-fast test-mcore-latest envs learner-env learner-latest-env sglang-env
+.PHONY: demo example test test-real test-tools test-fast test-mcore-latest test-failover-load envs learner-env learner-latest-env sglang-env
 
 learner-env:
 	@tools/env/make_venv.sh learner
@@ -58,3 +58,10 @@ MCORE_LATEST_TESTS = tests/test_compat.py tests/test_megatron_model_plan.py test
 test-mcore-latest:
 	@L=$$(tools/env/make_venv.sh learner-latest) && \
 	  $$L/bin/python -m pytest -q -rfE --durations=30 $(MCORE_LATEST_TESTS) $(PYTEST_ARGS)
+
+# The failover test beside a CPU-saturating job (tools/cpu_load.py: one busy process per core,
+# stopped when the test ends, 30 min at most): a busy, live server must never leave the rotation.
+test-failover-load:
+	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
+	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python tools/cpu_load.py --seconds 1800 -- \
+	  $$L/bin/python -m pytest -q -rfE tests/test_trainer_failover.py -k "test_server_killed_mid_run and 2" $(PYTEST_ARGS)

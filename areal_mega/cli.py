@@ -27,13 +27,13 @@ def _split_overrides(rest: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Bad input (a config key, a YAML file, a checkpoint) ends in one line naming it, exit 2."""
-    from areal_mega.errors import UserError
+    from areal_mega.errors import EXIT_REFUSED, UserError
 
     try:
         return _main(argv)
     except UserError as e:
         print(f"areal-mega: {e}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_REFUSED
 
 
 def _main(argv: list[str] | None = None) -> int:

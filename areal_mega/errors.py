@@ -9,3 +9,9 @@ __all__ = ["UserError"]
 
 class UserError(ValueError):
     """Bad input (a config key, a YAML file, a checkpoint path): the message is the whole story."""
+
+
+EXIT_REFUSED = 2
+"""Exit code of every refusal before anything started -- bad input, a layout, split or memory
+plan that cannot run, a failed pre-flight check -- from every command-line entry point (the
+launcher, its dry run, ``areal-mega``); 1 means a run that had started failed (docs/launch.md)."""

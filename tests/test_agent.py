@@ -6,6 +6,7 @@ per-turn discount, budgets. Real-server episodes: tests/test_agents_sglang.py.""
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -231,3 +232,57 @@ def test_openai_tool_calls_run_through_the_registry():
     assert not_json.startswith("error: calculator arguments are not JSON")
     assert not_object == "error: calculator arguments must be a JSON object, got list"
     assert unknown.startswith("error: unknown tool 'search'")
+
+
+def test_model_context_caps_the_budget_and_failures_carry_reasons(tmp_path):
+    """The agent's context budget is min(workflow.max_context_tokens, the model's
+    max_position_embeddings from the config.json beside the tokenizer); a server's 400 "longer than
+    the context" ends the episode by the same budget rule; the agent's own exception and the
+    reward's fail the episode with their reasons (areal_mega.rollout.failures)."""
+    from areal_mega.inference.client import InferenceServerError
+    from areal_mega.rollout.failures import EpisodeFailure, failure_reason
+    from areal_mega.workflows import WorkflowConfig
+    from areal_mega.workflows.agent import AgentWorkflow
+
+    tok = bpe_tokenizer(tmp_path / "tok")
+    (Path(tok.name_or_path) / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 48}))
+
+    async def grow(client, sample):
+        messages = [{"role": "user", "content": "What is 2+3?"}]
+        for _ in range(20):
+            r = await client.chat.completions.create(messages=messages, max_tokens=4)
+            if sample.get("raise"):
+                raise ZeroDivisionError("the agent's own tool")
+            if sample.get("bad_reward"):
+                return "5"  # scored by the reward, which raises
+            messages += [r.choices[0].message, {"role": "user", "content": "More, please."}]
+        return "5"
+
+    async def reward(prompt, completion, data):
+        if data.get("bad_reward"):
+            raise KeyError("gold")
+        return 1.0
+
+    cfg = WorkflowConfig(kind="agent", agent="x:y", group_size=1, max_turns=20, sampling=SamplingParams(max_new_tokens=4))
+    wf = AgentWorkflow(cfg, tok, reward, agent=grow)
+    assert wf.max_context_tokens == 48  # not workflow.max_context_tokens (4096)
+    eng = ScriptedEngine(tok, lambda n, text: "ok")
+    (t,) = asyncio.run(wf.arun_episode(eng, {"id": "a"}))
+    assert t.info["status"] == "budget" and t.reward == 0.0 and len(t.input_ids) <= 48 and len(eng.sent) >= 2
+    assert all(len(ids) + 4 <= 48 for ids in eng.sent)
+
+    class Refusing(ScriptedEngine):
+        async def agenerate(self, req):  # the second call is refused as too long
+            if self.sent:
+                raise InferenceServerError("http://s", "/generate", 400,
+                                           '{"error": "Input length (250 tokens) exceeds the maximum allowed length"}')
+            return await super().agenerate(req)
+
+    wf_big = AgentWorkflow(WorkflowConfig(kind="agent", agent="x:y", group_size=1, max_turns=20,
+                                          sampling=SamplingParams(max_new_tokens=4)), tok, reward, agent=grow)
+    (t,) = asyncio.run(wf_big.arun_episode(Refusing(tok, lambda n, text: "ok"), {"id": "b"}))
+    assert t.info["status"] == "budget" and t.reward == 0.0
+    for data, reason in (({"id": "c", "raise": True}, "agent_exception"), ({"id": "d", "bad_reward": True}, "reward_exception")):
+        with pytest.raises(EpisodeFailure) as e:
+            asyncio.run(wf.arun_episode(ScriptedEngine(tok, lambda n, text: "ok"), data))
+        assert failure_reason(e.value) == reason

@@ -27,6 +27,7 @@ Needs AREAL_MEGA_SGLANG_PYTHON (set by `make test`); skipped without it.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import pytest
@@ -419,3 +420,96 @@ def test_token_workflows_with_bpe_tokenizer(h, kind):
     assert v0 in seen_versions  # the first call's tokens, sampled before the update
     if kind == "multi_turn":
         assert v0 + 1 in seen_versions  # later turns after it
+
+
+async def _episode_failure_agent(client, sample):
+    """The test's agent: "overflow" keeps growing its context until the budget ends it; "tool_raises"
+    calls the model, then its own tool raises; the others answer once."""
+    messages = [{"role": "user", "content": sample["prompt"]}]
+    for _ in range(8):
+        r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+        if sample["kind"] != "overflow":
+            break
+        messages += [r.choices[0].message, {"role": "user", "content": "Say more about it, at length. " * 4}]
+    if sample["kind"] == "tool_raises":
+        raise ZeroDivisionError("the agent's calculator divided by zero")
+    return r.choices[0].message.content or ""
+
+
+class _RaisingReward:
+    async def __call__(self, prompt, completion, data):
+        if data["kind"] == "reward_raises":
+            raise KeyError("gold")
+        return float(len(completion) % 2)
+
+    def close(self):
+        pass
+
+
+def test_failed_episodes_are_counted_and_skipped_the_run_goes_on(h, tmp_path):
+    """Issue 27 on the real server: one controller run over prompts whose episodes hit each failure
+    kind -- an agent outgrowing the MODEL's context (its config.json says 64 positions; the
+    workflow's own budget is 4096: the smaller wins, the episode ends with reward 0, trained), an
+    agent whose tool raises, a reward that raises, a prompt the server refuses (HTTP 400: longer
+    than its context) -- batches keep coming, failures are counted by reason, every failing prompt
+    is retried once then skipped, and each prompt of the first epoch is trained or skipped, once."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from areal_mega.api.workflow import RolloutWorkflow
+    from areal_mega.data.dataset import PromptDataset, PromptStream
+
+    short = tmp_path / "tokenizer-64"  # the policy's tokenizer, its model claiming 64 positions
+    shutil.copytree(h.dirs["a"], short, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg_json = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg_json, "max_position_embeddings": 64}))
+    tok64 = AutoTokenizer.from_pretrained(str(short))
+    agent = AgentWorkflow(WorkflowConfig(kind="agent", agent="x:y", group_size=1, max_turns=8,
+                                         sampling=SamplingParams(max_new_tokens=4)),
+                          tok64, _RaisingReward(), agent=_episode_failure_agent)
+    assert agent.max_context_tokens == 64  # min(workflow.max_context_tokens 4096, the model's 64)
+    single = build_workflow(WorkflowConfig(group_size=1, sampling=SamplingParams(max_new_tokens=4)), h.tok,
+                            _RaisingReward())
+
+    class ByKind(RolloutWorkflow):
+        async def arun_episode(self, engine, data):
+            return await (single if data["kind"] == "too_long" else agent).arun_episode(engine, data)
+
+    kinds = ["ok", "ok", "overflow", "tool_raises", "reward_raises", "too_long"]
+    samples = [{"id": f"{k}{i}", "kind": k, "answer": "",
+                "prompt": "hello " * 5000 if k == "too_long" else "What is 2+3?"} for i, k in enumerate(kinds)]
+    stream = PromptStream(PromptDataset(samples, shuffle=False))
+    # No weight update here: the version stays 0, so eta 7 lets up to 8 batches of 3 form.
+    cfg = RolloutConfig(batch_size=3, max_staleness=7, max_concurrent=8, max_episode_retries=1, show_progress=False)
+    epoch0_skips = lambda bs: [s for b in bs for s in b.skipped if s["pos"][0] == 0]  # noqa: E731
+
+    async def run():
+        ctrl = RolloutController(h.pool, ByKind(), stream, cfg, version=h.pool.get_version())
+        await ctrl.astart()
+        batches = []
+        try:
+            while len(epoch0_skips(batches)) < 3 and len(batches) < 8:
+                batches.append(await ctrl.aget_batch())
+        finally:
+            await ctrl.aclose()
+        return batches
+
+    batches = h.run(run(), timeout=600)
+    trained = [(pos, pid) for b in batches for pos, pid in zip(b.positions, b.prompt_ids)]
+    skipped = {s["id"]: (tuple(s["pos"]), s["reason"]) for s in epoch0_skips(batches)}
+    assert skipped == {"tool_raises3": ((0, 3), "agent_exception"), "reward_raises4": ((0, 4), "reward_exception"),
+                       "too_long5": ((0, 5), "context_overflow")}, skipped
+    epoch0 = sorted(pid for pos, pid in trained if pos[0] == 0)
+    assert epoch0 == ["ok0", "ok1", "overflow2"]  # trained once each; none of the skipped ones
+    failed = {}
+    for b in batches:
+        for k, v in b.stats.items():
+            if k.startswith("rollout/failed/"):
+                failed[k] = failed.get(k, 0) + v
+    # each failing prompt of epoch 0 ran twice (once retried); later epochs may add more
+    for reason in ("agent_exception", "reward_exception", "context_overflow"):
+        assert failed.get(f"rollout/failed/{reason}", 0) >= 2, failed
+    over = [t for b in batches for g, pid in zip(b.groups, b.prompt_ids) if pid == "overflow2" for t in g]
+    assert over and all(t.info["status"] == "budget" and t.reward == 0.0 for t in over)
+    assert all(len(t.input_ids) <= 64 for t in over)  # the model's limit held on the server too

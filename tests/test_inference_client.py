@@ -258,3 +258,35 @@ def test_pool_owned_server_dies_with_its_parent(tmp_path):
     while group_pids(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not group_pids(pgid), "the server outlived its SIGKILLed parent"
+
+
+@pytest.mark.timeout(300)
+def test_busy_server_whose_health_check_is_slow_stays_in_rotation():
+    """SGLang's /health is a one-token generation: behind a long batch on a loaded CPU server it
+    answers later than any timeout, and the pool once took such a live, busy server (the only
+    survivor of a failover) out of rotation. Here /health always answers long after its timeout while
+    requests run for ~40 health passes: the server is never marked down (it is asked /model_info
+    while it has requests in flight). Idle, the same slowness takes it out only after
+    client.health_check_failures misses in a row (negative control: the check still bites)."""
+    async def body(pool, fakes):
+        h = pool.servers[0]
+        fakes[0].health_delay_s = 15.0  # health_check_timeout_s is 5: /health never answers in time
+        reqs = [pool.agenerate(GenerationRequest([i, 3], SamplingParams(max_new_tokens=200))) for i in range(4)]
+        task = asyncio.gather(*reqs)
+        out_of_rotation = 0
+        while not task.done():  # >= 2 s of generation, a health pass every 0.05 s
+            out_of_rotation += not h.healthy
+            await asyncio.sleep(0.01)
+        res = await task
+        assert [len(r.output_ids) for r in res] == [200] * 4
+        assert out_of_rotation == 0 and h.num_failures == 0 and pool.num_failovers == 0
+        # idle: /health is the probe again, and it keeps timing out
+        seen = fakes[0].num_health
+        deadline = asyncio.get_running_loop().time() + 180  # 3 passes of 5 s timeouts; generous under load
+        while h.healthy and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        assert not h.healthy and fakes[0].num_health - seen >= 3  # 3 = health_check_failures
+
+    asyncio.run(_with_fakes(1, body, token_delay_s=0.01,
+                            client={"health_check_interval_s": 0.05, "health_check_timeout_s": 5.0,
+                                    "health_check_failures": 3}))

@@ -420,7 +420,7 @@ def test_plan_without_a_model_config():
 def test_dry_run_checks_the_trainers_overrides(mode, config, extra, capsys):
     """The overrides the launcher passes to the trainer are parsed as the trainer parses them:
     a misspelt key is one line before anything starts, in a dry run too."""
-    assert run(mode, config, ["actor.optimizer.lrr=1e-6"], dry_run=True, **extra) == 1
+    assert run(mode, config, ["actor.optimizer.lrr=1e-6"], dry_run=True, **extra) == 2  # EXIT_REFUSED
     err = capsys.readouterr().err
     assert "unknown key 'actor.optimizer.lrr'" in err and err.count("\n") == 1 and "Traceback" not in err
 

@@ -26,3 +26,27 @@ def test_scalars_phases_and_count_histogram_reach_tensorboard_and_jsonl(tmp_path
     assert list(h.bucket) == [3, 1_000_000, 7]
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert row["step"] == 1 and row["reward/mean"] == 0.25
+
+
+def test_resume_moves_log_records_past_the_checkpoint_aside(tmp_path: Path) -> None:
+    """A run killed after checkpoint 2 had logged batch version 2 (and 3) and step 3; the resumed
+    run redoes them, so before it logs they move to *.superseded: each step then appears once."""
+    import json
+
+    from areal_mega.trainer.runlog import cut_logs_past
+
+    def write(name, rows, torn=""):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows) + torn)
+
+    write("prompts.jsonl", [{"version": v, "prompts": [[0, v, f"p{v}"]]} for v in range(4)])
+    write("metrics.jsonl", [{"step": s, "loss": 0.1} for s in range(1, 4)], torn='{"step": 4, "lo')
+    write("eval.jsonl", [{"step": 2, "acc": 0.5}])
+    assert cut_logs_past(tmp_path, 2) == {"prompts.jsonl": 2, "metrics.jsonl": 2}
+    rows = lambda name: [json.loads(x) for x in (tmp_path / name).read_text().splitlines()]  # noqa: E731
+    assert [r["version"] for r in rows("prompts.jsonl")] == [0, 1]
+    assert [r["step"] for r in rows("metrics.jsonl")] == [1, 2]
+    assert rows("eval.jsonl") == [{"step": 2, "acc": 0.5}]
+    sup = (tmp_path / "prompts.jsonl.superseded").read_text().splitlines()
+    assert json.loads(sup[0]) == {"superseded_by_resume_from_step": 2} and len(sup) == 3
+    assert cut_logs_past(tmp_path, 2) == {}  # idempotent
+    assert cut_logs_past(tmp_path, 0) == {"prompts.jsonl": 2, "metrics.jsonl": 2, "eval.jsonl": 1}  # a fresh start

@@ -202,3 +202,26 @@ def test_stop_tree_leaves_a_reused_pid_alone(tmp_path: Path) -> None:
     finally:
         other.kill()
         other.wait(timeout=60)
+
+
+def test_logs_have_one_header_per_attempt_and_tails_show_the_current_one(tmp_path):
+    """Reruns and restarts append to one log; each start writes ``=== attempt N at <UTC>: <cmd>``
+    and a failure's tail shows only the current attempt (issue 27: the tail once showed the
+    previous attempt's error as if it were this one's)."""
+    import re
+
+    from areal_mega.utils.logs import attempt_tail, open_attempt
+
+    log = tmp_path / "engine0.log"
+    with open_attempt(log, ["/no/python", "-m", "sglang.launch_server"]) as f:
+        f.write(b"FileNotFoundError: /no/python\n")
+    with open_attempt(log, "/venv/bin/python -m sglang.launch_server") as f:
+        f.write(b"loading weights\n" * 3 + b"ready\n")
+    text = log.read_text()
+    heads = re.findall(r"^=== attempt (\d+) at (\S+): (.*)$", text, re.M)
+    assert [h[0] for h in heads] == ["1", "2"] and heads[0][2] == "/no/python -m sglang.launch_server"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", heads[1][1])
+    t = attempt_tail(log, 40)
+    assert t.startswith("=== attempt 2 at ") and "FileNotFoundError" not in t and t.endswith("ready")
+    assert attempt_tail(log, 2) == "loading weights\nready"
+    assert attempt_tail(tmp_path / "none.log", 5).startswith("(no log at")

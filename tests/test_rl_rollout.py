@@ -235,16 +235,74 @@ def test_thread_mode_and_error_propagation():
         async def arun_episode(self, engine, data):
             raise KeyError("answer")
 
+    # Every episode fails: counted, retried, skipped, until the failure budget stops the run with
+    # a message naming its key (a run of failures, never the first one).
     async def run_boom():
         ctrl = RolloutController(engine, Boom(), dataset(3), cfg)
         await ctrl.astart()
         try:
-            with pytest.raises(RuntimeError, match="episode failed"):
+            with pytest.raises(RuntimeError, match=r"rollout.max_failure_rate: 51 of the last 100 episodes failed"):
                 await asyncio.wait_for(ctrl.aget_batch(), 10)
         finally:
             await ctrl.aclose()
 
     asyncio.run(run_boom())
+
+
+def test_failed_episodes_are_counted_retried_and_skipped_never_lost():
+    """Episode failures are data: a prompt that fails once is run again and trained; one that
+    always fails is skipped after 1 + max_episode_retries attempts and handed out in
+    ``batch.skipped``; every prompt is trained or skipped, none twice; failures by reason."""
+    from areal_mega.inference.client import InferenceServerError
+    from areal_mega.rollout.failures import EpisodeFailure
+
+    attempts: dict[int, int] = {}
+
+    class Flaky(GroupWorkflow):
+        async def arun_episode(self, engine, data):
+            i = data["id"]
+            attempts[i] = attempts.get(i, 0) + 1
+            if i == 5:  # always: a server 4xx
+                raise InferenceServerError("http://s", "/generate", 400, "bad sampling key")
+            if i == 2 and attempts[i] == 1:
+                raise InferenceServerError("http://s", "/generate", 400,
+                                           "Input length (250 tokens) exceeds the maximum allowed length")
+            if i == 7 and attempts[i] == 1:
+                raise EpisodeFailure("reward_exception", "ZeroDivisionError")
+            if i == 8 and attempts[i] == 1:
+                raise asyncio.TimeoutError()
+            return await super().arun_episode(engine, data)
+
+    async def run():
+        engine = FakeEngine(random.Random(3))
+        cfg = RolloutConfig(batch_size=3, max_staleness=0, max_episode_retries=2, show_progress=False)
+        ctrl = RolloutController(engine, Flaky(), dataset(10), cfg)
+        await ctrl.astart()
+        batches = []
+        try:
+            for v in range(3):
+                batches.append(await ctrl.aget_batch())
+                engine.set_version(v + 1)
+                ctrl.set_version(v + 1)
+        finally:
+            await ctrl.aclose()
+        return batches
+
+    batches = asyncio.run(run())
+    trained = [int(g[0].group_id) for b in batches for g in b.groups]
+    skipped = [s for b in batches for s in b.skipped]
+    assert sorted(trained) == [0, 1, 2, 3, 4, 6, 7, 8, 9]  # all but 5, each once
+    assert [(s["id"], s["reason"]) for s in skipped] == [(5, "server_4xx")]
+    assert attempts[5] == 3 and attempts[2] == attempts[7] == attempts[8] == 2
+    failed: dict[str, float] = {}
+    for b in batches:
+        for k, v in b.stats.items():
+            if k.startswith("rollout/failed/"):
+                failed[k] = failed.get(k, 0) + v
+    assert failed == {"rollout/failed/server_4xx": 3, "rollout/failed/context_overflow": 1,
+                      "rollout/failed/reward_exception": 1, "rollout/failed/timeout": 1}
+    assert sum(b.stats["rollout/skipped_prompts"] for b in batches) == 1
+    assert sum(b.stats["rollout/retried_episodes"] for b in batches) == 5
 
 
 def test_pause_stops_admission():

@@ -286,7 +286,7 @@ def test_plan_cli(tmp_path, capsys):
 def test_plan_cli_bad_input_one_line(args, msg, capsys):
     from areal_mega.cli import main
 
-    assert main(["plan", "--config", CONFIG_70B, *args]) == 1
+    assert main(["plan", "--config", CONFIG_70B, *args]) == 2  # EXIT_REFUSED
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1 and "Traceback" not in err
 
@@ -294,7 +294,7 @@ def test_plan_cli_bad_input_one_line(args, msg, capsys):
 def test_plan_cli_missing_config(capsys):
     from areal_mega.cli import main
 
-    assert main(["plan", "--config", "does/not/exist.yaml", "--nodes", "4"]) == 1
+    assert main(["plan", "--config", "does/not/exist.yaml", "--nodes", "4"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 

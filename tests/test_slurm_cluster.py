@@ -76,9 +76,33 @@ def _gib(text: str, role: str) -> tuple[float, float]:
     return float(m.group(1)), float(m.group(2))
 
 
+def _site_files(tmp: Path) -> list[str]:
+    """Overrides pointing the 70B config's site paths (/models/..., /data/...) at stand-ins the
+    pre-flight checks accept: a model directory with the config's own config.json (so the
+    estimate is unchanged) and a chat template (data.template: chat), a data file, and an engine
+    interpreter that finds sglang."""
+    if not SGLANG_PYTHON:
+        pytest.skip("AREAL_MEGA_SGLANG_PYTHON not set (the pre-flight check runs the engine interpreter)")
+    model = tmp / "Llama-70B-config-only"
+    model.mkdir(exist_ok=True)
+    raw = yaml.safe_load((REPO / "configs/grpo_llama70b.yaml").read_text())
+    (model / "config.json").write_text(json.dumps(raw["launch"]["model_config"]))
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    data = tmp / "train.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
+    return [f"model_path={model}", f"inference.server.model_path={model}", f"data.path={data}",
+            f"inference.server.python={SGLANG_PYTHON}"]
+
+
 def test_grpo_70b_dry_run_fits_80gb(cluster, tmp_path):
-    state, code, out, _ = _submit(cluster, "launch/grpo_70b.sh", ["--dry-run"], tmp_path / "dry.out")
+    # The site paths do not exist here: the pre-flight check refuses in seconds, one line, exit 2.
+    state, code, out, _ = _submit(cluster, "launch/grpo_70b.sh", ["--dry-run"], tmp_path / "nofiles.out")
+    assert (state, code) == ("FAILED", "2:0"), out
+    assert "launcher: model_path: /models/Llama-3.3-70B-Instruct is not a directory" in out, out
+    state, code, out, _ = _submit(cluster, "launch/grpo_70b.sh", ["--dry-run", *_site_files(tmp_path)],
+                                  tmp_path / "dry.out")
     assert (state, code) == ("COMPLETED", "0:0"), out
+    assert "preflight: ok model_path:" in out and "preflight: ok inference.server.python:" in out
     assert f"allocation: {NUM_NODES} nodes x {GPUS} GPUs" in out
     # launch.learner.num_nodes: null: the planner's split of the 16 nodes at the config's TP8 x PP4
     # (tests/test_launch_plan.py::test_split_follows_the_allocation): 8 + 8, DP2.
@@ -99,7 +123,8 @@ def test_grpo_70b_dry_run_fits_80gb(cluster, tmp_path):
 
 
 def test_grpo_70b_tp1_is_refused_with_numbers(cluster, tmp_path):
-    args = ["--dry-run", "parallel.tensor_parallel=1", "launch.learner.num_nodes=4"]  # the fixed 4 + 12 split
+    args = ["--dry-run", "parallel.tensor_parallel=1", "launch.learner.num_nodes=4",  # the fixed 4 + 12 split
+            *_site_files(tmp_path)]
     state, code, out, _ = _submit(cluster, "launch/grpo_70b.sh", args, tmp_path / "tp1.out")
     assert (state, code) == ("FAILED", "2:0"), out
     learner, limit = _gib(out, "learner")

@@ -4,7 +4,8 @@
   command resumes from it. In synchronous mode (max_staleness 0) with a deterministic server
   (greedy decoding: top_k 1), the steps after the resume equal those of an uninterrupted run -- the same
   prompts in the same order (prompts.jsonl), rewards exactly, losses within 1e-6 -- and every
-  prompt of an epoch is trained once.
+  prompt of an epoch is trained once, read from prompts.jsonl directly (the killed run's records
+  past the checkpoint are moved to prompts.jsonl.superseded: each version appears once).
 
 SIGUSR1 -> checkpoint -> exit 75 -> requeue -> resume with the real trainer is tested on the real
 Slurm test cluster (tests/test_slurm_cluster.py); the launcher's side with stand-ins in
@@ -58,7 +59,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 def _by_version(rows: list[dict], key: str = "version") -> dict[int, dict]:
-    """The LAST row of each version (a resumed run re-logs the steps after its checkpoint)."""
+    """Rows by version (each once: checked by _compare)."""
     return {int(r[key]): r for r in rows}
 
 
@@ -91,8 +92,13 @@ def _kill_tree_now(proc: subprocess.Popen) -> None:
 
 
 def _compare(ref: Path, got: Path, from_version: int) -> None:
+    # The logs hold each step once: the killed run's records past its checkpoint were moved to
+    # *.superseded by the resumed run (areal_mega/trainer/runlog.py), not left beside the redo.
+    steps = [r["step"] for r in _rows(got / "metrics.jsonl")]
+    assert steps == list(range(1, STEPS + 1)), steps
+    versions = [r["version"] for r in _rows(got / "prompts.jsonl")]
+    assert versions == list(range(STEPS)), versions
     a, b = _by_version(_rows(ref / "metrics.jsonl")), _by_version(_rows(got / "metrics.jsonl"))
-    assert sorted(b) == list(range(1, STEPS + 1)), sorted(b)
     for v in range(from_version, STEPS + 1):
         assert b[v]["rollout/reward_mean"] == a[v]["rollout/reward_mean"], (v, a[v], b[v])
         # fp32 learner on the same machine and the same batch: the resumed step is the same
@@ -101,7 +107,7 @@ def _compare(ref: Path, got: Path, from_version: int) -> None:
     pa, pb = _by_version(_rows(ref / "prompts.jsonl")), _by_version(_rows(got / "prompts.jsonl"))
     assert {v: pb[v]["prompts"] for v in pb} == {v: pa[v]["prompts"] for v in pa}
     # Every prompt of an epoch at most once (the uninterrupted run's epoch 0 covers them all once).
-    seen = Counter((e, pid) for v in pb for e, _, pid in pb[v]["prompts"])
+    seen = Counter((e, pid) for r in _rows(got / "prompts.jsonl") for e, _, pid in r["prompts"])
     assert max(seen.values()) == 1, [k for k, n in seen.items() if n > 1]
 
 

@@ -93,6 +93,7 @@ class ServerHandle:
         self.num_restarts = 0
         self.num_failures = 0
         self.num_served = 0  # /generate calls answered (including interrupted ones)
+        self.health_failures = 0  # consecutive failed health checks while in rotation
         self.capabilities: api.ServerCapabilities | None = None
         self._api_key: str | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -132,10 +133,15 @@ class ServerHandle:
             return text
 
     async def health_ok(self, paused: bool = False) -> bool:
-        """True if the server answers. SGLang's /health runs a one-token generation, which cannot
-        finish while the server is paused, so a paused server is only asked for /model_info."""
+        """True if the server answers. SGLang's /health runs a one-token generation: it cannot
+        finish while the server is paused, and behind a long batch on a busy CPU server it can
+        outlast any timeout while the server is fine (such a server was once taken out of
+        rotation mid-run, tests/test_inference_client.py). So a paused server, or one with
+        requests of ours in flight (their own progress and ``request_timeout_s`` judge the
+        scheduler), is asked /model_info, which the HTTP front end answers by itself."""
+        probe = api.model_info() if paused or self.in_flight > 0 else api.health()
         try:
-            await self.send(api.model_info() if paused else api.health(), timeout=self._health_timeout)
+            await self.send(probe, timeout=self._health_timeout)
             return True
         except (aiohttp.ClientError, asyncio.TimeoutError, InferenceServerError, OSError):
             return False
@@ -511,6 +517,7 @@ class InferencePool(InferenceEngine):
             if self.paused:
                 await h.send(api.pause_generation(self.cfg.client.pause_mode))
             h.healthy = True
+            h.health_failures = 0
         self._membership.set()
         logger.warning("inference server %s back in rotation", h.address)
 
@@ -539,9 +546,17 @@ class InferencePool(InferenceEngine):
             # one-token generation): ask those servers again the paused way before judging them.
             oks = [ok or await h.health_ok(paused=True) for h, ok in zip(candidates, oks)]
         for h, ok in zip(candidates, oks):
-            if not ok or not h.healthy:
-                # A healthy server that stopped answering, or a down one worth another try.
+            if not h.healthy:  # a down one worth another try
                 self._mark_down(h, "health check failed")
+            elif ok:
+                h.health_failures = 0
+            else:
+                # Out of rotation only after client.health_check_failures misses in a row: one
+                # slow answer on a loaded machine is not a dead server.
+                h.health_failures += 1
+                if h.health_failures >= self.cfg.client.health_check_failures:
+                    self._mark_down(h, f"health check failed {h.health_failures} times in a row "
+                                       f"(client.health_check_timeout_s={self.cfg.client.health_check_timeout_s:g})")
 
     async def _monitor(self) -> None:
         interval = self.cfg.client.health_check_interval_s

@@ -94,8 +94,12 @@ class InferenceClientConfig:
     health_check_interval_s: float = 2.0
     """Period of the background health check; a server that fails it is taken out of rotation
     and, if the pool manages it, restarted."""
-    health_check_timeout_s: float = 5.0
+    health_check_timeout_s: float = 10.0
     """Limit for one health-check call."""
+    health_check_failures: int = 3
+    """Consecutive failed health checks before a server whose process is alive leaves the
+    rotation (one slow answer on a loaded machine is not a dead server; an exited process, a
+    refused connection or a failed request is acted on at once)."""
     max_connections_per_server: int = 0
     """Cap on concurrent HTTP connections to one server; 0 means unlimited (SGLang batches
     everything it receives, so the cap is only useful to protect a small server)."""
@@ -115,6 +119,8 @@ class InferenceClientConfig:
                     "health_check_interval_s", "health_check_timeout_s", "keepalive_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key}: must be > 0, got {getattr(self, key)}")
+        if self.health_check_failures < 1:
+            raise ValueError(f"health_check_failures: must be >= 1, got {self.health_check_failures}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries: must be >= 0, got {self.max_retries}")
         if self.retry_backoff_s < 0:

@@ -25,6 +25,7 @@ from areal_mega.inference import sglang_api
 from areal_mega.inference.config import InferenceConfig, SGLangServerConfig
 from areal_mega.inference.sglang_api import SGLangClient, SGLangError
 from areal_mega.utils import procs
+from areal_mega.utils.logs import attempt_tail, open_attempt
 from areal_mega.utils.secrets import sglang_key_config, write_private
 
 
@@ -136,15 +137,15 @@ class SGLangServer:
         assert self._proc is None or self._proc.poll() is not None, "server already running"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**server_base_env(), **self.cfg.env}
-        with self._lock, open(self.log_path, "ab") as log:
+        with self._lock:
             if self._closed:
                 raise ServerStartError(f"SGLang server {self.address} was closed; not starting it again")
-            log.write(f"\n=== start #{self.num_starts}: {' '.join(self.command(weight_version))}\n".encode())
-            log.flush()
-            # Its own session, behind the die-with-parent wrapper (areal_mega.utils.procs): a
-            # trainer killed with SIGKILL leaves no server holding ports and accelerators.
-            self._proc = procs.spawn(self.command(weight_version), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     redact=self._secret_config)
+            # A header per start: a failure's log tail shows this start only (utils/logs.py).
+            with open_attempt(self.log_path, self.command(weight_version)) as log:
+                # Its own session, behind the die-with-parent wrapper (areal_mega.utils.procs): a
+                # trainer killed with SIGKILL leaves no server holding ports and accelerators.
+                self._proc = procs.spawn(self.command(weight_version), stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, redact=self._secret_config)
         self.num_starts += 1
 
     def is_running(self) -> bool:
@@ -180,12 +181,8 @@ class SGLangServer:
         )
 
     def log_tail(self, num_lines: int = 40) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()[-num_lines:]
-        except OSError:
-            return "(no log)"
         # SGLang logs its full server_args on one ~20 kB line: keep each line readable.
-        return "\n".join(line if len(line) <= 400 else line[:400] + " ..." for line in lines)
+        return attempt_tail(self.log_path, num_lines, max_line_chars=400)
 
     def stop(self) -> None:
         """SIGTERM the server's tree, SIGKILL what is left after ``cfg.stop_grace_s``; returns once

@@ -7,8 +7,11 @@
         [--out DIR] [--json] [cost.train_mfu=0.3 workload.gen_mean_tokens=8000 key=value ...]
 
 ``slurm`` runs inside an allocation (launch/*.sh call it from sbatch); ``local`` runs the same
-plan on this machine. ``--dry-run`` prints the plan and the per-GPU memory estimate and exits
-0, or 2 when the plan does not fit the GPUs -- a real launch refuses such a plan the same way.
+plan on this machine. ``--dry-run`` prints the plan, the per-GPU memory estimate and the
+pre-flight checks (``launcher/preflight.py``) and exits 0. Exit codes (docs/launch.md): 2 = refused
+before anything started (a bad key, layout, split, a plan over the GPU memory, a failed
+pre-flight check: one line naming the key), the same in a dry run and a real launch; 1 = a started
+run failed; 75 = checkpointed and stopped on a signal (requeue); 128 + N = stopped by signal N.
 Overrides ``launch.*`` configure the launcher; all others are passed to learners and engines.
 The YAML becomes one typed :class:`~areal_mega.experiment.ExperimentConfig` here, whose sections
 the plan, the memory estimate and the throughput planner (``areal-mega plan``,
@@ -24,6 +27,7 @@ from pathlib import Path
 
 from areal_mega.config import from_dict, load_dict
 from areal_mega.experiment import ExperimentConfig, experiment_from_dict
+from areal_mega.errors import EXIT_REFUSED
 from areal_mega.launcher.config import LaunchConfig
 from areal_mega.launcher.local import LocalRunner, local_allocation
 from areal_mega.launcher.plan import LaunchPlan, build_plan
@@ -36,7 +40,7 @@ from areal_mega.utils.secrets import write_api_key
 
 __all__ = ["build_plan_report", "load_launch", "load_launch_config", "main", "plan_main", "run"]
 
-EXIT_DOES_NOT_FIT = 2
+EXIT_DOES_NOT_FIT = EXIT_REFUSED  # a refusal like any other: nothing started
 DEFAULT_STALENESS = (0, 1, 2, 4, 8)
 DEFAULT_GPUS_PER_NODE = 8
 
@@ -77,11 +81,24 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
             runner = LocalRunner()
         plan: LaunchPlan = build_plan(cfg, alloc, raw=raw, config_path=config, overrides=passthrough,
                                       engine_python=engine_python, exp=exp)
-    except ValueError as e:  # ConfigError included: the message names the key
-        print(f"launcher: {e}", file=sys.stderr, flush=True)
-        return 1
+        checks: list[str] = []
+        if _runs_the_trainer(cfg):  # paths, interpreters, functions: before anything starts (preflight.py)
+            from areal_mega.launcher.preflight import preflight
+
+            checks = preflight(exp, engine_python=engine_python,
+                               starts_sglang=bool(plan.engines) and cfg.engine.command is None,
+                               here=not (mode == "slurm" and dry_run and nodelist is not None))
+    except ValueError as e:  # ConfigError and PreflightError included: the message names the key
+        print(f"launcher: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
 
     print(plan.describe(), flush=True)
+    for note in plan.notes:
+        if "left idle" in note:  # paid for, unused: say so where it is seen, not only in the plan's notes
+            print(f"launcher: WARNING: {note} by the fixed split (launch.learner.num_nodes / "
+                  "launch.engine.num_nodes); null lets the split follow the allocation", file=sys.stderr, flush=True)
+    if dry_run:
+        print("\n".join(f"preflight: ok {c}" for c in checks), flush=True)
     if not plan.fits:
         print("launcher: refusing this plan: the per-GPU memory estimate above exceeds "
               f"launch.gpu_memory_gib = {cfg.gpu_memory_gib} GiB (engines: their mem_fraction_static share)",
@@ -199,7 +216,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # ConfigError and SimulationError are ValueErrors
         msg = " ".join(str(e).split())
         print(f"areal-mega plan: {msg}", file=sys.stderr, flush=True)
-        return 1
+        return EXIT_REFUSED
     print(json.dumps(rep.to_dict()) if args.json else describe(rep), flush=True)
     if args.out:
         try:

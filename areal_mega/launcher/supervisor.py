@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from areal_mega.launcher.plan import LaunchPlan, ProcSpec
+from areal_mega.utils.logs import attempt_tail, open_attempt
 
 __all__ = ["EXIT_REQUEUE", "Runner", "failed_rank_report", "supervise", "tail"]
 
@@ -62,11 +63,8 @@ class _Stop(Exception):
 
 
 def tail(path: str | Path, n: int) -> str:
-    try:
-        lines = Path(path).read_text(errors="replace").splitlines()
-    except OSError:
-        return f"(no log at {path})"
-    return "\n".join(lines[-n:])
+    """The last ``n`` lines of the log's current attempt (``areal_mega.utils.logs``)."""
+    return attempt_tail(path, n)
 
 
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
@@ -126,7 +124,7 @@ def supervise(plan: LaunchPlan, runner: Runner, *, poll_s: float, grace_s: float
     try:
         for spec in plan.engines:
             Path(spec.address_file).unlink(missing_ok=True)
-            with open(spec.log_path, "ab") as log:
+            with open_attempt(spec.log_path, spec.argv) as log:
                 procs[spec.name] = runner.start(spec, log)
         ready = _wait_engines(plan, procs, engine_timeout_s, poll_s, min_ready, tail_lines, say)
         if ready is None:
@@ -139,7 +137,7 @@ def supervise(plan: LaunchPlan, runner: Runner, *, poll_s: float, grace_s: float
             say(f"launcher: {len(ready)}/{len(plan.engines)} engines ready after "
                 f"{time.monotonic() - t0:.1f} s -> {plan.engines_file}")
         for spec in plan.learners:
-            with open(spec.log_path, "ab") as log:
+            with open_attempt(spec.log_path, spec.argv) as log:
                 procs[spec.name] = runner.start(spec, log)
         say(f"launcher: started {len(plan.learners)} learner node(s), {plan.layout.world_size} ranks")
 

@@ -24,6 +24,16 @@ class RolloutConfig:
     signal); the freed capacity is refilled by new episodes so the batch still fills."""
     max_consecutive_rejects: int = 1000
     """Raise after this many rejected episodes in a row (e.g. every reward is 0 forever)."""
+    max_episode_retries: int = 1
+    """An episode that fails (``areal_mega.rollout.failures``: server 4xx, context overflow, reward
+    or agent exception, timeout) runs its prompt again at most this many times; then the prompt is
+    skipped and logged as such in ``prompts.jsonl`` (``skipped``). 0 = skip at the first failure."""
+    max_failure_rate: float = 0.5
+    """The run stops (RuntimeError naming this key) when more than this fraction of the last
+    ``failure_window`` finished episodes failed; below it, failures are counted by reason
+    (``rollout/failed/<reason>``) and training goes on. 1.0 = never stop for failures."""
+    failure_window: int = 100
+    """Episodes (finished: accepted, rejected or failed) over which ``max_failure_rate`` is counted."""
     show_progress: bool = True
     """Print a one-line progress display, only when stderr is an interactive terminal."""
     batch_timeout_s: float = 0.0
@@ -34,5 +44,11 @@ class RolloutConfig:
         check_staleness_args(self.batch_size, self.max_staleness, self.max_concurrent)
         if self.max_consecutive_rejects < 1:
             raise ValueError(f"max_consecutive_rejects: must be >= 1, got {self.max_consecutive_rejects}")
+        if self.max_episode_retries < 0:
+            raise ValueError(f"max_episode_retries: must be >= 0, got {self.max_episode_retries}")
+        if not 0.0 <= self.max_failure_rate <= 1.0:
+            raise ValueError(f"max_failure_rate: must be in [0, 1], got {self.max_failure_rate}")
+        if self.failure_window < 1:
+            raise ValueError(f"failure_window: must be >= 1, got {self.failure_window}")
         if self.batch_timeout_s < 0:
             raise ValueError(f"batch_timeout_s: must be >= 0, got {self.batch_timeout_s}")

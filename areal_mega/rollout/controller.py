@@ -25,12 +25,20 @@ what the RL loop does; other usage is still checked.
 Per-token versions come from the engine (``GenerationResult.output_versions``); an
 interrupted request resumed after a weight update carries mixed versions, and the check uses
 the oldest generated token.
+
+Failed episodes are data (``areal_mega.rollout.failures``): an episode that raises is counted by
+reason, its prompt runs again (``max_episode_retries``) or is skipped (``RolloutBatch.skipped``,
+logged by the trainer); the run stops only when ``max_failure_rate`` is exceeded. Prompts waiting
+for a retry, and skipped ones not yet handed out with a batch, count as in flight for a
+checkpoint: a resumed run gives them back, so no prompt is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import logging
 import sys
 import threading
 import time
@@ -42,7 +50,11 @@ import numpy as np
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
 from areal_mega.rollout.config import RolloutConfig
+from areal_mega.rollout.failures import FailureBudget, failure_reason
 from areal_mega.rollout.staleness import PolicyVersion, StalenessManager, can_form_batch, take_oldest
+
+
+logger = logging.getLogger(__name__)
 
 
 class StalenessViolation(RuntimeError):
@@ -66,6 +78,9 @@ class RolloutBatch:
     dataset is a plain iterable)."""
     prompt_ids: list[Any] = field(default_factory=list)
     """Per episode, its sample's ``id`` (None where the sample has none)."""
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    """Prompts given up since the last batch (failed ``1 + max_episode_retries`` times), each
+    ``{"pos": [epoch, index] | None, "id": ..., "reason": ..., "error": ...}``."""
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -138,6 +153,13 @@ class RolloutController:
         self._closed = False
         self._error: BaseException | None = None
         self._consecutive_rejects = 0
+        self._failures = FailureBudget(config.max_failure_rate, config.failure_window)
+        self._failed_since_batch: collections.Counter[str] = collections.Counter()
+        self._retries_since_batch = 0
+        self._attempt: dict[int, int] = {}  # seq -> failed attempts of its prompt so far (running)
+        self._retry: collections.deque[tuple[int, tuple[int, int] | None, dict[str, Any], int]] = collections.deque()
+        self._skipped: list[tuple[int, dict[str, Any]]] = []  # (seq, record) since the last batch
+        self._fatal: str | None = None  # the failure budget's message, once exceeded
         self._rejected_since_batch = 0
         self._accepted_since_batch = 0
         self._last_progress = 0.0
@@ -200,6 +222,7 @@ class RolloutController:
         batch = self._form_batch(taken, version)
         batch.positions = [r.pos for r in taken]
         batch.prompt_ids = [r.prompt_id for r in taken]
+        batch.skipped, self._skipped = [rec for _, rec in self._skipped], []
         self._notify()
         return batch
 
@@ -208,6 +231,8 @@ class RolloutController:
         oldest admission first: what a checkpoint gives back to the stream. Loop thread only."""
         held = [(seq, pos) for seq, pos in self._positions.items()]
         held += [(r.seq, r.pos) for r in self._ready]
+        held += [(seq, pos) for seq, pos, _, _ in self._retry]
+        held += [(seq, tuple(rec["pos"]) if rec["pos"] is not None else None) for seq, rec in self._skipped]
         return [pos for _, pos in sorted(held) if pos is not None]
 
     # ---- internals -------------------------------------------------------------------
@@ -250,6 +275,10 @@ class RolloutController:
             "rollout/accepted_episodes": float(self._accepted_since_batch),
             "rollout/epoch": float(self.epoch),
             "rollout/gen_inflight_s": self._take_inflight_s(),
+            "rollout/failed_episodes": float(sum(self._failed_since_batch.values())),
+            "rollout/retried_episodes": float(self._retries_since_batch),
+            "rollout/skipped_prompts": float(len(self._skipped)),
+            **{f"rollout/failed/{k}": float(v) for k, v in sorted(self._failed_since_batch.items())},
             "staleness/mean": sum(s * c for s, c in counts.items()) / max(num_tokens, 1),
             "staleness/max": float(max(counts, default=0)),
             "staleness/frac_stale_tokens": sum(c for s, c in counts.items() if s > 0) / max(num_tokens, 1),
@@ -257,6 +286,8 @@ class RolloutController:
         }
         self._rejected_since_batch = 0
         self._accepted_since_batch = 0
+        self._failed_since_batch.clear()
+        self._retries_since_batch = 0
         return RolloutBatch([r.group for r in taken], version, stats, dict(counts))
 
     def _episode_left(self, seq: int) -> None:
@@ -275,6 +306,8 @@ class RolloutController:
         return total
 
     def _raise_if_failed(self) -> None:
+        if self._fatal is not None:
+            raise RuntimeError(self._fatal)
         if self._error is not None:
             raise RuntimeError(f"a rollout episode failed: {self._error!r}") from self._error
         if self._consecutive_rejects >= self.config.max_consecutive_rejects:
@@ -305,20 +338,25 @@ class RolloutController:
     async def _produce(self) -> None:
         try:
             while not self._closed:
-                if self._paused or self._error is not None:
+                if self._paused or self._error is not None or self._fatal is not None:
                     await self._wait(None)
                     continue
                 admit_version = self.staleness.try_admit()
                 if admit_version is None:
                     await self._wait(None)
                     continue
-                try:
-                    pos, data = self._next_data()
-                except BaseException:
-                    self.staleness.on_rejected()
-                    raise
+                attempt = 0
+                if self._retry:  # a failed prompt runs again before new ones (a new seq: admission order)
+                    _, pos, data, attempt = self._retry.popleft()
+                else:
+                    try:
+                        pos, data = self._next_data()
+                    except BaseException:
+                        self.staleness.on_rejected()
+                        raise
                 seq = self._seq
                 self._seq += 1
+                self._attempt[seq] = attempt
                 self._running[seq] = admit_version
                 self._positions[seq] = pos
                 if self._inflight_since is None:
@@ -340,7 +378,14 @@ class RolloutController:
             keep = bool(group) and (self._accept is None or self._accept(group))
         except asyncio.CancelledError:
             self._episode_left(seq)
+            self._attempt.pop(seq, None)
             raise
+        except Exception as e:
+            self._episode_left(seq)
+            self.staleness.on_rejected()
+            self._on_failure(seq, pos, data, e)
+            self._notify()
+            return
         except BaseException as e:
             self._episode_left(seq)
             self.staleness.on_rejected()
@@ -348,6 +393,8 @@ class RolloutController:
             self._notify()
             return
         self._episode_left(seq)
+        self._attempt.pop(seq, None)
+        self._failures.record(False)
         if keep:
             assert group is not None
             self.staleness.on_accepted()
@@ -360,6 +407,29 @@ class RolloutController:
             self._rejected_since_batch += 1
         self._show_progress()
         self._notify()
+
+    def _on_failure(self, seq: int, pos: tuple[int, int] | None, data: dict[str, Any], exc: Exception) -> None:
+        """Count a failed episode by reason; run its prompt again or skip it; stop the run only
+        when the failure budget (``rollout.max_failure_rate``) is exceeded."""
+        reason = failure_reason(exc)
+        attempt = self._attempt.pop(seq, 0) + 1
+        self._failed_since_batch[reason] += 1
+        self._failures.record(True)
+        retry = attempt <= self.config.max_episode_retries
+        logger.warning("rollout: episode of prompt %r failed (%s, attempt %d): %s: %s; %s", data.get("id"), reason,
+                       attempt, type(exc).__name__, str(exc)[:300], "retrying" if retry else "prompt skipped")
+        if retry:
+            self._retry.append((seq, pos, data, attempt))
+            self._retries_since_batch += 1
+        else:
+            self._skipped.append((seq, {"pos": list(pos) if pos is not None else None, "id": data.get("id"),
+                                        "reason": reason, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}))
+        if self._fatal is None and self._failures.exceeded():
+            cfg = self.config
+            self._fatal = (
+                f"rollout.max_failure_rate: {self._failures.recent_failures} of the last {cfg.failure_window} "
+                f"episodes failed (more than max_failure_rate={cfg.max_failure_rate:g} x failure_window="
+                f"{cfg.failure_window}); last: {reason}: {type(exc).__name__}: {str(exc)[:300]}")
 
     async def _wait(self, timeout: float | None) -> None:
         """Sleep until ``_notify`` (any state change) or ``timeout``. Loop thread only: the

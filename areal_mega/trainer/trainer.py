@@ -29,6 +29,7 @@ from areal_mega.rollout.batch import broadcast_batch, split_minibatches, to_engi
 from areal_mega.trainer.critic import CriticEngine
 from areal_mega.experiment import ExperimentConfig
 from areal_mega.trainer.run_state import resume_run, save_run_checkpoint
+from areal_mega.trainer.runlog import cut_logs_past
 from areal_mega.algo.losses import PPOActorLoss, PPOCriticLoss, global_counts, kl_estimate
 from areal_mega.rollout.controller import RolloutBatch
 from areal_mega.rollout.service import RolloutService
@@ -117,6 +118,10 @@ class Trainer:
                                   pause_servers=False, api_key=cfg.inference.resolved_api_key())
         if rank0:
             out.mkdir(parents=True, exist_ok=True)
+            # Records past the checkpoint (a killed run's last steps) are redone: move them out.
+            for name, n in cut_logs_past(out, start_step).items():
+                print(f"trainer: {n} record(s) of {name} past checkpoint {start_step} moved to "
+                      f"{name}.superseded", file=sys.stderr, flush=True)
         metrics = Metrics(str(out / "tb") if rank0 else None, enabled=rank0, jsonl_path=str(out / "metrics.jsonl"))
         trainer = cls(cfg=cfg, groups=groups, actor=actor, weight_sync=ws, metrics=metrics, ctrl_group=ctrl,
                       start_step=start_step, generation=generation, ref=ref, critic=critic)
@@ -170,10 +175,15 @@ class Trainer:
 
     def _log_prompts(self, rb: RolloutBatch) -> None:
         """``prompts.jsonl``: the prompts each batch trains, by stream position and sample id
-        (what lets a resumed or failed-over run be checked for prompts lost or trained twice)."""
+        (what lets a resumed or failed-over run be checked for prompts lost or trained twice), and
+        the prompts skipped since the previous batch (their episodes kept failing: ``skipped``,
+        ``[epoch, index, id, reason]``)."""
         rows = [[*pos, pid] for pos, pid in zip(rb.positions, rb.prompt_ids) if pos is not None]
+        record: dict[str, Any] = {"version": rb.version, "prompts": rows}
+        if rb.skipped:
+            record["skipped"] = [[*(s["pos"] or [None, None]), s["id"], s["reason"]] for s in rb.skipped]
         with open(Path(self.cfg.output_dir) / "prompts.jsonl", "a") as f:
-            f.write(json.dumps({"version": rb.version, "prompts": rows}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
     def ref_and_values(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the advantages and losses need from the extra models, {} when neither is built:

@@ -53,9 +53,10 @@ from typing import Any, Awaitable, Callable
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest, GenerationResult, SamplingParams
 from areal_mega.api.workflow import Trajectory
-from areal_mega.reward import COMPLETION_TOKENS, RewardFn, evaluate
+from areal_mega.reward import COMPLETION_TOKENS, RewardFn
 from areal_mega.reward.registry import load_callable
-from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, WorkflowConfig, new_group_id
+from areal_mega.rollout.failures import EpisodeFailure, failure_reason, is_context_overflow
+from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, WorkflowConfig, new_group_id, score
 
 
 # -- the OpenAI response shape (the subset agent code reads) ----------------------------------------
@@ -117,8 +118,9 @@ class ChatCompletion:
 
 
 class AgentBudgetExceeded(RuntimeError):
-    """The episode ran out of model calls (``workflow.max_turns``) or context
-    (``workflow.max_context_tokens``); the workflow ends it with reward 0."""
+    """The episode ran out of model calls (``workflow.max_turns``) or context (the smaller of
+    ``workflow.max_context_tokens`` and the model's own length, or the server refused the prompt
+    as too long); the workflow ends it with reward 0."""
 
 
 # -- tool calls ---------------------------------------------------------------------------------------
@@ -255,8 +257,16 @@ class AgentClient:
         if self.max_context_tokens is not None and len(ids) + sampling.max_new_tokens > self.max_context_tokens:
             self.budget_exceeded = True
             raise AgentBudgetExceeded(f"prompt of {len(ids)} tokens + max_tokens {sampling.max_new_tokens} > "
-                                      f"workflow.max_context_tokens={self.max_context_tokens}")
-        res = await self.engine.agenerate(GenerationRequest(list(ids), sampling))
+                                      f"context budget {self.max_context_tokens} (workflow.max_context_tokens "
+                                      "or the model's max_position_embeddings)")
+        try:
+            res = await self.engine.agenerate(GenerationRequest(list(ids), sampling))
+        except Exception as e:
+            if not is_context_overflow(e):
+                raise
+            # The server's own limit is lower than ours (e.g. --context-length): the same budget rule.
+            self.budget_exceeded = True
+            raise AgentBudgetExceeded(f"the server refused a prompt of {len(ids)} tokens as too long: {e}") from e
         out = list(res.output_ids)
         body = out[:-1] if res.finish_reason == "stop" and out and out[-1] in sampling.stop_token_ids else out
         raw = self.tokenizer.decode(body, skip_special_tokens=False)
@@ -329,7 +339,7 @@ class AgentWorkflow(TokenWorkflow):
 
     async def client(self, engine: InferenceEngine) -> AgentClient:
         client = AgentClient(engine, self.tokenizer, self.sampling, max_calls=self.cfg.max_turns,
-                             max_context_tokens=self.cfg.max_context_tokens)
+                             max_context_tokens=self.max_context_tokens)
         if self.cfg.agent_http:
             if self._server is None:  # on the rollout loop, at first use
                 from areal_mega.workflows.agent_http import ChatCompletionsServer
@@ -352,10 +362,13 @@ class AgentWorkflow(TokenWorkflow):
         status = "ok"
         try:
             result = await self.agent(client, data)
-        except Exception:
+        except Exception as e:
             # Out of budget: the episode ends with reward 0, whatever the agent made of the refusal
-            # (an HTTP agent sees a 400 and raises its own error). Other errors are the agent's bugs.
+            # (an HTTP agent sees a 400 and raises its own error). Other errors fail the episode
+            # (areal_mega.rollout.failures): the server's, or the agent's own (e.g. its tool raised).
             if not client.budget_exceeded:
+                if failure_reason(e) == "error":
+                    raise EpisodeFailure("agent_exception", f"{type(e).__name__}: {e}") from e
                 raise
             result, status = 0.0, "budget"
         finally:
@@ -369,7 +382,7 @@ class AgentWorkflow(TokenWorkflow):
             # As the other workflows score: the detailed result (reasons for the metrics) and the
             # model's generated-token count of the episode (length shaping).
             generated = sum(len(r.result.output_ids) for r in client.records)
-            scored = await evaluate(self.reward_fn, prompt, answer, {**data, COMPLETION_TOKENS: generated})
+            scored = await score(self.reward_fn, prompt, answer, {**data, COMPLETION_TOKENS: generated})
             reward, reward_info = scored.score, scored.info
         else:
             answer, reward, reward_info = None, float(result), {}

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from areal_mega.api.io import GenerationResult, SamplingParams
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
-from areal_mega.reward import RewardFn
+from areal_mega.reward import RewardFn, RewardResult, evaluate
 from areal_mega.agent_tools import ToolConfig
 
 
@@ -43,7 +44,9 @@ class WorkflowConfig:
     """multi_turn: text appended after a wrong answer (loss_mask 0)."""
     max_context_tokens: int = 4096
     """multi_turn / tool: stop when another turn could exceed this many tokens in total; agent:
-    a call whose prompt + max_tokens exceeds it ends the episode with reward 0."""
+    a call whose prompt + max_tokens exceeds it ends the episode with reward 0. The budget used is
+    this or the model's own context length (config.json ``max_position_embeddings``), whichever
+    is smaller."""
     agent: str = ""
     """agent: "module:function", an ``async def agent(client, sample)`` returning the reward (a
     number) or the final answer (a string, scored by the configured reward)."""
@@ -93,6 +96,30 @@ class WorkflowConfig:
         self.sampling.validate()
 
 
+def model_context_len(tokenizer: Any) -> int | None:
+    """The model's own context length (``max_position_embeddings`` of the ``config.json`` next to
+    the tokenizer: the trainer and the evaluator load both from ``model_path``), None if unknown."""
+    path = getattr(tokenizer, "name_or_path", None)
+    try:
+        with open(f"{path}/config.json") as f:
+            cfg = json.load(f)
+    except (OSError, TypeError, ValueError):
+        return None
+    n = cfg.get("max_position_embeddings", (cfg.get("text_config") or {}).get("max_position_embeddings"))
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+async def score(reward_fn: RewardFn, prompt: str, completion: str, data: dict[str, Any]) -> RewardResult:
+    """``reward.evaluate`` for a workflow: a reward that raises fails the episode with reason
+    ``reward_exception`` (``areal_mega.rollout.failures``), counted, never the run's end."""
+    from areal_mega.rollout.failures import EpisodeFailure
+
+    try:
+        return await evaluate(reward_fn, prompt, completion, data)
+    except Exception as e:
+        raise EpisodeFailure("reward_exception", f"{type(e).__name__}: {e}") from e
+
+
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -121,6 +148,10 @@ class TokenWorkflow(RolloutWorkflow):
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.sampling = with_eos(cfg.sampling, tokenizer)
+        model_len = model_context_len(tokenizer)
+        self.max_context_tokens = min(cfg.max_context_tokens, model_len or cfg.max_context_tokens)
+        """Context budget of an episode: ``workflow.max_context_tokens`` or the model's own context
+        length (config.json ``max_position_embeddings``), whichever is smaller."""
 
 
 class TrajectoryBuilder:

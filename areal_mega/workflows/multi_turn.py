@@ -14,8 +14,8 @@ from typing import Any
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest
 from areal_mega.api.workflow import Trajectory
-from areal_mega.reward import COMPLETION_TOKENS, RewardFn, evaluate
-from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id
+from areal_mega.reward import COMPLETION_TOKENS, RewardFn
+from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id, score
 
 
 class MultiTurnWorkflow(TokenWorkflow):
@@ -27,7 +27,7 @@ class MultiTurnWorkflow(TokenWorkflow):
         b = TrajectoryBuilder(encode(self.tokenizer, data["prompt"]))
         reward, turns, texts, info = 0.0, 0, [], {}
         for turn in range(self.cfg.max_turns):
-            if turn and len(b.input_ids) + len(self.feedback_ids) + self.sampling.max_new_tokens > self.cfg.max_context_tokens:
+            if turn and len(b.input_ids) + len(self.feedback_ids) + self.sampling.max_new_tokens > self.max_context_tokens:
                 break
             if turn:
                 b.add_env(self.feedback_ids)
@@ -35,7 +35,7 @@ class MultiTurnWorkflow(TokenWorkflow):
             b.add_generated(res)
             turns = turn + 1
             texts.append(decode(self.tokenizer, res.output_ids))
-            r = await evaluate(self.reward_fn, data["prompt"], texts[-1], {**data, COMPLETION_TOKENS: len(res.output_ids)})
+            r = await score(self.reward_fn, data["prompt"], texts[-1], {**data, COMPLETION_TOKENS: len(res.output_ids)})
             reward, info = r.score, r.info
             if reward > 0:
                 break

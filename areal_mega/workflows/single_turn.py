@@ -8,8 +8,8 @@ from typing import Any
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest
 from areal_mega.api.workflow import Trajectory
-from areal_mega.reward import COMPLETION_TOKENS, evaluate
-from areal_mega.workflows.base import TokenWorkflow, TrajectoryBuilder, decode, encode, new_group_id
+from areal_mega.reward import COMPLETION_TOKENS
+from areal_mega.workflows.base import TokenWorkflow, TrajectoryBuilder, decode, encode, new_group_id, score
 
 
 class SingleTurnWorkflow(TokenWorkflow):
@@ -22,7 +22,7 @@ class SingleTurnWorkflow(TokenWorkflow):
         )
         texts = [decode(self.tokenizer, r.output_ids) for r in results]
         rewards = await asyncio.gather(*[
-            evaluate(self.reward_fn, data["prompt"], t, {**data, COMPLETION_TOKENS: len(r.output_ids)})
+            score(self.reward_fn, data["prompt"], t, {**data, COMPLETION_TOKENS: len(r.output_ids)})
             for t, r in zip(texts, results)])
         gid = new_group_id(data)
         out = []

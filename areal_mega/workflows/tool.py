@@ -27,10 +27,10 @@ from typing import Any, Sequence
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest
 from areal_mega.api.workflow import Trajectory
-from areal_mega.reward import COMPLETION_TOKENS, RewardFn, evaluate
+from areal_mega.reward import COMPLETION_TOKENS, RewardFn
 from areal_mega.agent_tools import ToolRegistry, build_tools
 from areal_mega.agent_tools.calculator import calculator
-from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id
+from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id, score
 
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 
@@ -83,7 +83,7 @@ class ToolWorkflow(TokenWorkflow):
         b = TrajectoryBuilder(prompt_ids)
         calls: list[str] = []
         for _ in range(self.cfg.max_turns):
-            if len(b.input_ids) + self.sampling.max_new_tokens > self.cfg.max_context_tokens:
+            if len(b.input_ids) + self.sampling.max_new_tokens > self.max_context_tokens:
                 break
             res = await engine.agenerate(GenerationRequest(list(b.input_ids), self.sampling))
             cut = cut_after_tool_call(self.tokenizer, res.output_ids, self.tools.names())
@@ -96,7 +96,7 @@ class ToolWorkflow(TokenWorkflow):
             b.add_env(encode(self.tokenizer, f"{RESULT_OPEN}{output}{RESULT_CLOSE}"))
             calls.append(name)
         transcript = decode(self.tokenizer, b.input_ids[len(prompt_ids) :])
-        r = await evaluate(self.reward_fn, data["prompt"], transcript, {**data, COMPLETION_TOKENS: sum(b.loss_mask)})
+        r = await score(self.reward_fn, data["prompt"], transcript, {**data, COMPLETION_TOKENS: sum(b.loss_mask)})
         return b.build(r.score, gid, {"num_tool_calls": len(calls), "tool_calls": calls, "completion": transcript,
                                       "reward_info": r.info})
 

@@ -41,6 +41,8 @@ class FakeSGLang:
         self.requests: list[dict] = []  # every /generate body received (tests inspect them)
         self.num_generate = 0
         self.fail_next = 0  # tests: answer the next N /generate calls with HTTP 503
+        self.health_delay_s = 0.0  # tests: /health answers this late (a one-token generation behind a long batch)
+        self.num_health = 0
         self.drop: dict[str, int] = {}  # tests: path -> close the connection of the next N calls unanswered
         # Benchmarks: hold /generate calls in rounds of ``hold_until`` -- none is answered before
         # the whole round has arrived, so that many are really in flight at once -- and record
@@ -83,6 +85,9 @@ class FakeSGLang:
         return await handler(request)
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.num_health += 1
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
         return web.Response(status=503 if self.paused else 200)
 
     async def _model_info(self, request: web.Request) -> web.Response:
