@@ -94,9 +94,18 @@ class DecodeModel:
     max_running: int = 0
     """At most this many requests decode at once (SGLang max_running_requests); 0 = no limit."""
     request_latency_s: float = 0.0
-    """Fixed time before a request starts decoding (HTTP, tokenisation, prefill), seconds."""
+    """Fixed time before a request starts decoding (client round trip), seconds: a delay, no server work."""
+    request_server_s: float = 0.0
+    """Server time each request costs before it decodes (HTTP, scheduling, prefill of its prompt),
+    seconds: the server decodes nothing meanwhile (a decode sweep identifies it:
+    ``simulator.sweep``)."""
+    reprefill_after_sync: bool = False
+    """Every request in flight at a weight sync pays ``request_server_s`` again when generation
+    resumes (SGLang's retract and abort modes free its KV cache: it is prefilled again)."""
 
     def validate(self) -> None:
+        if self.request_server_s < 0:
+            raise SimulationError(f"decode.request_server_s: must be >= 0, got {self.request_server_s}")
         if not self.peak_tokens_per_s > 0:
             raise SimulationError(f"decode.peak_tokens_per_s: must be > 0, got {self.peak_tokens_per_s}")
         if self.half_batch < 0:
@@ -147,6 +156,22 @@ class SyncModel:
 
 
 @dataclass
+class HostModel:
+    """Where the rollout client runs: on the learner's own core (rank 0's driver thread: HTTP,
+    response parsing, reward) it competes with training for that core."""
+
+    client_s_per_request: float = 0.0
+    """CPU seconds of client work per finished request on the learner's core (0 = free: on a GPU
+    learner the training step does not wait for the CPU). While the learner trains and client work
+    is pending the core is shared equally (two runnable threads on one core), so each runs at
+    half speed: training takes longer, and responses reach the controller later."""
+
+    def validate(self) -> None:
+        if self.client_s_per_request < 0:
+            raise SimulationError(f"host.client_s_per_request: must be >= 0, got {self.client_s_per_request}")
+
+
+@dataclass
 class SimConfig:
     """One simulated run: the rollout knobs of the real trainer plus the four cost models."""
 
@@ -171,6 +196,7 @@ class SimConfig:
     decode: DecodeModel = field(default_factory=DecodeModel)
     learner: LearnerModel = field(default_factory=LearnerModel)
     sync: SyncModel = field(default_factory=SyncModel)
+    host: HostModel = field(default_factory=HostModel)
 
     def validate(self) -> None:
         for name in ("batch_size", "group_size", "num_servers", "steps"):
@@ -180,7 +206,7 @@ class SimConfig:
             raise SimulationError("max_staleness, warmup_steps, max_concurrent: must be >= 0")
         if not 0 <= self.reject_prob < 0.99:
             raise SimulationError(f"reject_prob: must be in [0, 0.99), got {self.reject_prob}")
-        for part in (self.lengths, self.decode, self.learner, self.sync):
+        for part in (self.lengths, self.decode, self.learner, self.sync, self.host):
             part.validate()
 
     @property
