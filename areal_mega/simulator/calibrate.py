@@ -337,7 +337,14 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
 
     learner = fit_learner_points(xs, ys)
     prompt = int(round(statistics.fmean(prompts)))
-    decode = fit.decode_model(prompt_tokens=prompt)
+    swept = fit.decode_model(prompt_tokens=prompt)
+
+    def scaled(k: float) -> DecodeModel:
+        """The sweep's decode model at ``k`` times its times (its shape kept: half_batch, the
+        per-request share): the machine's speed during the runs, not during the sweep."""
+        return dataclasses.replace(swept, peak_tokens_per_s=swept.peak_tokens_per_s / k,
+                                   request_server_s=swept.request_server_s * k, request_latency_s=swept.request_latency_s * k)
+    decode = swept
     sync = SyncModel(latency_s=statistics.fmean(facts[s.name]["weight_sync_s"] for s in sync_cal))
 
     def lengths_of(s: RunSetting) -> LengthModel:
@@ -353,14 +360,25 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
                         decode=decode, learner=learner, sync=sync, host=host)
 
     async_cal = [s for s in cal if s.max_staleness > 0]
-    client_s = 0.0
-    if async_cal:
-        target = statistics.fmean(facts[s.name]["learner_s"] for s in async_cal)
+    client_s, speed = 0.0, 1.0
+    gen_target = statistics.fmean(facts[s.name]["rollout_wait_s"] for s in sync_cal)
+    core_target = statistics.fmean(facts[s.name]["learner_s"] + facts[s.name]["weight_sync_s"] for s in async_cal) \
+        if async_cal else 0.0
+    for _ in range(6 if async_cal else 1):  # the two fits touch each other (client work ends a sync batch)
+        def gen_s(logk: float) -> float:
+            nonlocal decode
+            decode = scaled(math.exp(logk))
+            return statistics.fmean(simulate(cfg_for(s, HostModel(client_s_per_request=client_s))).gen_wait_s
+                                    for s in sync_cal)
+        speed = math.exp(_bisect(gen_s, math.log(1e-3), math.log(1e3), gen_target))
+        decode = scaled(speed)
+        if not async_cal:
+            break
 
-        def learner_s(c: float) -> float:
+        def core_s(c: float) -> float:
             res = [simulate(cfg_for(s, HostModel(client_s_per_request=c))) for s in async_cal]
-            return statistics.fmean(r.train_s for r in res)
-        client_s = _bisect(learner_s, 0.0, 0.05, target)
+            return statistics.fmean(r.train_s + r.weight_sync_s for r in res)
+        client_s = _bisect(core_s, 0.0, 1.0, core_target)
     host = HostModel(client_s_per_request=client_s)
     preds = {}
     for s in settings:
@@ -395,6 +413,7 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
         "calibration": {"decode_sweep": {k: v for k, v in fit.summary().items() if k != "points"},
                         "decode_sweep_points": len(fit.points), "decode_sweep_rms_rel_error": sweep.get("rms_rel_error"),
                         "learner": dataclasses.asdict(learner), "weight_sync_s": r4(sync.latency_s),
-                        "client_s_per_request": float(f"{client_s:.6g}"), "prompt_tokens": prompt},
+                        "client_s_per_request": float(f"{client_s:.6g}"), "prompt_tokens": prompt,
+                        "decode_time_scale_vs_sweep": round(speed, 4)},
         "loadavg": meta.get("loadavg"),
     }

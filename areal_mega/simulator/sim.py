@@ -76,6 +76,9 @@ class SimResult:
     train_s: float
     """Mean learner time per timed step spent training (longer than LearnerModel.step_s when
     client work shares the learner's core)."""
+    weight_sync_s: float
+    """Mean weight sync per timed step (longer than SyncModel.seconds() when client work shares
+    the learner's core)."""
     staleness_token_hist: dict[int, int]
     """Generated tokens of trained batches by staleness (train version - token version)."""
     staleness_episode_hist: dict[int, int]
@@ -106,7 +109,8 @@ class SimResult:
             "gen_paused_frac": r(self.gen_paused_frac), "gen_inflight_s": r(self.gen_inflight_s),
             "decode_util": r(self.decode_util),
             "train_idle_frac": r(self.train_idle_frac), "learner_wait_frac": r(self.learner_wait_frac),
-            "sync_frac": r(self.sync_frac), "train_s": r(self.train_s), "staleness_mean": r(self.staleness_mean),
+            "sync_frac": r(self.sync_frac), "train_s": r(self.train_s),
+            "weight_sync_s": r(self.weight_sync_s), "staleness_mean": r(self.staleness_mean),
             "staleness_max": self.staleness_max,
             "staleness_tokens": {str(k): v for k, v in sorted(self.staleness_token_hist.items())},
             "violations": self.violations,
@@ -303,11 +307,13 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
         return False
 
     # ---- the learner's core: training and client work, shared equally when both run ----------
-    core = {"last": 0.0, "train": 0.0, "client": 0.0, "epoch": 0}  # work left (s) of the step / head request
+    # job: the learner's own work in progress ("train", then "sync": gloo broadcast and HTTP also
+    # run on that core), its work left in core["train"]; core["client"]: the head request's.
+    core: dict = {"last": 0.0, "train": 0.0, "client": 0.0, "epoch": 0, "job": None}
     client_q: deque[_Req] = deque()
 
     def core_rates() -> tuple[float, float]:
-        training = learner["state"] == "train"
+        training = core["job"] is not None
         both = training and bool(client_q)
         return (0.5 if both else 1.0) if training else 0.0, (0.5 if both else 1.0) if client_q else 0.0
 
@@ -397,7 +403,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
         if client_s > 0:  # the step's end depends on the client work sharing the core
             core_advance(now)
             set_learner("train")
-            core["train"] = dt
+            core["train"], core["job"] = dt, "train"
             train_started[0] = now
             core_schedule()
             return
@@ -421,7 +427,10 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
             s.paused = True
             reschedule(s)
         note_gen(now)
-        push(now + cfg.sync.seconds(), K_SYNC_DONE, None)
+        if client_s > 0:  # the caller (K_CORE) reschedules the core
+            core["train"], core["job"] = cfg.sync.seconds(), "sync"
+        else:
+            push(now + cfg.sync.seconds(), K_SYNC_DONE, None)
 
     # ---- main loop -------------------------------------------------------------------------
     if cfg.warmup_steps == 0:
@@ -466,11 +475,15 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
             if client_q and core["client"] <= _EPS:
                 finished_eps = request_done(client_q.popleft())
                 core["client"] = 0.0
-            if learner["state"] == "train" and core["train"] <= _EPS:
-                core["train"] = 0.0
-                if record:
-                    train_intervals.append((train_started[0], now))
-                train_done()
+            job = core["job"]
+            if job is not None and core["train"] <= _EPS:
+                core["train"], core["job"] = 0.0, None
+                if job == "train":
+                    if record:
+                        train_intervals.append((train_started[0], now))
+                    train_done()
+                else:
+                    push(now, K_SYNC_DONE, None)
             core_schedule()
             if finished_eps:
                 produce()
@@ -521,6 +534,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
         decode_util=util / (span * ns),
         train_idle_frac=1.0 - (tr1 - tr0) / span, learner_wait_frac=(w1 - w0) / span,
         sync_frac=(sy1 - sy0) / span, train_s=(tr1 - tr0) / cfg.steps,
+        weight_sync_s=(sy1 - sy0) / cfg.steps,
         staleness_token_hist=dict(token_hist), staleness_episode_hist=dict(ep_hist), violations=violations,
         trained=trained, step_end_s=step_end, gen_intervals=gen_intervals, train_intervals=train_intervals,
     )
