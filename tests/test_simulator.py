@@ -433,3 +433,24 @@ def test_client_work_slows_overlapped_training():
     assert 2.0 + 0.05 < s.train_s <= 2.0 + 32 * 0.004 + 1e-9
     assert s.samples_per_s < 0.98 * f.samples_per_s
     assert s.violations == 0
+
+
+def test_plan_sensitivity_table(tmp_path):
+    """Every figure not measured here is perturbed (x0.5, x2), datasheet ones are not; the
+    perturbations reach the simulation (a slower learner lowers the predicted throughput: the
+    control that the table is not the base plan repeated)."""
+    from areal_mega.simulator.costs import COST_SOURCES
+    from areal_mega.simulator.planner import build_plan_report, write_plan
+
+    rep = build_plan_report(CONFIG_70B, 6, ["workload.sim_steps=2"], staleness=(0, 1), with_sensitivity=True)
+    rows = rep.sensitivity
+    assert rows[0]["figure"] == "(as configured)" and not rows[0]["split_changed"]
+    figs = {r["figure"] for r in rows[1:]}
+    want = {f"cost.{k}" for k, (src, _) in COST_SOURCES.items() if src != "datasheet"} | {"workload.gen_mean_tokens"}
+    assert figs == want
+    slow = next(r for r in rows if r["figure"] == "cost.learner_fixed_s" and r["factor"] == 2.0)
+    fast = next(r for r in rows if r["figure"] == "cost.learner_fixed_s" and r["factor"] == 0.5)
+    assert slow["samples_per_s"] < rows[0]["samples_per_s"] < fast["samples_per_s"]
+    write_plan(rep, tmp_path)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["sensitivity"] == rows and plan["cost_sources"]["cost.train_mfu"]["source"] == "published"

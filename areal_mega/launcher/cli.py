@@ -96,7 +96,8 @@ def _print_throughput_plan(config: str, overrides: list[str], nodes: int, gpus_p
     try:
         from areal_mega.simulator.planner import build_plan_report, recommendation, write_plan
 
-        rep = build_plan_report(config, nodes, overrides, gpus_per_node=gpus_per_node)
+        # the sensitivity table (one re-plan per assumed cost figure) only where plan.json goes
+        rep = build_plan_report(config, nodes, overrides, gpus_per_node=gpus_per_node, with_sensitivity=out is not None)
         lines = recommendation(rep)
         if out is not None:
             lines.append("planner: " + write_plan(rep, out))
