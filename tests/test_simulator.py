@@ -454,3 +454,36 @@ def test_plan_sensitivity_table(tmp_path):
     write_plan(rep, tmp_path)
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["sensitivity"] == rows and plan["cost_sources"]["cost.train_mfu"]["source"] == "published"
+
+
+def test_validate_recovers_client_work_out_of_sample(tmp_path):
+    """bench_simulator --validate's arithmetic on runs the simulator itself made with a known
+    client cost on the learner's core: calibrated on sync + max_staleness 1 it finds that cost and
+    predicts max_staleness 2 and 4 it never saw (within 2%: discrete step counts); the control,
+    the same fit without the overlap's costs, misses them."""
+    from areal_mega.simulator import HostModel
+    from areal_mega.simulator.calibrate import parse_settings, validate
+
+    fit = _true_decode_fit()
+    (tmp_path / "decode_sweep.json").write_text(json.dumps(fit_summary := fit.summary()) + "\n")
+    assert fit_summary["half_batch"] == pytest.approx(6.0)
+    (tmp_path / "validate_runs.json").write_text(json.dumps({"rounds": 1, "loadavg": []}) + "\n")
+    settings = parse_settings("sync:eta=0;eta1:eta=1;eta2:eta=2;eta4:eta=4", batch=4, group=8, new=8)
+    B, G, L, P, c = 4, 8, 8, 9, 0.004
+    for s in settings:
+        cfg = SimConfig(batch_size=B, group_size=G, max_staleness=s.max_staleness, max_concurrent=B, steps=8,
+                        warmup_steps=2, lengths=LengthModel(kind="constant", mean_tokens=L, max_tokens=L, prompt_tokens=P),
+                        decode=fit.decode_model(prompt_tokens=P), learner=LearnerModel(fixed_s=0.15),
+                        sync=SyncModel(latency_s=0.03), host=HostModel(client_s_per_request=c))
+        r = simulate(cfg)
+        learner = r.step_s - r.gen_wait_s - r.weight_sync_s
+        rows = _rows(11, rollout=r.gen_wait_s, learner=learner, sync=r.weight_sync_s, traj=B * G, gen=B * G * L,
+                     total=B * G * (L + P), inflight=r.gen_inflight_s)
+        (tmp_path / f"{s.name}0").mkdir()
+        (tmp_path / f"{s.name}0" / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+    res = validate(tmp_path, settings, ["sync", "eta1"], warmup_steps=2)
+    assert res["calibration"]["client_s_per_request"] == pytest.approx(c, rel=0.1)
+    assert res["calibration"]["decode_time_scale_vs_sweep"] == pytest.approx(1.0, rel=0.05)
+    assert res["out_of_sample"] == ["eta2", "eta4"]
+    assert res["worst_rel_error"] < 0.02
+    assert res["worst_rel_error_without_overlap_costs"] > 0.05  # the control

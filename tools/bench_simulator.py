@@ -63,6 +63,14 @@ def validate(args: argparse.Namespace) -> int:
     except (SimulationError, ValueError) as e:
         print(f"bench_simulator: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
+    from areal_mega.simulator.plot import plot_decode_sweep
+    from areal_mega.simulator.sweep import DecodeFit, DecodePoint
+
+    sw = json.loads((work / "decode_sweep.json").read_text())
+    fit = DecodeFit(**{k: sw[k] for k in ("batch_s", "request_s", "prompt_token_s", "iter_fixed_s", "iter_per_seq_s")},
+                    rms_rel_error=sw["rms_rel_error"], points=[DecodePoint(*q) for q in sw["points"]])
+    png, why = plot_decode_sweep(fit, args.png or (work / "decode_sweep.png"))
+    res["decode_sweep_png"] = png or f"not written: {why}"
     print(json.dumps(res), flush=True)
     return 0
 
@@ -137,6 +145,7 @@ def main() -> int:
     p.add_argument("--settings", default=DEFAULT_SETTINGS,
                    help="--validate: ';'-separated runs, each 'name:key=v,...' (eta, batch, new, group)")
     p.add_argument("--calibrate-on", default="sync,eta1", help="--validate: names of the runs to calibrate on")
+    p.add_argument("--png", help="--validate: where to plot the decode sweep (default <work-dir>/decode_sweep.png)")
     p.add_argument("--server-cpus", default="0")
     p.add_argument("--learner-cpus", default="1")
     p.add_argument("bench_args", nargs="*", help="more arguments for tools/bench_async.py")

@@ -146,13 +146,18 @@ class SyncModel:
     """Effective bandwidth of one sender, bytes/s."""
     latency_s: float = 0.0
     """Fixed part: pause, cache flush, resume, version bump, seconds."""
+    per_inflight_request_s: float = 0.0
+    """Extra seconds per request in flight when generation pauses (retracting it, its HTTP state,
+    the cache it held): a larger staleness window keeps more in flight at each sync."""
 
     def validate(self) -> None:
+        if self.per_inflight_request_s < 0:
+            raise SimulationError(f"sync.per_inflight_request_s: must be >= 0, got {self.per_inflight_request_s}")
         if self.weight_bytes < 0 or self.latency_s < 0 or not self.bandwidth_bytes_per_s > 0:
             raise SimulationError("sync: need weight_bytes >= 0, latency_s >= 0, bandwidth_bytes_per_s > 0")
 
-    def seconds(self) -> float:
-        return self.latency_s + self.weight_bytes / self.bandwidth_bytes_per_s
+    def seconds(self, inflight: int = 0) -> float:
+        return self.latency_s + self.weight_bytes / self.bandwidth_bytes_per_s + self.per_inflight_request_s * inflight
 
 
 @dataclass

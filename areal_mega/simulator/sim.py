@@ -79,6 +79,8 @@ class SimResult:
     weight_sync_s: float
     """Mean weight sync per timed step (longer than SyncModel.seconds() when client work shares
     the learner's core)."""
+    inflight_at_sync: float
+    """Mean requests in flight (decoding or queued) when a timed weight sync paused generation."""
     staleness_token_hist: dict[int, int]
     """Generated tokens of trained batches by staleness (train version - token version)."""
     staleness_episode_hist: dict[int, int]
@@ -110,7 +112,8 @@ class SimResult:
             "decode_util": r(self.decode_util),
             "train_idle_frac": r(self.train_idle_frac), "learner_wait_frac": r(self.learner_wait_frac),
             "sync_frac": r(self.sync_frac), "train_s": r(self.train_s),
-            "weight_sync_s": r(self.weight_sync_s), "staleness_mean": r(self.staleness_mean),
+            "weight_sync_s": r(self.weight_sync_s), "inflight_at_sync": r(self.inflight_at_sync),
+            "staleness_mean": r(self.staleness_mean),
             "staleness_max": self.staleness_max,
             "staleness_tokens": {str(k): v for k, v in sorted(self.staleness_token_hist.items())},
             "violations": self.violations,
@@ -199,6 +202,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
     snap: dict[str, tuple] = {}
     wait_since = [0.0]
     train_started = [0.0]
+    sync_inflight: list[int] = []  # requests in flight at each timed sync's pause
     inflight = [0.0, 0.0]  # accumulated time with >= 1 episode running; time of the last event
 
     # ---- servers ---------------------------------------------------------------------------
@@ -427,10 +431,14 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
             s.paused = True
             reschedule(s)
         note_gen(now)
+        inflight_n = sum(len(s.heap) + len(s.queue) for s in servers)
+        if len(step_end) >= cfg.warmup_steps:
+            sync_inflight.append(inflight_n)
+        dt = cfg.sync.seconds(inflight_n)
         if client_s > 0:  # the caller (K_CORE) reschedules the core
-            core["train"], core["job"] = cfg.sync.seconds(), "sync"
+            core["train"], core["job"] = dt, "sync"
         else:
-            push(now + cfg.sync.seconds(), K_SYNC_DONE, None)
+            push(now + dt, K_SYNC_DONE, None)
 
     # ---- main loop -------------------------------------------------------------------------
     if cfg.warmup_steps == 0:
@@ -535,6 +543,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
         train_idle_frac=1.0 - (tr1 - tr0) / span, learner_wait_frac=(w1 - w0) / span,
         sync_frac=(sy1 - sy0) / span, train_s=(tr1 - tr0) / cfg.steps,
         weight_sync_s=(sy1 - sy0) / cfg.steps,
+        inflight_at_sync=sum(sync_inflight[:cfg.steps]) / max(1, len(sync_inflight[:cfg.steps])),
         staleness_token_hist=dict(token_hist), staleness_episode_hist=dict(ep_hist), violations=violations,
         trained=trained, step_end_s=step_end, gen_intervals=gen_intervals, train_intervals=train_intervals,
     )

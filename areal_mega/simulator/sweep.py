@@ -228,3 +228,45 @@ def decode_sweep(url: str, *, concurrencies: tuple[int, ...] = (1, 4, 8, 16, 32,
             if (n, L, P) not in best or pt.seconds < best[(n, L, P)].seconds:
                 best[(n, L, P)] = pt
     return [best[k] for k in grid]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m areal_mega.simulator.sweep --url http://HOST:PORT [--out F.json] [--png F.png]``:
+    the decode sweep against a running server (before a job), its fit as one JSON line."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m areal_mega.simulator.sweep", description=main.__doc__.split("\n")[0])
+    p.add_argument("--url", required=True, help="an SGLang server serving the run's model")
+    p.add_argument("--vocab", type=int, default=128, help="prompt ids are drawn from [3, vocab)")
+    p.add_argument("--concurrency", default="1,4,8,16,32,64")
+    p.add_argument("--lengths", default="8,32")
+    p.add_argument("--prompts", default="9,48")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", help="write the fit (with its points) as JSON here")
+    p.add_argument("--png", help="plot the measurements and the fitted curve here")
+    args = p.parse_args(argv)
+    try:
+        ints = lambda s, k: tuple(int(x) for x in s.split(",") if x.strip())  # noqa: E731
+        pts = decode_sweep(args.url.rstrip("/"), concurrencies=ints(args.concurrency, "concurrency"),
+                           lengths=ints(args.lengths, "lengths"), prompts=ints(args.prompts, "prompts"),
+                           vocab=args.vocab, repeats=args.repeats)
+        fit = fit_decode_sweep(pts)
+    except (ValueError, OSError) as e:  # SimulationError is a ValueError
+        print(f"sweep: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    line = json.dumps(fit.summary())
+    print(line, flush=True)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    if args.png:
+        from areal_mega.simulator.plot import plot_decode_sweep
+
+        png, why = plot_decode_sweep(fit, args.png)
+        print(f"sweep: plot {png}" if png else f"sweep: no plot: {why}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
