@@ -24,6 +24,13 @@ staleness rules. ``measurement_warning`` flags an overloaded machine or a speed 
 the runs (the learner's own step differs by more than 2x): the two out-of-sample figures
 (``*_sync_decode``, ``*_sync_timings_only``) are then void, the per-run ones are not.
 ``--reuse`` skips the measurement and recalibrates on the runs already in ``--work-dir``.
+
+``--validate`` is the out-of-sample check (docs/simulator.md): one server, the decode sweep
+(``areal_mega.simulator.sweep``), then every ``--settings`` run back to back; calibrated on the
+``--calibrate-on`` runs only, it predicts the others and prints ONE JSON line: per setting
+predicted, measured, rel_error (and the same without the overlap's costs), ``worst_rel_error``,
+``ranking_equal`` / ``staleness_ranking_equal``, the calibration, the load average per run;
+``--png`` plots the sweep with its fitted curve.
 """
 
 from __future__ import annotations
