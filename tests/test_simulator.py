@@ -326,3 +326,163 @@ def test_plan_reads_the_yamls_planner_section(tmp_path):
     assert steps[0] == steps[1] and steps[0]
     # Half the MFU: the FLOP-proportional part of every learner step doubles (fixed 2 s stays).
     assert all(a > b for a, b in zip(steps[0], steps[2]))
+
+
+# ---- cost models identified from measurements (simulator.sweep) ------------------------------------
+
+
+def _sweep_points(fit, noise=0.0, seed=0, concurrencies=(1, 4, 8, 16, 32, 64), lengths=(8, 32), prompts=(9, 48)):
+    from areal_mega.simulator.sweep import DecodePoint
+
+    rng = random.Random(seed)
+    return [DecodePoint(n, L, P, fit.predict(n, L, P) * (1 + rng.uniform(-noise, noise)))
+            for P in prompts for L in lengths for n in concurrencies]
+
+
+def _true_decode_fit():
+    from areal_mega.simulator.sweep import DecodeFit
+
+    # peak 4000 tok/s, half_batch 6, 2 ms per request + 20 us per prompt token, 5 ms per batch
+    return DecodeFit(batch_s=0.005, request_s=0.002, prompt_token_s=2e-5, iter_fixed_s=6 / 4000, iter_per_seq_s=1 / 4000)
+
+
+def test_decode_sweep_fit_recovers_parameters():
+    from areal_mega.simulator.sweep import fit_decode_sweep
+
+    true = _true_decode_fit()
+    exact = fit_decode_sweep(_sweep_points(true))
+    for k in ("batch_s", "request_s", "prompt_token_s", "iter_fixed_s", "iter_per_seq_s"):
+        assert getattr(exact, k) == pytest.approx(getattr(true, k), rel=1e-6), k  # float64 normal equations
+    # 3% timing noise (a loaded machine's repeat-to-repeat spread): peak and half_batch within 10%
+    noisy = fit_decode_sweep(_sweep_points(true, noise=0.03, seed=5))
+    dm = noisy.decode_model(prompt_tokens=9)
+    assert dm.peak_tokens_per_s == pytest.approx(4000, rel=0.1)
+    assert dm.half_batch == pytest.approx(6, rel=0.15)
+    assert dm.request_server_s == pytest.approx(0.002 + 9 * 2e-5, rel=0.15)
+    assert noisy.rms_rel_error < 0.03
+
+
+def test_decode_sweep_fit_negative_controls():
+    """One concurrency level cannot separate peak from half_batch (refused), and the old assumed
+    half_batch=32 with the peak fitted at one level mispredicts the other levels (control)."""
+    from areal_mega.simulator.sweep import DecodeFit, fit_decode_sweep
+
+    true = _true_decode_fit()
+    with pytest.raises(SimulationError, match="concurrency levels"):
+        fit_decode_sweep(_sweep_points(true, concurrencies=(32,)))
+    with pytest.raises(SimulationError, match="2 lengths"):
+        fit_decode_sweep(_sweep_points(true, lengths=(8,)))
+    held_out = [p for p in _sweep_points(true, noise=0.03, seed=9) if p.concurrency in (1, 64)]
+    fitted = fit_decode_sweep([p for p in _sweep_points(true, noise=0.03, seed=9) if p.concurrency not in (1, 64)])
+    # the control: no per-request term, half_batch = 32, t1 chosen so that n=32, L=32 is exact
+    t1 = true.predict(32, 32, 9) / (32 * (32 + 32))
+    guess = DecodeFit(0.0, 0.0, 0.0, 32 * t1, t1)
+    err = lambda f: max(abs(f.predict(p.concurrency, p.new_tokens, p.prompt_tokens) - p.seconds) / p.seconds  # noqa: E731
+                        for p in held_out)
+    assert err(fitted) < 0.08  # extrapolates to concurrency 1 and 64 it never saw
+    assert err(guess) > 0.5
+
+
+def test_learner_and_sync_fits():
+    from areal_mega.simulator.sweep import fit_learner_points, fit_sync_points
+
+    lm = fit_learner_points([500, 1000, 2000, 4000], [0.1 + 2e-5 * x for x in (500, 1000, 2000, 4000)])
+    assert (lm.fixed_s, lm.per_token_s) == (pytest.approx(0.1), pytest.approx(2e-5))
+    flat = fit_learner_points([544, 544, 545], [0.1, 0.12, 0.11])  # slope not identified: a constant
+    assert flat.per_token_s == 0 and flat.fixed_s == pytest.approx(0.11)
+    sm = fit_sync_points([2**20, 2**24, 2**27], [0.03 + b / 1e9 for b in (2**20, 2**24, 2**27)])
+    assert sm.latency_s == pytest.approx(0.03, rel=1e-6) and sm.bandwidth_bytes_per_s == pytest.approx(1e9, rel=1e-6)
+    with pytest.raises(SimulationError, match="2 sizes"):
+        fit_sync_points([2**20, 2**20], [0.1, 0.1])
+
+
+def test_request_server_time_and_client_work_closed_form():
+    """Synchronous closed forms: n requests arrive together (n r of prefill before decoding) and
+    finish together (n c of client work on the learner's core, which waits)."""
+    from areal_mega.simulator import HostModel
+
+    B, G, L, P, peak, half, a, b, S, r, c = 4, 8, 50, 10, 2000.0, 16.0, 0.3, 1e-4, 0.05, 0.002, 0.001
+    n = B * G
+    base = L * (n + half) / peak + a + b * n * (P + L) + S
+    cfg = _det(0, B, G, L, P, peak, half, a, b, S)
+    cfg.decode.request_server_s = r
+    assert simulate(cfg).step_s == pytest.approx(base + n * r, rel=1e-9)
+    cfg.host = HostModel(client_s_per_request=c)
+    res = simulate(cfg, record=True)
+    assert res.step_s == pytest.approx(base + n * r + n * c, rel=1e-9)
+    assert res.train_s == pytest.approx(a + b * n * (P + L), rel=1e-9)  # nothing shares the core while it trains
+    for g0, g1 in res.gen_intervals:
+        for t0, t1 in res.train_intervals:
+            assert min(g1, t1) - max(g0, t0) <= 1e-9
+
+
+def test_client_work_slows_overlapped_training():
+    """Asynchronous: responses arrive while the learner trains; the core is shared, so the step
+    stretches by the client work done during it (half speed each), and throughput falls. The
+    control (c = 0) keeps the learner's own step."""
+    from areal_mega.simulator import HostModel
+
+    free = _det(2, a=2.0, b=0.0, steps=8)  # learner-bound: generation needs 1.2 s a batch
+    shared = _det(2, a=2.0, b=0.0, steps=8)
+    shared.host = HostModel(client_s_per_request=0.004)
+    f, s = simulate(free), simulate(shared)
+    assert f.train_s == pytest.approx(2.0, rel=1e-9)
+    # a batch's 32 responses arrive during the step: 32 x 4 ms of client work, half of it taken
+    # from training while they share the core -> the step stretches by ~64 ms (at most 128)
+    assert 2.0 + 0.05 < s.train_s <= 2.0 + 32 * 0.004 + 1e-9
+    assert s.samples_per_s < 0.98 * f.samples_per_s
+    assert s.violations == 0
+
+
+def test_plan_sensitivity_table(tmp_path):
+    """Every figure not measured here is perturbed (x0.5, x2), datasheet ones are not; the
+    perturbations reach the simulation (a slower learner lowers the predicted throughput: the
+    control that the table is not the base plan repeated)."""
+    from areal_mega.simulator.costs import COST_SOURCES
+    from areal_mega.simulator.planner import build_plan_report, write_plan
+
+    rep = build_plan_report(CONFIG_70B, 6, ["workload.sim_steps=2"], staleness=(0, 1), with_sensitivity=True)
+    rows = rep.sensitivity
+    assert rows[0]["figure"] == "(as configured)" and not rows[0]["split_changed"]
+    figs = {r["figure"] for r in rows[1:]}
+    want = {f"cost.{k}" for k, (src, _) in COST_SOURCES.items() if src != "datasheet"} | {"workload.gen_mean_tokens"}
+    assert figs == want
+    slow = next(r for r in rows if r["figure"] == "cost.learner_fixed_s" and r["factor"] == 2.0)
+    fast = next(r for r in rows if r["figure"] == "cost.learner_fixed_s" and r["factor"] == 0.5)
+    assert slow["samples_per_s"] < rows[0]["samples_per_s"] < fast["samples_per_s"]
+    write_plan(rep, tmp_path)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["sensitivity"] == rows and plan["cost_sources"]["cost.train_mfu"]["source"] == "published"
+
+
+def test_validate_recovers_client_work_out_of_sample(tmp_path):
+    """bench_simulator --validate's arithmetic on runs the simulator itself made with a known
+    client cost on the learner's core: calibrated on sync + max_staleness 1 it finds that cost and
+    predicts max_staleness 2 and 4 it never saw (within 2%: discrete step counts); the control,
+    the same fit without the overlap's costs, misses them."""
+    from areal_mega.simulator import HostModel
+    from areal_mega.simulator.calibrate import parse_settings, validate
+
+    fit = _true_decode_fit()
+    (tmp_path / "decode_sweep.json").write_text(json.dumps(fit_summary := fit.summary()) + "\n")
+    assert fit_summary["half_batch"] == pytest.approx(6.0)
+    (tmp_path / "validate_runs.json").write_text(json.dumps({"rounds": 1, "loadavg": []}) + "\n")
+    settings = parse_settings("sync:eta=0;eta1:eta=1;eta2:eta=2;eta4:eta=4", batch=4, group=8, new=8)
+    B, G, L, P, c = 4, 8, 8, 9, 0.004
+    for s in settings:
+        cfg = SimConfig(batch_size=B, group_size=G, max_staleness=s.max_staleness, max_concurrent=B, steps=8,
+                        warmup_steps=2, lengths=LengthModel(kind="constant", mean_tokens=L, max_tokens=L, prompt_tokens=P),
+                        decode=fit.decode_model(prompt_tokens=P), learner=LearnerModel(fixed_s=0.15),
+                        sync=SyncModel(latency_s=0.03), host=HostModel(client_s_per_request=c))
+        r = simulate(cfg)
+        learner = r.step_s - r.gen_wait_s - r.weight_sync_s
+        rows = _rows(11, rollout=r.gen_wait_s, learner=learner, sync=r.weight_sync_s, traj=B * G, gen=B * G * L,
+                     total=B * G * (L + P), inflight=r.gen_inflight_s)
+        (tmp_path / f"{s.name}0").mkdir()
+        (tmp_path / f"{s.name}0" / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+    res = validate(tmp_path, settings, ["sync", "eta1"], warmup_steps=2)
+    assert res["calibration"]["client_s_per_request"] == pytest.approx(c, rel=0.1)
+    assert res["calibration"]["decode_time_scale_vs_sweep"] == pytest.approx(1.0, rel=0.05)
+    assert res["out_of_sample"] == ["eta2", "eta4"]
+    assert res["worst_rel_error"] < 0.02
+    assert res["worst_rel_error_without_overlap_costs"] > 0.05  # the control

@@ -24,6 +24,13 @@ staleness rules. ``measurement_warning`` flags an overloaded machine or a speed 
 the runs (the learner's own step differs by more than 2x): the two out-of-sample figures
 (``*_sync_decode``, ``*_sync_timings_only``) are then void, the per-run ones are not.
 ``--reuse`` skips the measurement and recalibrates on the runs already in ``--work-dir``.
+
+``--validate`` is the out-of-sample check (docs/simulator.md): one server, the decode sweep
+(``areal_mega.simulator.sweep``), then every ``--settings`` run back to back; calibrated on the
+``--calibrate-on`` runs only, it predicts the others and prints ONE JSON line: per setting
+predicted, measured, rel_error (and the same without the overlap's costs), ``worst_rel_error``,
+``ranking_equal`` / ``staleness_ranking_equal``, the calibration, the load average per run;
+``--png`` plots the sweep with its fitted curve.
 """
 
 from __future__ import annotations
@@ -42,6 +49,87 @@ from areal_mega.simulator.calibrate import calibrate_and_predict, load_rows  # n
 from areal_mega.simulator.model import SimulationError  # noqa: E402
 
 
+DEFAULT_SETTINGS = ("sync:eta=0;eta1:eta=1;eta2:eta=2;eta4:eta=4;eta1_b8:eta=1,batch=8;"
+                    "eta2_new16:eta=2,new=16")
+
+
+def validate(args: argparse.Namespace) -> int:
+    from areal_mega.simulator import calibrate as val
+
+    work = (ROOT / args.work_dir) if not os.path.isabs(args.work_dir) else Path(args.work_dir)
+    try:
+        settings = val.parse_settings(args.settings, batch=args.batch_size, group=args.group_size,
+                                      new=args.max_new_tokens)
+        calib = [c.strip() for c in args.calibrate_on.split(",") if c.strip()]
+        if not args.reuse:
+            if not args.sglang_python:
+                print("bench_simulator: --sglang-python is required (or --reuse)", file=sys.stderr)
+                return 2
+            _measure(args, work, settings)
+        res = val.validate(work, settings, calib, warmup_steps=args.warmup_steps)
+    except (SimulationError, ValueError) as e:
+        print(f"bench_simulator: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    from areal_mega.simulator.plot import plot_decode_sweep
+    from areal_mega.simulator.sweep import DecodeFit, DecodePoint
+
+    sw = json.loads((work / "decode_sweep.json").read_text())
+    fit = DecodeFit(**{k: sw[k] for k in ("batch_s", "request_s", "prompt_token_s", "iter_fixed_s", "iter_per_seq_s")},
+                    rms_rel_error=sw["rms_rel_error"], points=[DecodePoint(*q) for q in sw["points"]])
+    png, why = plot_decode_sweep(fit, args.png or (work / "decode_sweep.png"))
+    res["decode_sweep_png"] = png or f"not written: {why}"
+    print(json.dumps(res), flush=True)
+    return 0
+
+
+def _measure(args: argparse.Namespace, work: Path, settings) -> None:
+    """One pinned SGLang server: the decode sweep, then every setting's trainer run, back to back
+    (bench_async's own helpers: pinning, server reset between runs, the trainer's metrics)."""
+    import time
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench_async as ba
+
+    from areal_mega.simulator.sweep import decode_sweep, fit_decode_sweep
+
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    ns = argparse.Namespace(config="configs/grpo_tiny.yaml", learner_python=args.learner_python,
+                            learner_cpus=args.learner_cpus, run_timeout_s=1200.0, server_startup_timeout_s=1200.0)
+    tiny = ba._build_tiny(args.learner_python, work / "tiny", env)
+    model, data = str(tiny / "model"), str(tiny / "data" / "train.jsonl")
+    server_python = ba._pinned_python(args.sglang_python, args.server_cpus, work / "sglang-pinned.sh")
+    hf = json.loads((Path(model) / "config.json").read_text())
+    dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16")
+    common = [f"model_path={model}", f"data.path={data}", "eval_data=null", "seed=1", "parallel.tensor_parallel=1",
+              "trainer.resume=false", "trainer.eval_at_start=false", "trainer.eval_at_end=false",
+              "trainer.eval_every=0", "trainer.save_every=0", "trainer.export_hf_at_end=false",
+              "rollout.show_progress=false", f"inference.server.dtype={dtype}", *args.bench_args]
+    server = ba._start_server(server_python, model, common, ns, work)
+    log = {"loadavg": [], "runs": {}}
+    try:
+        common.append(f"inference.addresses=[{server.address}]")
+        t0 = time.time()
+        log["loadavg"].append(["sweep_start", *os.getloadavg()])
+        pts = decode_sweep(server.url, vocab=int(hf.get("vocab_size", 128)))
+        fit = fit_decode_sweep(pts)
+        (work / "decode_sweep.json").write_text(json.dumps(fit.summary()) + "\n")
+        print(f"[bench_simulator] decode sweep: {len(pts)} points in {time.time() - t0:.0f} s, "
+              f"fit rms {fit.rms_rel_error:.3f}", file=sys.stderr, flush=True)
+        for r in range(args.rounds):
+            order = settings if r % 2 == 0 else settings[::-1]  # alternate: load drifts hit every setting
+            for st in order:
+                ba._reset_server(server, model)
+                log["loadavg"].append([f"{st.name}{r}", *os.getloadavg()])
+                ba._run_mode(f"{st.name}{r}", st.max_staleness, ns, common + st.overrides(args.warmup_steps, args.steps),
+                             env, work)
+        log["loadavg"].append(["end", *os.getloadavg()])
+        log["rounds"] = args.rounds
+        (work / "validate_runs.json").write_text(json.dumps(log) + "\n")
+    finally:
+        server.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--sglang-python", help="python of the SGLang venv (required unless --reuse)")
@@ -58,8 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--half-batch", type=float, default=32.0,
                    help="decode model: running requests at half the peak throughput (not identifiable "
                         "from one concurrency level; see docs/simulator.md)")
+    p.add_argument("--validate", action="store_true",
+                   help="out-of-sample check: decode sweep + trainer runs of --settings on one server; calibrate "
+                        "on --calibrate-on, predict the others (see validate.py's docstring)")
+    p.add_argument("--settings", default=DEFAULT_SETTINGS,
+                   help="--validate: ';'-separated runs, each 'name:key=v,...' (eta, batch, new, group)")
+    p.add_argument("--calibrate-on", default="sync,eta1", help="--validate: names of the runs to calibrate on")
+    p.add_argument("--png", help="--validate: where to plot the decode sweep (default <work-dir>/decode_sweep.png)")
+    p.add_argument("--server-cpus", default="0")
+    p.add_argument("--learner-cpus", default="1")
     p.add_argument("bench_args", nargs="*", help="more arguments for tools/bench_async.py")
     args = p.parse_args(argv)
+    if args.validate:
+        return validate(args)
 
     work = (ROOT / args.work_dir) if not os.path.isabs(args.work_dir) else Path(args.work_dir)
     out_json = work / "bench_async.json"

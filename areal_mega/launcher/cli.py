@@ -129,7 +129,8 @@ def _print_throughput_plan(config: str, overrides: list[str], nodes: int, gpus_p
     docs/simulator.md), with its plan.json and plot written to ``out``; advisory: whatever goes
     wrong there is one line, never a failed dry run."""
     try:
-        rep = build_plan_report(config, nodes, overrides, gpus_per_node=gpus_per_node)
+        # the sensitivity table (one re-plan per assumed cost figure) only where plan.json goes
+        rep = build_plan_report(config, nodes, overrides, gpus_per_node=gpus_per_node, with_sensitivity=out is not None)
         lines = recommendation(rep)
         if out is not None:
             lines.append("planner: " + write_plan(rep, out))
@@ -168,9 +169,11 @@ def _planner_overrides(overrides: list[str]) -> list[str]:
 
 def build_plan_report(config: str, nodes: int, overrides: list[str] | None = None, *, gpus_per_node: int | None = None,
                       staleness: tuple[int, ...] = DEFAULT_STALENESS, tolerance: float = 0.02,
-                      cost: ClusterCostModel | None = None, workload: WorkloadModel | None = None) -> PlanReport:
+                      cost: ClusterCostModel | None = None, workload: WorkloadModel | None = None,
+                      with_sensitivity: bool = False) -> PlanReport:
     """Sweep splits x max_staleness for the YAML at ``config`` (raises ValueError -- ConfigError,
-    SimulationError -- on bad input). ``cost``/``workload`` replace the YAML's ``launch.planner``."""
+    SimulationError -- on bad input). ``cost``/``workload`` replace the YAML's ``launch.planner``;
+    ``with_sensitivity`` adds ``planner.sensitivity``'s table."""
     exp, _, _ = load_launch(config, _planner_overrides(list(overrides or [])))
     cfg = exp.launch
     if cost is not None:
@@ -182,8 +185,11 @@ def build_plan_report(config: str, nodes: int, overrides: list[str] | None = Non
         gpus_per_node, src = cfg.gpus_per_node, "launch.gpus_per_node"
     if gpus_per_node is None:
         gpus_per_node, src = DEFAULT_GPUS_PER_NODE, f"default {DEFAULT_GPUS_PER_NODE} (set --gpus-per-node)"
-    return sweep(exp, label=config, nodes=nodes, gpus_per_node=gpus_per_node, gpus_source=src,
-                 staleness=staleness, tolerance=tolerance)
+    rep = sweep(exp, label=config, nodes=nodes, gpus_per_node=gpus_per_node, gpus_source=src,
+                staleness=staleness, tolerance=tolerance)
+    if with_sensitivity:
+        rep.sensitivity = sensitivity(exp, rep)
+    return rep
 
 
 def _staleness_list(text: str) -> tuple[int, ...]:
@@ -207,12 +213,15 @@ def plan_main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write plan.json and throughput_plan.png (predicted throughput vs split and "
                    "vs max_staleness) into this directory")
     p.add_argument("--json", action="store_true", help="print the report as one JSON line instead")
+    p.add_argument("--sensitivity", action="store_true", help="re-plan with each assumed cost figure x0.5 and x2 "
+                   "(the table goes to plan.json and the summary to the output)")
     p.add_argument("overrides", nargs="*", help="cost.<field>=v, workload.<field>=v (= launch.planner.cost/"
                    "workload), or experiment key=value")
     args = p.parse_intermixed_args(argv)
     try:
         rep = build_plan_report(args.config, args.nodes, args.overrides, gpus_per_node=args.gpus_per_node,
-                                staleness=_staleness_list(args.staleness), tolerance=args.tolerance)
+                                staleness=_staleness_list(args.staleness), tolerance=args.tolerance,
+                                with_sensitivity=args.sensitivity)
     except (ValueError, OSError) as e:  # ConfigError and SimulationError are ValueErrors
         msg = " ".join(str(e).split())
         print(f"areal-mega plan: {msg}", file=sys.stderr, flush=True)

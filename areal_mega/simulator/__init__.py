@@ -14,6 +14,6 @@ No torch, no numpy: it runs wherever the launcher's dry run does. Design notes: 
 """
 
 from areal_mega.simulator.model import (  # noqa: F401
-    DecodeModel, LearnerModel, LengthModel, SimConfig, SimulationError, SyncModel,
+    DecodeModel, HostModel, LearnerModel, LengthModel, SimConfig, SimulationError, SyncModel,
 )
 from areal_mega.simulator.sim import SimResult, simulate  # noqa: F401

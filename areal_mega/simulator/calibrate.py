@@ -33,7 +33,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from areal_mega.simulator.model import DecodeModel, LearnerModel, LengthModel, SimConfig, SimulationError, SyncModel
+from areal_mega.simulator.model import (
+    DecodeModel, HostModel, LearnerModel, LengthModel, SimConfig, SimulationError, SyncModel,
+)
 from areal_mega.simulator.sim import simulate
 
 __all__ = [
@@ -210,4 +212,242 @@ def calibrate_and_predict(sync_rows: list[dict], async_rows: list[dict], *, batc
             "measured_gen_s_sync_run": r4(s_stats.rollout_s), "simulated_gen_s_sync_run": r4(ps.gen_wait_s),
         },
         "sim_sync": ps.summary(), "sim_async": pa.summary(),
+    }
+
+
+# ---- out-of-sample validation (tools/bench_simulator.py --validate) --------------------------------
+
+
+@dataclass
+class RunSetting:
+    """One trainer run of the validation: the rollout knobs it varies."""
+
+    name: str
+    max_staleness: int
+    batch_size: int
+    group_size: int
+    max_new_tokens: int
+
+    def overrides(self, warmup_steps: int, steps: int) -> list[str]:
+        """The trainer's config overrides (``max_concurrent = batch_size``, as bench_async)."""
+        return [f"trainer.num_steps={warmup_steps + steps + 1}", f"rollout.batch_size={self.batch_size}",
+                f"rollout.max_concurrent={self.batch_size}", f"workflow.group_size={self.group_size}",
+                f"workflow.sampling.max_new_tokens={self.max_new_tokens}"]
+
+
+def parse_settings(text: str, *, batch: int, group: int, new: int) -> list[RunSetting]:
+    """``"sync:eta=0;b8:eta=1,batch=8"`` -> settings (keys eta, batch, group, new)."""
+    keys = {"eta": "max_staleness", "batch": "batch_size", "group": "group_size", "new": "max_new_tokens"}
+    out = []
+    for part in (p.strip() for p in text.split(";") if p.strip()):
+        name, _, spec = part.partition(":")
+        vals = {"max_staleness": 0, "batch_size": batch, "group_size": group, "max_new_tokens": new}
+        for kv in (x.strip() for x in spec.split(",") if x.strip()):
+            k, _, v = kv.partition("=")
+            if k.strip() not in keys or not v.strip().isdigit():
+                raise SimulationError(f"--settings: {kv!r} in {part!r}: expected eta|batch|group|new=<int>")
+            vals[keys[k.strip()]] = int(v)
+        if not name.strip().isidentifier():
+            raise SimulationError(f"--settings: {part!r}: expected name:key=v,...")
+        out.append(RunSetting(name=name.strip(), **vals))
+    if len({s.name for s in out}) != len(out) or not out:
+        raise SimulationError("--settings: need >= 1 run, names unique")
+    return out
+
+
+def _sim_for(setting: RunSetting, *, steps: int, warmup: int, lengths: LengthModel, decode: DecodeModel,
+             learner: LearnerModel, sync: SyncModel, host: HostModel) -> SimConfig:
+    # the run's own lengths at its cap; the prompt as calibrated
+    return SimConfig(batch_size=setting.batch_size, group_size=setting.group_size, max_staleness=setting.max_staleness,
+                     max_concurrent=setting.batch_size, steps=steps, warmup_steps=warmup, seed=0,
+                     lengths=lengths, decode=decode, learner=learner, sync=sync, host=host)
+
+
+def _bisect(f, lo: float, hi: float, target: float, iters: int = 60) -> float:
+    """x in [lo, hi] with f(x) = target, f increasing (clamped to the ends)."""
+    if f(lo) >= target:
+        return lo
+    if f(hi) <= target:
+        return hi
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        if f(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def run_facts(rows: list[dict], warmup: int, setting: RunSetting) -> dict:
+    """What one run measured, and the instruments of the why (per timed step)."""
+    t = timed(rows, warmup)
+    st = run_stats(t)
+    r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731
+    acc = [r.get("rollout/accepted_episodes") for r in t]
+    interrupts = [r.get("inference/interruptions") for r in rows]
+    return {
+        "samples_per_s": r4(st.samples_per_s), "step_s": r4(st.step_s), "learner_s": r4(st.learner_s),
+        "rollout_wait_s": r4(st.rollout_s), "weight_sync_s": r4(st.weight_sync_s), "inflight_s": r4(st.inflight_s),
+        "staleness_mean": r4(st.staleness_mean),
+        # > batch_size: generation produced more than training consumed (the ready pool grew):
+        # work done inside the timed window that no timed step trains on
+        "accepted_episodes_per_step": r4(statistics.fmean(acc)) if None not in acc else None,
+        "interruptions": (interrupts[-1] - interrupts[warmup]) if None not in interrupts else None,
+        "gen_tokens_per_traj": r4(statistics.fmean(r["rollout/num_generated_tokens"] / r["rollout/num_trajectories"]
+                                                   for r in t)),
+    }
+
+
+def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *, warmup_steps: int) -> dict:
+    """Calibrate on the runs named ``calibrate_on`` (+ the decode sweep), predict every other run.
+
+    * decode: the sweep's fit (``<work>/decode_sweep.json``: concurrency x length x prompt
+      against the same server), not the runs;
+    * learner ``fixed + per_token * tokens``: the synchronous calibration runs' learner time
+      (there nothing else runs on its core); the slope needs two batch sizes among them;
+    * weight sync: their mean ``time/weight_sync_s``;
+    * client work per request on the learner's core (``HostModel``): bisection so that the
+      asynchronous calibration runs' simulated learner time matches theirs (the overlap's cost).
+    """
+    from areal_mega.simulator.sweep import DecodeFit, DecodePoint
+
+    by_name = {s.name: s for s in settings}
+    missing = [c for c in calibrate_on if c not in by_name]
+    if missing or not calibrate_on:
+        raise SimulationError(f"--calibrate-on: {missing or calibrate_on} not among the settings {list(by_name)}")
+    try:
+        meta = json.loads((work / "validate_runs.json").read_text())
+        sweep = json.loads((work / "decode_sweep.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SimulationError(f"validate: no measurement in {work} ({e}); run without --reuse") from None
+    rounds = int(meta.get("rounds", 1))
+    rows: dict[str, list[dict]] = {}
+    for s in settings:
+        runs = [load_rows(work / f"{s.name}{r}" / "metrics.jsonl") for r in range(rounds)]
+        mid = [row for run in runs for row in run[warmup_steps:-1]]  # pooled timed steps, one trim
+        rows[s.name] = runs[0][:warmup_steps] + mid + runs[-1][-1:]
+    fit = DecodeFit(**{k: sweep[k] for k in ("batch_s", "request_s", "prompt_token_s", "iter_fixed_s", "iter_per_seq_s")},
+                    points=[DecodePoint(*p) for p in sweep["points"]])
+    facts = {s.name: run_facts(rows[s.name], warmup_steps, s) for s in settings}
+    cal = [by_name[c] for c in calibrate_on]
+    sync_cal = [s for s in cal if s.max_staleness == 0] or cal
+    xs, ys, prompts = [], [], []
+    for s in sync_cal:
+        for r in timed(rows[s.name], warmup_steps):
+            xs.append(float(r.get("train/num_tokens", 0.0)))
+            ys.append(_learner_s(r))
+    for s in cal:
+        prompts.append(fit_lengths(rows[s.name], s.max_new_tokens).prompt_tokens)
+    from areal_mega.simulator.sweep import fit_learner_points
+
+    learner = fit_learner_points(xs, ys)
+    prompt = int(round(statistics.fmean(prompts)))
+    swept = fit.decode_model(prompt_tokens=prompt)
+
+    def scaled(k: float) -> DecodeModel:
+        """The sweep's decode model at ``k`` times its times (its shape kept: half_batch, the
+        per-request share): the machine's speed during the runs, not during the sweep."""
+        return dataclasses.replace(swept, peak_tokens_per_s=swept.peak_tokens_per_s / k,
+                                   request_server_s=swept.request_server_s * k, request_latency_s=swept.request_latency_s * k)
+    decode = swept
+    sync = SyncModel(latency_s=statistics.fmean(facts[s.name]["weight_sync_s"] for s in sync_cal))
+
+    def lengths_of(s: RunSetting) -> LengthModel:
+        # the length each run generates is the workload's (a measured run's own, else the cap: the
+        # tiny model rarely stops early); the planner sees the same via workload.lengths_from
+        ln = fit_lengths(rows[s.name], s.max_new_tokens) if s.name in calibrate_on else None
+        mean = ln.samples and statistics.fmean(ln.samples) if ln else s.max_new_tokens
+        return LengthModel(kind="constant", mean_tokens=max(1.0, mean), max_tokens=s.max_new_tokens,
+                           prompt_tokens=prompt)
+
+    def cfg_for(s: RunSetting, host: HostModel) -> SimConfig:
+        return _sim_for(s, steps=len(timed(rows[s.name], warmup_steps)), warmup=warmup_steps, lengths=lengths_of(s),
+                        decode=decode, learner=learner, sync=sync, host=host)
+
+    async_cal = [s for s in cal if s.max_staleness > 0]
+    client_s, speed = 0.0, 1.0
+    gen_target = statistics.fmean(facts[s.name]["rollout_wait_s"] for s in sync_cal)
+    learner_target = statistics.fmean(facts[s.name]["learner_s"] for s in async_cal) if async_cal else 0.0
+    sync_target = statistics.fmean(facts[s.name]["weight_sync_s"] for s in async_cal) if async_cal else 0.0
+    def fit_speed() -> float:
+        """The decode time scale at which the synchronous calibration runs' generation matches
+        (fitted last: the synchronous run is reproduced whatever the other fits found)."""
+        nonlocal decode
+
+        def gen_s(logk: float) -> float:
+            nonlocal decode
+            decode = scaled(math.exp(logk))
+            return statistics.fmean(simulate(cfg_for(s, HostModel(client_s_per_request=client_s))).gen_wait_s
+                                    for s in sync_cal)
+        k = math.exp(_bisect(gen_s, math.log(1e-3), math.log(1e3), gen_target))
+        decode = scaled(k)
+        return k
+
+    speed = fit_speed()
+    k_identified = True
+    if async_cal:
+        # client work: what stretches the async run's learner step; bounded by the synchronous run,
+        # whose generation time contains all of a batch's client work (done while the learner waits)
+        cap = 0.9 * gen_target / max(s.batch_size * s.group_size for s in sync_cal)
+
+        def train_s(c: float) -> float:
+            res = [simulate(cfg_for(s, HostModel(client_s_per_request=c))) for s in async_cal]
+            return statistics.fmean(r.train_s for r in res)
+        for _ in range(8):  # alternate to the fixed point: the sync run's generation holds client work too
+            prev = client_s
+            client_s = _bisect(train_s, 0.0, cap, learner_target)
+            speed = fit_speed()
+            if abs(client_s - prev) <= 1e-3 * max(client_s, 1e-9):
+                break
+
+        def sync_s(k: float) -> float:
+            nonlocal sync
+            sync = dataclasses.replace(sync, per_inflight_request_s=k)
+            res = [simulate(cfg_for(s, HostModel(client_s_per_request=client_s))) for s in async_cal]
+            return statistics.fmean(r.weight_sync_s for r in res)
+        probe = [simulate(cfg_for(s, HostModel(client_s_per_request=client_s))) for s in async_cal]
+        k_identified = any(r.inflight_at_sync > 0 for r in probe)
+        k = _bisect(sync_s, 0.0, 1.0, sync_target) if k_identified else 0.0
+        sync = dataclasses.replace(sync, per_inflight_request_s=k)
+    host = HostModel(client_s_per_request=client_s)
+    preds = {}
+    for s in settings:
+        res = simulate(cfg_for(s, host))
+        base = simulate(dataclasses.replace(cfg_for(s, HostModel()), sync=SyncModel(latency_s=sync.latency_s)))
+        m = facts[s.name]["samples_per_s"]
+        preds[s.name] = {"setting": dataclasses.asdict(s), "calibration_run": s.name in calibrate_on,
+                         "predicted": round(res.samples_per_s, 4), "measured": m,
+                         "rel_error": round(abs(res.samples_per_s - m) / m, 4),
+                         "predicted_without_overlap_costs": round(base.samples_per_s, 4),
+                         "rel_error_without_overlap_costs": round(abs(base.samples_per_s - m) / m, 4),
+                         "predicted_learner_s": round(res.train_s, 4), "predicted_weight_sync_s": round(res.weight_sync_s, 4),
+                         "predicted_inflight_at_sync": round(res.inflight_at_sync, 2),
+                         "predicted_staleness_mean": round(res.staleness_mean, 4),
+                         "measured_facts": facts[s.name]}
+    out_of_sample = [n for n in preds if not preds[n]["calibration_run"]]
+    rank = lambda key, names: sorted(names, key=lambda n: -preds[n][key])  # noqa: E731
+    # the staleness ranking: runs that differ from the calibration's workload only in max_staleness
+    ref = cal[0]
+    eta_runs = [s.name for s in settings if (s.batch_size, s.group_size, s.max_new_tokens)
+                == (ref.batch_size, ref.group_size, ref.max_new_tokens)]
+    r4 = lambda x: round(x, 4)  # noqa: E731
+    return {
+        "predictions": preds,
+        "out_of_sample": out_of_sample,
+        "worst_rel_error": r4(max((preds[n]["rel_error"] for n in out_of_sample), default=0.0)),
+        "worst_rel_error_without_overlap_costs": r4(max((preds[n]["rel_error_without_overlap_costs"] for n in out_of_sample),
+                                                  default=0.0)),
+        "ranking_predicted": rank("predicted", list(preds)), "ranking_measured": rank("measured", list(preds)),
+        "ranking_equal": rank("predicted", list(preds)) == rank("measured", list(preds)),
+        "staleness_ranking_predicted": rank("predicted", eta_runs), "staleness_ranking_measured": rank("measured", eta_runs),
+        "staleness_ranking_equal": rank("predicted", eta_runs) == rank("measured", eta_runs),
+        "calibrated_on": calibrate_on,
+        "calibration": {"decode_sweep": {k: v for k, v in fit.summary().items() if k != "points"},
+                        "decode_sweep_points": len(fit.points), "decode_sweep_rms_rel_error": sweep.get("rms_rel_error"),
+                        "learner": dataclasses.asdict(learner), "weight_sync_s": r4(sync.latency_s),
+                        "client_s_per_request": float(f"{client_s:.6g}"), "prompt_tokens": prompt,
+                        "sync_s_per_inflight_request": float(f"{sync.per_inflight_request_s:.6g}"),
+                        "sync_s_per_inflight_request_identified": k_identified,
+                        "decode_time_scale_vs_sweep": round(speed, 4)},
+        "loadavg": meta.get("loadavg"),
     }

@@ -114,6 +114,39 @@ class WorkloadModel:
                            max_tokens=max_new_tokens, prompt_tokens=self.prompt_tokens)
 
 
+# Where each figure comes from (docs/simulator.md has the reasoning): "datasheet" and "published"
+# are facts about the hardware or others' measurements; "assumed" ones are guesses nobody here has
+# measured -- the sensitivity table (planner.sensitivity) perturbs exactly those.
+COST_SOURCES: dict[str, tuple[str, str]] = {
+    "peak_bf16_tflops": ("datasheet", "NVIDIA H100 SXM: 989 TFLOP/s dense BF16"),
+    "hbm_bandwidth_gbps": ("datasheet", "NVIDIA H100 SXM: 3.35 TB/s"),
+    "nic_gbit_per_gpu": ("datasheet", "DGX H100: one 400G NDR NIC per GPU"),
+    "train_mfu": ("published", "Llama 3 paper: 38-43% BF16 MFU on H100 (not measured on this trainer)"),
+    "decode_bandwidth_efficiency": ("assumed", "decode kernels at 50-80% of HBM peak: the low end"),
+    "decode_compute_efficiency": ("assumed", "batched decode GEMMs far from peak"),
+    "weight_sync_efficiency": ("assumed", "bucketed NCCL broadcast; measure with tools/bench_weight_sync.py"),
+    "weight_sync_latency_s": ("assumed", "pause/retract, flush, per-bucket handshakes, resume"),
+    "learner_fixed_s": ("assumed", "optimizer step, batch broadcast, packing, logging"),
+    "request_latency_s": ("assumed", "HTTP, tokenisation, prefill of a short prompt"),
+}
+WORKLOAD_SOURCES: dict[str, tuple[str, str]] = {
+    "gen_mean_tokens": ("assumed", "40% of max_new_tokens unless set from a pilot run (workload.lengths_from)"),
+    "reject_prob": ("assumed", "0 unless set from a pilot run's rollout/rejected_episodes"),
+}
+
+
+def cost_sources(cost: ClusterCostModel, workload: WorkloadModel) -> dict[str, dict]:
+    """Every planner input with its value and whether it was measured or assumed; a workload
+    whose lengths come from a run's metrics (``lengths_from``) is measured."""
+    out = {f"cost.{k}": {"value": getattr(cost, k), "source": src, "note": note} for k, (src, note) in COST_SOURCES.items()}
+    for k, (src, note) in WORKLOAD_SOURCES.items():
+        measured = bool(workload.lengths_from) and k == "gen_mean_tokens"
+        out[f"workload.{k}"] = {"value": workload.lengths_from if measured else getattr(workload, k),
+                                "source": "measured" if measured else src,
+                                "note": "lengths of a real run's metrics.jsonl" if measured else note}
+    return out
+
+
 def decode_model(cost: ClusterCostModel, *, params: int, engine_tp: int, kv_bytes_per_token_per_gpu: float,
                  mean_context: float, kv_capacity_tokens: int, active_params: int | None = None) -> DecodeModel:
     """``params``: weights read per decode step (all of them; a large MoE batch touches every

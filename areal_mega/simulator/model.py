@@ -96,9 +96,18 @@ class DecodeModel:
     max_running: int = 0
     """At most this many requests decode at once (SGLang max_running_requests); 0 = no limit."""
     request_latency_s: float = 0.0
-    """Fixed time before a request starts decoding (HTTP, tokenisation, prefill), seconds."""
+    """Fixed time before a request starts decoding (client round trip), seconds: a delay, no server work."""
+    request_server_s: float = 0.0
+    """Server time each request costs before it decodes (HTTP, scheduling, prefill of its prompt),
+    seconds: the server decodes nothing meanwhile (a decode sweep identifies it:
+    ``simulator.sweep``)."""
+    reprefill_after_sync: bool = False
+    """Every request in flight at a weight sync pays ``request_server_s`` again when generation
+    resumes (SGLang's retract and abort modes free its KV cache: it is prefilled again)."""
 
     def validate(self) -> None:
+        if self.request_server_s < 0:
+            raise SimulationError(f"decode.request_server_s: must be >= 0, got {self.request_server_s}")
         if not self.peak_tokens_per_s > 0:
             raise SimulationError(f"decode.peak_tokens_per_s: must be > 0, got {self.peak_tokens_per_s}")
         if self.half_batch < 0:
@@ -139,13 +148,34 @@ class SyncModel:
     """Effective bandwidth of one sender, bytes/s."""
     latency_s: float = 0.0
     """Fixed part: pause, cache flush, resume, version bump, seconds."""
+    per_inflight_request_s: float = 0.0
+    """Extra seconds per request in flight when generation pauses (retracting it, its HTTP state,
+    the cache it held): a larger staleness window keeps more in flight at each sync."""
 
     def validate(self) -> None:
+        if self.per_inflight_request_s < 0:
+            raise SimulationError(f"sync.per_inflight_request_s: must be >= 0, got {self.per_inflight_request_s}")
         if self.weight_bytes < 0 or self.latency_s < 0 or not self.bandwidth_bytes_per_s > 0:
             raise SimulationError("sync: need weight_bytes >= 0, latency_s >= 0, bandwidth_bytes_per_s > 0")
 
-    def seconds(self) -> float:
-        return self.latency_s + self.weight_bytes / self.bandwidth_bytes_per_s
+    def seconds(self, inflight: int = 0) -> float:
+        return self.latency_s + self.weight_bytes / self.bandwidth_bytes_per_s + self.per_inflight_request_s * inflight
+
+
+@dataclass
+class HostModel:
+    """Where the rollout client runs: on the learner's own core (rank 0's driver thread: HTTP,
+    response parsing, reward) it competes with training for that core."""
+
+    client_s_per_request: float = 0.0
+    """CPU seconds of client work per finished request on the learner's core (0 = free: on a GPU
+    learner the training step does not wait for the CPU). While the learner trains and client work
+    is pending the core is shared equally (two runnable threads on one core), so each runs at
+    half speed: training takes longer, and responses reach the controller later."""
+
+    def validate(self) -> None:
+        if self.client_s_per_request < 0:
+            raise SimulationError(f"host.client_s_per_request: must be >= 0, got {self.client_s_per_request}")
 
 
 @dataclass
@@ -173,6 +203,7 @@ class SimConfig:
     decode: DecodeModel = field(default_factory=DecodeModel)
     learner: LearnerModel = field(default_factory=LearnerModel)
     sync: SyncModel = field(default_factory=SyncModel)
+    host: HostModel = field(default_factory=HostModel)
 
     def validate(self) -> None:
         for name in ("batch_size", "group_size", "num_servers", "steps"):
@@ -182,7 +213,7 @@ class SimConfig:
             raise SimulationError("max_staleness, warmup_steps, max_concurrent: must be >= 0")
         if not 0 <= self.reject_prob < 0.99:
             raise SimulationError(f"reject_prob: must be in [0, 0.99), got {self.reject_prob}")
-        for part in (self.lengths, self.decode, self.learner, self.sync):
+        for part in (self.lengths, self.decode, self.learner, self.sync, self.host):
             part.validate()
 
     @property

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from areal_mega.parallel import ParallelLayout
 from areal_mega.simulator.costs import (
-    ClusterCostModel, WorkloadModel, decode_model, learner_flops_per_token, learner_model, sync_model,
+    COST_SOURCES, WORKLOAD_SOURCES, ClusterCostModel, WorkloadModel, cost_sources, decode_model,
+    learner_flops_per_token, learner_model, sync_model,
 )
 from areal_mega.simulator.memory import (
     GIB, ModelShape, count_params, estimate_engine, estimate_learner, learner_settings, model_shape, total_params,
@@ -36,7 +37,7 @@ from areal_mega.simulator.plot import plot_plan
 if TYPE_CHECKING:
     from areal_mega.experiment import ExperimentConfig
 
-__all__ = ["PlanReport", "SplitResult", "choose_learner_nodes", "describe", "learner_memory", "recommendation",
+__all__ = ["PlanReport", "SplitResult", "choose_learner_nodes", "describe", "learner_memory", "recommendation", "sensitivity",
            "sweep", "write_plan"]
 
 MAX_PP = 16
@@ -80,6 +81,8 @@ class PlanReport:
     """(learner nodes, max_staleness) the config itself asks for, when set."""
     tolerance: float = 0.02
     """Recommend the smallest max_staleness within this fraction of the best throughput."""
+    sensitivity: list[dict] = field(default_factory=list)
+    """The recommendation with each assumed cost figure scaled (:func:`sensitivity`); [] = not computed."""
 
     def feasible(self) -> list[SplitResult]:
         return [s for s in self.splits if not s.reason]
@@ -99,6 +102,7 @@ class PlanReport:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        d["cost_sources"] = cost_sources(self.cost, self.workload)
         b, bs = self.best(), self.best(0)
         if b is not None:
             d["recommended"] = {"learner_nodes": b[0].learner_nodes, "engine_nodes": b[0].engine_nodes,
@@ -121,15 +125,86 @@ def learner_memory(exp: "ExperimentConfig", m: ModelShape, layout: ParallelLayou
     return est, s.recompute, s.micro_batch_tokens
 
 
+SENSITIVITY_FACTORS = (0.5, 2.0)
+SENSITIVITY_NEIGHBOURHOOD = 3
+"""Splits within this many learner nodes of the recommendation are re-simulated per perturbation."""
+
+
+def sensitivity(exp: "ExperimentConfig", rep: PlanReport, factors: tuple[float, ...] = SENSITIVITY_FACTORS) -> list[dict]:
+    """Re-plan with each figure not measured here (``costs.COST_SOURCES`` / ``WORKLOAD_SOURCES``:
+    assumed or published, not datasheet) scaled by
+    each factor (efficiencies capped at 1): the recommended split and bound it gives. Splits within
+    ``SENSITIVITY_NEIGHBOURHOOD`` nodes of the recommendation are simulated (a recommendation at
+    the edge of that window means "moves further"), with at most 4 simulated steps."""
+    best = rep.best()
+    if best is None:
+        return []
+    k0, eta0 = best[0].learner_nodes, best[1]
+    near = tuple(range(max(1, k0 - SENSITIVITY_NEIGHBOURHOOD), min(rep.nodes - 1, k0 + SENSITIVITY_NEIGHBOURHOOD) + 1))
+    cfg = exp.launch
+    base_cost, base_wl = cfg.planner.cost, cfg.planner.workload
+    steps = min(base_wl.sim_steps, 4)
+    # the published MFU was not measured on this trainer either: it is perturbed with the guesses
+    perturb = [("cost", k) for k, (src, _) in COST_SOURCES.items() if src in ("assumed", "published")]
+    if not base_wl.lengths_from:
+        perturb += [("workload", k) for k, (src, _) in WORKLOAD_SOURCES.items() if src == "assumed" and k != "reject_prob"]
+
+    def plan(cost: ClusterCostModel, wl: WorkloadModel) -> tuple[int, int, float] | None:
+        cfg.planner.cost, cfg.planner.workload = cost, wl
+        try:
+            r = sweep(exp, label=rep.config, nodes=rep.nodes, gpus_per_node=rep.gpus_per_node,
+                      gpus_source=rep.gpus_per_node_source, staleness=rep.staleness, tolerance=rep.tolerance,
+                      learner_nodes=near)
+        finally:
+            cfg.planner.cost, cfg.planner.workload = base_cost, base_wl
+        b = r.best()
+        return None if b is None else (b[0].learner_nodes, b[1], b[0].by_staleness[b[1]]["samples_per_s"])
+
+    ref = plan(base_cost, dataclasses.replace(base_wl, sim_steps=steps))
+    rows = []
+    for section, name in perturb:
+        obj = base_cost if section == "cost" else base_wl
+        v0 = getattr(obj, name)
+        if section == "workload" and name == "gen_mean_tokens" and not v0:
+            v0 = 0.4 * rep.max_new_tokens
+        for f in factors:
+            v = v0 * f
+            if name.endswith("efficiency"):
+                v = min(1.0, v)
+            if section == "workload" and name == "gen_mean_tokens":
+                v = min(v, float(rep.max_new_tokens))
+            if v == v0:
+                continue
+            cost = dataclasses.replace(base_cost, **{name: v}) if section == "cost" else base_cost
+            wl = dataclasses.replace(base_wl, sim_steps=steps, **({name: v} if section == "workload" else {}))
+            got = plan(cost, wl)
+            row = {"figure": f"{section}.{name}", "base": v0, "value": round(v, 6), "factor": f}
+            if got is None:
+                row.update(learner_nodes=None, max_staleness=None, samples_per_s=None, split_changed=True,
+                           bound_changed=True)
+            else:
+                row.update(learner_nodes=got[0], max_staleness=got[1], samples_per_s=got[2],
+                           split_changed=got[0] != k0, bound_changed=got[1] != eta0,
+                           at_window_edge=got[0] in (near[0], near[-1]) and got[0] != k0)
+            rows.append(row)
+    if ref is not None:
+        rows.insert(0, {"figure": "(as configured)", "base": None, "value": None, "factor": 1.0,
+                        "learner_nodes": ref[0], "max_staleness": ref[1], "samples_per_s": ref[2],
+                        "split_changed": ref[0] != k0, "bound_changed": ref[1] != eta0})
+    return rows
+
+
 def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int, gpus_source: str,
-          staleness: tuple[int, ...], tolerance: float = 0.02, sweep_pipeline: bool = True) -> PlanReport:
+          staleness: tuple[int, ...], tolerance: float = 0.02, sweep_pipeline: bool = True,
+          learner_nodes: tuple[int, ...] | None = None) -> PlanReport:
     """Simulate every split of ``nodes`` x every ``staleness`` for a typed experiment (its
     ``launch.planner`` figures, model, ``parallel``, ``actor``/``critic``/``algorithm``,
     ``inference.server``, ``rollout`` and ``workflow`` sections).
 
     ``sweep_pipeline``: try every pipeline size (what ``areal-mega plan`` reports) or only the
     trainer's own ``parallel`` layout (what a launch with ``learner.num_nodes: null`` runs: the
-    trainer is started with that YAML, so only its data-parallel size follows the split)."""
+    trainer is started with that YAML, so only its data-parallel size follows the split).
+    ``learner_nodes``: simulate only these splits (default: all)."""
     cfg = exp.launch
     cost, workload = cfg.planner.cost, cfg.planner.workload
     if nodes < 2:
@@ -170,6 +245,8 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
     per_node = gpus_per_node // et
     splits = []
     for k in range(1, nodes):
+        if learner_nodes is not None and k not in learner_nodes:
+            continue
         s = SplitResult(learner_nodes=k, engine_nodes=nodes - k, num_servers=(nodes - k) * per_node)
         world = k * gpus_per_node
         best = None
@@ -272,7 +349,29 @@ def recommendation(rep: PlanReport) -> list[str]:
                          f"{cs.by_staleness[ceta]['samples_per_s']:.3f} samples/s predicted")
     lines.append("planner: cost model " + ", ".join(f"{f.name}={getattr(rep.cost, f.name)}" for f in dataclasses.fields(rep.cost))
                  + " (docs/simulator.md)")
+    src = cost_sources(rep.cost, rep.workload)
+    by = {}
+    for k, v in src.items():
+        by.setdefault(v["source"], []).append(k.split(".", 1)[1])
+    lines.append("planner: cost figures " + "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(by.items()))
+                 + " (none measured on this cluster: calibrate with tools/bench_simulator.py, set measured ones)")
+    lines += sensitivity_lines(rep)
     return lines
+
+
+def sensitivity_lines(rep: PlanReport) -> list[str]:
+    rows = [r for r in rep.sensitivity if r["figure"] != "(as configured)"]
+    if not rows:
+        return []
+    moved = [r for r in rows if r["split_changed"]]
+    bound = [r for r in rows if r["bound_changed"]]
+    fmt = lambda r: f"{r['figure']} x{r['factor']:g} -> {r['learner_nodes']} learner / eta {r['max_staleness']}"  # noqa: E731
+    out = [f"planner: sensitivity (each assumed or published figure x{' and x'.join(f'{f:g}' for f in SENSITIVITY_FACTORS)}): "
+           f"split changes in {len(moved)} of {len(rows)}, bound in {len(bound)} of {len(rows)}"]
+    changed = [r for r in rows if r["split_changed"] or r["bound_changed"]]
+    if changed:
+        out.append("planner:   " + "; ".join(fmt(r) for r in changed))
+    return out
 
 
 def describe(rep: PlanReport) -> str:

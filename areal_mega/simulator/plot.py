@@ -58,3 +58,37 @@ def plot_plan(rep: "PlanReport", path: str | Path) -> tuple[str | None, str]:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return str(out), ""
+
+
+def plot_decode_sweep(fit, path: str | Path, title: str = "") -> tuple[str | None, str]:
+    """Measured tokens/s of a decode sweep (``simulator.sweep.DecodeFit.points``) against
+    concurrency, one series per (length, prompt), with the fitted model's curve."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None, "matplotlib is not installed (pip install matplotlib to get the PNG)"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = sorted({(p.new_tokens, p.prompt_tokens) for p in fit.points})
+    top = max(p.concurrency for p in fit.points)
+    ns = sorted({1, *range(1, top + 1, max(1, top // 64))} | {top})
+    for i, (L, P) in enumerate(series):
+        pts = sorted((p for p in fit.points if (p.new_tokens, p.prompt_tokens) == (L, P)), key=lambda p: p.concurrency)
+        color = f"C{i}"
+        ax.plot([p.concurrency for p in pts], [p.tokens_per_s for p in pts], "o", color=color,
+                label=f"measured, {L} new tokens, prompt {P}")
+        ax.plot(ns, [n * L / fit.predict(n, L, P) for n in ns], "-", color=color, alpha=0.7)
+    dm = fit.decode_model(prompt_tokens=series[0][1])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("generated tokens/s (whole batch)")
+    ax.set_title(title or f"decode sweep: fit peak {dm.peak_tokens_per_s:.0f} tok/s, half_batch {dm.half_batch:.1f}, "
+                          f"rms error {fit.rms_rel_error:.0%}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path), ""

@@ -5,7 +5,11 @@ Actors and what drives them::
     producer  -- StalenessManager.try_admit() (the real class) --> episode = group_size requests
                  --> the server with the fewest requests in flight (the pool's rule)
     server    -- n requests decode at DecodeModel.throughput(n) / n tokens/s each; KV capacity
-                 and max_running queue the rest; paused (no progress) during a weight sync
+                 and max_running queue the rest; paused (no progress) during a weight sync; each
+                 arriving request first costs it request_server_s of prefill (nothing decodes),
+                 again after a sync when reprefill_after_sync (retracted requests)
+    client    -- a finished request costs HostModel.client_s_per_request on the learner's core
+                 (FIFO) before its episode counts it; that core is shared equally with training
     episode   -- finishes with its last request: on_accepted() / on_rejected() (refilled)
     learner   -- waits until rollout.staleness.can_form_batch(...) (the real rule), takes the
                  oldest-admitted batch (take_oldest), trains LearnerModel.step_s(tokens), then
@@ -71,6 +75,14 @@ class SimResult:
     """Fraction of learner time not training (waiting for a batch or syncing weights)."""
     learner_wait_frac: float
     sync_frac: float
+    train_s: float
+    """Mean learner time per timed step spent training (longer than LearnerModel.step_s when
+    client work shares the learner's core)."""
+    weight_sync_s: float
+    """Mean weight sync per timed step (longer than SyncModel.seconds() when client work shares
+    the learner's core)."""
+    inflight_at_sync: float
+    """Mean requests in flight (decoding or queued) when a timed weight sync paused generation."""
     staleness_token_hist: dict[int, int]
     """Generated tokens of trained batches by staleness (train version - token version)."""
     staleness_episode_hist: dict[int, int]
@@ -101,7 +113,9 @@ class SimResult:
             "gen_paused_frac": r(self.gen_paused_frac), "gen_inflight_s": r(self.gen_inflight_s),
             "decode_util": r(self.decode_util),
             "train_idle_frac": r(self.train_idle_frac), "learner_wait_frac": r(self.learner_wait_frac),
-            "sync_frac": r(self.sync_frac), "staleness_mean": r(self.staleness_mean),
+            "sync_frac": r(self.sync_frac), "train_s": r(self.train_s),
+            "weight_sync_s": r(self.weight_sync_s), "inflight_at_sync": r(self.inflight_at_sync),
+            "staleness_mean": r(self.staleness_mean),
             "staleness_max": self.staleness_max,
             "staleness_tokens": {str(k): v for k, v in sorted(self.staleness_token_hist.items())},
             "violations": self.violations,
@@ -129,7 +143,7 @@ class _Episode:
 
 class _Server:
     __slots__ = ("idx", "P", "last", "heap", "kv", "queue", "paused", "epoch", "marks_p", "marks_v",
-                 "busy", "paused_t", "util", "tie")
+                 "busy", "paused_t", "util", "tie", "stall")
 
     def __init__(self, idx: int) -> None:
         self.idx = idx
@@ -146,6 +160,7 @@ class _Server:
         self.paused_t = 0.0
         self.util = 0.0
         self.tie = 0
+        self.stall = 0.0  # server seconds of prefill owed before decoding goes on
 
 
 def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_000) -> SimResult:
@@ -163,7 +178,8 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
     load = [0] * cfg.num_servers  # requests sent and not finished, per server: the pool's load
     events: list[tuple[float, int, int, object]] = []  # (time, tiebreak, kind, payload)
     tick = [0]
-    K_ARRIVE, K_SERVER, K_TRAIN_DONE, K_SYNC_DONE = 0, 1, 2, 3
+    K_ARRIVE, K_SERVER, K_TRAIN_DONE, K_SYNC_DONE, K_CORE = 0, 1, 2, 3, 4
+    client_s = cfg.host.client_s_per_request
 
     def push(t: float, kind: int, payload: object) -> None:
         tick[0] += 1
@@ -187,16 +203,23 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
     train_intervals: list[tuple[float, float]] = []
     snap: dict[str, tuple] = {}
     wait_since = [0.0]
+    train_started = [0.0]
+    sync_inflight: list[int] = []  # requests in flight at each timed sync's pause
     inflight = [0.0, 0.0]  # accumulated time with >= 1 episode running; time of the last event
 
     # ---- servers ---------------------------------------------------------------------------
     def advance(s: _Server, t: float) -> None:
         dt = t - s.last
-        if dt > 0:
+        if dt > 0 and s.paused:
+            s.paused_t += dt
+        elif dt > 0 and s.stall > 0:
+            use = min(s.stall, dt)
+            s.stall -= use
+            s.busy += use
+            dt -= use
+        if dt > 0 and not s.paused:
             n = len(s.heap)
-            if s.paused:
-                s.paused_t += dt
-            elif n:
+            if n:
                 s.P += dt * peak / (n + half)
                 s.busy += dt
                 s.util += dt * n / (n + half)
@@ -220,7 +243,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
         s.epoch += 1
         if s.heap and not s.paused:
             n = len(s.heap)
-            dt = max(0.0, (s.heap[0][0] - s.P) * (n + half) / peak)
+            dt = s.stall + max(0.0, (s.heap[0][0] - s.P) * (n + half) / peak)
             push(now + dt, K_SERVER, (s, s.epoch))
 
     def fill(s: _Server) -> None:
@@ -247,13 +270,15 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
                 advance(srv, now)
                 touched[srv.idx] = srv
             srv.queue.append(r)
+            srv.stall += dec.request_server_s
         for srv in touched.values():
             fill(srv)
             reschedule(srv)
         note_gen(now)
 
     def finish_request(s: _Server, r: _Req) -> bool:
-        """Account a finished request; True when it was its episode's last."""
+        """The server is done with ``r``; True when it was its episode's last (and counted now:
+        with client work it is counted once the learner's core has processed it)."""
         s.kv -= r.footprint
         load[s.idx] -= 1
         ep = r.episode
@@ -270,6 +295,15 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
             i += 1
             if i >= len(s.marks_p):
                 break
+        if client_s > 0:
+            core_advance(now)
+            client_q.append(r)
+            core_schedule()
+            return False
+        return request_done(r)
+
+    def request_done(r: _Req) -> bool:
+        ep = r.episode
         ep.gen_tokens += r.length
         ep.tokens += r.length + prompt
         ep.remaining -= 1
@@ -277,6 +311,37 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
             finish_episode(ep)
             return True
         return False
+
+    # ---- the learner's core: training and client work, shared equally when both run ----------
+    # job: the learner's own work in progress ("train", then "sync": gloo broadcast and HTTP also
+    # run on that core), its work left in core["train"]; core["client"]: the head request's.
+    core: dict = {"last": 0.0, "train": 0.0, "client": 0.0, "epoch": 0, "job": None}
+    client_q: deque[_Req] = deque()
+
+    def core_rates() -> tuple[float, float]:
+        training = core["job"] is not None
+        both = training and bool(client_q)
+        return (0.5 if both else 1.0) if training else 0.0, (0.5 if both else 1.0) if client_q else 0.0
+
+    def core_advance(t: float) -> None:
+        dt = t - core["last"]
+        if dt > 0:
+            rt, rc = core_rates()
+            core["train"] = max(0.0, core["train"] - rt * dt)
+            if client_q:
+                core["client"] = max(0.0, core["client"] - rc * dt)
+        core["last"] = t
+
+    def core_schedule() -> None:
+        core["epoch"] += 1
+        if client_q and core["client"] <= 0:
+            core["client"] = client_s  # the head request starts its client work
+        rt, rc = core_rates()
+        due = [core["train"] / rt] if rt else []
+        if rc:
+            due.append(core["client"] / rc)
+        if due:
+            push(now + min(due), K_CORE, core["epoch"])
 
     # ---- controller ------------------------------------------------------------------------
     def finish_episode(ep: _Episode) -> None:
@@ -340,8 +405,15 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
                 samples_timed[0] += cfg.group_size
                 samples_timed[1] += ep.gen_tokens
         step_wait.append(now - wait_since[0])
-        set_learner("train")
         dt = cfg.learner.step_s(tokens)
+        if client_s > 0:  # the step's end depends on the client work sharing the core
+            core_advance(now)
+            set_learner("train")
+            core["train"], core["job"] = dt, "train"
+            train_started[0] = now
+            core_schedule()
+            return
+        set_learner("train")
         if record:
             train_intervals.append((now, now + dt))
         push(now + dt, K_TRAIN_DONE, None)
@@ -352,6 +424,23 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
         set_learner(learner["state"])
         snap[name] = (now, sum(s.busy for s in servers), sum(s.paused_t for s in servers),
                       sum(s.util for s in servers), learner["wait"], learner["train"], learner["sync"], inflight[0])
+
+    def train_done() -> None:
+        set_learner("sync")
+        paused[0] = True
+        for s in servers:
+            advance(s, now)
+            s.paused = True
+            reschedule(s)
+        note_gen(now)
+        inflight_n = sum(len(s.heap) + len(s.queue) for s in servers)
+        if len(step_end) >= cfg.warmup_steps:
+            sync_inflight.append(inflight_n)
+        dt = cfg.sync.seconds(inflight_n)
+        if client_s > 0:  # the caller (K_CORE) reschedules the core
+            core["train"], core["job"] = dt, "sync"
+        else:
+            push(now + dt, K_SYNC_DONE, None)
 
     # ---- main loop -------------------------------------------------------------------------
     if cfg.warmup_steps == 0:
@@ -388,20 +477,36 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
                 try_train()
         elif kind == K_ARRIVE:
             arrive(payload)  # type: ignore[arg-type]
+        elif kind == K_CORE:
+            if payload != core["epoch"]:
+                continue
+            core_advance(now)
+            finished_eps = False
+            if client_q and core["client"] <= _EPS:
+                finished_eps = request_done(client_q.popleft())
+                core["client"] = 0.0
+            job = core["job"]
+            if job is not None and core["train"] <= _EPS:
+                core["train"], core["job"] = 0.0, None
+                if job == "train":
+                    if record:
+                        train_intervals.append((train_started[0], now))
+                    train_done()
+                else:
+                    push(now, K_SYNC_DONE, None)
+            core_schedule()
+            if finished_eps:
+                produce()
+                try_train()
         elif kind == K_TRAIN_DONE:
-            set_learner("sync")
-            paused[0] = True
-            for s in servers:
-                advance(s, now)
-                s.paused = True
-                reschedule(s)
-            note_gen(now)
-            push(now + cfg.sync.seconds(), K_SYNC_DONE, None)
+            train_done()
         elif kind == K_SYNC_DONE:
             version = sm.version + 1
             for s in servers:
                 advance(s, now)
                 s.paused = False
+                if dec.reprefill_after_sync:  # retracted requests are prefilled again
+                    s.stall += dec.request_server_s * len(s.heap)
                 if s.marks_p[-1] >= s.P - _EPS:  # no progress since the last update
                     s.marks_v[-1] = version
                 else:
@@ -438,7 +543,9 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
         gen_inflight_s=(if1 - if0) / cfg.steps,
         decode_util=util / (span * ns),
         train_idle_frac=1.0 - (tr1 - tr0) / span, learner_wait_frac=(w1 - w0) / span,
-        sync_frac=(sy1 - sy0) / span,
+        sync_frac=(sy1 - sy0) / span, train_s=(tr1 - tr0) / cfg.steps,
+        weight_sync_s=(sy1 - sy0) / cfg.steps,
+        inflight_at_sync=sum(sync_inflight[:cfg.steps]) / max(1, len(sync_inflight[:cfg.steps])),
         staleness_token_hist=dict(token_hist), staleness_episode_hist=dict(ep_hist), violations=violations,
         trained=trained, step_end_s=step_end, gen_intervals=gen_intervals, train_intervals=train_intervals,
     )
