@@ -439,7 +439,8 @@ def test_plan_sensitivity_table(tmp_path):
     perturbations reach the simulation (a slower learner lowers the predicted throughput: the
     control that the table is not the base plan repeated)."""
     from areal_mega.simulator.costs import COST_SOURCES
-    from areal_mega.simulator.planner import build_plan_report, write_plan
+    from areal_mega.launcher.cli import build_plan_report
+    from areal_mega.simulator.planner import write_plan
 
     rep = build_plan_report(CONFIG_70B, 6, ["workload.sim_steps=2"], staleness=(0, 1), with_sensitivity=True)
     rows = rep.sensitivity
