@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from areal_mega.reward.judge import JudgeConfig
 from areal_mega.reward.multi_judge import MultiJudgeConfig
+from areal_mega.reward.reward_model import RewardModelConfig
 from areal_mega.reward.base import COMPLETION_TOKENS, RewardFn, RewardResult, evaluate, evaluate_steps
 from areal_mega.reward.pool import RewardWorkerPool
 from areal_mega.reward.registry import load_callable
@@ -35,7 +36,7 @@ from areal_mega.sandbox import SandboxConfig
 @dataclass
 class RewardConfig:
     kind: Literal["math", "code", "function", "format", "overlong", "composite", "judge", "multi_judge",
-                  "consistency"] = "math"
+                  "consistency", "reward_model"] = "math"
     """"math": final answer vs the sample's "answer" via math-verify; "code": run the last
     python block against the sample's "tests" in the sandbox; "function": the user function in
     ``function``; "format": 1 when ``format_regex`` occurs in the completion, else 0;
@@ -43,7 +44,8 @@ class RewardConfig:
     "composite": the weighted sum of ``components``; "judge": an LLM judge's verdict (``judge``);
     "multi_judge": several judges' verdicts aggregated (``multi_judge``); "consistency": 1 when
     every equation written in the completion is true and the final answer equals the last
-    equation's result (reward/consistency.py)."""
+    equation's result (reward/consistency.py); "reward_model": a sequence-classification reward
+    model served by SGLang (``reward_model``; with ``step_scoring: prefix`` a process RM)."""
     function: str = ""
     """"module:function" for kind "function"."""
     isolate: bool = True
@@ -73,6 +75,8 @@ class RewardConfig:
     """kind "judge": the judge model's servers, rubric and verdict format."""
     multi_judge: MultiJudgeConfig = field(default_factory=MultiJudgeConfig)
     """kind "multi_judge": the judges, the aggregation, when a failing judge is skipped."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """kind "reward_model": the RM's servers, input template and score transform."""
     step_scoring: Literal["none", "step", "prefix"] = "none"
     """Also score each step (process rewards; needs ``workflow.steps``): "step": this reward
     applied to each step's text alone; "prefix": to the completion up to each step's end (a
@@ -108,6 +112,11 @@ class RewardConfig:
                 self.multi_judge.check_ready()
             except ValueError as e:
                 raise ValueError(f"multi_judge.{e}") from None
+        if self.kind == "reward_model":
+            try:
+                self.reward_model.check_ready()
+            except ValueError as e:
+                raise ValueError(f"reward_model.{e}") from None
         if self.kind == "composite" and not self.components:
             raise ValueError("components: kind 'composite' needs at least one component")
         if self.kind != "composite" and self.components:
@@ -210,6 +219,10 @@ def _build(cfg: RewardConfig, *, policy_engine: Any, policy_tokenizer: Any) -> R
         from areal_mega.reward.multi_judge import build_multi_judge
 
         return build_multi_judge(cfg.multi_judge, policy_engine=policy_engine, policy_tokenizer=policy_tokenizer)
+    if cfg.kind == "reward_model":
+        from areal_mega.reward.reward_model import build_reward_model
+
+        return build_reward_model(cfg.reward_model)
     if cfg.kind == "consistency":
         from areal_mega.reward.consistency import ConsistencyReward
 
@@ -217,5 +230,5 @@ def _build(cfg: RewardConfig, *, policy_engine: Any, policy_tokenizer: Any) -> R
     raise ValueError(f"kind: unknown reward kind {cfg.kind!r}")
 
 
-__all__ = ["COMPLETION_TOKENS", "JudgeConfig", "MultiJudgeConfig", "RewardConfig", "RewardFn", "RewardResult", "RewardWorkerPool",
+__all__ = ["COMPLETION_TOKENS", "JudgeConfig", "MultiJudgeConfig", "RewardConfig", "RewardModelConfig", "RewardFn", "RewardResult", "RewardWorkerPool",
            "build_reward", "evaluate", "evaluate_steps", "load_callable"]
