@@ -474,3 +474,21 @@ def test_experiment_refuses_unusable_process_configs():
         exp(reward=RewardConfig(kind="consistency", step_scoring="step"), workflow__steps=StepConfig(split="regex")).validate()
     exp(reward=RewardConfig(kind="consistency", step_scoring="step"), workflow__steps=StepConfig(split="regex"),
         algorithm__process_weight=1.0).validate()
+
+
+def test_generative_judge_per_step():
+    """The judge asked once per step (step_scoring "step") / per prefix ("prefix"): each request's
+    {response} is that step's text / the completion up to it, and its verdict the step score."""
+    from areal_mega.reward.steps import StepScored
+
+    def script(prompt):  # the rubric holds the response: grade it by its own last equation
+        response = prompt.split("Response:\n", 1)[1].split("\n\nReference answer:", 1)[0]
+        return "Score: 10" if check_trace(response)[0] == 1.0 else "Score: 0"
+
+    judge = _judge(script)
+    steps = ["2+3=5\n", "5*4=21\n", "So 21."]
+    assert asyncio.run(StepScored(judge, "step").evaluate_steps("q", steps, {})) == [1.0, 0.0, 0.0]
+    assert asyncio.run(StepScored(judge, "prefix").evaluate_steps("q", steps, {})) == [1.0, 0.0, 0.0]
+    assert judge.stats["requests"] == 6 and judge.stats["ok"] == 6
+    seen = [p for p in judge._engine.prompts]
+    assert any("2+3=5\n5*4=21\nSo 21." in p for p in seen)  # the last prefix is the whole completion
