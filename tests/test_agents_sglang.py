@@ -502,7 +502,10 @@ def test_reward_model_and_prm_on_sglang_match_hf(h):
     prompt = "What is 2+3?"
     completions = ["2+3=5\\nThe answer is 5.", "It is 6.", "Score: 10", "The quick brown fox jumps over the lazy dog."]
     steps = ["2+3=5\\n", "5*4=20\\n", "The answer is 20."]
-    outcome = h.run(asyncio.gather(*[rm.evaluate(prompt, c, {}) for c in completions]))
+    async def score_all():  # gather inside the harness's loop (a bare gather binds another loop)
+        return await asyncio.gather(*[rm.evaluate(prompt, c, {}) for c in completions])
+
+    outcome = h.run(score_all())
     per_step = h.run(StepScored(rm, "prefix").evaluate_steps(prompt, steps, {}))
     texts = completions + ["".join(steps[: j + 1]) for j in range(len(steps))]
     got = [r.score for r in outcome] + per_step
