@@ -82,6 +82,17 @@ class ExperimentConfig:
             raise ValueError(f"algorithm.num_minibatches: {self.algorithm.num_minibatches} mini-batches of whole groups "
                              f"need rollout.batch_size >= {self.algorithm.num_minibatches} groups per batch, "
                              f"got {self.rollout.batch_size}")
+        scores_steps = self.reward.scores_steps()
+        if self.algorithm.process_weight > 0 and self.workflow.steps.split == "none":
+            raise ValueError("algorithm.process_weight: process rewards need step boundaries; set workflow.steps.split "
+                             "(regex or turns)")
+        if self.algorithm.process_weight > 0 and not scores_steps:
+            raise ValueError("algorithm.process_weight: process rewards need a reward that scores steps; set "
+                             "reward.step_scoring (or a composite component's)")
+        if scores_steps and self.workflow.steps.split == "none":
+            raise ValueError("reward.step_scoring: there are no steps to score; set workflow.steps.split (regex or turns)")
+        if scores_steps and self.algorithm.process_weight == 0:
+            raise ValueError("reward.step_scoring: the step scores would be unused with algorithm.process_weight 0")
         if self.actor.model.moe_routing_replay:
             # The learner side exists (megatron/routing.py); the rollout does not carry the
             # servers' routes yet, so replay would silently replay nothing: refused.

@@ -40,7 +40,7 @@ from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest, SamplingParams
 from areal_mega.config import from_dict
 from areal_mega.inference import InferenceConfig, InferencePool
-from areal_mega.reward import RewardConfig, build_reward
+from areal_mega.reward import RewardConfig, RewardModelConfig, build_reward
 from areal_mega.reward.judge import JudgeConfig, parse_verdict
 from areal_mega.rollout.batch import to_engine_alignment, trajectories_to_batch
 from areal_mega.rollout.config import RolloutConfig
@@ -49,17 +49,17 @@ from areal_mega.workflows import WorkflowConfig, build_workflow
 from areal_mega.workflows.agent import AgentWorkflow
 from areal_mega.workflows.examples.calculator_agent import NUDGE
 from tests.support.launch import SGLANG_PYTHON, needs_sglang
-from tests.support.models import save_bpe_model, save_verdict_judge
+from tests.support.models import save_bpe_model, save_reward_model, save_verdict_judge
 from tests.support.numerics import fp32_tol, transformer_reductions
 
-pytestmark = [pytest.mark.slow, needs_sglang, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, needs_sglang, pytest.mark.timeout(1800)]  # the fixture starts 4 servers: 10+ min at load 100
 POLICY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=1, head_dim=64, max_position_embeddings=4096, initializer_range=0.3)
 
 
 def server_cfg(model_dir, log_dir) -> dict:
     return {"python": SGLANG_PYTHON, "model_path": str(model_dir), "device": "cpu", "dtype": "float32",
-            "max_total_tokens": 16384, "startup_timeout_s": 420, "env": {"OMP_NUM_THREADS": "1"},
+            "max_total_tokens": 16384, "startup_timeout_s": 900, "env": {"OMP_NUM_THREADS": "1"},
             "stop_grace_s": 3,
             "log_dir": str(log_dir)}
 
@@ -115,13 +115,29 @@ class Harness:
         # The judge spawns its server now (it starts beside the policy's); its pool opens on first use.
         self.judge = build_reward(RewardConfig(kind="judge", judge=self.judge_cfg))
         self.judge.keep_records = True
+        # A second judge server (same hand-wired model) for the multi-judge test, which kills it:
+        # no restart, and a short timeout so that requests to it fail within seconds.
+        judge_b_cfg = from_dict(JudgeConfig, {
+            "name": "b", "servers": "own", "timeout_s": 20,
+            "inference": {"server": server_cfg(judge_dir, work / "judge-b-logs"), "client": {"restart_dead_servers": False}},
+            "sampling": {"max_new_tokens": 6, "temperature": 1.0}, "max_concurrent": 8})
+        self.judge_b = build_reward(RewardConfig(kind="judge", judge=judge_b_cfg))
+        # An outcome reward model (sequence classification) on a server of its own (--is-embedding).
+        self.rm_dir = save_reward_model(work / "rm")
+        self.rm = build_reward(RewardConfig(kind="reward_model", reward_model=from_dict(RewardModelConfig, {
+            "inference": {"server": {**server_cfg(self.rm_dir, work / "rm-logs"), "startup_timeout_s": 900}},
+            "timeout_s": 120})))
         cfg = from_dict(InferenceConfig, {"server": server_cfg(self.dirs["a"], work / "logs"),
                                           "client": {"request_timeout_s": 300, "retry_backoff_s": 0.1}})
         try:
-            self.pool = self.run(InferencePool.launch(cfg), timeout=900)
-            self.run(self.judge.engine(), timeout=900)
+            self.pool = self.run(InferencePool.launch(cfg), timeout=1500)
+            self.run(self.judge.engine(), timeout=1500)
+            self.run(self.judge_b.engine(), timeout=1500)
+            self.run(self.rm._wait_ready(), timeout=1500)
         except BaseException:
             self.judge.close()
+            self.judge_b.close()
+            self.rm.close()
             raise
 
     def run(self, coro, timeout=300):
@@ -158,6 +174,8 @@ class Harness:
         try:
             self.run(self.pool.close(), timeout=120)
             self.run(self.judge.aclose(), timeout=120)
+            self.run(self.judge_b.aclose(), timeout=120)
+            self.rm.close()
         finally:
             self.loop.close()
 
@@ -513,3 +531,85 @@ def test_failed_episodes_are_counted_and_skipped_the_run_goes_on(h, tmp_path):
     over = [t for b in batches for g, pid in zip(b.groups, b.prompt_ids) if pid == "overflow2" for t in g]
     assert over and all(t.info["status"] == "budget" and t.reward == 0.0 for t in over)
     assert all(len(t.input_ids) <= 64 for t in over)  # the model's limit held on the server too
+
+
+def test_multi_judge_two_real_judges_one_killed_mid_run(h):
+    """Two real judge servers per sample (reward.kind multi_judge, mean); judge b's server is
+    SIGKILLed between two rounds of 12 samples. Before: both judges answer (some samples have two
+    parsed verdicts). After: every sample still gets its score -- judge a's verdict where a
+    parsed, else 0 with all_judges_failed -- b's failures are counted (error/timeout, then
+    skipped once its circuit opens), and the round takes no longer than b's timeout allows."""
+    import time
+
+    from areal_mega.reward.multi_judge import MultiJudgeReward
+
+    mj = MultiJudgeReward([("a", h.judge), ("b", h.judge_b)], "mean", skip_after_failures=2, retry_after_s=3600)
+    prompt = "What is 2+3?"
+
+    async def round_(tag):
+        return await asyncio.gather(*[mj.evaluate(prompt, f"It is {tag}{i}.", {"answer": "5"}) for i in range(12)])
+
+    before = h.run(round_("x"))
+    both = [r for r in before if r.info["num_answered"] == 2]
+    assert both, [r.info for r in before]
+    for r in both:
+        assert r.score == pytest.approx(sum(r.info["judge_scores"].values()) / 2)
+    server = h.judge_b._servers[0]
+    server.kill()
+    deadline = time.monotonic() + 60
+    while server.is_running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not server.is_running()
+    fail0 = mj.metrics()
+    t0 = time.monotonic()
+    after = h.run(round_("y"), timeout=300)
+    elapsed = time.monotonic() - t0
+    m = mj.metrics()
+    assert all(r.info["judge_scores"]["b"] is None for r in after)
+    for r in after:
+        a = r.info["judge_scores"]["a"]
+        assert r.score == (a if a is not None else 0.0)
+        assert (a is None) == ("all_judges_failed" in r.info.get("reasons", []))
+    assert any(r.info["judge_scores"]["a"] is not None for r in after)  # scores still come
+    b_failed = sum(m[f"reward/judge/b/{k}"] - fail0[f"reward/judge/b/{k}"] for k in ("error", "timeout"))
+    assert b_failed >= 1 and m["reward/multi_judge/failures"] - fail0["reward/multi_judge/failures"] >= b_failed
+    assert elapsed <= h.judge_b.cfg.timeout_s + 60  # b's requests are bounded by its timeout, not hung
+    later = h.run(mj.evaluate(prompt, "It is 5.", {"answer": "5"}))
+    assert later.info["reasons"][0] == "judge_b_skipped"  # the open circuit: b is not even asked
+    multi = {k: v for k, v in m.items() if "multi" in k}
+    print(f"multi-judge: before {[r.info['judge_scores'] for r in before][:4]}, after the kill {elapsed:.1f} s "
+          f"for 12 samples, b failures {b_failed}, metrics {multi}")
+
+
+def test_reward_model_and_prm_on_sglang_match_hf(h):
+    """An outcome reward model (tiny random Qwen2ForSequenceClassification, one label) served by a
+    real SGLang CPU server (--is-embedding, /classify) scores completions as an independent HF
+    forward does, and the PRM built on it (step_scoring prefix) scores each step's prefix the same
+    way; bound: fp32 rounding of the 2-layer forward relative to the hidden states' scale. Control:
+    the scores differ between texts by far more than the bound (a mapping error would show)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from areal_mega.reward.steps import StepScored
+
+    rm = h.rm
+    hf = AutoModelForSequenceClassification.from_pretrained(str(h.rm_dir), dtype=torch.float32).eval()
+    prompt = "What is 2+3?"
+    completions = ["2+3=5\\nThe answer is 5.", "It is 6.", "Score: 10", "The quick brown fox jumps over the lazy dog."]
+    steps = ["2+3=5\\n", "5*4=20\\n", "The answer is 20."]
+    async def score_all():  # gather inside the harness's loop (a bare gather binds another loop)
+        return await asyncio.gather(*[rm.evaluate(prompt, c, {}) for c in completions])
+
+    outcome = h.run(score_all())
+    per_step = h.run(StepScored(rm, "prefix").evaluate_steps(prompt, steps, {}))
+    texts = completions + ["".join(steps[: j + 1]) for j in range(len(steps))]
+    got = [r.score for r in outcome] + per_step
+    with torch.no_grad():
+        outs = [hf(torch.tensor([rm.input_ids(prompt, t)]), output_hidden_states=True) for t in texts]
+    ref = [float(o.logits[0, 0]) for o in outs]
+    scale = max(float(o.hidden_states[-1].abs().max()) for o in outs) * float(hf.score.weight.abs().max())
+    tol = 2 * fp32_tol(hf.config.hidden_size, max(scale, 1.0), ops=transformer_reductions(hf.config.num_hidden_layers))
+    err = max(abs(a - b) for a, b in zip(got, ref))
+    assert all(r.info == {} for r in outcome) and rm.stats["rm_error"] == rm.stats["rm_timeout"] == 0
+    assert err <= tol, (got, ref, tol)
+    assert min(abs(a - b) for i, a in enumerate(ref) for b in ref[i + 1:]) > 10 * tol  # the control
+    print(f"reward model: {len(texts)} scores, max |SGLang - HF| = {err:.2e} <= {tol:.2e}; scores {got}")

@@ -23,6 +23,13 @@ rewards all equal to 0.7 got +0.056 each from float32 round-off in the mean (all
 because (r - mean) and the std are both round-off of the same size. A group of one is always
 numerically equal, so it gets 0 (verl instead gives a lone sample its raw reward).
 See docs/algorithms.md.
+
+Process supervision (``cfg.process_weight > 0``): step rewards come as ``step_rewards`` [T]
+(step j's reward on its last generated token, 0 elsewhere) and ``step_mask`` [T] (1 on step
+ends), in the same alignment as ``loss_mask``. ``process_grpo_advantages`` normalises them over
+the group and sums them backwards: a token's process advantage is the sum of the normalised
+rewards of its step and the later steps (DeepSeekMath's process-supervised GRPO); the
+per-token estimators take them as token rewards.
 """
 
 from __future__ import annotations
@@ -227,13 +234,57 @@ def reinforce_pp_advantages(
     return adv, returns
 
 
+def process_grpo_advantages(
+    step_rewards: torch.Tensor,
+    step_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    group_index: torch.Tensor,
+    *,
+    std_normalize: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Process-supervised GRPO: every step reward r_j of group g is normalised over ALL step
+    rewards of g (the steps of all its trajectories, whatever their count): r~_j = (r_j - mean_g)
+    / (std_g + eps) (population std; ``std_normalize=False``: r_j - mean_g); then
+    A_t = sum of r~_j over t's step and the later steps of its trajectory, on masked positions
+    (backward cumulative sum of r~ placed on step ends). Trajectories without steps add nothing
+    to the statistics and get 0; numerically constant groups of step rewards get 0 (as GRPO).
+    Statistics in float64, normalised rewards rounded to float32, the sum in float32. [T] -> [T]."""
+    total = loss_mask.numel()
+    ends = step_mask.bool() & loss_mask.bool()
+    seg = segment_ids(cu_seqlens, total)
+    vals = step_rewards.float()[ends]
+    out_tok = torch.zeros(total, dtype=torch.float32, device=loss_mask.device)
+    if vals.numel():
+        centred, std, _, equal = _group_stats(vals, group_index.long()[seg[ends]])
+        norm = centred / (std + eps) if std_normalize else centred
+        out_tok[ends] = torch.where(equal, torch.zeros_like(norm), norm).float()
+    r, valid, where = _to_action_grid(out_tok, loss_mask, cu_seqlens)
+    return _scatter_back(_discounted_backward(r, torch.zeros_like(r), valid, 1.0, 1.0), where, total)
+
+
+def _step_token_rewards(batch: dict[str, torch.Tensor], cfg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shaped step rewards on step ends, 0 elsewhere [T]; step ends [T] bool), on the loss mask."""
+    for key in ("step_rewards", "step_mask"):
+        if key not in batch:
+            raise ValueError(f"compute_advantages: algorithm.process_weight > 0 needs '{key}' [T] in the batch "
+                             "(trajectories with step rewards: workflow.steps and a step-scoring reward)")
+    ends = batch["step_mask"].bool() & batch["loss_mask"].bool()
+    shaped = shape_rewards(batch["step_rewards"].float(), cfg)
+    return torch.where(ends, shaped, torch.zeros_like(shaped)), ends
+
+
 def compute_advantages(batch: dict[str, torch.Tensor], cfg: AlgorithmConfig) -> dict[str, torch.Tensor]:
     """Dispatch on ``cfg.adv_estimator`` over a whole packed batch.
 
     Reads ``rewards`` [B], ``cu_seqlens`` [B+1], ``loss_mask`` [T]; ``group_index`` [B] for
     grpo/dr_grpo/rloo; ``values`` [T] for gae; ``kl`` [T] (the per-token KL estimate against the
-    reference model, see ``losses.kl_estimate``) when ``cfg.kl_in_reward``.
-    Returns {"advantages": [T]} plus "returns" [T] for reinforce_pp and gae; all 0 outside the mask.
+    reference model, see ``losses.kl_estimate``) when ``cfg.kl_in_reward``; ``step_rewards`` /
+    ``step_mask`` [T] when ``cfg.process_weight > 0`` (step rewards are shaped like outcome
+    rewards, each on its own). Returns {"advantages": [T]} plus "returns" [T] for reinforce_pp
+    and gae; all 0 outside the mask. With process_weight 0 and outcome_weight 1 the result is
+    exactly that of the outcome-only estimators.
     """
     for key in ("rewards", "cu_seqlens", "loss_mask"):
         if key not in batch:
@@ -249,10 +300,24 @@ def compute_advantages(batch: dict[str, torch.Tensor], cfg: AlgorithmConfig) -> 
             per_seq = rloo_advantages(rewards, gi)
         else:
             per_seq = grpo_advantages(rewards, gi, std_normalize=cfg.std_normalize and est == "grpo", eps=cfg.adv_eps)
-        return {"advantages": broadcast_to_tokens(per_seq, cu) * mask.float()}
+        adv = broadcast_to_tokens(per_seq, cu) * mask.float()
+        if cfg.outcome_weight != 1.0:
+            adv = cfg.outcome_weight * adv
+        if cfg.process_weight > 0:
+            if est == "rloo":
+                raise ValueError("algorithm.process_weight: not implemented for adv_estimator rloo")
+            step_r, ends = _step_token_rewards(batch, cfg)
+            adv = adv + cfg.process_weight * process_grpo_advantages(
+                step_r, ends, mask, cu, gi, std_normalize=cfg.std_normalize and est == "grpo", eps=cfg.adv_eps)
+        return {"advantages": adv}
     if est not in ("reinforce_pp", "gae"):
         raise ValueError(f"adv_estimator: unknown estimator {est!r}")
     token_rewards = last_action_rewards(rewards, mask, cu)
+    if cfg.outcome_weight != 1.0:
+        token_rewards = cfg.outcome_weight * token_rewards
+    if cfg.process_weight > 0:
+        step_r, _ = _step_token_rewards(batch, cfg)
+        token_rewards = token_rewards + cfg.process_weight * step_r
     if cfg.kl_in_reward and cfg.kl_coef > 0:
         if "kl" not in batch:
             raise ValueError("compute_advantages: kl_in_reward needs the per-token 'kl' [T] in the batch")

@@ -116,6 +116,18 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     """Passes over the mini-batches of a rollout batch (steps per batch = ppo_epochs *
     num_minibatches), in the same order each pass."""
+    process_weight: float = 0.0
+    """Weight of the process term (step rewards, ``Trajectory.step_rewards``); 0 = outcome
+    rewards only (advantages exactly as without steps). "grpo" / "dr_grpo":
+    A_t = outcome_weight * A_outcome + process_weight * A_process_t, where A_process_t is the
+    sum of the normalised rewards of t's step and every later step of its trajectory, step
+    rewards normalised over ALL steps of the group ("grpo": (r - mean) / (std + eps),
+    population std; "dr_grpo": r - mean); "reinforce_pp" / "gae": the token reward is
+    outcome_weight * outcome (on the last action) + process_weight * step reward (on each
+    step's last token), then the estimator as usual. "rloo": refused. Needs step rewards:
+    ``workflow.steps`` and a reward that scores steps (``reward.step_scoring``)."""
+    outcome_weight: float = 1.0
+    """Weight of the outcome term (the sequence reward) in the mix above."""
 
     def validate(self) -> None:
         if self.eps_clip_low <= 0 or self.eps_clip_low >= 1:
@@ -144,6 +156,14 @@ class AlgorithmConfig:
             raise ValueError(f"ppo_epochs: must be >= 1, got {self.ppo_epochs}")
         if self.reward_clip <= 0:
             raise ValueError(f"reward_clip: must be > 0, got {self.reward_clip}")
+        if self.process_weight < 0 or self.outcome_weight < 0:
+            raise ValueError(f"process_weight / outcome_weight: must be >= 0, got {self.process_weight}, "
+                             f"{self.outcome_weight}")
+        if self.process_weight == 0 and self.outcome_weight == 0:
+            raise ValueError("outcome_weight: with process_weight 0 it must be > 0 (no reward would remain)")
+        if self.process_weight > 0 and self.adv_estimator == "rloo":
+            raise ValueError("process_weight: process supervision is implemented for grpo, dr_grpo, reinforce_pp "
+                             "and gae, not rloo")
         if self.kl_in_reward and self.adv_estimator not in ("reinforce_pp", "gae"):
             raise ValueError(
                 f"kl_in_reward: only meaningful with adv_estimator reinforce_pp or gae, got {self.adv_estimator}"

@@ -18,6 +18,14 @@ class Trajectory:
     ``loss_mask[i] == 1`` marks tokens the policy produced (trained on); prompt and tool/env
     tokens have 0. ``logprobs[i]`` and ``versions[i]`` are the behaviour log-prob and the policy
     version of token i (0.0 / -1 for non-generated tokens).
+
+    Steps (process supervision, optional): ``step_ends[j]`` is the exclusive end of step j
+    counted in GENERATED tokens (the k-th token with loss_mask 1 has generated index k), so
+    step j covers generated tokens [step_ends[j-1], step_ends[j]) (step_ends[-1] = 0); the
+    last end equals ``num_generated``. Counting generated tokens, not positions, makes the
+    boundaries independent of prompt/feedback tokens and of the learner's alignment shift.
+    ``step_rewards[j]`` is step j's reward (empty: boundaries only, no process reward);
+    ``reward`` stays the outcome reward. A step-less trajectory has both empty.
     """
 
     input_ids: list[int]
@@ -28,6 +36,10 @@ class Trajectory:
     group_id: str = ""
     """Trajectories sharing a group id were sampled from the same prompt (GRPO/RLOO groups)."""
     info: dict[str, Any] = field(default_factory=dict)
+    step_ends: list[int] = field(default_factory=list)
+    """Exclusive end of each step in generated-token counts (see the class docstring)."""
+    step_rewards: list[float] = field(default_factory=list)
+    """One reward per step, or empty (no process reward)."""
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -36,6 +48,13 @@ class Trajectory:
                 f"trajectory fields disagree in length: input_ids={n} loss_mask={len(self.loss_mask)} "
                 f"logprobs={len(self.logprobs)} versions={len(self.versions)}"
             )
+        if self.step_ends or self.step_rewards:
+            ends = self.step_ends
+            if not ends or any(b <= a for a, b in zip([0, *ends], ends)) or ends[-1] != self.num_generated:
+                raise ValueError(f"step_ends: must increase strictly from > 0 to num_generated="
+                                 f"{self.num_generated}, got {ends}")
+            if self.step_rewards and len(self.step_rewards) != len(ends):
+                raise ValueError(f"step_rewards: {len(self.step_rewards)} rewards for {len(ends)} steps")
 
     @property
     def num_generated(self) -> int:

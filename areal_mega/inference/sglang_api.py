@@ -7,6 +7,8 @@ Bodies follow SGLang 0.5.23's ``io_struct`` (verified on CPU, see docs/inference
 
     route                              body
     POST /generate                     input_ids, sampling_params, return_logprob, rid
+    POST /classify                     input_ids -> embedding [num_labels] (servers started --is-embedding:
+                                       sequence-classification / reward models, last-token pooling)
     POST /pause_generation             mode: "abort" | "retract" | "in_place"
     POST /continue_generation          {}
     GET  /health                       -> 200 once serving (runs a one-token generation)
@@ -68,6 +70,10 @@ class Call:
 def generate(input_ids: Sequence[int], sampling_params: dict[str, Any], rid: str) -> Call:
     return Call("POST", "/generate", {"input_ids": list(input_ids), "sampling_params": sampling_params,
                                       "return_logprob": True, "rid": rid})
+
+
+def classify(input_ids: Sequence[int]) -> Call:
+    return Call("POST", "/classify", {"input_ids": list(input_ids)})
 
 
 def pause_generation(mode: str = "abort") -> Call:

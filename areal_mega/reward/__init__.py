@@ -6,6 +6,8 @@
     reward = build_reward(RewardConfig(kind="composite", components=[
         RewardConfig(kind="math"), RewardConfig(kind="format", weight=0.1),
         RewardConfig(kind="overlong", overlong_max_tokens=1024, overlong_buffer_tokens=256)]))
+    reward = build_reward(RewardConfig(kind="consistency", step_scoring="step"))   # reward/consistency.py
+    reward = build_reward(RewardConfig(kind="multi_judge", multi_judge=MultiJudgeConfig(judges=[...])))
 
 Built-ins are looked up by exact name; user functions by dotted path "module:function" with
 the signature ``fn(prompt: str, completion: str, data: dict) -> float`` (plain or async).
@@ -23,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from areal_mega.reward.judge import JudgeConfig
-from areal_mega.reward.base import COMPLETION_TOKENS, RewardFn, RewardResult, evaluate
+from areal_mega.reward.multi_judge import MultiJudgeConfig
+from areal_mega.reward.reward_model import RewardModelConfig
+from areal_mega.reward.base import COMPLETION_TOKENS, RewardFn, RewardResult, evaluate, evaluate_steps
 from areal_mega.reward.pool import RewardWorkerPool
 from areal_mega.reward.registry import load_callable
 from areal_mega.sandbox import SandboxConfig
@@ -31,12 +35,17 @@ from areal_mega.sandbox import SandboxConfig
 
 @dataclass
 class RewardConfig:
-    kind: Literal["math", "code", "function", "format", "overlong", "composite", "judge"] = "math"
+    kind: Literal["math", "code", "function", "format", "overlong", "composite", "judge", "multi_judge",
+                  "consistency", "reward_model"] = "math"
     """"math": final answer vs the sample's "answer" via math-verify; "code": run the last
     python block against the sample's "tests" in the sandbox; "function": the user function in
     ``function``; "format": 1 when ``format_regex`` occurs in the completion, else 0;
     "overlong": DAPO's soft overlong penalty (0 .. -1, from the completion's token count);
-    "composite": the weighted sum of ``components``; "judge": an LLM judge's verdict (``judge``)."""
+    "composite": the weighted sum of ``components``; "judge": an LLM judge's verdict (``judge``);
+    "multi_judge": several judges' verdicts aggregated (``multi_judge``); "consistency": 1 when
+    every equation written in the completion is true and the final answer equals the last
+    equation's result (reward/consistency.py); "reward_model": a sequence-classification reward
+    model served by SGLang (``reward_model``; with ``step_scoring: prefix`` a process RM)."""
     function: str = ""
     """"module:function" for kind "function"."""
     isolate: bool = True
@@ -64,6 +73,15 @@ class RewardConfig:
     made unique by position)."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """kind "judge": the judge model's servers, rubric and verdict format."""
+    multi_judge: MultiJudgeConfig = field(default_factory=MultiJudgeConfig)
+    """kind "multi_judge": the judges, the aggregation, when a failing judge is skipped."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """kind "reward_model": the RM's servers, input template and score transform."""
+    step_scoring: Literal["none", "step", "prefix"] = "none"
+    """Also score each step (process rewards; needs ``workflow.steps``): "step": this reward
+    applied to each step's text alone; "prefix": to the completion up to each step's end (a
+    process reward model, or a judge asked per step). "none": outcome only. In a composite,
+    set it on the components (their weighted step scores are summed)."""
 
     def validate(self) -> None:
         if self.kind == "function" and ":" not in self.function:
@@ -85,6 +103,20 @@ class RewardConfig:
                 re.compile(self.format_regex)
             except re.error as e:
                 raise ValueError(f"format_regex: {self.format_regex!r} is not a valid regex ({e})") from None
+        if self.step_scoring not in ("none", "step", "prefix"):
+            raise ValueError(f"step_scoring: must be none, step or prefix, got {self.step_scoring!r}")
+        if self.kind == "composite" and self.step_scoring != "none":
+            raise ValueError("step_scoring: set it on the composite's components, not on the composite")
+        if self.kind == "multi_judge":
+            try:
+                self.multi_judge.check_ready()
+            except ValueError as e:
+                raise ValueError(f"multi_judge.{e}") from None
+        if self.kind == "reward_model":
+            try:
+                self.reward_model.check_ready()
+            except ValueError as e:
+                raise ValueError(f"reward_model.{e}") from None
         if self.kind == "composite" and not self.components:
             raise ValueError("components: kind 'composite' needs at least one component")
         if self.kind != "composite" and self.components:
@@ -96,6 +128,10 @@ class RewardConfig:
                 c.validate()
             except ValueError as e:
                 raise ValueError(f"components[{i}].{e}") from None
+
+    def scores_steps(self) -> bool:
+        """Whether the built reward gives step scores (``evaluate_steps``)."""
+        return self.step_scoring != "none" or any(c.scores_steps() for c in self.components)
 
     def component_names(self) -> list[str]:
         """Each component's ``name``, else its kind (suffixed by position when repeated)."""
@@ -131,8 +167,18 @@ class _InProcessFunction:
 
 def build_reward(cfg: RewardConfig, *, policy_engine: Any = None, policy_tokenizer: Any = None) -> RewardFn:
     """The reward of ``cfg``. ``policy_engine`` / ``policy_tokenizer`` (the trainer's pool and
-    tokenizer) serve a judge that runs on the policy's servers (``judge.servers: policy``)."""
+    tokenizer) serve a judge that runs on the policy's servers (``judge.servers: policy``).
+    With ``step_scoring`` the reward also scores steps (``reward.steps.StepScored``)."""
     cfg.validate()
+    reward = _build(cfg, policy_engine=policy_engine, policy_tokenizer=policy_tokenizer)
+    if cfg.step_scoring == "none":
+        return reward
+    from areal_mega.reward.steps import StepScored
+
+    return StepScored(reward, cfg.step_scoring)
+
+
+def _build(cfg: RewardConfig, *, policy_engine: Any, policy_tokenizer: Any) -> RewardFn:
     if cfg.kind == "math":
         from areal_mega.reward.math import MathReward
 
@@ -155,7 +201,8 @@ def build_reward(cfg: RewardConfig, *, policy_engine: Any = None, policy_tokeniz
         built: list = []
         try:
             for c, name in zip(cfg.components, cfg.component_names()):
-                built.append((c.weight, name, build_reward(c)))
+                built.append((c.weight, name, build_reward(c, policy_engine=policy_engine,
+                                                           policy_tokenizer=policy_tokenizer)))
             return CompositeReward(built)
         except BaseException:
             for _, _, fn in built:
@@ -168,8 +215,20 @@ def build_reward(cfg: RewardConfig, *, policy_engine: Any = None, policy_tokeniz
         from areal_mega.reward.judge import build_judge
 
         return build_judge(cfg.judge, policy_engine=policy_engine, policy_tokenizer=policy_tokenizer)
+    if cfg.kind == "multi_judge":
+        from areal_mega.reward.multi_judge import build_multi_judge
+
+        return build_multi_judge(cfg.multi_judge, policy_engine=policy_engine, policy_tokenizer=policy_tokenizer)
+    if cfg.kind == "reward_model":
+        from areal_mega.reward.reward_model import build_reward_model
+
+        return build_reward_model(cfg.reward_model)
+    if cfg.kind == "consistency":
+        from areal_mega.reward.consistency import ConsistencyReward
+
+        return ConsistencyReward()
     raise ValueError(f"kind: unknown reward kind {cfg.kind!r}")
 
 
-__all__ = ["COMPLETION_TOKENS", "JudgeConfig", "RewardConfig", "RewardFn", "RewardResult", "RewardWorkerPool",
-           "build_reward", "evaluate", "load_callable"]
+__all__ = ["COMPLETION_TOKENS", "JudgeConfig", "MultiJudgeConfig", "RewardConfig", "RewardModelConfig", "RewardFn", "RewardResult", "RewardWorkerPool",
+           "build_reward", "evaluate", "evaluate_steps", "load_callable"]

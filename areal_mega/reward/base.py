@@ -9,6 +9,12 @@ counting failure reasons, the composite reward) work with any reward.
 ``data`` is the sample dict; the workflows add :data:`COMPLETION_TOKENS` (the number of tokens
 the policy generated for this completion) before calling the reward: length shaping needs token
 counts, and only the workflow has them.
+
+Step rewards (process supervision): a reward that scores steps also has
+``await reward.evaluate_steps(prompt, steps, data) -> list[float]`` (one score per step text,
+in order); :func:`evaluate_steps` returns None for a reward without it. The workflows call it
+once per trajectory, after the outcome ``evaluate``, when ``workflow.steps`` cuts the
+completion into steps (``areal_mega.workflows.steps``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,20 @@ class RewardFn(Protocol):
     async def __call__(self, prompt: str, completion: str, data: dict[str, Any]) -> float: ...
 
     def close(self) -> None: ...
+
+
+async def evaluate_steps(reward: RewardFn, prompt: str, steps: list[str], data: dict[str, Any]) -> list[float] | None:
+    """``reward.evaluate_steps(...)`` (one score per step) when the reward scores steps, else None."""
+    fn = getattr(reward, "evaluate_steps", None)
+    if fn is None or not steps:
+        return None
+    out = await fn(prompt, steps, data)
+    if out is None:  # e.g. a composite none of whose components scores steps
+        return None
+    scores = [float(s) for s in out]
+    if len(scores) != len(steps):
+        raise ValueError(f"evaluate_steps: {type(reward).__name__} returned {len(scores)} scores for {len(steps)} steps")
+    return scores
 
 
 async def evaluate(reward: RewardFn, prompt: str, completion: str, data: dict[str, Any]) -> RewardResult:

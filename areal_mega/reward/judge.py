@@ -73,7 +73,11 @@ FAILURE_REASONS = ("missing", "malformed", "out_of_range", "error", "timeout")
 
 @dataclass
 class JudgeConfig:
-    """The judge of ``reward.kind: judge`` (nested under ``reward.judge``)."""
+    """The judge of ``reward.kind: judge`` (nested under ``reward.judge``), or one of
+    ``reward.multi_judge.judges``."""
+
+    name: str = ""
+    """In a multi_judge: this judge's name in the info / metrics (default ``judge<i>``)."""
 
     servers: Literal["own", "policy"] = "own"
     """"own": the judge runs on a pool of its own, ``inference`` (servers it launches, or

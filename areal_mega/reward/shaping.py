@@ -13,7 +13,9 @@ Overlong penalty (DAPO, arXiv 2503.14476, eq. 13), with L = the completion's gen
     -1                              if L > L_max
 
 Composite: score = sum_i weight_i * score_i; ``info["components"]`` holds each component's
-score (by name) and ``info[<name>]`` its own info (e.g. the code reward's reasons).
+score (by name) and ``info[<name>]`` its own info (e.g. the code reward's reasons). Step scores
+(``evaluate_steps``): sum_i weight_i * step_score_i over the components that score steps (the
+others add nothing); None when none does.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import asyncio
 import re
 from typing import Any, Sequence
 
-from areal_mega.reward.base import COMPLETION_TOKENS, RewardFn, RewardResult, evaluate
+from areal_mega.reward.base import COMPLETION_TOKENS, RewardFn, RewardResult, evaluate, evaluate_steps
 
 
 class FormatReward:
@@ -100,6 +102,22 @@ class CompositeReward:
 
     async def __call__(self, prompt: str, completion: str, data: dict[str, Any]) -> float:
         return (await self.evaluate(prompt, completion, data)).score
+
+    async def evaluate_steps(self, prompt: str, steps: list[str], data: dict[str, Any]) -> list[float] | None:
+        parts = await asyncio.gather(*[evaluate_steps(fn, prompt, steps, data) for _, _, fn in self.components])
+        scored = [(w, p) for (w, _, _), p in zip(self.components, parts) if p is not None]
+        if not scored:
+            return None
+        return [sum(w * p[j] for w, p in scored) for j in range(len(steps))]
+
+    def metrics(self) -> dict[str, float]:
+        """The components' own metrics (judges' outcome counts), merged."""
+        out: dict[str, float] = {}
+        for _, _, fn in self.components:
+            m = getattr(fn, "metrics", None)
+            if m is not None:
+                out.update(m())
+        return out
 
     def close(self) -> None:
         for _, _, fn in self.components:

@@ -24,14 +24,16 @@ __all__ = ["broadcast_batch", "split_minibatches", "to_engine_alignment", "traje
 def trajectories_to_batch(trajs: Sequence[Trajectory] | Sequence[Sequence[Trajectory]]) -> dict[str, torch.Tensor]:
     """Trajectories (or groups of them) -> input_ids / loss_mask / versions int64 [T], logprobs
     float32 [T] (behaviour), cu_seqlens [B + 1], rewards float32 [B], group_index int64 [B]
-    (dense, in order of first appearance)."""
+    (dense, in order of first appearance). When any trajectory has step rewards, also
+    step_rewards float32 [T] (step j's reward on its last generated token, 0 elsewhere) and
+    step_mask int64 [T] (1 on those tokens); step-less trajectories have 0 there."""
     trajs = [t for x in trajs for t in (x if isinstance(x, (list, tuple)) else [x])]
     if not trajs:
         raise ValueError("trajectories_to_batch: no trajectories")
     lens = torch.tensor([len(t.input_ids) for t in trajs], dtype=torch.int64)
     cu = torch.zeros(len(trajs) + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(lens, 0)
-    return {
+    batch = {
         "input_ids": torch.tensor([x for t in trajs for x in t.input_ids], dtype=torch.int64),
         "loss_mask": torch.tensor([x for t in trajs for x in t.loss_mask], dtype=torch.int64),
         "logprobs": torch.tensor([x for t in trajs for x in t.logprobs], dtype=torch.float32),
@@ -40,6 +42,18 @@ def trajectories_to_batch(trajs: Sequence[Trajectory] | Sequence[Sequence[Trajec
         "rewards": torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         "group_index": group_index_of([t.group_id for t in trajs]),
     }
+    if any(t.step_rewards for t in trajs):
+        step_rewards = torch.zeros(int(cu[-1]), dtype=torch.float32)
+        step_mask = torch.zeros(int(cu[-1]), dtype=torch.int64)
+        for t, start in zip(trajs, cu[:-1].tolist()):
+            if not t.step_rewards:
+                continue
+            gen = [i for i, m in enumerate(t.loss_mask) if m]  # position of each generated token
+            pos = torch.tensor([start + gen[e - 1] for e in t.step_ends], dtype=torch.int64)
+            step_rewards[pos] = torch.tensor(t.step_rewards, dtype=torch.float32)
+            step_mask[pos] = 1
+        batch["step_rewards"], batch["step_mask"] = step_rewards, step_mask
+    return batch
 
 
 def to_engine_alignment(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -48,7 +62,7 @@ def to_engine_alignment(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     so every per-token tensor the loss and the advantage estimators see shares one alignment
     (GAE/REINFORCE++ then read the reward at the last trained prediction)."""
     cu = batch["cu_seqlens"]
-    fills = {"loss_mask": 0, "logprobs": 0.0, "versions": -1}
+    fills = {"loss_mask": 0, "logprobs": 0.0, "versions": -1, "step_rewards": 0.0, "step_mask": 0}
     return {k: shift_to_next_token(v, cu, fill=fills[k]) if k in fills else v for k, v in batch.items()}
 
 

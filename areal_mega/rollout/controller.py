@@ -97,8 +97,9 @@ class _Ready:
 
 
 def zero_variance(group: list[Trajectory]) -> bool:
-    """True when every trajectory of the group has the same reward (no GRPO signal)."""
-    return len({t.reward for t in group}) <= 1
+    """True when every trajectory of the group has the same reward and the same step rewards
+    (no GRPO signal, outcome or process)."""
+    return len({(t.reward, tuple(t.step_rewards)) for t in group}) <= 1
 
 
 class RolloutController:

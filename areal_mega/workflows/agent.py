@@ -282,9 +282,9 @@ class AgentClient:
         self.records.append(CallRecord(list(ids), res, parent, completion, context_text, bad))
         return completion
 
-    def trajectories(self, reward: float, group_id: str, *, concat: bool = True, turn_discount: float = 1.0,
-                     info: dict[str, Any] | None = None) -> list[Trajectory]:
-        """The recorded calls as trajectories (module docstring: concatenation and discounting)."""
+    def trajectory_builders(self, *, concat: bool = True) -> tuple[list[TrajectoryBuilder], list[int], list[int]]:
+        """The recorded calls assembled into builders (module docstring: concatenation), with
+        each builder's last call and each call's builder."""
         builders: list[TrajectoryBuilder] = []
         last_call: list[int] = []      # per trajectory: index of its last call
         segment_of: list[int] = []     # per call: its trajectory
@@ -301,6 +301,14 @@ class AgentClient:
             builders[seg].add_generated(r.result)
             last_call[seg] = i
             segment_of.append(seg)
+        return builders, last_call, segment_of
+
+    def trajectories(self, reward: float, group_id: str, *, concat: bool = True, turn_discount: float = 1.0,
+                     info: dict[str, Any] | None = None,
+                     builders: tuple[list[TrajectoryBuilder], list[int], list[int]] | None = None) -> list[Trajectory]:
+        """The recorded calls as trajectories (module docstring: concatenation and discounting);
+        ``builders``: ``trajectory_builders(concat=concat)``'s result, e.g. with steps scored."""
+        builders, last_call, segment_of = builders or self.trajectory_builders(concat=concat)
         n = len(self.records)
         out = []
         for seg, b in enumerate(builders):
@@ -374,19 +382,23 @@ class AgentWorkflow(TokenWorkflow):
         finally:
             if self._server is not None:
                 self._server.close_episode(client)
+        # As the other workflows score: the detailed result (reasons for the metrics) and the
+        # model's generated-token count of the episode (length shaping).
+        scored_data = {**data, COMPLETION_TOKENS: sum(len(r.result.output_ids) for r in client.records)}
         if not isinstance(result, (int, float)):
             if result is None:
                 last = client.records[-1].completion.choices[0].message if client.records else None
                 result = (last.content or "") if last else ""
             answer = str(result)
-            # As the other workflows score: the detailed result (reasons for the metrics) and the
-            # model's generated-token count of the episode (length shaping).
-            generated = sum(len(r.result.output_ids) for r in client.records)
-            scored = await score(self.reward_fn, prompt, answer, {**data, COMPLETION_TOKENS: generated})
+            scored = await score(self.reward_fn, prompt, answer, scored_data)
             reward, reward_info = scored.score, scored.info
         else:
             answer, reward, reward_info = None, float(result), {}
-        return client.trajectories(reward, gid, concat=self.cfg.agent_trajectories == "concat",
+        concat = self.cfg.agent_trajectories == "concat"
+        builders = client.trajectory_builders(concat=concat)
+        # Steps of each trajectory: its calls' outputs ("turns") or their regex cuts.
+        await asyncio.gather(*[self.score_steps(b, prompt, scored_data) for b in builders[0]])
+        return client.trajectories(reward, gid, concat=concat, builders=builders,
                                    turn_discount=self.cfg.agent_turn_discount,
                                    info={"answer": answer, "status": status, "episode_reward": reward,
                                          "reward_info": reward_info})

@@ -9,8 +9,9 @@ from typing import Any, Literal, Protocol
 
 from areal_mega.api.io import GenerationResult, SamplingParams
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
-from areal_mega.reward import RewardFn, RewardResult, evaluate
+from areal_mega.reward import RewardFn, RewardResult, evaluate, evaluate_steps
 from areal_mega.agent_tools import ToolConfig
+from areal_mega.workflows.steps import StepConfig, split_steps
 
 
 class Tokenizer(Protocol):
@@ -66,6 +67,9 @@ class WorkflowConfig:
     """tool: a tool call that takes longer returns "error: ... timed out" to the model."""
     tool_max_output_chars: int = 4000
     """tool: longer tool outputs are cut (the model sees "...(truncated)")."""
+    steps: StepConfig = field(default_factory=StepConfig)
+    """How generated tokens are cut into steps (``Trajectory.step_ends``); the reward's
+    ``evaluate_steps`` (``reward.step_scoring``) then gives each step its reward."""
 
     def validate(self) -> None:
         if self.group_size < 1:
@@ -94,6 +98,10 @@ class WorkflowConfig:
             raise ValueError(f"tool_timeout_s / tool_max_output_chars: must be > 0, got {self.tool_timeout_s}, "
                              f"{self.tool_max_output_chars}")
         self.sampling.validate()
+        try:
+            self.steps.validate()
+        except ValueError as e:
+            raise ValueError(f"steps.{e}") from None
 
 
 def model_context_len(tokenizer: Any) -> int | None:
@@ -153,6 +161,13 @@ class TokenWorkflow(RolloutWorkflow):
         """Context budget of an episode: ``workflow.max_context_tokens`` or the model's own context
         length (config.json ``max_position_embeddings``), whichever is smaller."""
 
+    async def score_steps(self, b: "TrajectoryBuilder", prompt: str, data: dict[str, Any]) -> None:
+        """Cut ``b``'s generated turns into steps (``cfg.steps``) and score them with the reward's
+        ``evaluate_steps`` (none when it has none: boundaries only)."""
+        ends, texts = split_steps(self.tokenizer, b.turns, self.cfg.steps)
+        b.step_ends = ends
+        b.step_rewards = (await evaluate_steps(self.reward_fn, prompt, texts, data) or []) if ends else []
+
 
 class TrajectoryBuilder:
     """Appends prompt / environment tokens (loss_mask 0) and generated tokens (loss_mask 1,
@@ -164,6 +179,10 @@ class TrajectoryBuilder:
         self.logprobs = [0.0] * len(prompt_ids)
         self.versions = [-1] * len(prompt_ids)
         self.num_interruptions = 0
+        self.turns: list[list[int]] = []
+        """The generated ids of each ``add_generated`` call (the step splitter's turns)."""
+        self.step_ends: list[int] = []
+        self.step_rewards: list[float] = []
 
     def add_env(self, ids: list[int]) -> None:
         self.input_ids += ids
@@ -180,7 +199,9 @@ class TrajectoryBuilder:
         self.logprobs += list(res.output_logprobs[:n])
         self.versions += list(res.output_versions[:n])
         self.num_interruptions += res.num_interruptions
+        self.turns.append(list(res.output_ids[:n]))
 
     def build(self, reward: float, group_id: str, info: dict[str, Any]) -> Trajectory:
         info = {"num_interruptions": self.num_interruptions, **info}
-        return Trajectory(self.input_ids, self.loss_mask, self.logprobs, self.versions, reward, group_id, info)
+        return Trajectory(self.input_ids, self.loss_mask, self.logprobs, self.versions, reward, group_id, info,
+                          step_ends=list(self.step_ends), step_rewards=list(self.step_rewards))

@@ -39,6 +39,7 @@ class MultiTurnWorkflow(TokenWorkflow):
             reward, info = r.score, r.info
             if reward > 0:
                 break
+        await self.score_steps(b, data["prompt"], {**data, COMPLETION_TOKENS: sum(b.loss_mask)})
         return b.build(reward * self.cfg.turn_discount ** (turns - 1), gid,
                        {"num_turns": turns, "completions": texts, "reward_info": info})
 

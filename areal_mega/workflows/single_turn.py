@@ -25,10 +25,13 @@ class SingleTurnWorkflow(TokenWorkflow):
             score(self.reward_fn, data["prompt"], t, {**data, COMPLETION_TOKENS: len(r.output_ids)})
             for t, r in zip(texts, results)])
         gid = new_group_id(data)
-        out = []
-        for res, text, reward in zip(results, texts, rewards):
+        builders = []
+        for res in results:
             b = TrajectoryBuilder(prompt_ids)
             b.add_generated(res)
-            out.append(b.build(reward.score, gid, {"completion": text, "finish_reason": res.finish_reason,
-                                                   "reward_info": reward.info}))
-        return out
+            builders.append(b)
+        await asyncio.gather(*[self.score_steps(b, data["prompt"], {**data, COMPLETION_TOKENS: len(r.output_ids)})
+                               for b, r in zip(builders, results)])
+        return [b.build(reward.score, gid, {"completion": text, "finish_reason": res.finish_reason,
+                                            "reward_info": reward.info})
+                for b, res, text, reward in zip(builders, results, texts, rewards)]

@@ -96,7 +96,9 @@ class ToolWorkflow(TokenWorkflow):
             b.add_env(encode(self.tokenizer, f"{RESULT_OPEN}{output}{RESULT_CLOSE}"))
             calls.append(name)
         transcript = decode(self.tokenizer, b.input_ids[len(prompt_ids) :])
-        r = await score(self.reward_fn, data["prompt"], transcript, {**data, COMPLETION_TOKENS: sum(b.loss_mask)})
+        scored_data = {**data, COMPLETION_TOKENS: sum(b.loss_mask)}
+        r = await score(self.reward_fn, data["prompt"], transcript, scored_data)
+        await self.score_steps(b, data["prompt"], scored_data)
         return b.build(r.score, gid, {"num_tool_calls": len(calls), "tool_calls": calls, "completion": transcript,
                                       "reward_info": r.info})
 

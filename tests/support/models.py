@@ -276,6 +276,35 @@ def save_verdict_judge(path, *, branches: tuple[str, ...] = ("2", "9", "1", "x")
     return path
 
 
+def save_reward_model(path, *, seed: int = 0, **overrides) -> Path:
+    """A tiny random outcome reward model SGLang serves (``--is-embedding``):
+    ``Qwen2ForSequenceClassification`` with one label (a score head on the last token), fp32,
+    with the BPE tokenizer; std-0.3 weights so scores differ clearly between texts.
+
+    The checkpoint also holds ``score.bias`` = 0, which HF's class (no bias) ignores: SGLang
+    0.5.23's ``Qwen2ForSequenceClassification`` gives its score head a bias HF's lacks and
+    leaves it at its random init when the checkpoint has none (a constant offset per server,
+    0.0746 measured; docs/rewards.md)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    path = Path(path)
+    save_bpe_tokenizer(path)
+    eos, pad = BPE_SPECIALS.index("<|im_end|>"), BPE_SPECIALS.index("<|endoftext|>")
+    cfg = {**dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64, max_position_embeddings=4096, initializer_range=0.3,
+                  tie_word_embeddings=False), **overrides}
+    torch.manual_seed(seed)
+    model = Qwen2ForSequenceClassification(Qwen2Config(num_labels=1, eos_token_id=eos, pad_token_id=pad, **cfg))
+    model.float().save_pretrained(str(path), safe_serialization=True)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(path / "model.safetensors"))
+    weights["score.bias"] = torch.zeros(1)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 def first_char_even(prompt: str, completion: str, data: dict) -> float:
     """A reward a RANDOM model scores ~50% on (1 if the completion's first character has an even
     code point): what an evaluation test needs to compare two accuracy computations on numbers
