@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from areal_mega.api.engine import InferenceEngine
 
 
@@ -26,6 +28,9 @@ class Trajectory:
     group_id: str = ""
     """Trajectories sharing a group id were sampled from the same prompt (GRPO/RLOO groups)."""
     info: dict[str, Any] = field(default_factory=dict)
+    routes: np.ndarray | None = None
+    """MoE routing replay: int16 [len(input_ids), layers * top_k], row i = the experts the server
+    routed token i to; -1 rows for tokens never fed to a server (e.g. the last sampled one)."""
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -34,6 +39,8 @@ class Trajectory:
                 f"trajectory fields disagree in length: input_ids={n} loss_mask={len(self.loss_mask)} "
                 f"logprobs={len(self.logprobs)} versions={len(self.versions)}"
             )
+        if self.routes is not None and (self.routes.ndim != 2 or self.routes.shape[0] != n):
+            raise ValueError(f"trajectory routes: shape {self.routes.shape}, expected [{n}, layers * top_k]")
 
     @property
     def num_generated(self) -> int:

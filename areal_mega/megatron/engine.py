@@ -53,6 +53,7 @@ from areal_mega.api.engine import TrainEngine
 from areal_mega.megatron import compat
 from areal_mega.megatron.logprobs import vocab_parallel_logprobs
 from areal_mega.megatron.model import MegatronModel, MegatronModelConfig, check_context_parallel, packed_causal_mask
+from areal_mega.megatron.routing import BatchReplay
 from areal_mega.megatron.packing import (
     last_token_mask,
     next_token_labels,
@@ -197,6 +198,11 @@ class MegatronTrainEngine(TrainEngine):
         self._num_steps = 0
         self.trainable = trainable
         self._device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        # MoE routing replay: a batch's routed_experts are replayed; forwards record the natural routes.
+        self.replay: BatchReplay | None = None
+        if model.arch.is_moe and cfg.model.moe_routing_replay != "off":
+            self.replay = BatchReplay(model.arch.num_layers, model.arch.moe_topk, self.groups.coords.tp, self.layout.tp,
+                                      bool(model.config.sequence_parallel))
         if not trainable:
             for m in model.chunks:
                 m.requires_grad_(False)
@@ -354,6 +360,11 @@ class MegatronTrainEngine(TrainEngine):
             T = int(mb["input_ids"].numel())
             # VPP: the fixed p2p shape (compat entry 7); else a multiple of TP under SP (or T).
             target = seq_length if many else self._padded_length(T)
+            if self.replay is not None:
+                if "routed_experts" in mb:
+                    self.replay.set_targets(chunk, mb["routed_experts"], target)
+                else:
+                    self.replay.observe(chunk)
             if T == target:
                 return self._model_forward(chunk, mb), partial(loss_func, mb)
             # Padded: the loss sees only the real tokens (compat.pad_microbatch / trimmed_loss).
@@ -391,6 +402,8 @@ class MegatronTrainEngine(TrainEngine):
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         _, mbs = self._plan(batch)
         pieces: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+        if self.replay is not None:
+            self.replay.reset(self.chunks)
 
         def loss_func(mb, output):
             lp, ent = self._token_outputs(output, mb, temperature, with_entropy)
@@ -411,7 +424,24 @@ class MegatronTrainEngine(TrainEngine):
             dist.all_reduce(both, group=self.groups.dp)
         self._share_from_last_stage(both)
         both = both.cpu()
-        return {"logprobs": both[0], "entropy": both[1]}
+        out = {"logprobs": both[0], "entropy": both[1]}
+        if self.replay is not None:
+            out["routes"] = self._natural_routes(batch, mbs)
+        return out
+
+    def _natural_routes(self, batch: dict[str, torch.Tensor], mbs: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The experts this model's routers chose themselves in the forward just run (whatever was
+        replayed), int16 [T, layers * top_k] in batch order on every rank."""
+        many = len(self.chunks) > 1
+        seq_length = max(self._padded_length(int(mb["input_ids"].numel())) for mb in mbs)
+        padded = [seq_length if many else self._padded_length(int(mb["input_ids"].numel())) for mb in mbs]
+        rows = self.replay.natural_rows(self.chunks, mbs, int(batch["cu_seqlens"][-1]), batch["cu_seqlens"], padded)
+        self.replay.reset(self.chunks)
+        rows = rows.to(self._device)
+        for g in (self.groups.tp, self.groups.pp, self.groups.dp_cp):  # one contribution per (token, layer)
+            if dist.get_world_size(g) > 1:
+                dist.all_reduce(rows, group=g)
+        return rows.cpu().view(rows.shape[0], -1).to(torch.int16)
 
     def forward_logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
         """log softmax(logits / temperature)[next token], flat [T] on every rank (see forward)."""
@@ -448,7 +478,11 @@ class MegatronTrainEngine(TrainEngine):
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.replay is not None:
+            self.replay.reset(self.chunks)
         records = self._run_schedule(mbs, loss_func, forward_only=False)
+        if self.replay is not None:
+            self.replay.reset(self.chunks)
         # Step k uses the LR of step k (megatron's own loop would use step k-1's, i.e. lr=0 first).
         self.scheduler.step(increment=1)
         lr = float(self.optimizer.param_groups[0]["lr"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -22,14 +23,14 @@ from areal_mega.algo.advantages import group_index_of
 def trajectories_to_batch(trajs: Sequence[Trajectory] | Sequence[Sequence[Trajectory]]) -> dict[str, torch.Tensor]:
     """Trajectories (or groups of them) -> input_ids / loss_mask / versions int64 [T], logprobs
     float32 [T] (behaviour), cu_seqlens [B + 1], rewards float32 [B], group_index int64 [B]
-    (dense, in order of first appearance)."""
+    (dense, in order of first appearance); with MoE routes, routed_experts int16 [T, layers * top_k]."""
     trajs = [t for x in trajs for t in (x if isinstance(x, (list, tuple)) else [x])]
     if not trajs:
         raise ValueError("trajectories_to_batch: no trajectories")
     lens = torch.tensor([len(t.input_ids) for t in trajs], dtype=torch.int64)
     cu = torch.zeros(len(trajs) + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(lens, 0)
-    return {
+    out = {
         "input_ids": torch.tensor([x for t in trajs for x in t.input_ids], dtype=torch.int64),
         "loss_mask": torch.tensor([x for t in trajs for x in t.loss_mask], dtype=torch.int64),
         "logprobs": torch.tensor([x for t in trajs for x in t.logprobs], dtype=torch.float32),
@@ -38,6 +39,13 @@ def trajectories_to_batch(trajs: Sequence[Trajectory] | Sequence[Sequence[Trajec
         "rewards": torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         "group_index": group_index_of([t.group_id for t in trajs]),
     }
+    have = [t.routes is not None for t in trajs]
+    if any(have):
+        if not all(have):
+            raise ValueError("routed_experts: some trajectories carry MoE routes and some do not")
+        # "this-token" aligned like input_ids (the router of token i), never shifted.
+        out["routed_experts"] = torch.from_numpy(np.concatenate([t.routes for t in trajs]))
+    return out
 
 
 def to_engine_alignment(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

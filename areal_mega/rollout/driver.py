@@ -37,11 +37,11 @@ logger = logging.getLogger(__name__)
 
 
 class RolloutDriver:
-    def __init__(self, inference: InferenceConfig) -> None:
+    def __init__(self, inference: InferenceConfig, *, capture_routes: bool = False) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-driver", daemon=True)
         self._thread.start()
-        self.pool: InferencePool = self.run(InferencePool.launch(inference))
+        self.pool: InferencePool = self.run(InferencePool.launch(inference, capture_routes=capture_routes))
         self.pool.resync = self._await_next_sync
         self.controller: RolloutController | None = None
         self._awaiting: dict[str, asyncio.Event] = {}  # server address -> set once it has weights

@@ -104,11 +104,9 @@ class ExperimentConfig:
             raise ValueError(f"algorithm.num_minibatches: {self.algorithm.num_minibatches} mini-batches of whole groups "
                              f"need rollout.batch_size >= {self.algorithm.num_minibatches} groups per batch, "
                              f"got {self.rollout.batch_size}")
-        if self.actor.model.moe_routing_replay:
-            # The learner side exists (megatron/routing.py); the rollout does not carry the
-            # servers' routes yet, so replay would silently replay nothing: refused.
-            raise ValueError("actor.model.moe_routing_replay: routing replay in training needs the servers' routes "
-                             "(SGLang enable_return_routed_experts), which the trainer does not collect yet; set false")
+        if self.actor.model.moe_routing_replay == "proximal" and not self.algorithm.decoupled:
+            raise ValueError("actor.model.moe_routing_replay: 'proximal' replays the proximal forward's routes, "
+                             "which only algorithm.decoupled computes; set algorithm.decoupled: true or use 'rollout'")
 
 
 def load_experiment(path: str | None, overrides: list[str] | None = None) -> ExperimentConfig:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from areal_mega.megatron.checkpoint import read_run_state, resume_run_checkpoint, save_run_checkpoint, set_rng_state
 from areal_mega.megatron.engine import MegatronTrainEngine
 from areal_mega.megatron.parallel_state import ModelParallelGroups, init_model_parallel
+from areal_mega.megatron.routing import replay_metrics
 from areal_mega.parallel import ParallelLayout
 from areal_mega.algo.advantages import compute_advantages
 from areal_mega.rollout.batch import broadcast_batch, split_minibatches, to_engine_alignment, trajectories_to_batch
@@ -130,7 +131,8 @@ class Trainer:
                 set_rng_state(rng)
 
         rank0 = groups.rank == 0
-        driver = RolloutDriver(cfg.inference) if rank0 else None
+        capture = cfg.actor.model.moe_routing_replay == "rollout"  # the servers record every token's experts
+        driver = RolloutDriver(cfg.inference, capture_routes=capture) if rank0 else None
         box: list[Any] = [driver.server_urls if driver else None]
         dist.broadcast_object_list(box, src=0, group=ctrl)
         servers = [SGLangClient(u, timeout_s=cfg.weight_sync.http_timeout_s, api_key=cfg.inference.resolved_api_key())
@@ -216,6 +218,19 @@ class Trainer:
         rows = [[*pos, pid] for pos, pid in zip(rb.positions, rb.prompt_ids) if pos is not None]
         with open(Path(self.cfg.output_dir) / "prompts.jsonl", "a") as f:
             f.write(json.dumps({"version": rb.version, "prompts": rows}) + "\n")
+
+    def proximal(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """pi_prox (the policy before this update; one extra forward) into ``batch["prox_logprobs"]``.
+        MoE routing replay: the servers' routes in the batch are replayed here (rollout); with
+        "proximal" the routes this forward chose become the batch's, for the training forward.
+        Returns the train/inference mismatch metrics (routing.replay_metrics)."""
+        out = self.actor.forward(batch, self.cfg.workflow.sampling.temperature, with_entropy=False)
+        batch["prox_logprobs"] = out["logprobs"]
+        natural = out.get("routes")
+        if self.cfg.actor.model.moe_routing_replay == "proximal":
+            batch["routed_experts"] = natural
+        return replay_metrics(batch, out["logprobs"], natural, self.actor.get_version(),
+                              self.actor.model.arch.num_layers)
 
     def ref_and_values(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the advantages and losses need from the extra models, {} when neither is built:
