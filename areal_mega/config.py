@@ -62,6 +62,8 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
         raise ConfigError(f"{where}{key}: {value!r} is not a valid {_type_name(tp)} ({'; '.join(errors)})")
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if isinstance(value, bool) and ("off" if not value else "on") in allowed:
+            return "off" if not value else "on"  # YAML 1.1 reads a bare off/on (and false/true) as a bool
         if value not in allowed:
             raise ConfigError(f"{where}{key}: {value!r} is not one of {list(allowed)}")
         return value

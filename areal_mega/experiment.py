@@ -93,11 +93,9 @@ class ExperimentConfig:
             raise ValueError("reward.step_scoring: there are no steps to score; set workflow.steps.split (regex or turns)")
         if scores_steps and self.algorithm.process_weight == 0:
             raise ValueError("reward.step_scoring: the step scores would be unused with algorithm.process_weight 0")
-        if self.actor.model.moe_routing_replay:
-            # The learner side exists (megatron/routing.py); the rollout does not carry the
-            # servers' routes yet, so replay would silently replay nothing: refused.
-            raise ValueError("actor.model.moe_routing_replay: routing replay in training needs the servers' routes "
-                             "(SGLang enable_return_routed_experts), which the trainer does not collect yet; set false")
+        if self.actor.model.moe_routing_replay == "proximal" and not self.algorithm.decoupled:
+            raise ValueError("actor.model.moe_routing_replay: 'proximal' replays the proximal forward's routes, "
+                             "which only algorithm.decoupled computes; set algorithm.decoupled: true or use 'rollout'")
 
 
 def experiment_from_dict(data: dict, where: str = "", *, whole: bool = True) -> ExperimentConfig:

@@ -54,7 +54,7 @@ def test_config_errors_name_the_key():
     assert cfg.client.pause_mode == "retract"
 
 
-async def _with_fakes(n, body, *, api_key=None, token_delay_s=0.0, client=None):
+async def _with_fakes(n, body, *, api_key=None, token_delay_s=0.0, client=None, capture_routes=False):
     lengths: dict[str, int] = {}
     fakes = [FakeSGLang(token_delay_s=token_delay_s, api_key=api_key, prompt_lengths=lengths) for _ in range(n)]
     runners, addrs = [], []
@@ -65,7 +65,7 @@ async def _with_fakes(n, body, *, api_key=None, token_delay_s=0.0, client=None):
     cfg = from_dict(InferenceConfig, {"addresses": addrs, "api_key": api_key,
                                       "client": {"health_check_interval_s": 0.2, "retry_backoff_s": 0.01,
                                                  **(client or {})}})
-    pool = InferencePool(cfg)
+    pool = InferencePool(cfg, capture_routes=capture_routes)
     try:
         await pool.start()
         return await body(pool, fakes)
@@ -290,3 +290,46 @@ def test_busy_server_whose_health_check_is_slow_stays_in_rotation():
     asyncio.run(_with_fakes(1, body, token_delay_s=0.01,
                             client={"health_check_interval_s": 0.05, "health_check_timeout_s": 5.0,
                                     "health_check_failures": 3}))
+
+
+def test_routes_survive_an_interruption_first_call_wins():
+    """MoE routing replay, client side: with capture_routes every /generate asks for routes; a
+    request aborted by a pause and resumed under version 1 keeps the rows of its first call (the
+    forward that first fed those tokens) and takes only the new rows from the resumed call --
+    the fake routes every token by (token + layer + version), so a wrong merge shows."""
+    from tests.support.fake_sglang import FAKE_ROUTE_EXPERTS as E
+
+    async def body(pool, fakes):
+        prompt = [5, 6, 7]
+        task = asyncio.create_task(pool.agenerate(GenerationRequest(prompt, SamplingParams(max_new_tokens=40))))
+        while fakes[0].num_tokens < 10:  # some tokens generated under version 0
+            await asyncio.sleep(0.005)
+        await pool.pause()
+        await pool.update_weights_from_disk("/new/weights", version=1)
+        await pool.resume()
+        out = await task
+        assert all(r.get("return_routed_experts") for r in fakes[0].requests)
+        k = out.output_versions.index(1)
+        fed = prompt + out.output_ids[:-1]
+        assert out.routes.shape == (len(fed), 4) and out.routes.dtype.name == "int16"
+        # rows fed first by call 1 (prompt + its tokens but the last) are version-0 routes
+        for p, t in enumerate(fed):
+            v = 0 if p < len(prompt) + k - 1 else 1
+            assert out.routes[p].tolist() == [(t + l + v + j) % E for l in range(2) for j in range(2)], (p, k)
+
+    asyncio.run(_with_fakes(1, body, token_delay_s=0.01, client={"pause_mode": "abort"}, capture_routes=True))
+
+
+def test_routes_decode_errors_name_the_problem():
+    from areal_mega.inference import sglang_api as api
+
+    with pytest.raises(ValueError, match="^routed_experts: the server returned no routes"):
+        api.decode_routes({}, 3)
+    import base64
+
+    import numpy as np
+    raw = base64.b64encode(np.arange(10, dtype=np.int32).tobytes()).decode()
+    with pytest.raises(ValueError, match="do not split into 3 token rows"):
+        api.decode_routes({"routed_experts": raw}, 3)
+    assert api.decode_routes({"routed_experts": raw}, 5).tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+

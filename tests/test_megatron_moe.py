@@ -70,8 +70,60 @@ def _make_models(work: Path) -> dict:
         with torch.no_grad():
             logits = torch.cat([m(ids[cu[i] : cu[i + 1]].view(1, -1)).logits[0] for i in range(len(LENS))])
         ref[name] = {"input_ids": ids, "cu_seqlens": cu, "targets": targets, "logits": logits.float()}
+        if name == "qwen3_moe":
+            ref[name].update(_forced_routes_reference(m, ids, cu, kw["num_experts"], kw["num_experts_per_tok"]))
     torch.save(ref, work / "ref.pt")
     return ref
+
+
+def _forced_routes_reference(m, ids, cu, num_experts: int, k: int) -> dict:
+    """HF references for routing replay: random top-k expert sets per (token, layer) as the
+    "server's routes" (-1 on each sequence's last token: never fed to a server), the HF logits
+    with every router forced to them (HF's own gate: softmax over all experts, the forced
+    experts' probabilities renormalised), and HF's natural top-k routes (the last, unforced pass
+    writes them)."""
+    g = torch.Generator().manual_seed(5)
+    layers = m.config.num_hidden_layers
+    forced = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(ids.numel() * layers)])
+    forced = forced.view(ids.numel(), layers * k).to(torch.int16)
+    forced[cu[1:] - 1] = -1
+    natural = torch.zeros(ids.numel(), layers, k, dtype=torch.int64)
+    gates = [layer.mlp.gate for layer in m.model.layers]
+    state = {}
+
+    def forced_gate(gate, li):
+        def fwd(hidden):
+            h = hidden.reshape(-1, gate.hidden_dim)
+            logits = torch.nn.functional.linear(h, gate.weight)
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            rows = slice(state["s"], state["s"] + h.shape[0])
+            natural[rows, li] = torch.topk(probs, k, dim=-1).indices
+            idx = forced[rows].view(-1, layers, k)[:, li].long()
+            if state["force"]:
+                idx = torch.where(idx < 0, natural[rows, li], idx)  # the last token: its output is unused
+                val = probs.gather(1, idx)
+                if gate.norm_topk_prob:
+                    val = val / val.sum(-1, keepdim=True)
+                return logits, val.to(logits.dtype), idx
+            return gate._orig(hidden)
+        return fwd
+
+    out = {}
+    for force in (True, False):
+        state["force"] = force
+        for li, gate in enumerate(gates):
+            gate._orig = gate.forward
+            gate.forward = forced_gate(gate, li)
+        lg = []
+        with torch.no_grad():
+            for i in range(len(cu) - 1):
+                state["s"] = int(cu[i])
+                lg.append(m(ids[cu[i]: cu[i + 1]].view(1, -1)).logits[0].float())
+        for gate in gates:
+            gate.forward = gate._orig
+        out["forced_logits" if force else "natural_logits"] = torch.cat(lg)
+    return {"forced_routes": forced, "natural_routes": natural.view(ids.numel(), layers * k),
+            "forced_logits": out["forced_logits"]}
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +264,48 @@ def test_routing_replay_learner_side(moe):
     # than on its own (measured 0.32 vs 1.13 max |logit diff|): what replay is for
     assert r["b_replay_vs_a"] < r["b_plain_vs_a"], r
     print("routing replay:", json.dumps(r))
+
+
+def test_engine_replays_batch_routes_at_every_layout(moe):
+    """The engine with moe_routing_replay=rollout on a packed batch (4 sequences, micro-batches of
+    16 tokens, DP ranks) at TP1 x DP4, EP2, EP2 x PP2 and TP2 (SP): per token, its log-probs
+    with the batch's routed_experts equal HF's with every router forced to the same experts
+    (so each token used exactly those experts, in the proximal AND the training forward), and
+    without routes they do not (negative control); the natural routes the engine reports equal
+    HF's own top-k."""
+    from tests.dist.moe_layouts import REPLAY_KEYS
+
+    _, ref, res = moe
+    r = ref["qwen3_moe"]
+    ids, cu = r["input_ids"], r["cu_seqlens"]
+    forced = _aligned(logprobs(r["forced_logits"], ids, cu), cu)
+    plain_ref = _aligned(logprobs(r["logits"], ids, cu), cu)
+    moved = (forced - plain_ref).abs()
+    assert moved.max() > 0.1, "the forced routes changed nothing: the check would be void"
+    for key in REPLAY_KEYS:
+        got = res["engine_replay"][key]
+        rep, plain = torch.tensor(got["replayed"], dtype=torch.float64), torch.tensor(got["plain"], dtype=torch.float64)
+        assert (rep - forced).abs().max() < LP_TOL, (key, float((rep - forced).abs().max()))
+        assert (plain - plain_ref).abs().max() < LP_TOL, key
+        assert (plain - forced).abs().max() > 100 * LP_TOL, key  # negative control: routes matter
+        # training forward: mean replayed log-prob over the loss tokens, as the engine's loss saw it
+        mask = torch.ones_like(ids)
+        mask[cu[1:] - 1] = 0
+        want = float((rep * mask).sum() / mask.sum())
+        assert abs(got["train_lp_mean"] / got["train_n"] - want) < LP_TOL, key
+        nat = torch.tensor(got["natural"])
+        assert torch.equal(nat.view(-1, 2, 2).sort(-1).values,
+                           r["natural_routes"].view(-1, 2, 2).sort(-1).values), key
+        print(f"replay {key}: max |replayed - HF forced| {float((rep - forced).abs().max()):.2e}, "
+              f"plain vs forced {float((plain - forced).abs().max()):.3f}")
+
+
+def _aligned(lp: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """logprobs() drops each sequence's last position; the engine's outputs keep it (0)."""
+    out, j = [], 0
+    for i in range(len(cu) - 1):
+        n = int(cu[i + 1] - cu[i])
+        out.append(torch.cat([lp[j:j + n - 1], lp.new_zeros(1)]))
+        j += n - 1
+    return torch.cat(out)
+

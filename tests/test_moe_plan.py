@@ -143,15 +143,29 @@ def test_refusals_dense_qwen3_and_off_values_accepted():
     assert get_adapter({**tiny_config("qwen3", head_dim=48)}).arch.head_dim == 48
 
 
-def test_trainer_refuses_routing_replay_it_cannot_feed():
+def test_routing_replay_settings_validated():
+    from areal_mega.config import from_dict
+    from areal_mega.megatron.model import MegatronModelConfig
     from areal_mega.experiment import ExperimentConfig
 
     cfg = ExperimentConfig(model_path="m")
-    cfg.actor.model.moe_routing_replay = True
-    with pytest.raises(ValueError, match="^actor.model.moe_routing_replay: routing replay in training needs"):
+    cfg.actor.model.moe_routing_replay = "proximal"
+    cfg.algorithm.decoupled = False
+    with pytest.raises(ValueError, match="^actor.model.moe_routing_replay: 'proximal' replays the proximal"):
         cfg.validate()
-    cfg.actor.model.moe_routing_replay = False
+    cfg.algorithm.decoupled = True
     cfg.validate()
+    for mode in ("off", "rollout"):
+        cfg.actor.model.moe_routing_replay = mode
+        cfg.validate()
+    cfg.actor.model.moe_routing_replay = "rollout"
+    cfg.actor.model.recompute = "full"
+    with pytest.raises(ValueError, match="^moe_routing_replay: rollout with recompute 'full' is not supported"):
+        cfg.actor.model.validate()
+    # YAML 1.1 reads a bare `off` as false: it means "off"; anything else is named
+    assert from_dict(MegatronModelConfig, {"moe_routing_replay": False}).moe_routing_replay == "off"
+    with pytest.raises(ValueError, match="moe_routing_replay: 'r3' is not one of"):
+        from_dict(MegatronModelConfig, {"moe_routing_replay": "r3"})
     cfg.actor.model.moe_aux_loss_coef = -1.0
     with pytest.raises(ValueError, match="^moe_aux_loss_coef: must be >= 0"):
         cfg.actor.model.validate()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
+
 __all__ = ["GenerationRequest", "GenerationResult", "SamplingParams"]
 
 
@@ -59,3 +61,8 @@ class GenerationResult:
     rid: str = ""
     num_interruptions: int = 0
     latency_s: float = 0.0
+    routes: "np.ndarray | None" = None
+    """MoE routing replay (a pool launched with ``capture_routes``): expert ids [len(input_ids) + len(output_ids) - 1, layers * top_k]
+    (int16), row p = the experts every layer routed token p to when it was first fed to the
+    model (the last sampled token is never fed). A request resumed after an interruption keeps
+    the rows of its first call and takes only the new rows from the resumed one."""

@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from areal_mega.api.engine import InferenceEngine
 
 __all__ = ["RolloutWorkflow", "Trajectory"]
@@ -40,6 +42,9 @@ class Trajectory:
     """Exclusive end of each step in generated-token counts (see the class docstring)."""
     step_rewards: list[float] = field(default_factory=list)
     """One reward per step, or empty (no process reward)."""
+    routes: np.ndarray | None = None
+    """MoE routing replay: int16 [len(input_ids), layers * top_k], row i = the experts the server
+    routed token i to; -1 rows for tokens never fed to a server (e.g. the last sampled one)."""
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -55,6 +60,8 @@ class Trajectory:
                                  f"{self.num_generated}, got {ends}")
             if self.step_rewards and len(self.step_rewards) != len(ends):
                 raise ValueError(f"step_rewards: {len(self.step_rewards)} rewards for {len(ends)} steps")
+        if self.routes is not None and (self.routes.ndim != 2 or self.routes.shape[0] != n):
+            raise ValueError(f"trajectory routes: shape {self.routes.shape}, expected [{n}, layers * top_k]")
 
     @property
     def num_generated(self) -> int:

@@ -37,6 +37,7 @@ import uuid
 from typing import Any, Awaitable, Callable, Sequence
 
 import aiohttp
+import numpy as np
 
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.generation import PolicyVersion
@@ -176,9 +177,11 @@ class InferencePool(InferenceEngine):
 
     def __init__(self, cfg: InferenceConfig, servers: Sequence[SGLangServer | str] = (),
                  *, own_servers: bool = False, version: PolicyVersion | None = None,
-                 resync: ResyncHook | None = None) -> None:
+                 resync: ResyncHook | None = None, capture_routes: bool = False) -> None:
         self.cfg = cfg
         ccfg = cfg.client
+        # MoE routing replay: every /generate asks for the experts of each token (GenerationResult.routes).
+        self.capture_routes = capture_routes
         if not servers:
             servers = list(cfg.addresses)
         if not servers:
@@ -210,15 +213,16 @@ class InferencePool(InferenceEngine):
     # -- lifecycle ------------------------------------------------------------------------------
     @classmethod
     async def launch(cls, cfg: InferenceConfig, *, version: PolicyVersion | None = None,
-                     resync: ResyncHook | None = None) -> "InferencePool":
+                     resync: ResyncHook | None = None, capture_routes: bool = False) -> "InferencePool":
         """Start ``cfg.num_servers`` SGLang servers (in parallel) and a pool that owns them, or
-        connect to ``cfg.addresses`` when set."""
+        connect to ``cfg.addresses`` when set. ``capture_routes``: the servers record MoE routes
+        (``build_launch_command``)."""
         if cfg.addresses:
-            pool = cls(cfg, cfg.addresses, version=version, resync=resync)
+            pool = cls(cfg, cfg.addresses, version=version, resync=resync, capture_routes=capture_routes)
             await pool.start()
             return pool
-        servers = make_servers(cfg)
-        pool = cls(cfg, servers, own_servers=True, version=version, resync=resync)
+        servers = make_servers(cfg, capture_routes=capture_routes)
+        pool = cls(cfg, servers, own_servers=True, version=version, resync=resync, capture_routes=capture_routes)
         try:
             for s in servers:
                 s.start(weight_version=cfg.client.initial_version)
@@ -331,13 +335,15 @@ class InferencePool(InferenceEngine):
         out_ids: list[int] = []
         out_lps: list[float] = []
         out_vers: list[int] = []
+        routes = None  # rows [len(input) + len(out) - 1, layers * top_k]; first call covering a row wins
         num_interruptions = num_failures = attempt = 0
         self.num_submitted += 1
         while True:
             await self._resumed.wait()
             handle = await self._pick()
             sampling["max_new_tokens"] = max_new - len(out_ids)
-            call = api.generate(req.input_ids + out_ids, sampling, rid=f"{req.rid}-{attempt}")
+            call = api.generate(req.input_ids + out_ids, sampling, rid=f"{req.rid}-{attempt}",
+                                return_routes=self.capture_routes)
             attempt += 1
             handle.in_flight += 1
             try:
@@ -364,6 +370,10 @@ class InferencePool(InferenceEngine):
             out_ids += ids
             out_lps += lps
             out_vers += vers
+            if self.capture_routes:
+                rows = len(req.input_ids) + len(out_ids) - 1
+                new = api.decode_routes(data["meta_info"], rows) if rows > 0 else None
+                routes = new if routes is None else np.concatenate([routes, new[len(routes):]])
             if finish != "abort":
                 break
             num_interruptions += 1
@@ -381,7 +391,7 @@ class InferencePool(InferenceEngine):
         return GenerationResult(
             input_ids=req.input_ids, output_ids=out_ids, output_logprobs=out_lps,
             output_versions=out_vers, finish_reason=finish, rid=req.rid,
-            num_interruptions=num_interruptions, latency_s=time.monotonic() - t0,
+            num_interruptions=num_interruptions, latency_s=time.monotonic() - t0, routes=routes,
         )
 
     # -- internals ------------------------------------------------------------------------------

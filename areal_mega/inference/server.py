@@ -53,8 +53,11 @@ def build_launch_command(
     secret_config: str | None = None,
     weight_version: int | str = 0,
     random_seed: int | None = None,
+    capture_routes: bool = False,
 ) -> list[str]:
-    """The ``python -m sglang.launch_server ...`` argv for one server (pure; unit-tested)."""
+    """The ``python -m sglang.launch_server ...`` argv for one server (pure; unit-tested).
+    ``capture_routes``: MoE routing replay from the rollout (``actor.model.moe_routing_replay:
+    rollout``) -- the server records the experts of every token (``--enable-return-routed-experts``)."""
     cmd = [
         cfg.python, "-m", "sglang.launch_server",
         "--model-path", cfg.model_path,
@@ -74,6 +77,8 @@ def build_launch_command(
         cmd += ["--random-seed", str(random_seed)]
     if cfg.skip_tokenizer_init:
         cmd += ["--skip-tokenizer-init"]
+    if capture_routes:
+        cmd += ["--enable-return-routed-experts"]
     if secret_config is not None:
         # SGLang's --config YAML carries the API key (utils.secrets): never the key on argv.
         cmd += ["--config", secret_config]
@@ -96,9 +101,11 @@ class SGLangServer:
         api_key: str | None = None,
         random_seed: int | None = None,
         log_dir: str | Path | None = None,
+        capture_routes: bool = False,
     ) -> None:
         self.cfg = cfg
         self.host = cfg.host
+        self.capture_routes = capture_routes
         self.port = port
         self.random_seed = random_seed
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="sglang-logs-")) / f"sglang-{port}.log"
@@ -129,7 +136,7 @@ class SGLangServer:
     def command(self, weight_version: int | str = 0) -> list[str]:
         return build_launch_command(
             self.cfg, self.port, secret_config=self._secret_config, weight_version=weight_version,
-            random_seed=self.random_seed,
+            random_seed=self.random_seed, capture_routes=self.capture_routes,
         )
 
     def start(self, weight_version: int | str = 0) -> None:
@@ -211,10 +218,10 @@ class SGLangServer:
         self.wait_ready()
 
 
-def make_servers(cfg: InferenceConfig) -> list[SGLangServer]:
+def make_servers(cfg: InferenceConfig, *, capture_routes: bool = False) -> list[SGLangServer]:
     """The ``cfg.num_servers`` server objects, not started yet. Server i listens on
     ``server.port + i`` (or a free port when ``server.port == 0``) and samples with seed
-    ``server.random_seed + i``."""
+    ``server.random_seed + i``; ``capture_routes``: see ``build_launch_command``."""
     scfg = cfg.server
     log_dir = scfg.log_dir or tempfile.mkdtemp(prefix="sglang-logs-")
     key = cfg.resolved_api_key()
@@ -222,14 +229,15 @@ def make_servers(cfg: InferenceConfig) -> list[SGLangServer]:
     for i in range(cfg.num_servers):
         port = scfg.port + i if scfg.port else procs.free_port(scfg.host)
         seed = None if scfg.random_seed is None else scfg.random_seed + i
-        servers.append(SGLangServer(scfg, port, api_key=key, random_seed=seed, log_dir=log_dir))
+        servers.append(SGLangServer(scfg, port, api_key=key, random_seed=seed, log_dir=log_dir,
+                                    capture_routes=capture_routes))
     return servers
 
 
-def launch_servers(cfg: InferenceConfig) -> list[SGLangServer]:
+def launch_servers(cfg: InferenceConfig, *, capture_routes: bool = False) -> list[SGLangServer]:
     """Start ``cfg.num_servers`` servers in parallel and wait until all are healthy. If any
     fails to come up, all are stopped and the first error (with its log tail) is raised."""
-    servers = make_servers(cfg)
+    servers = make_servers(cfg, capture_routes=capture_routes)
     try:
         for s in servers:
             s.start(weight_version=cfg.client.initial_version)

@@ -25,11 +25,14 @@ Bodies follow SGLang 0.5.23's ``io_struct`` (verified on CPU, see docs/inference
 
 from __future__ import annotations
 
+import base64
 import json
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+import numpy as np
 
 # SGLang version in which /begin_weight_update + /end_weight_update were verified; used only when
 # the server hides its route list (/openapi.json disabled).
@@ -67,9 +70,26 @@ class Call:
 
 # -- the calls ------------------------------------------------------------------------------------
 
-def generate(input_ids: Sequence[int], sampling_params: dict[str, Any], rid: str) -> Call:
-    return Call("POST", "/generate", {"input_ids": list(input_ids), "sampling_params": sampling_params,
-                                      "return_logprob": True, "rid": rid})
+def generate(input_ids: Sequence[int], sampling_params: dict[str, Any], rid: str, *,
+             return_routes: bool = False) -> Call:
+    body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": True, "rid": rid}
+    if return_routes:  # meta_info.routed_experts: base64 int32 [len(input) + len(output) - 1, layers, top_k]
+        body["return_routed_experts"] = True
+    return Call("POST", "/generate", body)
+
+
+def decode_routes(meta_info: dict[str, Any], num_rows: int) -> np.ndarray:
+    """``meta_info.routed_experts`` -> int16 [num_rows, layers * top_k]. Raises ValueError when
+    it is missing (the server runs without --enable-return-routed-experts) or its size is not
+    a multiple of ``num_rows``."""
+    raw = meta_info.get("routed_experts")
+    if raw is None:
+        raise ValueError("routed_experts: the server returned no routes (started without "
+                         "--enable-return-routed-experts?)")
+    flat = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
+    if num_rows < 1 or flat.size % num_rows:
+        raise ValueError(f"routed_experts: {flat.size} expert ids do not split into {num_rows} token rows")
+    return flat.reshape(num_rows, -1).astype(np.int16)
 
 
 def classify(input_ids: Sequence[int]) -> Call:

@@ -401,10 +401,14 @@ def pad_microbatch(mb: dict[str, torch.Tensor], seq_length: int) -> dict[str, to
     positions compute exactly what they would unpadded; the loss sees only those.
     """
     T = int(mb["input_ids"].numel())
-    return {
+    out = {
         "input_ids": torch.cat([mb["input_ids"], mb["input_ids"].new_full((seq_length - T,), PAD_TOKEN_ID)]),
         "cu_seqlens": torch.cat([mb["cu_seqlens"], mb["cu_seqlens"].new_full((1,), seq_length)]),
     }
+    if "routed_experts" in mb:  # MoE routing replay is a model input too: pad rows -1 (no route)
+        r = mb["routed_experts"]
+        out["routed_experts"] = torch.cat([r, r.new_full((seq_length - T, *r.shape[1:]), -1)])
+    return out
 
 
 def trimmed_loss(loss_func: Callable, mb: dict[str, torch.Tensor], num_tokens: int, output: torch.Tensor):

@@ -54,8 +54,9 @@ from areal_mega.megatron.logprobs import vocab_parallel_logprobs
 from areal_mega.utils.stats import LAST, reduction
 from areal_mega.megatron.model import (
     MegatronModel, MegatronModelConfig, build_model, check_context_parallel, load_hf_weights, packed_causal_mask,
-    run_schedule,
+    padded_length, run_schedule,
 )
+from areal_mega.megatron.routing import BatchReplay
 from areal_mega.batching.packing import (
     last_token_mask,
     next_token_labels,
@@ -201,6 +202,11 @@ class MegatronTrainEngine(TrainEngine):
         self._num_steps = 0
         self.trainable = trainable
         self._device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        # MoE routing replay: a batch's routed_experts are replayed; forwards record the natural routes.
+        self.replay: BatchReplay | None = None
+        if model.arch.is_moe and cfg.model.moe_routing_replay != "off":
+            self.replay = BatchReplay(model.arch.num_layers, model.arch.moe_topk, self.groups.coords.tp, self.layout.tp,
+                                      bool(model.config.sequence_parallel))
         if not trainable:
             for m in model.chunks:
                 m.requires_grad_(False)
@@ -303,6 +309,11 @@ class MegatronTrainEngine(TrainEngine):
 
     def _model_forward(self, chunk: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         T = int(mb["input_ids"].numel())
+        if self.replay is not None:  # MoE routing replay: this chunk's routers, this micro-batch
+            if "routed_experts" in mb:
+                self.replay.set_targets(chunk, mb["routed_experts"], T)
+            else:
+                self.replay.observe(chunk)
         tokens = mb["input_ids"].view(1, T).to(self._device)
         positions = torch.arange(T, device=self._device).view(1, T)
         if self.attention == "thd":
@@ -356,6 +367,8 @@ class MegatronTrainEngine(TrainEngine):
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         _, mbs = self._plan(batch)
         pieces: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+        if self.replay is not None:
+            self.replay.reset(self.chunks)
 
         def loss_func(mb, output):
             lp, ent = self._token_outputs(output, mb, temperature, with_entropy)
@@ -376,7 +389,24 @@ class MegatronTrainEngine(TrainEngine):
             dist.all_reduce(both, group=self.groups.dp)
         self._share_from_last_stage(both)
         both = both.cpu()
-        return {"logprobs": both[0], "entropy": both[1]}
+        out = {"logprobs": both[0], "entropy": both[1]}
+        if self.replay is not None:
+            out["routes"] = self._natural_routes(batch, mbs)
+        return out
+
+    def _natural_routes(self, batch: dict[str, torch.Tensor], mbs: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The experts this model's routers chose themselves in the forward just run (whatever was
+        replayed), int16 [T, layers * top_k] in batch order on every rank."""
+        many = len(self.chunks) > 1
+        seq_length = max(padded_length(self.model, int(mb["input_ids"].numel())) for mb in mbs)
+        padded = [seq_length if many else padded_length(self.model, int(mb["input_ids"].numel())) for mb in mbs]
+        rows = self.replay.natural_rows(self.chunks, mbs, int(batch["cu_seqlens"][-1]), batch["cu_seqlens"], padded)
+        self.replay.reset(self.chunks)
+        rows = rows.to(self._device)
+        for g in (self.groups.tp, self.groups.pp, self.groups.dp_cp):  # one contribution per (token, layer)
+            if dist.get_world_size(g) > 1:
+                dist.all_reduce(rows, group=g)
+        return rows.cpu().view(rows.shape[0], -1).to(torch.int16)
 
     def forward_logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
         """log softmax(logits / temperature)[next token], flat [T] on every rank (see forward)."""
@@ -413,7 +443,11 @@ class MegatronTrainEngine(TrainEngine):
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.replay is not None:
+            self.replay.reset(self.chunks)
         records = self._run_schedule(mbs, loss_func, forward_only=False)
+        if self.replay is not None:
+            self.replay.reset(self.chunks)
         # Step k uses the LR of step k (megatron's own loop would use step k-1's, i.e. lr=0 first).
         self.scheduler.step(increment=1)
         lr = float(self.optimizer.param_groups[0]["lr"])

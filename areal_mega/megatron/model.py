@@ -53,10 +53,12 @@ class MegatronModelConfig:
     0 = off (RL fine-tuning usually keeps the pretrained router as is); HF's router_aux_loss_coef
     in the config is NOT applied implicitly. Tokens are never dropped (no expert capacity), so
     every layout computes the same function."""
-    moe_routing_replay: bool = False
-    """MoE: give every router megatron's RouterReplay so that the experts chosen can be recorded
-    or forced (areal_mega/megatron/routing.py: record_routes / replay_routes). Off = megatron's
-    plain top-k. Only the learner side exists: the trainer does not yet feed servers' routes."""
+    moe_routing_replay: Literal["off", "rollout", "proximal"] = "off"
+    """MoE routing replay (docs/routing_replay.md). "rollout" (R3): the servers record the experts
+    of every token and the learner's routers use them in the proximal and the training forward;
+    "proximal" (R2): the training forward replays the routes of the proximal forward (needs
+    algorithm.decoupled). Either way the gate values are this model's router probabilities at
+    the replayed experts (the router still gets gradients). "off": megatron's plain top-k."""
     sequence_parallel: bool | Literal["auto"] = "auto"
     """Megatron sequence parallelism: the activations outside attention/MLP (norms, residuals,
     dropout) are split over the TP ranks along the sequence (all-gather before the column-parallel
@@ -94,15 +96,20 @@ class MegatronModelConfig:
             raise ValueError(f"recompute_num_layers: must be >= 1, got {self.recompute_num_layers}")
         if self.moe_aux_loss_coef < 0:
             raise ValueError(f"moe_aux_loss_coef: must be >= 0, got {self.moe_aux_loss_coef}")
+        if self.moe_routing_replay not in ("off", "rollout", "proximal"):
+            raise ValueError(f"moe_routing_replay: {self.moe_routing_replay!r} is not one of off, rollout, proximal")
+        if self.moe_routing_replay != "off" and self.recompute != "none":
+            raise ValueError(f"moe_routing_replay: {self.moe_routing_replay} with recompute {self.recompute!r} is not "
+                             "supported (the recomputed forward would route afresh); set recompute: none")
+        if self.dtype is not None:
+            torch_dtype(self.dtype)
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"make_vocab_size_divisible_by: must be >= 1, got {self.make_vocab_size_divisible_by}")
 
     def sequence_parallel_for(self, tp: int) -> bool:
         """The resolved sequence_parallel setting at tensor-parallel size ``tp``: off at TP1
         whatever was asked (there is nothing to split; megatron refuses SP without TP)."""
         return tp > 1 and (self.sequence_parallel == "auto" or bool(self.sequence_parallel))
-        if self.dtype is not None:
-            torch_dtype(self.dtype)
-        if self.make_vocab_size_divisible_by < 1:
-            raise ValueError(f"make_vocab_size_divisible_by: must be >= 1, got {self.make_vocab_size_divisible_by}")
 
 
 @dataclass
@@ -254,7 +261,7 @@ def moe_kwargs(arch: ModelArch, lay, cfg: MegatronModelConfig, grouped: bool = F
         "moe_expert_capacity_factor": None,
         "moe_grouped_gemm": grouped,  # TEGroupedMLP (TE spec, GPU); SequentialMLP otherwise
         "moe_permute_fusion": False,
-        "moe_enable_routing_replay": cfg.moe_routing_replay,
+        "moe_enable_routing_replay": cfg.moe_routing_replay != "off",
         "expert_model_parallel_size": lay.ep,
         "expert_tensor_parallel_size": lay.etp,
     }
@@ -325,7 +332,7 @@ def build_model(
         dense = f"needs a mixture-of-experts model ({arch.model_type} is dense)"
         if lay.ep > 1:
             raise ValueError(f"parallel.expert_parallel: {lay.ep} > 1 {dense}")
-        if cfg.moe_aux_loss_coef > 0 or cfg.moe_routing_replay:
+        if cfg.moe_aux_loss_coef > 0 or cfg.moe_routing_replay != "off":
             key = "moe_aux_loss_coef" if cfg.moe_aux_loss_coef > 0 else "moe_routing_replay"
             raise ValueError(f"actor.model.{key}: set, but it {dense}")
     spec_name = resolve_layer_spec(cfg.layer_spec)
@@ -394,6 +401,10 @@ def build_model(
         if torch.cuda.is_available():
             m = m.cuda(torch.cuda.current_device())
         chunks.append(m)
+    if cfg.moe_routing_replay != "off":
+        from areal_mega.megatron.routing import install_observed_replay
+
+        install_observed_replay(chunks)
     plans = adapter.plan(lay, spec=spec_name, dtype=dtype, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by)
     return MegatronModel(chunks, adapter, arch, groups, spec_name, dtype, vocab, plans)
 

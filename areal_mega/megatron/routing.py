@@ -9,8 +9,8 @@
 Why: the policy that generated a rollout (the SGLang server's weights, kernels) and the learner
 can route a token to different experts -- a discrete jump in the learner's log-prob of that token.
 Replaying the server's routes evaluates (and trains) the learner on the routes that produced the
-data. The server side (SGLang's ``enable_return_routed_experts``, per-token expert ids in the
-response's meta_info) is not wired: docs/engine.md says what it needs.
+data. In training, the engine replays a batch's ``routed_experts`` (batch token order, see
+:class:`BatchReplay`); docs/routing_replay.md has the dataflow and the conventions.
 
 Built on megatron-core 0.16.1's own router replay (``moe_enable_routing_replay``: every router
 gets a ``RouterReplay`` whose action is RECORD / REPLAY_FORWARD / REPLAY_BACKWARD, consulted in
@@ -104,3 +104,169 @@ def route_disagreement(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
         diff += int((xs != ys).any(dim=-1).sum())
         total += xs.shape[0]
     return diff / max(total, 1)
+
+
+# -- replay of a packed batch's routes inside the engine --------------------------------------------
+
+class ObservedReplay:
+    """Factory of megatron ``RouterReplay`` objects that, while replaying, also keep the experts
+    the router itself would have chosen (``natural``, one [tokens, k] per forward): the
+    learner-vs-server disagreement metric needs both from ONE forward."""
+
+    @staticmethod
+    def make():
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        class _Observed(RouterReplay):
+            def __init__(self) -> None:
+                super().__init__()
+                RouterReplay.global_router_replay_instances.remove(self)  # ours, not megatron's global list
+                self.natural: list[torch.Tensor] = []
+
+            def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+                action = self.router_replay_action
+                if action == RouterReplayAction.REPLAY_FORWARD:
+                    _, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                    self.natural.append(idx.detach())
+                out = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+                if action == RouterReplayAction.RECORD:
+                    self.natural.append(out[1].detach())
+                return out
+
+        return _Observed()
+
+
+def install_observed_replay(chunks) -> None:
+    """Give every router of ``chunks`` an :class:`ObservedReplay` (build time, replay on)."""
+    for _, router in routers_of(chunks):
+        router.router_replay = ObservedReplay.make()
+
+
+def routers_of(chunks) -> list[tuple[int, torch.nn.Module]]:
+    """(global 0-based layer number, router) of every MoE layer in ``chunks``, in forward order."""
+    from areal_mega.models.base import unwrap
+
+    out = []
+    for chunk in chunks:
+        for mod in unwrap(chunk).modules():
+            mlp = getattr(mod, "mlp", None)
+            if hasattr(mod, "layer_number") and mlp is not None and hasattr(mlp, "router"):
+                out.append((int(mod.layer_number) - 1, mlp.router))
+    return out
+
+
+@dataclass
+class BatchReplay:
+    """Replays ``routed_experts`` of packed micro-batches in the engine's token layout.
+
+    ``routed_experts`` [T, layers * top_k] is in batch token order ("this-token": row i = the
+    router input of token i). Per micro-batch this selects the chunk's layers, pads the row to
+    the length the model runs at (SP padding, VPP's fixed shape) and keeps this rank's sequence
+    shard under SP -- the tokens this rank's routers see. -1 rows (tokens no server fed) and pad
+    rows get experts 0..k-1: only outputs the loss never reads depend on them (causal attention,
+    no expert capacity, so no cross-token effect)."""
+
+    num_layers: int
+    top_k: int
+    tp_rank: int
+    tp_size: int
+    sequence_parallel: bool
+
+    def routes_for(self, routes: torch.Tensor, padded_len: int) -> torch.Tensor:
+        """[T, L*k] int -> [rows this rank's routers see, L, k] int64."""
+        T, width = routes.shape
+        if width != self.num_layers * self.top_k:
+            raise ValueError(
+                f"actor.model.moe_routing_replay: the servers' routes carry {width} expert ids per token; "
+                f"the learner's model routes {self.num_layers} layers x top-{self.top_k} = "
+                f"{self.num_layers * self.top_k} (same model and num_experts_per_tok on both sides?)")
+        r = routes.to(torch.int64).view(T, self.num_layers, self.top_k)
+        filler = torch.arange(self.top_k, dtype=torch.int64).expand(self.num_layers, self.top_k)
+        r = torch.where((r < 0).any(dim=-1, keepdim=True), filler, r)
+        if padded_len > T:
+            r = torch.cat([r, filler.expand(padded_len - T, -1, -1)])
+        if self.sequence_parallel and self.tp_size > 1:
+            n = padded_len // self.tp_size
+            r = r[self.tp_rank * n:(self.tp_rank + 1) * n]
+        return r
+
+    def set_targets(self, chunk, routes: torch.Tensor, padded_len: int) -> None:
+        """Before a forward of ``chunk`` over one micro-batch: its routers replay ``routes``."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        r = self.routes_for(routes, padded_len)
+        for layer, router in routers_of([chunk]):
+            rep = router.router_replay
+            rep.target_topk_idx = r[:, layer].contiguous()
+            rep.replay_backward_list = []  # recompute under replay is refused (no REPLAY_BACKWARD)
+            rep.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    @staticmethod
+    def observe(chunk) -> None:
+        """Before a forward of ``chunk`` without routes: plain routing, natural top-k recorded."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for _, router in routers_of([chunk]):
+            router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+
+    @staticmethod
+    def reset(chunks) -> None:
+        for _, router in routers_of(chunks):
+            rep = router.router_replay
+            rep.clear_router_replay_action()
+            rep.clear_indices()
+            rep.natural = []
+
+    def natural_rows(self, chunks, micro_batches: list[dict[str, torch.Tensor]], total: int,
+                     cu_seqlens: torch.Tensor, padded: list[int]) -> torch.Tensor:
+        """The experts the routers chose themselves in the forwards since :meth:`reset`, scattered
+        into batch token order: int32 [total, layers, top_k], zeros where this rank did not route
+        (other stages' layers, other DP ranks' sequences, other SP shards; and all of them on TP
+        ranks > 0 without SP, whose tokens rank 0 already holds). Summing over every rank gives each
+        (token, layer) exactly once."""
+        out = torch.zeros(total, self.num_layers, self.top_k, dtype=torch.int32)
+        if not self.sequence_parallel and self.tp_rank > 0:
+            return out
+        cu = cu_seqlens.tolist()
+        for layer, router in routers_of(chunks):
+            nat = router.router_replay.natural
+            assert len(nat) == len(micro_batches), (len(nat), len(micro_batches))
+            for mb, idx, plen in zip(micro_batches, nat, padded):
+                if not mb["seq_indices"].numel():
+                    continue  # a filler micro-batch
+                start = self.tp_rank * (plen // self.tp_size) if self.sequence_parallel and self.tp_size > 1 else 0
+                tok = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in mb["seq_indices"].tolist()])
+                pos = torch.arange(start, start + idx.shape[0])
+                keep = pos < tok.numel()
+                out[tok[pos[keep]], layer] = idx[keep].to(torch.int32).cpu()
+        return out
+
+
+def replay_metrics(batch: dict[str, torch.Tensor], prox_logprobs: torch.Tensor, natural: torch.Tensor | None,
+                   version: int, num_layers: int) -> dict[str, float]:
+    """Per-step train/inference mismatch metrics (docs/routing_replay.md), with replay on or off:
+
+    * ``routing/disagreement``: fraction of (token, layer) pairs whose expert SET differs between
+      the server (the batch's ``routed_experts``) and the learner's own router in the proximal
+      forward (``natural``), over tokens the server routed;
+    * ``routing/mismatch_{mean,p99,max}``: |behaviour - proximal log-prob| over trained tokens
+      sampled by the current ``version`` -- on-policy tokens, so the gap is the train/inference
+      mismatch alone, not staleness (engine alignment: ``versions`` are next-token shifted)."""
+    out: dict[str, float] = {}
+    on_policy = (batch["loss_mask"] > 0) & (batch["versions"] == version)
+    if on_policy.any():
+        d = (batch["logprobs"] - prox_logprobs).abs()[on_policy].double()
+        out.update({"routing/mismatch_mean": float(d.mean()), "routing/mismatch_p99": float(torch.quantile(d, 0.99)),
+                    "routing/mismatch_max": float(d.max()), "routing/mismatch_tokens": float(d.numel())})
+    server = batch.get("routed_experts")
+    if server is not None and natural is not None:
+        routed = (server >= 0).all(dim=-1)
+        if routed.any():
+            width = server.shape[1]
+            a, b = server[routed].long(), natural[routed].long()
+            # (token, layer) cells of top_k ids: the width is layers * top_k on both sides (checked at replay)
+            a = a.view(-1, num_layers, width // num_layers).sort(-1).values
+            b = b.view(-1, num_layers, width // num_layers).sort(-1).values
+            out["routing/disagreement"] = float((a != b).any(-1).double().mean())
+    return out
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -26,7 +27,8 @@ def trajectories_to_batch(trajs: Sequence[Trajectory] | Sequence[Sequence[Trajec
     float32 [T] (behaviour), cu_seqlens [B + 1], rewards float32 [B], group_index int64 [B]
     (dense, in order of first appearance). When any trajectory has step rewards, also
     step_rewards float32 [T] (step j's reward on its last generated token, 0 elsewhere) and
-    step_mask int64 [T] (1 on those tokens); step-less trajectories have 0 there."""
+    step_mask int64 [T] (1 on those tokens); step-less trajectories have 0 there. With MoE
+    routes, routed_experts int16 [T, layers * top_k]."""
     trajs = [t for x in trajs for t in (x if isinstance(x, (list, tuple)) else [x])]
     if not trajs:
         raise ValueError("trajectories_to_batch: no trajectories")
@@ -53,6 +55,12 @@ def trajectories_to_batch(trajs: Sequence[Trajectory] | Sequence[Sequence[Trajec
             step_rewards[pos] = torch.tensor(t.step_rewards, dtype=torch.float32)
             step_mask[pos] = 1
         batch["step_rewards"], batch["step_mask"] = step_rewards, step_mask
+    have = [t.routes is not None for t in trajs]
+    if any(have):
+        if not all(have):
+            raise ValueError("routed_experts: some trajectories carry MoE routes and some do not")
+        # "this-token" aligned like input_ids (the router of token i), never shifted.
+        batch["routed_experts"] = torch.from_numpy(np.concatenate([t.routes for t in trajs]))
     return batch
 
 

@@ -49,7 +49,7 @@ class RolloutService(GenerationService):
     generating. ``server_wait_s``: how long ``begin_update`` waits for a live server
     (``weight_sync.server_wait_s``)."""
 
-    def __init__(self, inference: InferenceConfig, *, server_wait_s: float) -> None:
+    def __init__(self, inference: InferenceConfig, *, server_wait_s: float, capture_routes: bool = False) -> None:
         self._poll_s = inference.client.health_check_interval_s
         self._server_wait_s = server_wait_s
         self._version = PolicyVersion(inference.client.initial_version)
@@ -62,7 +62,8 @@ class RolloutService(GenerationService):
         self._thread.start()
         try:
             self.pool: InferencePool = self._run(InferencePool.launch(inference, version=self._version,
-                                                                      resync=self._park_until_synced))
+                                                                      resync=self._park_until_synced,
+                                                                      capture_routes=capture_routes))
         except BaseException:
             self._stop_loop()
             raise

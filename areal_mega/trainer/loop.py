@@ -28,9 +28,10 @@ def run_train(config_path: str, overrides: list[str]) -> int:
     for step in range(trainer.start_step, cfg.trainer.num_steps):
         with m.phase("rollout"):
             batch, rollout_stats = trainer.next_batch()  # rank 0 samples, every rank receives
+        prox_stats = {}
         if cfg.algorithm.decoupled:  # pi_prox: the policy before this update (one extra forward)
             with m.phase("prox_logp"):
-                batch["prox_logprobs"] = actor.forward_logprobs(batch, trainer.temperature)
+                prox_stats = trainer.proximal(batch)  # batch["prox_logprobs"]; MoE routing replay; mismatch metrics
         batch.update(trainer.ref_and_values(batch))  # ref log-probs / KL (kl_coef > 0), critic values (gae)
         batch.update(trainer.advantages(batch))
         with m.phase("train"):
@@ -43,7 +44,7 @@ def run_train(config_path: str, overrides: list[str]) -> int:
         if trainer.should_save(step + 1) or stop:
             with m.phase("save"):
                 trainer.save(step + 1)
-        m.log({**rollout_stats, **{f"train/{k}": v for k, v in train_stats.items()}, **critic_stats,
+        m.log({**rollout_stats, **prox_stats, **{f"train/{k}": v for k, v in train_stats.items()}, **critic_stats,
                "weight_sync/seconds": sync.seconds, "weight_sync/GBps": sync.gbps,
                "version": step + 1, **trainer.throughput(batch, m)})
         m.commit(step + 1)

@@ -24,6 +24,7 @@ from areal_mega.api.workflow import RolloutWorkflow
 from areal_mega.data import PromptStream, load_dataset
 from areal_mega.evaluation import load_items
 from areal_mega.megatron.parallel_state import ModelParallelGroups, init_learner
+from areal_mega.megatron.routing import replay_metrics
 from areal_mega.algo.advantages import compute_advantages
 from areal_mega.rollout.batch import broadcast_batch, split_minibatches, to_engine_alignment, trajectories_to_batch
 from areal_mega.trainer.critic import CriticEngine
@@ -108,7 +109,9 @@ class Trainer:
         start_step, prompt_state = (resume_run(out / "checkpoints", actor, critic, group=ctrl)
                                     if cfg.trainer.resume else (0, None))
         rank0 = groups.rank == 0
-        generation = RolloutService(cfg.inference, server_wait_s=cfg.weight_sync.server_wait_s) if rank0 else None
+        capture = cfg.actor.model.moe_routing_replay == "rollout"  # the servers record every token's experts
+        generation = (RolloutService(cfg.inference, server_wait_s=cfg.weight_sync.server_wait_s, capture_routes=capture)
+                      if rank0 else None)
         # Tensors travel in the servers' dtype (inference.server.dtype), whatever the learner trains in.
         wire = cfg.inference.server.dtype if cfg.inference.server.dtype != "auto" else None
         # Generation is paused through the rollout service (sync_weights), in the pool's one mode;
@@ -184,6 +187,19 @@ class Trainer:
             record["skipped"] = [[*(s["pos"] or [None, None]), s["id"], s["reason"]] for s in rb.skipped]
         with open(Path(self.cfg.output_dir) / "prompts.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def proximal(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """pi_prox (the policy before this update; one extra forward) into ``batch["prox_logprobs"]``.
+        MoE routing replay: the servers' routes in the batch are replayed here (rollout); with
+        "proximal" the routes this forward chose become the batch's, for the training forward.
+        Returns the train/inference mismatch metrics (routing.replay_metrics)."""
+        out = self.actor.forward(batch, self.temperature, with_entropy=False)
+        batch["prox_logprobs"] = out["logprobs"]
+        natural = out.get("routes")
+        if self.cfg.actor.model.moe_routing_replay == "proximal":
+            batch["routed_experts"] = natural
+        return replay_metrics(batch, out["logprobs"], natural, self.actor.get_version(),
+                              self.actor.model.arch.num_layers)
 
     def ref_and_values(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the advantages and losses need from the extra models, {} when neither is built:

@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import numpy as np
+
 from areal_mega.api.io import GenerationResult, SamplingParams
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
 from areal_mega.reward import RewardFn, RewardResult, evaluate, evaluate_steps
@@ -183,6 +185,7 @@ class TrajectoryBuilder:
         """The generated ids of each ``add_generated`` call (the step splitter's turns)."""
         self.step_ends: list[int] = []
         self.step_rewards: list[float] = []
+        self.routes: np.ndarray | None = None  # rows for the first len(routes) tokens (see add_generated)
 
     def add_env(self, ids: list[int]) -> None:
         self.input_ids += ids
@@ -194,6 +197,12 @@ class TrajectoryBuilder:
         """Append the first ``keep`` generated tokens (all by default): truncating a sample
         keeps it on-policy, its prefix is exactly what was sampled."""
         n = len(res.output_ids) if keep is None else keep
+        if res.routes is not None:
+            # The call's routes cover its input (this sequence so far) and its tokens but the last;
+            # rows already held came from the call that first fed those tokens: keep them.
+            have = 0 if self.routes is None else len(self.routes)
+            new = res.routes[have:len(self.input_ids) + n - 1]
+            self.routes = new if self.routes is None else np.concatenate([self.routes, new])
         self.input_ids += res.output_ids[:n]
         self.loss_mask += [1] * n
         self.logprobs += list(res.output_logprobs[:n])
@@ -203,5 +212,9 @@ class TrajectoryBuilder:
 
     def build(self, reward: float, group_id: str, info: dict[str, Any]) -> Trajectory:
         info = {"num_interruptions": self.num_interruptions, **info}
+        routes = None
+        if self.routes is not None:
+            routes = np.full((len(self.input_ids), self.routes.shape[1]), -1, dtype=np.int16)
+            routes[:len(self.routes)] = self.routes
         return Trajectory(self.input_ids, self.loss_mask, self.logprobs, self.versions, reward, group_id, info,
-                          step_ends=list(self.step_ends), step_rewards=list(self.step_rewards))
+                          step_ends=list(self.step_ends), step_rewards=list(self.step_rewards), routes=routes)

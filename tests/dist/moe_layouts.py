@@ -16,7 +16,8 @@ the rest), re-initialising megatron's parallel state each time, records on rank 
 * step[layout]: (loss, grad norm, loss after one Adam step) of the MoE model's engine-free
   train step (tests/dist/moe_layouts.py:train_step) at each MoE layout;
 * engine[layout]: the product's MegatronTrainEngine train_batch on the MoE model (engine_step);
-* replay: routing replay (areal_mega/megatron/routing.py) at EP2, see routing_replay_checks.
+* replay: routing replay (areal_mega/megatron/routing.py) at EP2, see routing_replay_checks;
+* engine_replay[layout]: the engine replaying a batch's routed_experts (engine_replay_checks).
 
 ``__main__`` guard: dist_checkpointing.save re-imports it.
 """
@@ -164,6 +165,39 @@ def engine_step(hf_dir, groups) -> tuple[float, float, float]:
     return float(stats["loss"]), float(lp0.sum()), float(lp1.sum())
 
 
+REPLAY_KEYS = ("tp1pp1ep1", "tp1pp1ep2", "tp1pp2ep2", "tp2pp1ep1")  # TP1 x DP4, EP2, EP2 x PP2, TP2 (SP)
+
+
+def engine_replay_checks(hf_dir, groups, r: dict) -> dict:
+    """The product's engine with ``moe_routing_replay: rollout`` on a packed batch (4 sequences of
+    unequal length, several micro-batches): forward with the batch's ``routed_experts`` (forced
+    routes, -1 on each sequence's last token), forward without them (plain routing; the
+    natural routes it returns), and one train_batch whose loss reports the replayed log-probs'
+    sum (the training forward must replay too)."""
+    import dataclasses
+
+    from areal_mega.megatron.engine import MegatronTrainEngine
+    from tests.dist.engine_checks import engine_cfg
+
+    cfg = engine_cfg(16)  # 34 tokens -> several micro-batches per DP rank
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_routing_replay="rollout"))
+    eng = MegatronTrainEngine.create(cfg, hf_dir, groups, hf_dir)
+    ids, cu = r["input_ids"], r["cu_seqlens"]
+    mask = torch.ones_like(ids)
+    mask[cu[1:] - 1] = 0
+    batch = {"input_ids": ids, "cu_seqlens": cu, "loss_mask": mask, "routed_experts": r["forced_routes"]}
+    replayed = eng.forward(batch, with_entropy=False)
+    plain = eng.forward({k: v for k, v in batch.items() if k != "routed_experts"}, with_entropy=False)
+
+    def loss_fn(lp, ent, mb):
+        return (lp * 0).sum(), {"lp_sum": (lp * mb["loss_mask"]).sum(), "n": mb["loss_mask"].sum()}
+
+    stats = eng.train_batch(batch, loss_fn)
+    return {"replayed": replayed["logprobs"].tolist(), "plain": plain["logprobs"].tolist(),
+            "natural": plain["routes"].tolist(), "natural_under_replay": replayed["routes"].tolist(),
+            "train_lp_mean": float(stats["lp_sum"]), "train_n": float(stats["n"])}
+
+
 def routing_replay_checks(hf_dir, groups, ids, cu) -> dict:
     """Record the routes of the HF weights (model A); B = A with every router perturbed (a
     stand-in for a server whose routing differs). Recorded: A replaying its own routes (must
@@ -171,7 +205,7 @@ def routing_replay_checks(hf_dir, groups, ids, cu) -> dict:
     (token, layer) routes B and A disagree on."""
     from areal_mega.megatron.routing import record_routes, replay_routes, route_disagreement
 
-    cfg = MegatronModelConfig(layer_spec="local", moe_routing_replay=True)
+    cfg = MegatronModelConfig(layer_spec="local", moe_routing_replay="rollout")
     a = build_model(hf_dir, groups, cfg)
     load_hf_weights(a, hf_dir)
     with record_routes(a) as ra:
@@ -249,6 +283,8 @@ def main() -> None:
                 res["step"][key] = last_stage_value(step if groups.is_last_stage else None)
                 if key in ENGINE_KEYS:
                     res.setdefault("engine", {})[key] = engine_step(hf_dir, groups)
+                if key in REPLAY_KEYS:
+                    res.setdefault("engine_replay", {})[key] = engine_replay_checks(hf_dir, groups, r)
             if name == "qwen3_tied" and key == "tp2pp1ep1":
                 neg = build_model(hf_dir, groups, adapter=SwapQKNorm(cfg))
                 load_hf_weights(neg, hf_dir)

@@ -40,6 +40,7 @@ class FakeSGLang:
         self._prompt_len: dict[str, int] = {} if prompt_lengths is None else prompt_lengths
         self.requests: list[dict] = []  # every /generate body received (tests inspect them)
         self.num_generate = 0
+        self.num_tokens = 0  # generated so far, over all requests (tests wait on it)
         self.fail_next = 0  # tests: answer the next N /generate calls with HTTP 503
         self.health_delay_s = 0.0  # tests: /health answers this late (a one-token generation behind a long batch)
         self.num_health = 0
@@ -147,6 +148,7 @@ class FakeSGLang:
         stop = set(sp.get("stop_token_ids") or [])
         out, spans, finish = [], [], {"type": "length", "length": sp["max_new_tokens"]}
         abort = self._abort
+        prefill_version = self.weight_version  # the weights that routed this call's prompt
         for j in range(sp["max_new_tokens"]):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
@@ -161,13 +163,33 @@ class FakeSGLang:
             else:
                 spans.append({"version": v, "start": len(out), "end": len(out) + 1})
             out.append(tok)
+            self.num_tokens += 1
             if tok in stop:
                 finish = {"type": "stop", "matched": tok}
                 break
         lps = [[-0.01 * (k0 + i + 1), t, None] for i, t in enumerate(out)]
         meta = {"id": body.get("rid"), "finish_reason": finish, "weight_version": self.weight_version,
                 "output_token_logprobs": lps, "weight_versions": spans or None}
+        if body.get("return_routed_experts"):
+            meta["routed_experts"] = fake_routes(ids + out[:-1] if out else ids[:-1], prefill_version)
         return web.json_response({"output_ids": out, "meta_info": meta})
+
+
+FAKE_ROUTE_LAYERS, FAKE_ROUTE_TOPK, FAKE_ROUTE_EXPERTS = 2, 2, 8
+
+
+def fake_routes(fed: list[int], version: str) -> str:
+    """meta_info.routed_experts as SGLang encodes it (base64 int32 [len(fed), layers, top_k]):
+    token t at layer l goes to experts (t + l + v) % 8 and (t + l + v + 1) % 8, v = the weight
+    version -- so a resumed call's prefill under new weights routes the prefix differently."""
+    import base64
+
+    import numpy as np
+
+    v = int(version) if str(version).isdigit() else 0
+    rows = [[(t + l + v + j) % FAKE_ROUTE_EXPERTS for l in range(FAKE_ROUTE_LAYERS) for j in range(FAKE_ROUTE_TOPK)]
+            for t in fed]
+    return base64.b64encode(np.asarray(rows, dtype=np.int32).tobytes()).decode()
 
 
 async def serve(fake: FakeSGLang, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
