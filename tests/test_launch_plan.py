@@ -450,6 +450,12 @@ def test_plan_qwen3_30b_a3b_moe_fits_80gb():
     assert st.optimizer == 12 * (dense + replicated) / 4 + 12 * experts / 1
     text = plan.describe()
     assert "2.20B params/GPU" in text and "-> fits" in text
+    # routing replay from the rollout: the planned engines capture routes (and only then)
+    assert not any("--enable-return-routed-experts" in e.argv for e in plan.engines)
+    cfg, raw, rest = load_launch_config(CONFIG_30B_A3B, ["actor.model.moe_routing_replay=rollout",
+                                                      "actor.model.recompute=none"])
+    replay = build_plan(cfg, alloc(8, 8), raw=raw, config_path=CONFIG_30B_A3B, overrides=rest, python="PY")
+    assert all("--enable-return-routed-experts" in e.argv for e in replay.engines)
     # EP that does not divide a stage's ranks is refused with the arithmetic
     with pytest.raises((ValueError, ConfigError), match=r"expert_parallel\(16\) \* expert_tensor_parallel\(1\) = 16"):
         cfg, raw, rest = load_launch_config(CONFIG_30B_A3B, ["parallel.expert_parallel=16"])

@@ -399,7 +399,8 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
             if sglang_secret is None:  # the user's own key file: SGLang reads a YAML next to it
                 sglang_secret = str(Path(key_file).with_name(secrets.SGLANG_CONFIG))
             cmd = build_launch_command(replace(srv, host=addr, python=engine_python), port, random_seed=seed,
-                                       secret_config=sglang_secret)
+                                       secret_config=sglang_secret,
+                                       capture_routes=exp.actor.model.moe_routing_replay == "rollout")
             engine_env = {**env, **srv.env}
         else:
             engine_env = env
