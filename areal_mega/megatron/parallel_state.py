@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+import gc
 from typing import Any
 
 import torch
@@ -179,9 +180,12 @@ def destroy_model_parallel(groups: ModelParallelGroups | None = None) -> None:
     world = dist.group.WORLD
     dist.barrier()
     mps.destroy_model_parallel()
+    known = dist.distributed_c10d._world.pg_map  # c10d's registry: what a destroy can release
     for g in found.values():
-        if g is not world and g != dist.GroupMember.NON_GROUP_MEMBER:
+        if g is not world and g in known:
             dist.destroy_process_group(g)
+    found.clear()
+    gc.collect()  # a gloo group's threads end when its last reference goes (cycles: megatron's objects)
 
 
 def tp_all_gather(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
