@@ -30,6 +30,9 @@ SMOKE = {
     "convert_mcore_to_hf.py": "test_megatron_model.py::test_conversion_tools_roundtrip_bit_exact",
     "make_smollm2.py": "test_smollm2.py::test_learner_logprobs_equal_hf_on_smollm2",  # make test-real
     "plot_run.py": "test_tools.py::test_plot_run",
+    "bench_routing_replay.py": "test_tools.py::test_bench_routing_replay",
+    "cpu_load.py": "test_tools.py::test_cpu_load_runs_the_command_and_stops",
+    "process_reward_toy.py": "test_tools.py::test_process_reward_toy",
 }
 
 
@@ -162,3 +165,35 @@ def test_bench_simulator_runs_bench_async(tmp_path):
     assert res["predicted_sync"] > 0 and res["predicted_async"] > 0
     bench = json.loads((tmp_path / "bench_async.json").read_text())
     assert bench["sync_samples_per_s"] == res["measured_sync_bench_async"]
+
+
+@pytest.mark.slow
+def test_cpu_load_runs_the_command_and_stops():
+    """The burners run beside the command, the command's exit code is the tool's, nothing is left."""
+    r = run_checked([sys.executable, "tools/cpu_load.py", "--seconds", "30", "--procs", "1", "--",
+                     sys.executable, "-c", "print('inner ran')"], timeout_s=120, env=child_env())
+    assert "inner ran" in r.stdout
+
+
+@pytest.mark.slow
+def test_process_reward_toy():
+    """The smallest toy comparison (one seed, 2 iterations): both arms report their numbers."""
+    r = run_checked([sys.executable, "tools/process_reward_toy.py", "--steps", "2", "--seeds", "0", "--prompts", "2",
+                     "--group", "2"], timeout_s=600, env=child_env())
+    out = _json_line(r.stdout)
+    assert "summary" in out and out["args"]["steps"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.tools_heavy
+@needs_sglang
+def test_bench_routing_replay(tmp_path):
+    """One bf16 server with route capture, the fp32 learner with and without the server's routes:
+    the JSON line carries the disagreement and both mismatches (docs/routing_replay.md)."""
+    r = run_checked([sys.executable, "tools/bench_routing_replay.py", "--sglang-python", SGLANG_PYTHON,
+                     "--num-prompts", "4", "--max-new-tokens", "8", "--skip-capture-cost",
+                     "--work-dir", str(tmp_path)], timeout_s=1500, env=child_env())
+    res = _json_line(r.stdout)
+    assert 0 <= res["disagreement"] <= 1 and res["num_tokens"] > 0
+    assert res["mismatch_on"]["max"] <= res["mismatch_off"]["max"] + 1e-6, res
+

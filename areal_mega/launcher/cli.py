@@ -35,7 +35,7 @@ from areal_mega.launcher.slurm import SrunRunner, slurm_allocation
 from areal_mega.launcher.supervisor import supervise
 from areal_mega.simulator.costs import ClusterCostModel, WorkloadModel
 from areal_mega.simulator.model import SimulationError
-from areal_mega.simulator.planner import PlanReport, describe, recommendation, sweep, write_plan
+from areal_mega.simulator.planner import PlanReport, describe, recommendation, sensitivity, sweep, write_plan
 from areal_mega.utils.secrets import write_api_key
 
 __all__ = ["build_plan_report", "load_launch", "load_launch_config", "main", "plan_main", "run"]
