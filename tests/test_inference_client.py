@@ -285,7 +285,9 @@ def test_busy_server_whose_health_check_is_slow_stays_in_rotation():
         deadline = asyncio.get_running_loop().time() + 180  # 3 passes of 5 s timeouts; generous under load
         while h.healthy and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        assert not h.healthy and fakes[0].num_health - seen >= 3  # 3 = health_check_failures
+        # 3 = health_check_failures misses in a row; the first may have been asked just before `seen`
+        # was read (a pass started while the last request finished), so >= 2 arrived after it
+        assert not h.healthy and fakes[0].num_health - seen >= 2
 
     asyncio.run(_with_fakes(1, body, token_delay_s=0.01,
                             client={"health_check_interval_s": 0.05, "health_check_timeout_s": 5.0,
