@@ -44,7 +44,7 @@ def test_server_routes_are_the_routers_top_k(tmp_path):
     hf = save_tiny_model(tmp_path / "moe", "qwen3_moe", dtype="float32", **MOE_SYNC)
     cfg = InferenceConfig(num_servers=1, server=SGLangServerConfig(
         python=SGLANG_PYTHON, model_path=str(hf), device="cpu", dtype="float32", max_total_tokens=4096,
-        env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=600, log_dir=str(tmp_path / "logs")))
+        env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=900, log_dir=str(tmp_path / "logs")))
     prompts = [[3, 17, 99, 5, 8], [250, 1, 1, 42], list(range(20, 40))]
 
     async def go():

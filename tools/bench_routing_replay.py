@@ -2,12 +2,17 @@
 the product's MegatronTrainEngine); prints ONE JSON line.
 
     python tools/bench_routing_replay.py --sglang-python S [--num-prompts 16 --max-new-tokens 48]
+    python tools/bench_routing_replay.py --sglang-python S --grpo-steps 12 --plot docs/routing_replay_grpo.png
 
 Measured (docs/routing_replay.md): ``disagreement`` -- fraction of (token, layer) routes where the
 learner's own router and the server's differ; ``mismatch_off`` / ``mismatch_on`` -- mean, p99 and
 max |server - learner| log-prob over the generated tokens without / with the server's routes
 replayed; ``capture_tokens_per_s`` vs ``plain_tokens_per_s`` -- generation throughput with route
 capture on and off (two servers started one after the other, same prompts, same seed).
+
+``--grpo-steps N``: instead, the MoE demo's async GRPO (areal_mega/demo/run.py, tiny Qwen3-MoE,
+TP2 learners with SP, fp32) twice from one SFT model with a bf16 server -- replay off and
+``rollout`` -- and a PNG of their reward and per-step mismatch curves; one JSON line per run.
 """
 
 from __future__ import annotations
@@ -77,6 +82,46 @@ def _stats(d) -> dict:
             "max": round(float(d.max()), 5)}
 
 
+def _grpo(args) -> int:
+    from areal_mega.demo.run import run_pipeline
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-replay-grpo-"))
+    runs = {}
+    for mode in ("off", "rollout"):
+        summary = run_pipeline(str(work), learner_python=sys.executable, sglang_python=args.sglang_python,
+                               rl_steps=args.grpo_steps, rl_name=f"grpo-{mode}", reuse_sft=True, model="qwen3_moe",
+                               extra=[f"actor.model.moe_routing_replay={mode}", "inference.server.dtype=bfloat16",
+                                      "trainer.eval_every=0"])
+        rows = [json.loads(x) for x in (Path(summary["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        runs[mode] = rows
+        pick = lambda k: [round(r[k], 5) for r in rows if k in r]  # noqa: E731
+        print(json.dumps({"replay": mode, "steps": len(rows), "reward": pick("rollout/reward_mean"),
+                          "mismatch_mean": pick("routing/mismatch_mean"), "mismatch_max": pick("routing/mismatch_max"),
+                          "disagreement": pick("routing/disagreement"),
+                          "heldout_before": summary["heldout_accuracy_before"],
+                          "heldout_after": summary["heldout_accuracy_after"], "wall_s": summary["wall_s"]}), flush=True)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+        for mode, rows in runs.items():
+            for a_, key, title in ((ax[0], "rollout/reward_mean", "train reward"),
+                                   (ax[1], "routing/mismatch_mean", "mean |server - learner| log-prob"),
+                                   (ax[2], "routing/disagreement", "route disagreement (learner's own router)")):
+                pts = [(r["version"], r[key]) for r in rows if key in r]
+                a_.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"replay {mode}")
+                a_.set_title(title, fontsize=9)
+                a_.set_xlabel("step")
+        ax[0].legend()
+        fig.suptitle("tiny Qwen3-MoE async GRPO, bf16 SGLang server, fp32 TP2 learner", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sglang-python", required=True)
@@ -84,10 +129,13 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--skip-capture-cost", action="store_true", help="do not start the second (capture-off) server")
     ap.add_argument("--work-dir", default=None)
+    ap.add_argument("--grpo-steps", type=int, default=0, help="run the MoE demo's GRPO with replay off and on instead")
+    ap.add_argument("--plot", default=None, help="with --grpo-steps: write the curves PNG here")
     args = ap.parse_args()
     if not os.path.exists(args.sglang_python):
         raise SystemExit(f"--sglang-python: {args.sglang_python} does not exist")
-    import torch
+    if args.grpo_steps:
+        return _grpo(args)
 
     from areal_mega.demo.tiny import build_model
     from areal_mega.megatron.routing import replay_metrics
