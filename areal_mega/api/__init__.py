@@ -3,7 +3,7 @@
 from areal_mega.api.engine import InferenceEngine, TrainEngine
 from areal_mega.api.generation import GenerationService, PolicyVersion
 from areal_mega.api.io import GenerationRequest, GenerationResult, SamplingParams
-from areal_mega.api.workflow import RolloutWorkflow, Trajectory
+from areal_mega.api.workflow import RolloutBatch, RolloutWorkflow, Trajectory
 
 __all__ = [
     "GenerationRequest",
@@ -11,6 +11,7 @@ __all__ = [
     "GenerationResult",
     "InferenceEngine",
     "PolicyVersion",
+    "RolloutBatch",
     "RolloutWorkflow",
     "SamplingParams",
     "TrainEngine",

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-if TYPE_CHECKING:
-    from areal_mega.rollout.controller import RolloutBatch
+from areal_mega.api.workflow import RolloutBatch
 
 
 class PolicyVersion:
@@ -44,7 +43,7 @@ class GenerationService(ABC):
     """Rollout batches out, weight updates in. Owns which servers are live and the version."""
 
     @abstractmethod
-    def next_batch(self) -> "RolloutBatch | None":
+    def next_batch(self) -> RolloutBatch | None:
         """The next batch, or None when none can come before a weight sync (every server that
         answers waits, parked, for the current weights): the caller syncs and asks again."""
 

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Iterator, TextIO
 import numpy as np
 
 from areal_mega.api.engine import InferenceEngine
-from areal_mega.api.workflow import RolloutWorkflow, Trajectory
+from areal_mega.api.workflow import RolloutBatch, RolloutWorkflow, Trajectory
 from areal_mega.rollout.config import RolloutConfig
 from areal_mega.rollout.failures import FailureBudget, failure_reason
 from areal_mega.rollout.staleness import PolicyVersion, StalenessManager, can_form_batch, take_oldest
@@ -59,32 +59,6 @@ logger = logging.getLogger(__name__)
 
 class StalenessViolation(RuntimeError):
     """A batch would contain a token older than max_staleness versions (a bug, never expected)."""
-
-
-@dataclass
-class RolloutBatch:
-    groups: list[list[Trajectory]]
-    """One list per episode (a GRPO group), oldest admission first."""
-    version: int
-    """The policy version this batch is trained at."""
-    stats: dict[str, float]
-    """Scalars for TensorBoard: rewards, rejections, staleness (mean / max / fraction stale), and
-    ``reward/reason/<reason>``: how many trajectories of the batch failed for that reason (from
-    the rewards' ``evaluate`` info, e.g. timeout or wrong_answer for code)."""
-    staleness_counts: dict[int, int] = field(default_factory=dict)
-    """Histogram over generated tokens: staleness (version - token version) -> token count."""
-    positions: list[tuple[int, int] | None] = field(default_factory=list)
-    """Per episode, its prompt's ``(epoch, index)`` in the :class:`PromptStream` (None when the
-    dataset is a plain iterable)."""
-    prompt_ids: list[Any] = field(default_factory=list)
-    """Per episode, its sample's ``id`` (None where the sample has none)."""
-    skipped: list[dict[str, Any]] = field(default_factory=list)
-    """Prompts given up since the last batch (failed ``1 + max_episode_retries`` times), each
-    ``{"pos": [epoch, index] | None, "id": ..., "reason": ..., "error": ...}``."""
-
-    @property
-    def trajectories(self) -> list[Trajectory]:
-        return [t for g in self.groups for t in g]
 
 
 @dataclass

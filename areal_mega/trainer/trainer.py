@@ -32,7 +32,7 @@ from areal_mega.experiment import ExperimentConfig
 from areal_mega.trainer.run_state import resume_run, save_run_checkpoint
 from areal_mega.trainer.runlog import cut_logs_past
 from areal_mega.algo.losses import PPOActorLoss, PPOCriticLoss, global_counts, kl_estimate
-from areal_mega.rollout.controller import RolloutBatch
+from areal_mega.api.workflow import RolloutBatch
 from areal_mega.rollout.service import RolloutService
 from areal_mega.utils.metrics import Metrics
 from areal_mega.utils.stats import reduce_stats
