@@ -159,6 +159,16 @@ class SGLangServer:
         """True while the main server process lives (it does not prove the server is healthy)."""
         return self._proc is not None and self._proc.poll() is None
 
+    def wait_exit(self, timeout_s: float) -> bool:
+        """Block until the server's process tree leader has exited (True) or ``timeout_s`` passed."""
+        if self._proc is None:
+            return True
+        try:
+            self._proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
     def health_ok(self, timeout_s: float = 5.0) -> bool:
         """GET /health == 200. SGLang answers 503 while starting/warming up; /health is exempt
         from the API key, so this works on key-protected servers too."""
