@@ -34,6 +34,7 @@ from areal_mega.megatron.model import (
     load_hf_weights,
 )
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
+from tests.support.dist import gather, last_stage_value
 from areal_mega.models import get_adapter, load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 
@@ -67,16 +68,6 @@ def dropping(adapter_cls, suffix: str):
             return super().load_hf(chunks, stage_plan, tp, tp_rank, read, shape_of, **kw)
 
     return Dropped
-
-
-def gather(obj):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def last_stage_value(out):
-    return [o for o in gather(out) if o is not None][0]
 
 
 def main() -> None:

@@ -36,6 +36,7 @@ from areal_mega.megatron.model import (
     load_hf_weights,
 )
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
+from tests.support.dist import gather, last_stage_value
 from areal_mega.models import load_hf_config
 from areal_mega.models.llama import LlamaAdapter
 from areal_mega.models.qwen2 import Qwen2Adapter
@@ -66,17 +67,6 @@ class SwapQKLlama(LlamaAdapter):
             kg = k.reshape(ng, d, *k.shape[1:])
             hf = [torch.cat([kg] * hpg, dim=1).reshape(q.shape), qg[:, :d].reshape(k.shape), v]
         return super().from_hf(prm, hf, shape)
-
-
-def gather(obj):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def last_stage_value(out):
-    vals = [o for o in gather(out) if o is not None]
-    return vals[0]
 
 
 def main() -> None:

@@ -40,6 +40,7 @@ from areal_mega.megatron.model import (
     load_hf_weights,
 )
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
+from tests.support.dist import gather, last_stage_value
 from areal_mega.models import load_hf_config
 from areal_mega.models.qwen3 import Qwen3Adapter, Qwen3MoeAdapter
 from areal_mega.parallel import ParallelConfig, ParallelLayout
@@ -82,16 +83,6 @@ class RotateExperts(Qwen3MoeAdapter):
             return read_slice(name, *a)
 
         return super().load_hf(chunks, stage_plan, tp, tp_rank, rotated, shape_of, **kw)
-
-
-def gather(obj):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def last_stage_value(out):
-    return [o for o in gather(out) if o is not None][0]
 
 
 def train_step(model, ids, cu, targets):

@@ -39,3 +39,16 @@ def finish(results: dict, out: str) -> None:
             json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def gather(obj):
+    """Every rank's ``obj`` (a picklable value), in rank order, on every rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def last_stage_value(out):
+    """The value the last pipeline stage holds (other ranks pass None), on every rank."""
+    return [o for o in gather(out) if o is not None][0]
+
