@@ -54,7 +54,7 @@ from areal_mega.megatron.logprobs import vocab_parallel_logprobs
 from areal_mega.utils.stats import LAST, reduction
 from areal_mega.megatron.model import (
     MegatronModel, MegatronModelConfig, build_model, check_context_parallel, load_hf_weights, packed_causal_mask,
-    padded_length, run_schedule,
+    run_schedule,
 )
 from areal_mega.megatron.routing import BatchReplay
 from areal_mega.batching.packing import (
@@ -397,10 +397,7 @@ class MegatronTrainEngine(TrainEngine):
     def _natural_routes(self, batch: dict[str, torch.Tensor], mbs: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """The experts this model's routers chose themselves in the forward just run (whatever was
         replayed), int16 [T, layers * top_k] in batch order on every rank."""
-        many = len(self.chunks) > 1
-        seq_length = max(padded_length(self.model, int(mb["input_ids"].numel())) for mb in mbs)
-        padded = [seq_length if many else padded_length(self.model, int(mb["input_ids"].numel())) for mb in mbs]
-        rows = self.replay.natural_rows(self.chunks, mbs, int(batch["cu_seqlens"][-1]), batch["cu_seqlens"], padded)
+        rows = self.replay.natural_rows(self.chunks, mbs, int(batch["cu_seqlens"][-1]), batch["cu_seqlens"])
         self.replay.reset(self.chunks)
         rows = rows.to(self._device)
         for g in (self.groups.tp, self.groups.pp, self.groups.dp_cp):  # one contribution per (token, layer)

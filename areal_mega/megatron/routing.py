@@ -34,13 +34,7 @@ from areal_mega.models.base import unwrap
 
 
 def _replays(model) -> list:
-
-    out = []
-    for chunk in model.chunks:
-        for mod in unwrap(chunk).modules():
-            r = getattr(mod, "router_replay", None)
-            if r is not None:
-                out.append(r)
+    out = [router.router_replay for _, router in routers_of(model.chunks) if router.router_replay is not None]
     if not out and model.arch.is_moe:
         raise ValueError("actor.model.moe_routing_replay: the model was built without routing replay")
     return out
@@ -144,8 +138,6 @@ def install_observed_replay(chunks) -> None:
 
 def routers_of(chunks) -> list[tuple[int, torch.nn.Module]]:
     """(global 0-based layer number, router) of every MoE layer in ``chunks``, in forward order."""
-    from areal_mega.models.base import unwrap
-
     out = []
     for chunk in chunks:
         for mod in unwrap(chunk).modules():
@@ -218,7 +210,7 @@ class BatchReplay:
             rep.natural = []
 
     def natural_rows(self, chunks, micro_batches: list[dict[str, torch.Tensor]], total: int,
-                     cu_seqlens: torch.Tensor, padded: list[int]) -> torch.Tensor:
+                     cu_seqlens: torch.Tensor) -> torch.Tensor:
         """The experts the routers chose themselves in the forwards since :meth:`reset`, scattered
         into batch token order: int32 [total, layers, top_k], zeros where this rank did not route
         (other stages' layers, other DP ranks' sequences, other SP shards; and all of them on TP
@@ -231,10 +223,11 @@ class BatchReplay:
         for layer, router in routers_of(chunks):
             nat = router.router_replay.natural
             assert len(nat) == len(micro_batches), (len(nat), len(micro_batches))
-            for mb, idx, plen in zip(micro_batches, nat, padded):
+            for mb, idx in zip(micro_batches, nat):
                 if not mb["seq_indices"].numel():
                     continue  # a filler micro-batch
-                start = self.tp_rank * (plen // self.tp_size) if self.sequence_parallel and self.tp_size > 1 else 0
+                # under SP every rank routes an equal shard of the padded row: rank r's starts at r * len
+                start = self.tp_rank * idx.shape[0] if self.sequence_parallel and self.tp_size > 1 else 0
                 tok = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in mb["seq_indices"].tolist()])
                 pos = torch.arange(start, start + idx.shape[0])
                 keep = pos < tok.numel()
@@ -262,11 +255,10 @@ def replay_metrics(batch: dict[str, torch.Tensor], prox_logprobs: torch.Tensor, 
     if server is not None and natural is not None:
         routed = (server >= 0).all(dim=-1)
         if routed.any():
-            width = server.shape[1]
-            a, b = server[routed].long(), natural[routed].long()
             # (token, layer) cells of top_k ids: the width is layers * top_k on both sides (checked at replay)
-            a = a.view(-1, num_layers, width // num_layers).sort(-1).values
-            b = b.view(-1, num_layers, width // num_layers).sort(-1).values
-            out["routing/disagreement"] = float((a != b).any(-1).double().mean())
+            a = server[routed].long().view(-1, num_layers, server.shape[1] // num_layers)
+            b = natural[routed].long().view(-1, num_layers, server.shape[1] // num_layers)
+            out["routing/disagreement"] = route_disagreement([a[:, i] for i in range(num_layers)],
+                                                             [b[:, i] for i in range(num_layers)])
     return out
 
