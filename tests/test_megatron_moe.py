@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests.support.launch import child_env, run_checked, torchrun_cmd
-from tests.support.models import tiny_model
+from tests.support.models import packed_logprobs as logprobs, tiny_model
 from tests.support.numerics import fp32_tol, transformer_reductions
 
 pytestmark = pytest.mark.slow  # every test reads the torchrun launch's results
@@ -134,14 +134,6 @@ def moe(tmp_path_factory):
                 timeout_s=600, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
     return work, ref, torch.load(work / "results.pt")
 
-
-def logprobs(logits: torch.Tensor, ids: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    lp = torch.log_softmax(logits.double(), -1)
-    out = []
-    for i in range(len(cu) - 1):
-        s, e = int(cu[i]), int(cu[i + 1])
-        out.append(lp[s : e - 1].gather(-1, ids[s + 1 : e, None])[:, 0])
-    return torch.cat(out)
 
 
 def test_logprobs_match_hf_every_layout(moe):

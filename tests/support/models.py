@@ -310,3 +310,17 @@ def first_char_even(prompt: str, completion: str, data: dict) -> float:
     code point): what an evaluation test needs to compare two accuracy computations on numbers
     that are neither 0 nor 1."""
     return 1.0 if completion and ord(completion[0]) % 2 == 0 else 0.0
+
+
+def packed_logprobs(logits, ids, cu):
+    """Next-token log-probs (float64) of packed sequences from their logits [T, V], each sequence's
+    last position dropped (it predicts nothing): the reference the layout tests compare to."""
+    import torch
+
+    lp = torch.log_softmax(logits.double(), -1)
+    out = []
+    for i in range(len(cu) - 1):
+        s, e = int(cu[i]), int(cu[i + 1])
+        out.append(lp[s: e - 1].gather(-1, ids[s + 1: e, None])[:, 0])
+    return torch.cat(out)
+
