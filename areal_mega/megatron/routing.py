@@ -26,6 +26,7 @@ Token order: what the router of each MoE layer sees on this rank -- the packed r
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -102,38 +103,38 @@ def route_disagreement(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 # -- replay of a packed batch's routes inside the engine --------------------------------------------
 
-class ObservedReplay:
-    """Factory of megatron ``RouterReplay`` objects that, while replaying, also keep the experts
-    the router itself would have chosen (``natural``, one [tokens, k] per forward): the
-    learner-vs-server disagreement metric needs both from ONE forward."""
+@functools.cache
+def observed_replay_class():
+    """megatron's ``RouterReplay`` that, while replaying, also keeps the experts the router itself
+    would have chosen (``natural``, one [tokens, k] per forward): the learner-vs-server
+    disagreement metric needs both from ONE forward. Built once, on first use (megatron is
+    imported lazily)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-    @staticmethod
-    def make():
-        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+    class ObservedReplay(RouterReplay):
+        def __init__(self) -> None:
+            super().__init__()
+            RouterReplay.global_router_replay_instances.remove(self)  # ours, not megatron's global list
+            self.natural: list[torch.Tensor] = []
 
-        class _Observed(RouterReplay):
-            def __init__(self) -> None:
-                super().__init__()
-                RouterReplay.global_router_replay_instances.remove(self)  # ours, not megatron's global list
-                self.natural: list[torch.Tensor] = []
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            action = self.router_replay_action
+            if action == RouterReplayAction.REPLAY_FORWARD:
+                _, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                self.natural.append(idx.detach())
+            out = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            if action == RouterReplayAction.RECORD:
+                self.natural.append(out[1].detach())
+            return out
 
-            def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-                action = self.router_replay_action
-                if action == RouterReplayAction.REPLAY_FORWARD:
-                    _, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-                    self.natural.append(idx.detach())
-                out = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
-                if action == RouterReplayAction.RECORD:
-                    self.natural.append(out[1].detach())
-                return out
-
-        return _Observed()
+    return ObservedReplay
 
 
 def install_observed_replay(chunks) -> None:
-    """Give every router of ``chunks`` an :class:`ObservedReplay` (build time, replay on)."""
+    """Give every router of ``chunks`` an ObservedReplay (build time, replay on)."""
+    cls = observed_replay_class()
     for _, router in routers_of(chunks):
-        router.router_replay = ObservedReplay.make()
+        router.router_replay = cls()
 
 
 def routers_of(chunks) -> list[tuple[int, torch.nn.Module]]:
