@@ -6,6 +6,7 @@ bound, that max_staleness 0 is exactly synchronous RL (closed form), that async 
 slower than sync, the idle fractions, the calibration arithmetic and the planner's CLI.
 """
 
+import dataclasses
 import json
 import random
 import sys
@@ -282,6 +283,7 @@ def test_plan_cli(tmp_path, capsys):
     (["--nodes", "8", "--staleness", "x"], "--staleness: expected comma-separated integers"),
     (["--nodes", "8", "--gpus-per-node", "4"], "tp_size: 8 > 4 GPUs per node"),
     (["--nodes", "8", "rollout.batch_size=0"], "rollout.batch_size: must be >= 1"),
+    (["--nodes", "8", "launch.planner.margin=1.5"], "margin: must be in [0, 1), got 1.5"),
 ])
 def test_plan_cli_bad_input_one_line(args, msg, capsys):
     from areal_mega.cli import main
@@ -487,3 +489,32 @@ def test_validate_recovers_client_work_out_of_sample(tmp_path):
     assert res["out_of_sample"] == ["eta2", "eta4"]
     assert res["worst_rel_error"] < 0.02
     assert res["worst_rel_error_without_overlap_costs"] > 0.05  # the control
+
+
+def test_fixed_split_far_from_recommendation_warns(capsys):
+    """launch.planner.margin: a fixed split predicted more than the margin below the planner's
+    recommendation gets a WARNING on stderr in the dry run; the recommended split itself, fixed,
+    does not (the control), nor the same split under a margin wider than its gap."""
+    from areal_mega.launcher.cli import _print_throughput_plan, build_plan_report
+
+    base = ["workload.sim_steps=2"]
+    rep = build_plan_report(CONFIG_70B, 8, base, staleness=(1,))
+    assert rep.configured is None and rep.configured_shortfall() is None and rep.margin == 0.10  # the default
+    best, eta = rep.best()
+    worst = min(rep.feasible(), key=lambda s: s.by_staleness[eta]["samples_per_s"])
+    gap = 1 - worst.by_staleness[eta]["samples_per_s"] / best.by_staleness[eta]["samples_per_s"]
+    assert gap > 0.10 and worst.learner_nodes != best.learner_nodes  # the 70B sweep has a clearly worse split
+
+    short = dataclasses.replace(rep, configured=(worst.learner_nodes, eta)).configured_shortfall()
+    assert short is not None and abs(short[0] - gap) < 1e-9 and "launch.planner.margin = 10%" in short[1]
+    assert dataclasses.replace(rep, configured=(best.learner_nodes, eta)).configured_shortfall() is None
+    assert dataclasses.replace(rep, configured=(worst.learner_nodes, eta), margin=gap + 0.01).configured_shortfall() is None
+
+    # end to end: the config's fixed split and margin, read by the dry run's planner call
+    fixed = base + [f"launch.learner.num_nodes={worst.learner_nodes}", f"rollout.max_staleness={eta}"]
+    _print_throughput_plan(CONFIG_70B, fixed, 8, 8)
+    cap = capsys.readouterr()
+    assert cap.err.count("planner: WARNING: the fixed split") == 1 and "WARNING" not in cap.out
+    # (the dry run sweeps more max_staleness values than `rep`: its gap may be wider, never 98%)
+    _print_throughput_plan(CONFIG_70B, fixed + ["launch.planner.margin=0.98"], 8, 8)
+    assert "WARNING" not in capsys.readouterr().err

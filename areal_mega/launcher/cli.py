@@ -136,7 +136,11 @@ def _print_throughput_plan(config: str, overrides: list[str], nodes: int, gpus_p
             lines.append("planner: " + write_plan(rep, out))
     except Exception as e:  # noqa: BLE001 -- advisory output only
         lines = [f"planner: skipped ({type(e).__name__}: {' '.join(str(e).split())})"]
-    print("\n".join(lines), flush=True)
+    # a fixed split far below the recommendation: where it is seen, as the idle-node warning is
+    warn = [ln for ln in lines if ln.startswith("planner: WARNING")]
+    print("\n".join(ln for ln in lines if ln not in warn), flush=True)
+    for ln in warn:
+        print(ln, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,6 +109,15 @@ class PlannerLaunchConfig:
     workload: WorkloadModel = field(default_factory=WorkloadModel)
     """What the task generates (length distribution, prompt length, rejected share); set it from
     a pilot run (``workload.lengths_from: <run>/metrics.jsonl``)."""
+    margin: float = 0.10
+    """A fixed split (``learner.num_nodes`` set) whose predicted samples/s falls more than this
+    fraction below the planner's recommendation is flagged by the dry run and the launch (a
+    WARNING line on stderr): a warning, not a refusal -- the config may know what the cost model
+    does not."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"margin: must be in [0, 1), got {self.margin}")
 
 
 @dataclass

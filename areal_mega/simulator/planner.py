@@ -81,6 +81,9 @@ class PlanReport:
     """(learner nodes, max_staleness) the config itself asks for, when set."""
     tolerance: float = 0.02
     """Recommend the smallest max_staleness within this fraction of the best throughput."""
+    margin: float = 0.10
+    """``launch.planner.margin``: the configured split is flagged when predicted this fraction
+    below the recommendation (:meth:`configured_shortfall`)."""
     sensitivity: list[dict] = field(default_factory=list)
     """The recommendation with each assumed cost figure scaled (:func:`sensitivity`); [] = not computed."""
 
@@ -100,6 +103,27 @@ class PlanReport:
         s, eta, _ = min(ok, key=lambda c: (c[1], -c[2], c[0].learner_nodes))
         return s, eta
 
+    def configured_shortfall(self) -> tuple[float, str] | None:
+        """(fraction below the recommendation, one warning line) when the config's fixed split
+        is predicted more than ``margin`` below it; None otherwise (or when nothing is fixed)."""
+        b = self.best()
+        if self.configured is None or b is None:
+            return None
+        k, ceta = self.configured
+        cs = next((x for x in self.splits if x.learner_nodes == k), None)
+        rec = b[0].by_staleness[b[1]]["samples_per_s"]
+        if cs is None or cs.reason or ceta not in cs.by_staleness:
+            why = "not admissible" if cs is not None and cs.reason else "not simulated"
+            return 1.0, (f"the fixed split ({k} learner node(s), max_staleness {ceta}) is {why} by the planner; "
+                         f"it recommends {b[0].learner_nodes} learner node(s), max_staleness {b[1]}")
+        got = cs.by_staleness[ceta]["samples_per_s"]
+        short = 1.0 - got / rec if rec > 0 else 0.0
+        if short <= self.margin:
+            return None
+        return short, (f"the fixed split ({k} learner node(s), max_staleness {ceta}: {got:.3f} samples/s predicted) "
+                       f"is {short:.0%} below the planner's recommendation ({b[0].learner_nodes} learner node(s), "
+                       f"max_staleness {b[1]}: {rec:.3f}), more than launch.planner.margin = {self.margin:.0%}")
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["cost_sources"] = cost_sources(self.cost, self.workload)
@@ -112,6 +136,8 @@ class PlanReport:
             d["recommended"]["speedup_over_best_sync"] = round(
                 b[0].by_staleness[b[1]]["samples_per_s"] / bs[0].by_staleness[0]["samples_per_s"], 4)
             d["best_sync"] = {"learner_nodes": bs[0].learner_nodes, "samples_per_s": bs[0].by_staleness[0]["samples_per_s"]}
+        short = self.configured_shortfall()
+        d["configured_shortfall"] = None if short is None else {"fraction": round(short[0], 4), "warning": short[1]}
         return d
 
 
@@ -293,7 +319,8 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
     return PlanReport(config=label, nodes=nodes, gpus_per_node=gpus_per_node, gpus_per_node_source=gpus_source,
                       model_params=float(P), engine_tp=et, engine_kv_tokens=eng.kv_tokens, batch_size=ro.batch_size,
                       group_size=group, max_new_tokens=max_new, staleness=tuple(staleness), splits=splits,
-                      cost=cost, workload=workload, configured=configured, tolerance=tolerance)
+                      cost=cost, workload=workload, configured=configured, tolerance=tolerance,
+                      margin=cfg.planner.margin)
 
 
 def choose_learner_nodes(exp: "ExperimentConfig", *, nodes: int, gpus_per_node: int) -> tuple[int, str]:
@@ -347,6 +374,9 @@ def recommendation(rep: PlanReport) -> list[str]:
         if cs is not None and ceta in cs.by_staleness:
             lines.append(f"planner: the config's own choice ({k} learner node(s), max_staleness {ceta}): "
                          f"{cs.by_staleness[ceta]['samples_per_s']:.3f} samples/s predicted")
+    short = rep.configured_shortfall()
+    if short is not None:
+        lines.append(f"planner: WARNING: {short[1]}")
     lines.append("planner: cost model " + ", ".join(f"{f.name}={getattr(rep.cost, f.name)}" for f in dataclasses.fields(rep.cost))
                  + " (docs/simulator.md)")
     src = cost_sources(rep.cost, rep.workload)
