@@ -105,24 +105,27 @@ class PlanReport:
 
     def configured_shortfall(self) -> tuple[float, str] | None:
         """(fraction below the recommendation, one warning line) when the config's fixed split
-        is predicted more than ``margin`` below it; None otherwise (or when nothing is fixed)."""
-        b = self.best()
-        if self.configured is None or b is None:
+        is predicted more than ``margin`` below the best split at the config's own max_staleness
+        (the split is what is fixed; the bound is the config's choice); None otherwise."""
+        if self.configured is None:
             return None
         k, ceta = self.configured
+        b = self.best(ceta)
+        if b is None:
+            return None
         cs = next((x for x in self.splits if x.learner_nodes == k), None)
         rec = b[0].by_staleness[b[1]]["samples_per_s"]
         if cs is None or cs.reason or ceta not in cs.by_staleness:
             why = "not admissible" if cs is not None and cs.reason else "not simulated"
             return 1.0, (f"the fixed split ({k} learner node(s), max_staleness {ceta}) is {why} by the planner; "
-                         f"it recommends {b[0].learner_nodes} learner node(s), max_staleness {b[1]}")
+                         f"its best split at that bound: {b[0].learner_nodes} learner node(s)")
         got = cs.by_staleness[ceta]["samples_per_s"]
         short = 1.0 - got / rec if rec > 0 else 0.0
         if short <= self.margin:
             return None
         return short, (f"the fixed split ({k} learner node(s), max_staleness {ceta}: {got:.3f} samples/s predicted) "
-                       f"is {short:.0%} below the planner's recommendation ({b[0].learner_nodes} learner node(s), "
-                       f"max_staleness {b[1]}: {rec:.3f}), more than launch.planner.margin = {self.margin:.0%}")
+                       f"is {short:.0%} below the planner's best split at that bound ({b[0].learner_nodes} learner node(s): "
+                       f"{rec:.3f}), more than launch.planner.margin = {self.margin:.0%}")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
