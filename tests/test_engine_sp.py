@@ -3,9 +3,10 @@ engine. ONE 4-rank torchrun launch of tests/dist/engine_sp.py (~60 s on 2 busy c
 numbers are asserted here: SP on == SP off (fp32) at TP2 (dp 2), TP2 x PP2 and TP2 x PP2 x VPP2,
 both equal to HF transformers; recompute none / selective / full-uniform / full-block give the
 same loss and gradients and fewer saved activation bytes, in the ratio the launcher's
-estimator predicts; the critic's value head under SP (and with full recompute). Plus
+estimator predicts; the critic's value head under SP (and with full recompute); context
+parallelism (tests/dist/cp_layouts.py, asserted in tests/test_context_parallel.py). Plus
 single-process config checks (sequence_parallel / recompute keys, attention "auto", the
-context-parallel refusal).
+context-parallel refusals).
 """
 
 from __future__ import annotations
@@ -216,14 +217,23 @@ def test_sequence_parallel_config():
         MegatronModelConfig(recompute="full", recompute_num_layers=0).validate()
 
 
-def test_context_parallel_is_refused_naming_the_key():
+def test_context_parallel_refusals_name_the_key():
+    """cp > 1 runs (tests/test_context_parallel.py); what does not is refused at start-up."""
     layout = ParallelLayout.build(ParallelConfig(tensor_parallel=1, context_parallel=2), 2)
-    with pytest.raises(ValueError, match=r"parallel\.context_parallel: 2 > 1 cannot run with layer spec 'local'.*"
-                                         r"transformer-engine layer spec.*actor\.attention: thd"):
-        check_context_parallel(layout, "local")
-    with pytest.raises(ValueError, match=r"parallel\.context_parallel.*not implemented"):
-        check_context_parallel(layout, "te", "thd")
-    check_context_parallel(ParallelLayout.build(ParallelConfig(), 1), "local")  # cp 1: fine
+    check_context_parallel(layout, "local")  # the local spec's CoreAttention all-gathers K/V
+    check_context_parallel(layout, "local", "mask", cp_comm_type="all_gather")
+    check_context_parallel(layout, "te", "thd", cp_comm_type="a2a")
+    with pytest.raises(ValueError, match=r"actor\.model\.cp_comm_type: 'p2p' .*transformer-engine"):
+        check_context_parallel(layout, "local", cp_comm_type="p2p")
+    with pytest.raises(ValueError, match=r"actor\.attention: 'mask' .*thd"):
+        check_context_parallel(layout, "te", "mask")
+    with pytest.raises(ValueError, match=r"parallel\.virtual_pipeline_parallel: 2 .*context_parallel"):
+        check_context_parallel(layout, "local", vpp=2)
+    with pytest.raises(ValueError, match=r"parallel\.context_parallel: 2 > 1 with multi-latent attention"):
+        check_context_parallel(layout, "local", mla=True)
+    with pytest.raises(ValueError, match="cp_comm_type"):
+        MegatronModelConfig(cp_comm_type="ring").validate()
+    check_context_parallel(ParallelLayout.build(ParallelConfig(), 1), "local", cp_comm_type="p2p")  # cp 1: unused
 
 
 def test_attention_auto_is_fused_varlen_with_transformer_engine():
@@ -236,3 +246,20 @@ def test_attention_auto_is_fused_varlen_with_transformer_engine():
     assert resolve_attention("mask", "te", None) == "mask" and resolve_attention("thd", "local", None) == "thd"
     with pytest.raises(ValueError, match="attention"):
         MegatronEngineConfig(attention="flash").validate()
+
+
+# ---------------------------------------------------------------- context parallelism (cheap subset)
+@pytest.mark.slow
+def test_context_parallel_equals_cp1(res):
+    """tests/dist/cp_layouts.py FAST_PAIRS in this launch: CP2 (dp 2) vs TP1 (dp 4) with every
+    gradient; CP2 x TP2 (SP, dp 1) vs the TP2 SP run above; the negative control (RoPE positions
+    not following the balanced split) fails the bound. Every layout: make test-cp."""
+    from tests.support.cp import assert_cp_equal, lp_tol as cp_lp_tol, maxdiff
+
+    C = res["cp"]
+    assert min(LENS) < 2 * 2  # a sequence shorter than 2 x CP chunks
+    assert_cp_equal(C["tp1"], C["cp2"], "cp2")
+    tp2 = dict(res["sp"]["tp2_spon"], cp=1)
+    assert_cp_equal(tp2, C["cp2tp2"], "cp2tp2")
+    bad = C["cp2_rope_unadjusted"]["logprobs"]
+    assert maxdiff(bad, C["tp1"]["logprobs"]) > 10 * cp_lp_tol(C["tp1"]["logprobs"])  # measured 0.069 vs 5.5e-5

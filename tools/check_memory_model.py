@@ -4,8 +4,8 @@
         tools/check_memory_model.py [--out results.jsonl]
 
 For a tiny bf16 Llama (the estimator prices bf16 weights, fp32 grads, fp32 master + Adam) in
-several layouts of the 2 ranks -- TP1 (dp 2), TP2 (dp 1, SP on and off), PP2 (dp 1) -- and
-recompute none / selective / full, it measures, per rank:
+several layouts of the 2 ranks -- TP1 (dp 2), TP2 (dp 1, SP on and off), PP2 (dp 1), CP2 (dp 1) --
+and recompute none / selective / full, it measures, per rank:
 
 * params / grads / optimizer: bytes of the engine's own tensors -- the model parameters, the
   DDP grad buffers' ``main_grad`` views, and the optimizer's fp32 master copies and Adam
@@ -135,17 +135,20 @@ MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_
 TOKENS = 160
 """Tokens of the one micro-batch each rank trains on (even: no SP padding; s^2 terms visible)."""
 
-CONFIGS = [  # name, tp, pp, sequence_parallel, recompute, method, num_layers
-    ("tp1", 1, 1, False, "none", "uniform", 1),
-    ("tp1_selective", 1, 1, False, "selective", "uniform", 1),
-    ("tp1_full", 1, 1, False, "full", "uniform", 1),
-    ("tp2_spoff", 2, 1, False, "none", "uniform", 1),
-    ("tp2_spon", 2, 1, True, "none", "uniform", 1),
-    ("tp2_spon_selective", 2, 1, True, "selective", "uniform", 1),
-    ("tp2_spon_full_uniform2", 2, 1, True, "full", "uniform", 2),
-    ("tp2_spon_full_block2", 2, 1, True, "full", "block", 2),
-    ("pp2", 1, 2, False, "none", "uniform", 1),
-    ("pp2_full", 1, 2, False, "full", "uniform", 1),
+CONFIGS = [  # name, tp, pp, sequence_parallel, recompute, method, num_layers, context_parallel
+    ("tp1", 1, 1, False, "none", "uniform", 1, 1),
+    ("tp1_selective", 1, 1, False, "selective", "uniform", 1, 1),
+    ("tp1_full", 1, 1, False, "full", "uniform", 1, 1),
+    ("tp2_spoff", 2, 1, False, "none", "uniform", 1, 1),
+    ("tp2_spon", 2, 1, True, "none", "uniform", 1, 1),
+    ("tp2_spon_selective", 2, 1, True, "selective", "uniform", 1, 1),
+    ("tp2_spon_full_uniform2", 2, 1, True, "full", "uniform", 2, 1),
+    ("tp2_spon_full_block2", 2, 1, True, "full", "block", 2, 1),
+    ("pp2", 1, 2, False, "none", "uniform", 1, 1),
+    ("pp2_full", 1, 2, False, "full", "uniform", 1, 1),
+    # context parallel: each rank holds 2 of the 4 chunks (80 tokens), attends over all 160
+    ("cp2", 1, 1, False, "none", "uniform", 1, 2),
+    ("cp2_selective", 1, 1, False, "selective", "uniform", 1, 2),
 ]
 
 
@@ -162,7 +165,7 @@ def _optimizer_tensors(optimizer):
     return out
 
 
-def measure(name, tp, pp, sp, recompute, method, num_layers, hf_dir) -> dict:
+def measure(name, tp, pp, sp, recompute, method, num_layers, cp, hf_dir) -> dict:
     import torch.distributed as dist
 
     from areal_mega.simulator.memory import ModelShape, settings_from_engine_config, stage_activations, stage_state
@@ -173,7 +176,8 @@ def measure(name, tp, pp, sp, recompute, method, num_layers, hf_dir) -> dict:
     from areal_mega.models import get_adapter, load_hf_config
     from areal_mega.parallel import ParallelConfig, ParallelLayout
 
-    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), dist.get_world_size())
+    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp),
+                                  dist.get_world_size())
     groups = init_model_parallel(layout, backend="gloo", seed=7)
     cfg = MegatronEngineConfig(
         model=MegatronModelConfig(dtype="bfloat16", sequence_parallel=sp, recompute=recompute,
@@ -203,11 +207,11 @@ def measure(name, tp, pp, sp, recompute, method, num_layers, hf_dir) -> dict:
     opt = [t for t in _optimizer_tensors(eng.optimizer) if t.untyped_storage().data_ptr() not in own]
     measured = torch.tensor([tensor_bytes(params), tensor_bytes(grads), tensor_bytes(opt), meter.peak_bytes],
                             dtype=torch.float64)
-    # optimizer state is split over DP by the distributed optimizer: its DP-sum is exact, the
-    # per-rank share depends on megatron's bucket ranges -> compare the DP mean
+    # optimizer state is split over DP (x CP) by the distributed optimizer: its sum is exact, the
+    # per-rank share depends on megatron's bucket ranges -> compare the mean
     opt_sum = measured[2].clone()
-    dist.all_reduce(opt_sum, group=groups.dp)
-    measured[2] = opt_sum / layout.dp
+    dist.all_reduce(opt_sum, group=groups.dp_cp)
+    measured[2] = opt_sum / (layout.dp * layout.cp)
 
     shape = ModelShape.from_arch(get_adapter(hf).arch)
     st = settings_from_engine_config(cfg, "bfloat16", tp, on_gpu=False, reserved_gib=0.0)
@@ -219,7 +223,7 @@ def measure(name, tp, pp, sp, recompute, method, num_layers, hf_dir) -> dict:
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, {"stage": k, "tp_rank": groups.coords.tp, "dp_rank": groups.coords.dp,
                                   "measured": measured.tolist(), "predicted": predicted,
-                                  "opt_sum_exact": int(opt_sum.item()) == int(round(ps.optimizer * layout.dp))})
+                                  "opt_sum_exact": int(opt_sum.item()) == int(round(ps.optimizer * layout.dp * layout.cp))})
     destroy_model_parallel()
     out = []
     for stage in sorted({r["stage"] for r in rows}):
@@ -227,7 +231,7 @@ def measure(name, tp, pp, sp, recompute, method, num_layers, hf_dir) -> dict:
         worst = max(mine, key=lambda r: r["measured"][3])
         keys = ("params", "grads", "optimizer", "activations")
         line = {
-            "config": name if pp == 1 else f"{name}/stage{stage}", "tp": tp, "pp": pp, "dp": layout.dp,
+            "config": name if pp == 1 else f"{name}/stage{stage}", "tp": tp, "pp": pp, "dp": layout.dp, "cp": cp,
             "sequence_parallel": bool(sp), "recompute": recompute
             + (f"/{method}/{num_layers}" if recompute == "full" else ""), "micro_batch_tokens": TOKENS,
             "predicted_bytes": dict(zip(keys, worst["predicted"])),

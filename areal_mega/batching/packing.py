@@ -46,7 +46,8 @@ import torch
 __all__ = [
     "MicroBatch", "MicroBatchPlan", "PAD_TOKEN_ID", "cu_seqlens_of", "last_token_mask", "next_token_labels",
     "pack_into_bins", "pack_sequences", "pad_to_longest_efficiency", "plan_microbatches", "scatter_to_batch",
-    "seqlens_of", "shift_to_next_token", "slice_microbatch", "split_for_dp", "validate_batch"
+    "seqlens_of", "shift_to_next_token", "slice_microbatch", "split_for_dp", "validate_batch",
+    "ContextShard", "context_shard", "context_shard_index", "cp_padded_length",
 ]
 
 PAD_TOKEN_ID = 0
@@ -341,3 +342,94 @@ def pad_to_longest_efficiency(seq_lens: Sequence[int], max_tokens: int) -> tuple
         computed += len(cur) * max(cur)
         num_mb += 1
     return sum(seq_lens) / computed, num_mb
+
+
+# -- context parallelism: the load-balanced split of a packed row over the CP ranks ---------------
+
+def cp_padded_length(cu_seqlens: torch.Tensor | Sequence[int], cp: int, multiple: int = 1) -> int:
+    """Row length a packed row runs at under context parallelism ``cp``: every sequence padded to
+    a multiple of 2 x cp (each is cut into 2 x cp equal chunks), the total rounded up to a
+    multiple of ``2 * cp * multiple`` (``multiple`` = tp under sequence parallelism: each CP
+    rank's share must split over the TP ranks). ``cp`` = 1: the plain length, to ``multiple``."""
+    lens = seqlens_of(cu_seqlens)
+    if cp <= 1:
+        return -(-sum(lens) // multiple) * multiple
+    c = 2 * cp
+    total = sum(-(-n // c) * c for n in lens)
+    step = c * multiple
+    return -(-total // step) * step
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """One CP rank's share of a packed row (the split megatron and transformer-engine use for THD).
+
+    Every sequence of the row is padded at its end to a multiple of 2 x cp and cut into 2 x cp
+    equal chunks; rank r holds chunks r and 2cp-1-r of EVERY sequence (so each rank gets an equal
+    share of the causal work: an early chunk with few keys and a late one with many). Pads
+    appended to reach ``padded_len`` form one trailing pad sequence, split the same way.
+
+    ``cu_padded`` [n + 2] (or [n + 1] with no trailing pad): the padded row's cu_seqlens;
+    ``cu_real`` [same]: cumulative REAL lengths of the same sequences (0 for the trailing pad):
+    transformer-engine's ``cu_seqlens_q`` beside ``cu_seqlens_q_padded`` = ``cu_padded``;
+    ``index`` [padded_len / cp]: the padded-row positions this rank holds, in its local order;
+    ``real_pos`` [T]: the padded-row position of each real token (row order).
+    """
+
+    cp: int
+    rank: int
+    cu_padded: torch.Tensor
+    cu_real: torch.Tensor
+    index: torch.Tensor
+    real_pos: torch.Tensor
+
+    @property
+    def padded_len(self) -> int:
+        return int(self.cu_padded[-1])
+
+    @property
+    def max_seqlen(self) -> int:
+        return int((self.cu_padded[1:] - self.cu_padded[:-1]).max())
+
+    def all_index(self) -> torch.Tensor:
+        """Padded-row positions of every rank's tokens, rank 0's first: the order an all-gather
+        over the CP group lays them out in."""
+        return torch.cat([context_shard_index(self.cu_padded, self.cp, r) for r in range(self.cp)])
+
+    def to_local(self, x: torch.Tensor, fill: Any = 0) -> torch.Tensor:
+        """A row-order per-token tensor [T, ...] -> this rank's tokens [padded_len / cp, ...]
+        (pads = ``fill``)."""
+        full = x.new_full((self.padded_len, *x.shape[1:]), fill)
+        full[self.real_pos.to(x.device)] = x
+        return full[self.index.to(x.device)]
+
+
+def context_shard_index(cu_padded: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Positions in the padded row of CP rank ``rank``'s tokens: per sequence, chunk ``rank``
+    then chunk ``2cp-1-rank`` (every padded length must divide by 2 x cp)."""
+    cu = [int(x) for x in cu_padded]
+    parts = []
+    for s, e in zip(cu[:-1], cu[1:]):
+        if (e - s) % (2 * cp):
+            raise ValueError(f"context parallel: padded sequence length {e - s} is not a multiple of 2 x cp = {2 * cp}")
+        c = (e - s) // (2 * cp)
+        parts += [torch.arange(s + rank * c, s + (rank + 1) * c),
+                  torch.arange(s + (2 * cp - 1 - rank) * c, s + (2 * cp - rank) * c)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def context_shard(cu_seqlens: torch.Tensor | Sequence[int], cp: int, rank: int, padded_len: int) -> ContextShard:
+    """CP rank ``rank``'s :class:`ContextShard` of the row ``cu_seqlens``, padded to ``padded_len``
+    (>= :func:`cp_padded_length`, a multiple of 2 x cp)."""
+    lens = seqlens_of(cu_seqlens)
+    c = 2 * cp
+    plens = [-(-n // c) * c for n in lens]
+    rest = padded_len - sum(plens)
+    if rest < 0 or rest % c:
+        raise ValueError(f"context parallel: padded_len {padded_len} cannot hold the row {lens} split in 2 x cp = {c}")
+    if rest:
+        plens, lens = plens + [rest], lens + [0]
+    cu_padded = cu_seqlens_of(plens)
+    real_pos = torch.cat([torch.arange(s, s + n) for s, n in zip(cu_padded[:-1].tolist(), lens)])
+    return ContextShard(cp=cp, rank=rank, cu_padded=cu_padded, cu_real=cu_seqlens_of(lens),
+                        index=context_shard_index(cu_padded, cp, rank), real_pos=real_pos)

@@ -14,11 +14,15 @@ through the layer spec (:func:`with_core_attention`):
   softmax scale, megatron's ``FusedScaleMaskSoftmax`` torch path with -10000 fill, fp32 softmax,
   bmm) -- so where both run, the outputs are bit-identical (tests/test_core_attention.py).
 
-Context parallelism (a later issue) is planned to extend this module, not replace it: the mask is
-computed from *global* token indices (``q_index`` / ``k_index`` in :func:`block_causal_mask`), so
-a CP rank that holds some query rows and all-gathered K/V passes its rows' global indices and gets
-the same per-sequence causal attention. The CP all-gather itself is not implemented here
-(``context_parallel_size > 1`` is still refused at start-up, megatron/model.py).
+Context parallelism (``context_parallel_size > 1``, the "all_gather" kind): each CP rank holds
+some query rows of every packed sequence (megatron's load-balanced THD split,
+megatron/context_parallel.py); K and V are all-gathered over the CP group
+(:func:`~areal_mega.megatron.context_parallel.all_gather_sequence`: the backward reduce-scatters
+dK / dV) and the mask is computed from *global* token indices (``q_index`` / ``k_index`` in
+:func:`block_causal_mask`, over ``cu_seqlens_q_padded``), so every rank gets exactly the
+per-sequence causal attention of its rows. Pads sit at the end of their sequence: causally no
+real token sees them. Memory: the gathered K/V [cp * t, groups, d] and the scores
+[heads, t, cp * t] per layer (docs/context_parallel.md).
 """
 
 from __future__ import annotations
@@ -72,9 +76,13 @@ class CoreAttention(torch.nn.Module):
 
         super().__init__()
         self.config = config
-        if config.context_parallel_size != 1:
-            raise ValueError(f"context_parallel_size: {config.context_parallel_size} > 1 is not implemented by "
-                             "areal_mega's CoreAttention yet (K/V all-gather across CP ranks)")
+        self.cp_group = None if pg_collection is None else getattr(pg_collection, "cp", None)
+        if config.context_parallel_size > 1:
+            if self.cp_group is None or self.cp_group.size() != config.context_parallel_size:
+                raise ValueError("context_parallel_size: CoreAttention needs the CP group (pg_collection.cp)")
+            if cp_comm_type not in (None, "all_gather"):
+                raise ValueError(f"actor.model.cp_comm_type: {cp_comm_type!r} is not implemented by the local "
+                                 "spec's CoreAttention (all_gather only; p2p / a2a need transformer-engine)")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"softmax_type: {config.softmax_type!r} is not supported by CoreAttention")
         if getattr(config, "window_size", None) is not None:
@@ -111,7 +119,21 @@ class CoreAttention(torch.nn.Module):
         if attention_bias is not None:
             raise ValueError("attention_bias: not supported by CoreAttention")
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        if thd:
+        cp = self.config.context_parallel_size
+        if cp > 1:
+            if not thd or packed_seq_params.cu_seqlens_q_padded is None:
+                raise ValueError("context_parallel_size > 1: CoreAttention needs THD packed_seq_params with "
+                                 "cu_seqlens_q_padded (the engine's context_parallel.packed_seq_params)")
+            from areal_mega.batching.packing import context_shard_index
+            from areal_mega.megatron.context_parallel import all_gather_sequence
+
+            cu = packed_seq_params.cu_seqlens_q_padded
+            key, value = all_gather_sequence(key, self.cp_group), all_gather_sequence(value, self.cp_group)
+            q_index = context_shard_index(cu, cp, self.cp_group.rank())
+            k_index = torch.cat([context_shard_index(cu, cp, r) for r in range(cp)])
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            attention_mask = block_causal_mask(cu, cu, q_index=q_index, k_index=k_index).to(query.device)
+        elif thd:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
             attention_mask = block_causal_mask(packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv,
                                                ).to(query.device)

@@ -16,7 +16,10 @@ and of the DP size): ``loss_fn`` returns this micro-batch's SHARE of the global 
 this with ``global_counts``), and the engine SUMS shares over micro-batches and DP ranks.
 megatron's schedule divides each micro-batch loss by ``num_microbatches`` and DDP averages
 gradients over DP ranks, so the engine multiplies each share by ``num_microbatches * dp``
-before backward. Gradients therefore equal d(sum of shares), exactly.
+before backward. Gradients therefore equal d(sum of shares), exactly. Context parallelism
+(docs/context_parallel.md): every CP rank holds 2 of the 2 x cp chunks of each sequence, gathers
+the per-token outputs back (megatron/context_parallel.py) and returns the same share; the
+schedule's x cp and DDP's 1/(dp x cp) cancel, and the parameter gradients sum over the CP ranks.
 
 Attention over packed rows: on CPU (and with the "local" layer spec) a block-diagonal causal
 mask [1, 1, T, T] (areal_mega.megatron.model.packed_causal_mask) -- O(T^2) memory per
@@ -53,9 +56,10 @@ from areal_mega.megatron import compat
 from areal_mega.megatron.logprobs import vocab_parallel_logprobs
 from areal_mega.utils.stats import LAST, reduction
 from areal_mega.megatron.model import (
-    MegatronModel, MegatronModelConfig, build_model, check_context_parallel, load_hf_weights, packed_causal_mask,
-    run_schedule,
+    MegatronModel, MegatronModelConfig, build_model, check_context_parallel, context_forward, load_hf_weights,
+    microbatch_shard, packed_causal_mask, row_lengths, run_schedule,
 )
+from areal_mega.megatron.context_parallel import gather_tokens
 from areal_mega.megatron.routing import BatchReplay
 from areal_mega.batching.packing import (
     last_token_mask,
@@ -185,7 +189,9 @@ class MegatronTrainEngine(TrainEngine):
         self.attention = resolve_attention(cfg.attention, model.layer_spec, model.groups.layout.vpp)
         if self.attention == "thd" and model.layer_spec != "te":
             raise ValueError("attention: 'thd' needs the transformer-engine layer spec (model.layer_spec='te')")
-        check_context_parallel(model.groups.layout, model.layer_spec, self.attention)
+        check_context_parallel(model.groups.layout, model.layer_spec, self.attention,
+                               cp_comm_type=cfg.model.cp_comm_type, vpp=model.groups.layout.vpp,
+                               mla=model.arch.mla is not None)
         if model.groups.layout.vpp:
             if self.attention == "thd":
                 raise ValueError(
@@ -314,6 +320,8 @@ class MegatronTrainEngine(TrainEngine):
                 self.replay.set_targets(chunk, mb["routed_experts"], T)
             else:
                 self.replay.observe(chunk)
+        if "context_shard" in mb:  # context parallelism: this rank's chunks, THD over the whole row
+            return context_forward(chunk, mb, self._device, self.groups.cp)
         tokens = mb["input_ids"].view(1, T).to(self._device)
         positions = torch.arange(T, device=self._device).view(1, T)
         if self.attention == "thd":
@@ -329,18 +337,30 @@ class MegatronTrainEngine(TrainEngine):
         return chunk(tokens, positions, mask)
 
     def _token_outputs(self, output: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
-        """Last stage: logits [1, T, V/tp] -> (logprobs [T], entropy [T]), 0 at sequence ends."""
+        """Last stage: logits [1, T, V/tp] -> (logprobs [T], entropy [T]), 0 at sequence ends.
+        Under context parallelism ``output`` holds this CP rank's tokens; the log-probs are
+        computed on them and gathered back into row order (:meth:`_gather_tokens`)."""
         labels = next_token_labels(mb["input_ids"], mb["cu_seqlens"])
+        shard = self._shard(mb, output)
         lp, ent = vocab_parallel_logprobs(
             output[0],
-            labels,
+            labels if shard is None else shard.to_local(labels, 0),
             tp_group=self.groups.tp,
             temperature=temperature,
             with_entropy=with_entropy,
             vocab_size=self.model.arch.vocab_size,
         )
+        if shard is not None:
+            lp, ent = gather_tokens(lp, shard, self.groups.cp), gather_tokens(ent, shard, self.groups.cp)
         ends = last_token_mask(mb["cu_seqlens"], labels.numel())
         return lp.masked_fill(ends, 0.0), ent.masked_fill(ends, 0.0)
+
+    def _shard(self, mb: dict[str, torch.Tensor], output: torch.Tensor):
+        """The ContextShard ``output`` [1, t_local, ...] of micro-batch ``mb`` was computed on
+        (None at cp 1): the row ran at t_local * cp tokens."""
+        if self.layout.cp <= 1:
+            return None
+        return microbatch_shard(self.model, mb, output.shape[1] * self.layout.cp)
 
     def _run_schedule(self, mbs: list[dict[str, torch.Tensor]], loss_func: Callable, forward_only: bool) -> list[Any]:
         return run_schedule(self.model, self.chunks, mbs, loss_func, self._model_forward, device=self._device,
@@ -397,13 +417,27 @@ class MegatronTrainEngine(TrainEngine):
     def _natural_routes(self, batch: dict[str, torch.Tensor], mbs: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """The experts this model's routers chose themselves in the forward just run (whatever was
         replayed), int16 [T, layers * top_k] in batch order on every rank."""
-        rows = self.replay.natural_rows(self.chunks, mbs, int(batch["cu_seqlens"][-1]), batch["cu_seqlens"])
+        rows = self.replay.natural_rows(self.chunks, self._row_tokens(batch, mbs), int(batch["cu_seqlens"][-1]))
         self.replay.reset(self.chunks)
         rows = rows.to(self._device)
         for g in (self.groups.tp, self.groups.pp, self.groups.dp_cp):  # one contribution per (token, layer)
             if dist.get_world_size(g) > 1:
                 dist.all_reduce(rows, group=g)
         return rows.cpu().view(rows.shape[0], -1).to(torch.int16)
+
+    def _row_tokens(self, batch: dict[str, torch.Tensor], mbs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Per micro-batch: the batch token index of every position of the row this rank ran
+        (its CP share under context parallelism), -1 at pads and fillers."""
+        cu = batch["cu_seqlens"].tolist()
+        out = []
+        for mb, n in zip(mbs, row_lengths(self.model, mbs)):
+            idx = mb["seq_indices"].tolist()
+            tok = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in idx]) if idx else torch.full((1,), -1)
+            if self.layout.cp > 1:
+                out.append(microbatch_shard(self.model, mb, n).to_local(tok, -1))
+            else:
+                out.append(torch.cat([tok, tok.new_full((n - tok.numel(),), -1)]))
+        return out
 
     def forward_logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
         """log softmax(logits / temperature)[next token], flat [T] on every rank (see forward)."""
@@ -424,7 +458,7 @@ class MegatronTrainEngine(TrainEngine):
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         plan, mbs = self._plan(batch)
         num_mb = len(mbs)
-        dp_cp = dist.get_world_size(self.groups.dp_cp)
+        dp = self.layout.dp
 
         def loss_func(mb, output):
             lp, ent = self._token_outputs(output, mb, temperature, self.cfg.compute_entropy)
@@ -434,7 +468,9 @@ class MegatronTrainEngine(TrainEngine):
             reported = {"loss": loss.detach().clone().float()}
             reported.update({k: torch.as_tensor(v).detach().float().reshape(()).cpu() for k, v in stats.items()})
             # Undo the schedule's 1/num_microbatches and DDP's 1/dp averaging: shares are summed.
-            return loss * (num_mb * dp_cp), reported
+            # (Under CP the schedule multiplies by cp and DDP averages over dp x cp: that cancels;
+            # every CP rank returns the same share, its gradient flowing through its own tokens.)
+            return loss * (num_mb * dp), reported
 
         for c in self.chunks:
             c.train()

@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from areal_mega.megatron import compat, cpu_compat
+from areal_mega.batching.packing import ContextShard, context_shard, cp_padded_length
 from areal_mega.megatron.attention import with_core_attention
+from areal_mega.megatron.context_parallel import context_inputs, gather_tokens, packed_seq_params
 from areal_mega.megatron.parallel_state import ModelParallelGroups, tp_all_gather
 from areal_mega.models import get_adapter
 from areal_mega.models.base import ExpertExport, ModelAdapter, ModelArch, StagePlan, padded_vocab_size, torch_dtype
@@ -82,6 +84,14 @@ class MegatronModelConfig:
     recompute_num_layers: int = 1
     """With recompute "full": layers per recompute unit ("uniform") or layers recomputed per
     pipeline chunk ("block")."""
+    cp_comm_type: Literal["auto", "all_gather", "p2p", "a2a", "a2a+p2p"] = "auto"
+    """How attention crosses the context-parallel ranks (parallel.context_parallel > 1; unused at
+    cp 1; docs/context_parallel.md). "all_gather": every rank all-gathers K/V of the whole row
+    (the backward reduce-scatters dK/dV) -- the only kind of the local spec's CoreAttention (CPU);
+    "p2p": transformer-engine's ring of K/V blocks, overlapped with compute; "a2a": TE's
+    all-to-all over heads (Ulysses-style; heads / tp must divide by cp); "a2a+p2p": both,
+    hierarchical (TE). The TE kinds need layer_spec te. "auto" = all_gather on the local spec,
+    p2p on the TE spec (megatron's default)."""
 
     def validate(self) -> None:
         if self.layer_spec not in ("auto", "local", "te"):
@@ -94,6 +104,8 @@ class MegatronModelConfig:
             raise ValueError(f"recompute_method: {self.recompute_method!r} is not one of uniform, block")
         if self.recompute_num_layers < 1:
             raise ValueError(f"recompute_num_layers: must be >= 1, got {self.recompute_num_layers}")
+        if self.cp_comm_type not in ("auto", "all_gather", "p2p", "a2a", "a2a+p2p"):
+            raise ValueError(f"cp_comm_type: {self.cp_comm_type!r} is not one of auto, all_gather, p2p, a2a, a2a+p2p")
         if self.moe_aux_loss_coef < 0:
             raise ValueError(f"moe_aux_loss_coef: must be >= 0, got {self.moe_aux_loss_coef}")
         if self.moe_routing_replay not in ("off", "rollout", "proximal"):
@@ -105,6 +117,12 @@ class MegatronModelConfig:
             torch_dtype(self.dtype)
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"make_vocab_size_divisible_by: must be >= 1, got {self.make_vocab_size_divisible_by}")
+
+    def cp_comm_type_for(self, spec: str) -> str:
+        """The resolved cp_comm_type for layer spec ``spec`` ("auto" = all_gather local, p2p te)."""
+        if self.cp_comm_type == "auto":
+            return "p2p" if spec == "te" else "all_gather"
+        return self.cp_comm_type
 
     def sequence_parallel_for(self, tp: int) -> bool:
         """The resolved sequence_parallel setting at tensor-parallel size ``tp``: off at TP1
@@ -180,6 +198,7 @@ def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: Megatr
         pipeline_model_parallel_size=lay.pp,
         virtual_pipeline_model_parallel_size=lay.vpp,
         context_parallel_size=lay.cp,
+        cp_comm_type=cfg.cp_comm_type_for(spec_name) if lay.cp > 1 else None,
         sequence_parallel=cfg.sequence_parallel_for(lay.tp),
         params_dtype=dt,
         pipeline_dtype=dt,
@@ -279,31 +298,31 @@ def recompute_kwargs(cfg: MegatronModelConfig) -> dict[str, Any]:
             "recompute_num_layers": cfg.recompute_num_layers}
 
 
-def check_context_parallel(layout, spec_name: str, attention: str | None = None) -> None:
-    """Refuse cp > 1 where it cannot run, at start-up, naming the key (never silently ignored).
+def check_context_parallel(layout, spec_name: str, attention: str | None = None, *,
+                           cp_comm_type: str = "auto", vpp: int | None = None, mla: bool = False) -> None:
+    """Refuse, at start-up and naming the key, the context-parallel setups that cannot run.
 
-    The engine does not split sequences over CP ranks: megatron's context parallelism needs
-    transformer-engine's TEDotProductAttention (the local spec's DotProductAttention asserts
-    cp == 1) AND per-rank load-balanced THD chunks of every packed sequence (2 x cp chunks,
-    cu_seqlens and positions per rank, outputs gathered back), which areal_mega does not
-    implement yet. So cp > 1 is refused with every spec; the message says what is missing."""
+    cp > 1 runs every packed sequence split in 2 x cp load-balanced chunks
+    (megatron/context_parallel.py): on the local spec through the project's CoreAttention
+    (cp_comm_type all_gather), on the TE spec through transformer-engine's attention (THD,
+    any cp_comm_type). Not supported: another cp_comm_type on the local spec, mask attention on
+    the TE spec (TE's CP needs THD), interleaved pipelines (untested with CP) and multi-latent
+    attention (MLA's RoPE path under CP is untested)."""
     if layout.cp <= 1:
         return
-    need = ("the transformer-engine layer spec (actor.model.layer_spec: te, needs transformer_engine "
-            "on GPU) with THD packed attention (actor.attention: thd)")
-    if spec_name != "te" or (attention is not None and attention != "thd"):
-        raise ValueError(
-            f"parallel.context_parallel: {layout.cp} > 1 cannot run with layer spec {spec_name!r}"
-            + (f" and attention {attention!r}" if attention is not None else "")
-            + f": context parallelism needs {need}, plus per-rank sequence chunking, which this "
-            "engine does not implement; set parallel.context_parallel: 1 (use tensor_parallel / "
-            "sequence_parallel for long sequences)"
-        )
-    raise ValueError(
-        f"parallel.context_parallel: {layout.cp} > 1 is not implemented by this engine (it needs "
-        f"{need} -- present -- and load-balanced 2 x cp chunking of each packed sequence with "
-        "per-rank cu_seqlens, which is not implemented); set parallel.context_parallel: 1"
-    )
+    kind = cp_comm_type if cp_comm_type != "auto" else ("p2p" if spec_name == "te" else "all_gather")
+    if spec_name != "te" and kind != "all_gather":
+        raise ValueError(f"actor.model.cp_comm_type: {kind!r} at parallel.context_parallel {layout.cp} needs the "
+                         "transformer-engine layer spec (layer_spec: te); the local spec all-gathers K/V (all_gather)")
+    if spec_name == "te" and attention is not None and attention != "thd":
+        raise ValueError(f"actor.attention: {attention!r} at parallel.context_parallel {layout.cp} with the TE spec "
+                         "is not supported (transformer-engine's context parallelism needs thd)")
+    if vpp:
+        raise ValueError(f"parallel.virtual_pipeline_parallel: {vpp} with parallel.context_parallel {layout.cp} > 1 "
+                         "is not supported yet (untested); use one of them")
+    if mla:
+        raise ValueError(f"parallel.context_parallel: {layout.cp} > 1 with multi-latent attention is not supported "
+                         "yet (MLA's RoPE under CP is untested); set parallel.context_parallel: 1")
 
 
 def build_model(
@@ -336,7 +355,7 @@ def build_model(
             key = "moe_aux_loss_coef" if cfg.moe_aux_loss_coef > 0 else "moe_routing_replay"
             raise ValueError(f"actor.model.{key}: set, but it {dense}")
     spec_name = resolve_layer_spec(cfg.layer_spec)
-    check_context_parallel(lay, spec_name)
+    check_context_parallel(lay, spec_name, cp_comm_type=cfg.cp_comm_type, vpp=lay.vpp, mla=arch.mla is not None)
     dtype = cfg.dtype or arch.dtype
     tcfg = transformer_config(arch, groups, cfg, dtype, spec_name)
     # MoE experts: TE spec = TEGroupedMLP (grouped GEMM, GPU); local spec = SequentialMLP (one
@@ -495,25 +514,51 @@ def packed_causal_mask(cu_seqlens: torch.Tensor, total_len: int | None = None) -
     return (~allowed).view(1, 1, total, total)
 
 
-def padded_length(model: MegatronModel, num_tokens: int) -> int:
-    """Row length a micro-batch of ``num_tokens`` runs at: a multiple of TP under sequence
-    parallelism (megatron scatters the token dim over the TP ranks), else unchanged."""
-    m = model.groups.layout.tp if model.config.sequence_parallel else 1
-    return -(-num_tokens // m) * m
+def row_length(model: MegatronModel, mb: dict[str, torch.Tensor]) -> int:
+    """Row length micro-batch ``mb`` runs at (before the context-parallel split): a multiple of
+    TP under sequence parallelism (megatron scatters the token dim over the TP ranks); under
+    context parallelism every sequence padded to 2 x cp chunks and the row to 2 x cp (x tp with
+    SP) (batching.packing.cp_padded_length); else unchanged."""
+    lay = model.groups.layout
+    return cp_padded_length(mb["cu_seqlens"], lay.cp, lay.tp if model.config.sequence_parallel else 1)
+
+
+def row_lengths(model: MegatronModel, mbs: list[dict[str, torch.Tensor]]) -> list[int]:
+    """:func:`row_length` of every micro-batch of a step -- under VPP all the longest one's
+    (fixed p2p shape, compat entry 7)."""
+    lens = [row_length(model, mb) for mb in mbs]
+    return [max(lens)] * len(lens) if len(model.chunks) > 1 else lens
+
+
+def microbatch_shard(model: MegatronModel, mb: dict[str, torch.Tensor], padded_len: int) -> ContextShard:
+    """This rank's context-parallel share of ``mb`` run at ``padded_len`` (see ContextShard)."""
+    return context_shard(mb["cu_seqlens"], model.groups.layout.cp, model.groups.coords.cp, padded_len)
+
+
+def context_forward(chunk, inputs: dict[str, Any], device: torch.device, cp_group: Any) -> torch.Tensor:
+    """One chunk's forward on a context-parallel rank's inputs (:func:`context_inputs`): THD
+    packed_seq_params over the whole row; attention builds its mask (or TE its kernels) from them."""
+    T = int(inputs["input_ids"].numel())
+    positions = torch.arange(T, device=device).view(1, T)  # unused: RoPE follows cu_seqlens_q_padded
+    psp = packed_seq_params(inputs["context_shard"], device, cp_group)
+    return chunk(inputs["input_ids"].view(1, T).to(device), positions, None, packed_seq_params=psp)
 
 
 def run_schedule(model: MegatronModel, chunks: list, mbs: list[dict[str, torch.Tensor]], loss_func: Callable,
                  model_forward: Callable, *, device: torch.device, forward_only: bool) -> list[Any]:
     """megatron's forward(-backward) schedule over the micro-batches ``mbs`` (packed rows:
     ``input_ids`` [T], ``cu_seqlens``, per-token fields) through ``chunks`` (the model's, or its
-    DDP wrappers); ``model_forward(chunk, mb)`` runs one chunk, ``loss_func(mb, output)`` sees
-    only the real tokens. Rows are padded as megatron needs them (:func:`padded_length`; under
-    VPP every row to the longest, compat entries 7-8). The engine and :func:`forward_logits`
-    both run through here."""
+    DDP wrappers); ``model_forward(chunk, inputs)`` runs one chunk on the model inputs, and
+    ``loss_func(mb, output)`` sees only the real tokens -- except under context parallelism,
+    where ``inputs`` are this CP rank's share (``context_shard`` set, megatron/context_parallel.py)
+    and ``output`` holds this rank's tokens (the loss gathers them, see the engine). Rows are
+    padded as megatron needs them (:func:`row_lengths`; under VPP every row to the longest,
+    compat entries 7-8). The engine and :func:`forward_logits` both run through here."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    seq_length = max(padded_length(model, int(mb["input_ids"].numel())) for mb in mbs)
+    seq_length = max(row_lengths(model, mbs))
     many = len(chunks) > 1
+    cp = model.groups.layout.cp
     if many:
         # Interleaved 1F1B: fixed-shape p2p (no variable_seq_lengths, see
         # compat.configure_interleaved_p2p), so every micro-batch runs padded to the longest one.
@@ -528,7 +573,10 @@ def run_schedule(model: MegatronModel, chunks: list, mbs: list[dict[str, torch.T
         mb = {k: v.to(device) for k, v in next(data_iterator).items()}
         T = int(mb["input_ids"].numel())
         # VPP: the fixed p2p shape (compat entry 7); else a multiple of TP under SP (or T).
-        target = seq_length if many else padded_length(model, T)
+        target = seq_length if many else row_length(model, mb)
+        if cp > 1:  # this rank's chunks of every sequence; the loss gathers the tokens back
+            shard = microbatch_shard(model, mb, target)
+            return model_forward(chunk, context_inputs(mb, shard)), partial(loss_func, mb)
         if T == target:
             return model_forward(chunk, mb), partial(loss_func, mb)
         # Padded: the loss sees only the real tokens (compat.pad_microbatch / trimmed_loss).
@@ -540,7 +588,7 @@ def run_schedule(model: MegatronModel, chunks: list, mbs: list[dict[str, torch.T
         data_iterator=[iter(mbs) for _ in chunks] if many else iter(mbs),
         model=chunks if many else chunks[0],
         num_microbatches=len(mbs),
-        seq_length=seq_length,  # the p2p shape under VPP; ignored (variable_seq_lengths) otherwise
+        seq_length=seq_length,  # the p2p shape under VPP (megatron divides by cp, and tp under SP)
         micro_batch_size=1,
         forward_only=forward_only,
     )
@@ -563,11 +611,16 @@ def forward_logits(
     out: list[torch.Tensor] = []
 
     def mask_forward(chunk, mb):
+        if "context_shard" in mb:
+            return context_forward(chunk, mb, dev, g.cp)
         T = int(mb["input_ids"].numel())
         positions = torch.arange(T, device=dev).view(1, T)
         return chunk(mb["input_ids"].view(1, T), positions, packed_causal_mask(mb["cu_seqlens"], T).to(dev))
 
     def keep(mb, output):
+        if g.layout.cp > 1:  # this rank's tokens [1, t, V/tp] -> the row's [1, T, V/tp]
+            shard = microbatch_shard(model, mb, output.shape[1] * g.layout.cp)
+            output = gather_tokens(output[0], shard, g.cp).unsqueeze(0)
         out.append(output.detach())
         # The schedule divides the returned loss in place: give it a fresh tensor.
         return torch.zeros((), device=output.device), {}

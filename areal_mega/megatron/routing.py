@@ -210,29 +210,25 @@ class BatchReplay:
             rep.clear_indices()
             rep.natural = []
 
-    def natural_rows(self, chunks, micro_batches: list[dict[str, torch.Tensor]], total: int,
-                     cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def natural_rows(self, chunks, row_tokens: list[torch.Tensor], total: int) -> torch.Tensor:
         """The experts the routers chose themselves in the forwards since :meth:`reset`, scattered
         into batch token order: int32 [total, layers, top_k], zeros where this rank did not route
-        (other stages' layers, other DP ranks' sequences, other SP shards; and all of them on TP
-        ranks > 0 without SP, whose tokens rank 0 already holds). Summing over every rank gives each
-        (token, layer) exactly once."""
+        (other stages' layers, other DP ranks' sequences, other CP ranks' chunks, other SP shards;
+        and all of them on TP ranks > 0 without SP, whose tokens rank 0 already holds). Summing
+        over every rank gives each (token, layer) exactly once. ``row_tokens[i]``: the batch token
+        of every position of micro-batch i's row as this rank ran it, -1 at pads."""
         out = torch.zeros(total, self.num_layers, self.top_k, dtype=torch.int32)
         if not self.sequence_parallel and self.tp_rank > 0:
             return out
-        cu = cu_seqlens.tolist()
         for layer, router in routers_of(chunks):
             nat = router.router_replay.natural
-            assert len(nat) == len(micro_batches), (len(nat), len(micro_batches))
-            for mb, idx in zip(micro_batches, nat):
-                if not mb["seq_indices"].numel():
-                    continue  # a filler micro-batch
-                # under SP every rank routes an equal shard of the padded row: rank r's starts at r * len
+            assert len(nat) == len(row_tokens), (len(nat), len(row_tokens))
+            for tok, idx in zip(row_tokens, nat):
+                # under SP every rank routes an equal shard of the row: rank r's starts at r * len
                 start = self.tp_rank * idx.shape[0] if self.sequence_parallel and self.tp_size > 1 else 0
-                tok = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in mb["seq_indices"].tolist()])
-                pos = torch.arange(start, start + idx.shape[0])
-                keep = pos < tok.numel()
-                out[tok[pos[keep]], layer] = idx[keep].to(torch.int32).cpu()
+                t = tok[start:start + idx.shape[0]]
+                keep = t >= 0
+                out[t[keep], layer] = idx[:t.numel()][keep].to(torch.int32).cpu()
         return out
 
 

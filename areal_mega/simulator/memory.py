@@ -166,7 +166,11 @@ class LearnerSettings:
     recompute_method: Literal["uniform", "block"] = "uniform"
     recompute_num_layers: int = 1
     micro_batch_tokens: int = 8192
-    """``actor.max_tokens_per_microbatch``: T (= s, the packed row) of one micro-batch."""
+    """``actor.max_tokens_per_microbatch``: T (= s, the packed row) of one micro-batch. Under
+    context parallelism each of the cp ranks holds T / cp of its tokens (and attends over all T)."""
+    cp_comm_type: str = "all_gather"
+    """``actor.model.cp_comm_type`` resolved (used at cp > 1): "all_gather" keeps the gathered
+    K/V of the whole row per layer; TE's "p2p" / "a2a" kinds only pass blocks in flight."""
     grad_reduce_in_fp32: bool = True
     """``actor.grad_reduce_in_fp32``."""
     distributed_optimizer: bool = True
@@ -198,6 +202,7 @@ def settings_from_engine_config(engine_cfg, arch_dtype: str, tp: int, *, on_gpu:
         micro_batch_tokens=engine_cfg.max_tokens_per_microbatch, grad_reduce_in_fp32=engine_cfg.grad_reduce_in_fp32,
         distributed_optimizer=engine_cfg.optimizer.use_distributed_optimizer,
         make_vocab_size_divisible_by=mc.make_vocab_size_divisible_by, reserved_gib=reserved_gib,
+        cp_comm_type=mc.cp_comm_type_for(spec),
     )
 
 
@@ -210,7 +215,10 @@ def learner_settings(exp: "ExperimentConfig", m: ModelShape, layout: ParallelLay
 
     res = exp.launch.learner.reserved_gib
     s = settings_from_engine_config(exp.actor, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res, vpp=layout.vpp)
-    check_context_parallel(layout, s.layer_spec, s.attention)  # cp > 1: refused here as at start-up
+    # what cp > 1 cannot run is refused here as at start-up
+    # (ModelShape refuses multi-latent attention itself)
+    check_context_parallel(layout, s.layer_spec, s.attention, cp_comm_type=exp.actor.model.cp_comm_type,
+                           vpp=layout.vpp)
     critic = None
     if exp.algorithm.adv_estimator == "gae":
         critic = settings_from_engine_config(exp.critic, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res,
@@ -293,7 +301,8 @@ class LearnerMemory:
                 f"sequence_parallel={str(s.sequence_parallel).lower()} recompute={s.recompute}"
                 + (f" ({s.recompute_method}, {s.recompute_num_layers} layers)" if s.recompute == "full" else "")
                 + f"; actor.attention={s.attention}; actor.max_tokens_per_microbatch={s.micro_batch_tokens}; "
-                f"actor.optimizer.use_distributed_optimizer={str(s.distributed_optimizer).lower()}"
+                f"actor.optimizer.use_distributed_optimizer={str(s.distributed_optimizer).lower()}; "
+                f"actor.model.cp_comm_type={s.cp_comm_type} (at context_parallel > 1)"
             )
         out += "".join(f"\n  note: {n}" for n in self.notes)
         return out
@@ -303,14 +312,24 @@ def _norm_bytes(s: LearnerSettings) -> int:
     return 4 if s.layer_spec == "local" else s.b
 
 
-def _attention_mask_terms(m: ModelShape, s: LearnerSettings, t: int) -> tuple[float, float]:
-    """(bytes per token kept by a layer's core attention, bytes per token of its rematerialisation
-    under selective recompute)."""
+def _attention_mask_terms(m: ModelShape, s: LearnerSettings, t: int, cp: int = 1) -> tuple[float, float]:
+    """(bytes per (this rank's) token kept by a layer's core attention, bytes per token of its
+    rematerialisation under selective recompute). ``cp`` > 1: every rank attends over all T
+    tokens of the row with T / cp queries (docs/context_parallel.md)."""
     a, g, d, T, b = m.num_attention_heads, m.num_key_value_heads, m.d, s.micro_batch_tokens, s.b
     probs = 4 + (b if s.dtype != "float32" else 0)  # fp32 softmax (+ its cast to the compute dtype)
     if s.attention == "thd":
         # fused varlen kernel: rotated q and k, the qkv buffer (v is a view of it), softmax lse
-        return b * (a + g) * d / t + b * (a + 2 * g) * d / t + 4 * a / t, 0.0
+        own = b * (a + g) * d / t + b * (a + 2 * g) * d / t + 4 * a / t
+        # all_gather CP: the gathered K and V of the whole row (cp x this rank's tokens) are kept
+        gathered = 2 * b * g * d * cp / t if cp > 1 and s.cp_comm_type == "all_gather" else 0.0
+        return own + gathered, 0.0
+    if cp > 1:
+        # CoreAttention under CP: q; K and V all-gathered (then expanded to a heads under GQA):
+        # cp x this rank's tokens; fp32 scores + probabilities over all T keys; the layer's
+        # boolean mask [T / cp, T] (1 byte per key, rebuilt per layer, kept by masked_fill)
+        inner = (b * a * d + 2 * b * a * d * cp) / t + probs * a * T / t + T
+        return inner, inner
     # dense: q (a heads), k and v expanded to a heads (copies under GQA; without GQA, k is
     # rotated and v a view of the qkv buffer), fp32 softmax + probabilities, a*s each
     kv = 2 * b * a * d if a > g else b * a * d + b * (a + 2 * g) * d
@@ -331,12 +350,13 @@ def _dispatch_bytes_per_token(m: ModelShape, s: LearnerSettings) -> float:
     return 8 * m.num_experts + 2 * m.num_experts_per_tok * s.b * m.hidden_size
 
 
-def layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int) -> float:
-    """Bytes one layer keeps per micro-batch token for backward without recompute."""
+def layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int, cp: int = 1) -> float:
+    """Bytes one layer keeps per micro-batch token (of this rank: T / cp of them) for backward
+    without recompute."""
     h, f, d, a, b = m.hidden_size, _active_mlp_width(m), m.d, m.num_attention_heads, s.b
     sig = t if s.sequence_parallel else 1
     rope = 4 * b * d
-    attn, _ = _attention_mask_terms(m, s, t)
+    attn, _ = _attention_mask_terms(m, s, t, cp)
     if s.layer_spec == "te":
         norms_linears = 2 * (2 * b * h + 4) / sig
         mlp = 3 * b * f / t
@@ -346,23 +366,24 @@ def layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int) -> float:
     return norms_linears + rope + attn + b * a * d / t + mlp + _dispatch_bytes_per_token(m, s)
 
 
-def selective_layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int) -> float:
+def selective_layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int, cp: int = 1) -> float:
     """A layer under selective (core attention) recompute: the attention internals are dropped;
     its checkpoint keeps rotated q (a heads), k (g heads) and the qkv buffer (v is a view)."""
     b, a, g, d = s.b, m.num_attention_heads, m.num_key_value_heads, m.d
-    attn, _ = _attention_mask_terms(m, s, t)
+    attn, _ = _attention_mask_terms(m, s, t, cp)
     kept = b * (a + g) * d / t + b * (a + 2 * g) * d / t
-    return layer_bytes_per_token(m, s, t) - attn + kept
+    return layer_bytes_per_token(m, s, t, cp) - attn + kept
 
 
-def activation_bytes_per_token(m: ModelShape, s: LearnerSettings, tp: int) -> float:
-    """Bytes one layer keeps per micro-batch token for backward under ``s.recompute`` (the
-    per-layer term of the module docstring; "full" = the kept input of a 1-layer unit)."""
+def activation_bytes_per_token(m: ModelShape, s: LearnerSettings, tp: int, cp: int = 1) -> float:
+    """Bytes one layer keeps per micro-batch token (of this rank) for backward under
+    ``s.recompute`` (the per-layer term of the module docstring; "full" = the kept input of a
+    1-layer unit)."""
     if s.recompute == "selective":
-        return selective_layer_bytes_per_token(m, s, tp)
+        return selective_layer_bytes_per_token(m, s, tp, cp)
     if s.recompute == "full":
         return s.b * m.hidden_size / (tp if s.sequence_parallel else 1)
-    return layer_bytes_per_token(m, s, tp)
+    return layer_bytes_per_token(m, s, tp, cp)
 
 
 def _mlp_half_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int) -> float:
@@ -375,21 +396,23 @@ def _mlp_half_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int) -> floa
     return (8 * h + 4) / sig + b * h / sig + 5 * b * f / t + _dispatch_bytes_per_token(m, s)
 
 
-def _chunk_bytes(m: ModelShape, s: LearnerSettings, t: int, layers: int) -> tuple[float, float]:
+def _chunk_bytes(m: ModelShape, s: LearnerSettings, t: int, layers: int, cp: int = 1) -> tuple[float, float]:
     """(bytes one pipeline chunk keeps for one micro-batch after its forward, its peak during the
     backward's rematerialisation), both per micro-batch (the module docstring's terms). Backward
     runs the layers last to first and frees each layer's saves after its backward, so a
-    rematerialised unit coexists only with what the EARLIER layers keep."""
-    T = s.micro_batch_tokens
+    rematerialised unit coexists only with what the EARLIER layers keep. Under context
+    parallelism a rank holds T / cp tokens of the row (attention terms: see
+    :func:`_attention_mask_terms`)."""
+    T = s.micro_batch_tokens / cp
     sig = t if s.sequence_parallel else 1
-    full = layer_bytes_per_token(m, s, t) * T
-    mask = T * T if s.attention == "mask" else 0.0
+    full = layer_bytes_per_token(m, s, t, cp) * T
+    mask = T * T if s.attention == "mask" and cp == 1 else 0.0  # one [T, T] mask shared by the layers
     if s.recompute == "none":
         kept = mask + layers * full
         return kept, kept
     if s.recompute == "selective":
-        kept = mask + layers * selective_layer_bytes_per_token(m, s, t) * T
-        inner = _attention_mask_terms(m, s, t)[1] * T
+        kept = mask + layers * selective_layer_bytes_per_token(m, s, t, cp) * T
+        inner = _attention_mask_terms(m, s, t, cp)[1] * T
         return kept, kept - _mlp_half_bytes_per_token(m, s, t) * T + inner
     unit_input = s.b * m.hidden_size / sig * T
     freqs = 4 * m.d * T  # fp32 RoPE freqs, an argument of every checkpoint (one storage)
@@ -410,9 +433,9 @@ def microbatch_activation_bytes(m: ModelShape, s: LearnerSettings, layout: Paral
     """(bytes one micro-batch keeps on ``stage`` after its forward, its peak during the layers'
     backward, the last stage's transient logits term) -- see the module docstring."""
     t = layout.tp
-    T = s.micro_batch_tokens
+    T = s.micro_batch_tokens / layout.cp  # this rank's tokens of the row
     sig = t if s.sequence_parallel else 1
-    kept_c, peak_c = _chunk_bytes(m, s, t, chunk_layers)
+    kept_c, peak_c = _chunk_bytes(m, s, t, chunk_layers, layout.cp)
     kept = chunks * kept_c
     peak = (chunks - 1) * kept_c + peak_c  # the last chunk rematerialises while the others keep
     if stage == 0:
@@ -444,7 +467,7 @@ class StageState:
     weights: int
     grads: int
     optimizer: float
-    """Per GPU; with the distributed optimizer the DP-mean share (12 or 8 bytes/param / dp)."""
+    """Per GPU; with the distributed optimizer the DP-mean share (12 or 8 bytes/param / (dp x cp))."""
 
 
 def stage_state(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, stage: int, *,
@@ -477,8 +500,8 @@ def stage_state(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, stage
     if nb == 2:
         opt += 4 * norms
     expert_opt = (8 + (4 if s.b == 2 else 0)) * experts
-    if s.distributed_optimizer:  # dense state sharded over dp, expert state over expert-dp
-        optimizer = opt / layout.dp + expert_opt / layout.edp
+    if s.distributed_optimizer:  # dense state sharded over dp x cp (megatron's dp_cp group), expert over expert-dp
+        optimizer = opt / (layout.dp * layout.cp) + expert_opt / layout.edp
     else:
         optimizer = float(opt + expert_opt)
     return StageState(params=n, weights=weights, grads=grads, optimizer=optimizer)

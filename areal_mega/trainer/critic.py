@@ -21,6 +21,7 @@ import torch
 from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
 from areal_mega.megatron.model import MegatronModel
 from areal_mega.batching.packing import last_token_mask
+from areal_mega.megatron.context_parallel import gather_tokens
 from areal_mega.megatron.model import build_model, load_hf_weights
 
 
@@ -111,8 +112,12 @@ class CriticEngine(MegatronTrainEngine):
         return critic
 
     def _token_outputs(self, output: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
-        """Last stage: values [1, T, 1] -> (values [T], zeros [T]), 0 at sequence ends."""
+        """Last stage: values [1, T, 1] -> (values [T], zeros [T]), 0 at sequence ends (under
+        context parallelism this CP rank's tokens, gathered back into row order)."""
         values = output[0, :, 0].float()
+        shard = self._shard(mb, output)
+        if shard is not None:
+            values = gather_tokens(values, shard, self.groups.cp)
         ends = last_token_mask(mb["cu_seqlens"], values.numel())
         values = values.masked_fill(ends, 0.0)
         return values, torch.zeros_like(values)

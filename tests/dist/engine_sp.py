@@ -21,6 +21,9 @@ the step's loss, every parameter's gradient (vs none) and the peak bytes saved f
 
 Critic at TP2 (dp 2): values and one value-loss step, SP off vs on (the value head gathers
 the sequence-parallel tokens), and SP on with full recompute.
+
+Context parallelism (tests/dist/cp_layouts.py's FAST_PAIRS): CP2 (dp 2) vs TP1 (dp 4) with every
+gradient, CP2 x TP2 (SP) vs the TP2 SP run above, and the unadjusted-RoPE negative control.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from areal_mega.parallel import ParallelConfig, ParallelLayout
 from areal_mega.trainer.critic import CriticConfig, CriticEngine
 from tests.support.models import DEFAULTS, save_tiny_model
 from tests.support.dist import finish, hf_reference
+from tests.dist.cp_layouts import FAST_PAIRS, cp_runs
 from tools.check_memory_model import SavedActivationMeter
 
 VOCAB = DEFAULTS["vocab_size"]  # 200
@@ -217,7 +221,8 @@ def main() -> None:
     batch = make_batch()
     loss_fn = make_loss_fn(batch)
     res = {"sp": sp_runs(hf_dir, batch, loss_fn), "recompute": recompute_runs(hf_dir, batch, loss_fn),
-           "critic": critic_runs(hf_dir, batch)}
+           "critic": critic_runs(hf_dir, batch),
+           "cp": cp_runs(hf_dir, batch, loss_fn, TEMPERATURE, engine_cfg, flat_grads, pairs=FAST_PAIRS)}
     if rank == 0:
         res["hf_logprobs"], res["hf_entropy"] = hf_reference(hf_dir, batch, TEMPERATURE)
         res["cu_seqlens"] = batch["cu_seqlens"].tolist()
