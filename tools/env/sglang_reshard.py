@@ -49,17 +49,22 @@ COMMAND = "areal_mega_reshard"
 logger = logging.getLogger("areal_mega_sglang_reshard")
 
 
-def _check_version() -> None:
+def unsupported() -> str | None:
+    """Why this SGLang cannot be resharded into, or None. Checked when imported (logged) and by
+    every ``check`` (reported to the learner, which refuses before sending): an unsupported
+    version never raises into SGLang, whose scheduler would die of it."""
     try:
         from sglang.version import __version__
     except ImportError:  # imported outside SGLang (the learner's tests): nothing to check
-        return
+        return None
     if __version__ not in SUPPORTED_SGLANG:
-        raise ImportError(f"areal_mega_sglang_reshard: SGLang {__version__} is not supported "
-                          f"(parameter layouts read from {SUPPORTED_SGLANG}); use weight_sync.mode broadcast")
+        return (f"areal_mega_sglang_reshard: SGLang {__version__} is not supported (parameter layouts read from "
+                f"{SUPPORTED_SGLANG}); use weight_sync.mode broadcast")
+    return None
 
 
-_check_version()
+if unsupported():
+    logging.getLogger(__name__).error(unsupported())
 
 _groups: dict[str, dict] = {}
 """group name -> {"pg", "rank", "buf"}: this process's learner<->engine groups."""
@@ -141,7 +146,7 @@ def _report(g: dict, status: dict) -> None:
 def _check(cmd: dict, model: torch.nn.Module) -> None:
     g = _groups[cmd["group"]]
     params = _params(model)
-    problems = []
+    problems = [unsupported()] if unsupported() else []
     for name, (shape, dtype) in cmd["params"].items():
         p = params.get(name)
         if p is None:
