@@ -265,3 +265,48 @@ def test_deepseek_v3_671b_into_a_tp8ep8_server():
     names = {p.name for p in engine_params(get_adapter(hf), EngineLayout(8, ep=8), 0)}
     assert "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight" in names
     assert "model.layers.5.mlp.gate.e_score_correction_bias" in names
+
+
+# ---------------------------------------------------------------- capability detection, config
+def test_receiver_detected_from_server_info_and_registered_by_the_launcher():
+    from areal_mega.inference.config import SGLangServerConfig
+    from areal_mega.inference.server import build_launch_command
+    from areal_mega.inference.sglang_api import capabilities_from
+    from areal_mega.weight_sync.reshard_transport import RECEIVER as LOADER, has_receiver
+
+    routes = {"paths": {"/update_weights_from_tensor": {}, "/begin_weight_update": {}, "/end_weight_update": {}}}
+    with_it = capabilities_from({"tp_size": 2, "ep_size": 1, "custom_weight_loader": [LOADER]}, routes)
+    assert has_receiver(with_it) and with_it.tp_size == 2
+    assert not has_receiver(capabilities_from({"tp_size": 2, "custom_weight_loader": []}, routes))  # -> broadcast
+    assert not has_receiver(capabilities_from({"custom_weight_loader": [LOADER]}, {"paths": {}}))
+    cmd = build_launch_command(SGLangServerConfig(model_path="m"), 30000, reshard_receiver=True)
+    assert cmd[cmd.index("--custom-weight-loader") + 1] == LOADER == RECEIVER_PATH
+    assert "--custom-weight-loader" not in build_launch_command(SGLangServerConfig(model_path="m"), 30000)
+
+
+RECEIVER_PATH = f"areal_mega_sglang_reshard.{RECEIVER.receive.__name__}"  # the module's own loader name
+
+
+def test_mode_values():
+    from areal_mega.weight_sync.config import WeightSyncConfig
+
+    for mode in ("reshard", "broadcast", "disk"):
+        WeightSyncConfig(mode=mode, disk_dir="d").validate()
+    with pytest.raises(ValueError, match="'distributed' is now 'broadcast'"):
+        WeightSyncConfig(mode="distributed").validate()
+
+
+def test_receiver_never_raises_into_sglang_and_payload_round_trips():
+    """The receiver swallows a bad command (a raise would kill SGLang's scheduler); the learner's
+    payload is a plain pickle the receiver decodes back to the same command."""
+    import base64
+    import pickle
+
+    from areal_mega.weight_sync.reshard_transport import COMMAND, command_payload
+
+    cmd = {"op": "leave", "group": "g"}
+    ((name, t),) = pickle.loads(base64.b64decode(command_payload(cmd)))
+    assert name == COMMAND == RECEIVER.COMMAND and RECEIVER.decode_payload(t) == cmd
+    RECEIVER.receive(torch.nn.Linear(2, 2), [(COMMAND, torch.frombuffer(bytearray(b'{"op": "sync", "group": "none"}'),
+                                                                        dtype=torch.uint8))])
+    assert RECEIVER.decode_status(RECEIVER.encode_status({"ok": True, "rank": 3})) == {"ok": True, "rank": 3}

@@ -136,3 +136,18 @@ def test_reshard_greedy_decoding_equals_hf(run):
     print(f"{run['case']}: {exact}/{len(synced)} greedy tokens = HF argmax, largest gap {max(synced):.4f} (bound {tol:.4f})")
     assert max(synced) <= tol
     assert max(gaps(run["greedy_v0"][0])) > tol
+
+
+def test_engine_check_refuses_before_sending(run):
+    """Every engine rank checks the plan's parameters (names, shapes, dtypes) against its own
+    before any weight moves: a renamed parameter is refused, the server keeps v0 bit for bit."""
+    assert "no such parameter" in run["engine_mismatch"] and "_renamed" in run["engine_mismatch"]
+    assert run["after_mismatch"][0]["version"] == "0"
+    assert run["after_mismatch"][0]["logprobs"] == run["v0"][0]["logprobs"]
+
+
+def test_no_receiver_falls_back_to_broadcast(run):
+    tol = 2 * bf16_tol(1, run["logit_scale"], ops=_roundings(run["case"]))
+    assert run["fallback"]["mode"] == "broadcast"
+    assert run["v3"][0]["version"] == "3"
+    assert _maxdiff(run["v3"][0]["logprobs"], run["learner_v1"]) <= tol  # the same weights, by the other path

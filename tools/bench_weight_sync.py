@@ -234,11 +234,11 @@ def real_server_runs(args) -> None:
         env={"OMP_NUM_THREADS": "1", "SGLANG_CPU_OMP_THREADS_BIND": bind, "PYTHONPATH": str(receiver)},
         startup_timeout_s=1200, log_dir=str(work / "logs"))))
     try:
-        for learner in args.learner.split(","):
+        for mode, learner in [(m, x) for x in args.learner.split(",") for m in args.mode.split(",")]:
             tp, pp = LEARNERS[learner]
-            out = work / f"{learner}.json"
+            out = work / f"{mode}-{learner}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-port",
-                   str(free_port()), __file__, "--worker", "--mode", args.mode, "--learner", learner,
+                   str(free_port()), __file__, "--worker", "--mode", mode, "--learner", learner,
                    "--hf-dir", str(hf_dir), "--urls", ",".join(s.url for s in servers), "--out", str(out),
                    "--bucket-mib", str(args.bucket_mib), "--repeats", str(args.repeats)]
             env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
@@ -353,8 +353,9 @@ def api_end():
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["broadcast", "reshard", "plan"], default="broadcast",
-                    help="broadcast / reshard: a sync's transport (reshard needs --sglang-python); plan: a projection")
+    ap.add_argument("--mode", default="broadcast",
+                    help="broadcast | reshard: a sync's transport (reshard needs --sglang-python; with it, "
+                         "'reshard,broadcast' runs both on one server start); plan: a projection")
     ap.add_argument("--sglang-python", default="", help="SGLang interpreter: real TP2 servers (else stand-ins)")
     ap.add_argument("--learner", default="tp1,tp2,tp2pp2", help="learner layouts, comma separated (real servers)")
     ap.add_argument("--servers", type=int, default=1, help="real servers")
@@ -377,6 +378,9 @@ def main() -> None:
     ap.add_argument("--no-load", action="store_true", help="receivers skip the copy into parameters (pure transport)")
     ap.add_argument("--repeats", type=int, default=3, help="timed (sync, raw, wire) rounds; the best time of each is reported")
     args = ap.parse_args()
+    modes = args.mode.split(",")
+    if any(m not in ("broadcast", "reshard", "plan") for m in modes) or (len(modes) > 1 and not args.sglang_python):
+        raise SystemExit(f"--mode: {args.mode!r} is not broadcast, reshard or plan (a comma list needs --sglang-python)")
     if args.mode == "plan":
         print(json.dumps(plan_projection(args.model, args.link_gbps, args.link_efficiency, args.alpha_us, args.overhead_s)))
         return

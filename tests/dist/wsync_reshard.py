@@ -8,12 +8,15 @@ The learner loads the v1 checkpoint (the test wrote v1 = a deterministic perturb
 server's v0); rank 0 records the server as started (v0: the unsynced control), then one
 weight_sync.mode reshard sync as version 1, the server's log-probs and greedy continuations, the
 learner's own log-probs and the plan's bytes per engine rank; then a second sync (v2, same
-weights: the group is reused, nothing re-planned) and the server once more.
+weights: the group is reused, nothing re-planned) and the server once more. Before them, a plan
+naming a parameter the engine lacks is refused by the engines' check (nothing sent); after them,
+the same server described without the receiver is synced by broadcast instead (v3).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import urllib.request
@@ -26,11 +29,19 @@ from areal_mega.inference.sglang_api import SGLangClient  # noqa: E402
 from areal_mega.megatron.model import MegatronModelConfig, build_model, load_hf_weights  # noqa: E402
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel  # noqa: E402
 from areal_mega.parallel import ParallelConfig, ParallelLayout  # noqa: E402
-from areal_mega.weight_sync import WeightSyncConfig, megatron_weight_sync  # noqa: E402
+from areal_mega.weight_sync import PlanMismatchError, WeightSyncConfig, megatron_weight_sync  # noqa: E402
+from areal_mega.weight_sync import sglang_layout  # noqa: E402
 from tests.dist.wsync_tp2pp2 import SEQS, learner_logprobs, server_state  # noqa: E402
 from tests.support.dist import finish  # noqa: E402
 
 LAYOUTS = {"tp2pp2": ParallelConfig(tensor_parallel=2, pipeline_parallel=2), "ep2": ParallelConfig(expert_parallel=2)}
+
+
+class NoReceiver(SGLangClient):
+    """The same server, as one without the receiver would describe itself."""
+
+    def capabilities(self, refresh: bool = False):
+        return dataclasses.replace(super().capabilities(refresh), custom_weight_loaders=())
 
 
 def greedy(url: str, n: int = 8) -> list[list[int]]:
@@ -63,6 +74,27 @@ def main() -> None:
         res["v0"] = server_state(urls)
         res["greedy_v0"] = [greedy(u) for u in urls]
     cfg = WeightSyncConfig(mode="reshard", backend="gloo", bucket_mib=0.25, master_address="127.0.0.1")
+    # 1. a plan whose SGLang layout names a parameter the engine lacks: every engine rank's check
+    # refuses it before any weight is sent; the server keeps serving v0.
+    real = sglang_layout.SGLANG_LAYOUTS[model.adapter.arch.model_type]
+
+    def renamed(b) -> None:
+        real(b)
+        b.out[-1] = dataclasses.replace(b.out[-1], name=b.out[-1].name + "_renamed")
+
+    sglang_layout.SGLANG_LAYOUTS[model.adapter.arch.model_type] = renamed
+    bad = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
+                               servers=[SGLangClient(u, timeout_s=300) for u in urls], pause_mode="retract")
+    try:
+        bad.sync(1)
+        res["engine_mismatch"] = None
+    except PlanMismatchError as e:
+        res["engine_mismatch"] = str(e)
+    finally:
+        sglang_layout.SGLANG_LAYOUTS[model.adapter.arch.model_type] = real
+        bad.close()
+    if rank == 0:
+        res["after_mismatch"] = server_state(urls)
     ws = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
                               servers=[SGLangClient(u, timeout_s=300) for u in urls], pause_mode="retract")
     stats = ws.sync(1)
@@ -84,6 +116,14 @@ def main() -> None:
     if rank == 0:
         res["v2"] = server_state(urls)
     ws.close()
+    # 3. a server that does not report the receiver: the sync falls back to broadcast (one line).
+    nr = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
+                              servers=[NoReceiver(u, timeout_s=300) for u in urls], pause_mode="retract")
+    stats3 = nr.sync(3)
+    res["fallback"] = {"mode": stats3.mode}
+    if rank == 0:
+        res["v3"] = server_state(urls)
+    nr.close()
     destroy_model_parallel(groups)
     finish(res, args.out)
 
