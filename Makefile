@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # EXAMPLE_ARGS: overrides of the training run, e.g. EXAMPLE_ARGS="trainer.num_steps=5".
 EXAMPLE_ARGS ?=
 
-.PHONY: demo example test test-real test-tools test-cp test-fast test-mcore-latest test-failover-load envs learner-env learner-latest-env sglang-env
+.PHONY: demo example test test-real test-tools test-cp test-reshard test-fast test-mcore-latest test-failover-load envs learner-env learner-latest-env sglang-env
 
 learner-env:
 	@tools/env/make_venv.sh learner
@@ -31,7 +31,7 @@ example:
 
 test:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
-	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE --durations=30 -m "not real_model and not tools_heavy and not cp_heavy" $(PYTEST_ARGS)
+	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE --durations=30 -m "not real_model and not tools_heavy and not cp_heavy and not reshard_sglang" $(PYTEST_ARGS)
 
 # The checks on the real pretrained model (SmolLM2-135M: layouts vs HF, TP3 weight sync; ~5-10 min),
 # kept out of `make test` to hold the CI run under its 40 minutes.
@@ -50,6 +50,12 @@ test-tools:
 test-cp:
 	@L=$$(tools/env/make_venv.sh learner) && \
 	  $$L/bin/python -m pytest -q -rfE -m cp_heavy tests/test_context_parallel.py $(PYTEST_ARGS)
+
+# weight_sync.mode reshard into real TP2 SGLang CPU servers (one at a time; 3-5 min per server start
+# under load): the TP2 x PP2 and EP2 MoE learners, log-probs / greedy vs HF, bytes per engine rank.
+test-reshard:
+	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
+	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -s -m reshard_sglang $(PYTEST_ARGS)
 
 # No process starts in this tier (no SGLang either): --audit-processes fails it if one does.
 test-fast:

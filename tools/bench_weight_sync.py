@@ -1,6 +1,27 @@
 """PYTHONPATH=. OMP_NUM_THREADS=1 python tools/bench_weight_sync.py --mib 512 --bucket-mib 64 --receivers 1
 
-Weight-sync transport efficiency on this machine: the real sender path (WeightSync: plan, HTTP
+Weight-sync transport efficiency on this machine, three ways (one JSON line per run):
+
+  --mode reshard|broadcast --sglang-python PY   real TP2 SGLang CPU servers (--server-tp), the
+      receiver (tools/env/sglang_reshard.py) on their PYTHONPATH, a real megatron learner per
+      --learner layout (tp1,tp2,tp2pp2; torchrun, gloo) syncing a Llama-shaped bf16 model with
+      weight_sync.mode reshard or broadcast. Prints bytes_per_engine_rank (max over ranks),
+      shard_bytes (what a rank holds), seconds (one whole sync: check, pause, send, resume; best of
+      --repeats) and efficiency = raw_seconds / seconds, where raw_seconds is a raw gloo transfer
+      of the same bytes over the same links (the same learner ranks to the same engine ranks, in
+      the same order, received into a buffer inside the same SGLang processes: no packing, no
+      writes, no pause/begin/end), measured in the same run. Also the machine's load average.
+
+      PYTHONPATH=. python tools/bench_weight_sync.py --mode reshard --sglang-python S/bin/python --mib 64
+
+  --mode plan --model llama-70b|qwen3-235b|deepseek-v3   the pure reshard plan of a published
+      shape (no process): bytes per engine rank and per learner rank, and the projected sync
+      time under a stated link model (docs/weight_sync.md's projections table).
+
+  --mode broadcast (no --sglang-python)   the broadcast sender path into stand-in receivers
+      (below; the smoke test in tests/test_tools.py runs this one).
+
+Stand-in receivers (the original bench): the real sender path (WeightSync: plan, HTTP
 announce per bucket, flattened-bucket broadcast over a gloo group, pause/begin/end/continue,
 version bump) versus a single flat gloo broadcast of the same number of bytes, measured in the
 same run, between the same processes, over the same group. Prints ONE JSON line:
@@ -34,6 +55,7 @@ compared.
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import threading
 import time
@@ -127,8 +149,227 @@ def llama_like(mib: float, h: int = 1024, v: int = 32000) -> dict:
                 num_key_value_heads=h // 64, intermediate_size=f, vocab_size=v, torch_dtype="bfloat16")  # fmt: skip
 
 
+PUBLISHED = {  # config.json shapes (tests/test_weight_sync_planner.py, test_moe_plan.py, test_moe_families_plan.py)
+    "llama-70b": dict(model_type="llama", num_hidden_layers=80, hidden_size=8192, num_attention_heads=64,
+                      num_key_value_heads=8, intermediate_size=28672, vocab_size=128256, torch_dtype="bfloat16"),
+    "qwen3-235b": dict(model_type="qwen3_moe", num_hidden_layers=94, hidden_size=4096, intermediate_size=12288,
+                       num_attention_heads=64, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                       num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, norm_topk_prob=True,
+                       tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6, torch_dtype="bfloat16"),
+    "deepseek-v3": dict(model_type="deepseek_v3", num_hidden_layers=61, hidden_size=7168, intermediate_size=18432,
+                        moe_intermediate_size=2048, num_attention_heads=128, num_key_value_heads=128,
+                        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+                        first_k_dense_replace=3, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, vocab_size=129280, num_nextn_predict_layers=0, torch_dtype="bfloat16",
+                        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+}
+# (learner parallel config kwargs, learner world, servers, server tp, server ep): 8 + 8 nodes of 8 GPUs
+# for 70B; 16 + 8 for Qwen3-235B; 64 + 8 (TP16 servers over 2 nodes: bf16 does not fit 8 H200s) for V3.
+DEPLOY = {
+    "llama-70b": (dict(tensor_parallel=8, pipeline_parallel=4), 64, 8, 8, 1),
+    "qwen3-235b": (dict(tensor_parallel=4, pipeline_parallel=2, expert_parallel=16, expert_tensor_parallel=1), 128, 8, 8, 8),
+    "deepseek-v3": (dict(tensor_parallel=8, expert_parallel=64, expert_tensor_parallel=1), 512, 4, 16, 16),
+}
+
+
+def plan_projection(model: str, link_gbps: float, efficiency: float, alpha_us: float, overhead_s: float) -> dict:
+    """The pure reshard plan of a published shape and its projected time: every GPU has its own
+    ``link_gbps`` NIC (sender and receiver side), transfers run at ``efficiency`` of it, each
+    round of the plan costs ``alpha_us`` of latency, plus ``overhead_s`` of control (pause,
+    begin/end, one HTTP call per server). floor = max bytes on any one link / link speed."""
+    from areal_mega.models import get_adapter
+    from areal_mega.parallel import ParallelConfig, ParallelLayout
+    from areal_mega.weight_sync.reshard import plan_reshard
+    from areal_mega.weight_sync.sglang_layout import EngineLayout
+
+    pkw, world, servers, tp, ep = DEPLOY[model]
+    adapter = get_adapter(PUBLISHED[model])
+    layout = ParallelLayout.build(ParallelConfig(**pkw), world)
+    plan = plan_reshard(adapter, layout, [EngineLayout(tp, ep)] * servers, dtype="bfloat16")
+    per_engine = max(plan.bytes_per_engine_rank().values())
+    per_learner = max(plan.bytes_per_learner_rank().values())
+    link = link_gbps / 8 * 1e9
+    floor = max(per_engine, per_learner) / link
+    full = sum(2 * math.prod(t.shape) for st in adapter.plan(ParallelLayout(world_size=1)) for t in st.tensors)  # bf16
+    return {
+        "model": model, "learner": str(layout), "servers": servers, "server_tp": tp, "server_ep": ep,
+        "model_bytes": full, "bytes_per_engine_rank": per_engine, "shard_bytes": max(plan.shard_bytes.values()),
+        "bytes_per_learner_rank": per_learner, "messages": len(plan.messages), "rounds": plan.num_rounds,
+        "link_gbps": link_gbps, "floor_s": round(floor, 3),
+        "expected_s": round(floor / efficiency + plan.num_rounds * alpha_us * 1e-6 + overhead_s, 3),
+        # today's broadcast: stages take turns, each stage's sender pushes its full tensors through its one link
+        "broadcast_floor_s": round(full / link, 3),
+    }
+
+
+def real_server_runs(args) -> None:
+    """--mode reshard|broadcast --sglang-python: real TP2 servers, one torchrun learner per layout."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from areal_mega.inference.config import InferenceConfig, SGLangServerConfig
+    from areal_mega.inference.server import launch_servers
+
+    repo = Path(__file__).resolve().parents[1]
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_wsync_"))
+    hf_dir = work / "model"
+    cfg = llama_like(args.mib, args.hidden, args.vocab)
+    cfg["num_hidden_layers"] -= cfg["num_hidden_layers"] % 2  # PP2 layouts
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})).to(torch.bfloat16).save_pretrained(hf_dir)
+    receiver = work / "receiver"
+    receiver.mkdir(exist_ok=True)
+    shutil.copy(repo / "tools/env/sglang_reshard.py", receiver / "areal_mega_sglang_reshard.py")
+    bind = "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.server_tp))
+    servers = launch_servers(InferenceConfig(num_servers=args.servers, server=SGLangServerConfig(
+        python=args.sglang_python, model_path=str(hf_dir), device="cpu", tp_size=args.server_tp, max_total_tokens=2048,
+        env={"OMP_NUM_THREADS": "1", "SGLANG_CPU_OMP_THREADS_BIND": bind, "PYTHONPATH": str(receiver)},
+        startup_timeout_s=1200, log_dir=str(work / "logs"))))
+    try:
+        for mode, learner in [(m, x) for x in args.learner.split(",") for m in args.mode.split(",")]:
+            tp, pp = LEARNERS[learner]
+            out = work / f"{mode}-{learner}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-port",
+                   str(free_port()), __file__, "--worker", "--mode", mode, "--learner", learner,
+                   "--hf-dir", str(hf_dir), "--urls", ",".join(s.url for s in servers), "--out", str(out),
+                   "--bucket-mib", str(args.bucket_mib), "--repeats", str(args.repeats)]
+            env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+            subprocess.run(cmd, check=True, env=env, timeout=1800)
+            print(out.read_text().strip(), flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+LEARNERS = {"tp1": (1, 1), "tp2": (2, 1), "tp2pp2": (2, 2)}
+
+
+def worker(args) -> None:
+    """One learner rank (under torchrun): warm-up sync, then --repeats (sync, raw) pairs."""
+    import os
+
+    from areal_mega.megatron.model import MegatronModelConfig, build_model, load_hf_weights
+    from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
+    from areal_mega.parallel import ParallelConfig
+    from areal_mega.weight_sync import megatron_weight_sync
+    from areal_mega.weight_sync.reshard import plan_reshard
+    from areal_mega.weight_sync.sglang_layout import EngineLayout
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tp, pp = LEARNERS[args.learner]
+    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), dist.get_world_size())
+    groups = init_model_parallel(layout, backend="gloo", seed=1)
+    model = build_model(args.hf_dir, groups, MegatronModelConfig(dtype="bfloat16"))
+    load_hf_weights(model, args.hf_dir)
+    urls = args.urls.split(",")
+
+    def make(mode: str, prefix: str):
+        cfg = WeightSyncConfig(mode=mode, backend="gloo", bucket_mib=args.bucket_mib, master_address="127.0.0.1",
+                               group_name_prefix=prefix)
+        return megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
+                                    servers=[SGLangClient(u, timeout_s=600) for u in urls], pause_mode="retract")
+
+    ws = make(args.mode, "bench")
+    ws.sync(1)  # warm-up: connect, first-touch of the buffers
+    assert ws.mode == args.mode, f"ran {ws.mode}, asked for {args.mode}"
+    # The raw reference runs through a reshard group (the receiver's receive-only op): the same
+    # ranks and the same bytes as the mode under test.
+    raw_ws = ws if args.mode == "reshard" else make("reshard", "bench_raw")
+    if raw_ws is not ws:
+        raw_ws.sync(1)
+    rt = raw_ws._reshard
+    if args.mode == "reshard":
+        transfers = [(m.src, m.server, m.engine_rank, m.nbytes) for m in rt.plan.messages]
+    else:  # each stage sender pushes its stage's full tensors to every engine rank, stage after stage
+        transfers = [(st.sender_rank, i, r, b.nbytes) for st in ws.plan.stages for b in st.buckets
+                     for i, e in enumerate(rt.plan.engines) for r in range(e.tp)]
+    per_engine: dict = {}
+    for src, i, r, n in transfers:
+        per_engine[(i, r)] = per_engine.get((i, r), 0) + n
+
+    def raw() -> float:
+        if rank == 0:
+            for s in raw_ws.servers:
+                s.send(api_begin())
+        dist.barrier()
+        t0 = time.perf_counter()
+        rt.send_raw(transfers)
+        elapsed = time.perf_counter() - t0
+        if rank == 0:
+            for s in raw_ws.servers:
+                s.send(api_end())
+        return elapsed
+
+    syncs, raws = [], []
+    for i in range(args.repeats):
+        dist.barrier()
+        syncs.append(ws.sync(2 + i))
+        raws.append(raw())
+    best = min(syncs, key=lambda x: x.seconds)
+    shard = plan_reshard(model.adapter, layout, [EngineLayout(e.tp, e.ep) for e in rt.plan.engines]).shard_bytes
+    if rank == 0:
+        Path_out = args.out
+        line = {
+            "mode": args.mode, "learner": args.learner, "servers": len(urls), "server_tp": rt.plan.engines[0].tp,
+            "bytes": sum(per_engine.values()), "bytes_per_engine_rank": max(per_engine.values()),
+            "shard_bytes": max(shard.values()), "seconds": round(best.seconds, 4), "raw_seconds": round(min(raws), 4),
+            "efficiency": round(min(raws) / best.seconds, 3),
+            "efficiency_per_run": [round(r / s.seconds, 3) for s, r in zip(syncs, raws)],
+            "GBps": round(sum(per_engine.values()) / best.seconds / 1e9, 3),
+            "phases_s": {k: round(v, 4) for k, v in best.phase_s.items()},
+            "load_avg": [round(x, 1) for x in os.getloadavg()],
+        }
+        with open(Path_out, "w") as f:
+            f.write(json.dumps(line) + "\n")
+    if raw_ws is not ws:
+        raw_ws.close()
+    ws.close()
+    destroy_model_parallel(groups)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def api_begin():
+    from areal_mega.inference import sglang_api
+
+    return sglang_api.begin_weight_update()
+
+
+def api_end():
+    from areal_mega.inference import sglang_api
+
+    return sglang_api.end_weight_update()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", default="broadcast",
+                    help="broadcast | reshard: a sync's transport (reshard needs --sglang-python; with it, "
+                         "'reshard,broadcast' runs both on one server start); plan: a projection")
+    ap.add_argument("--sglang-python", default="", help="SGLang interpreter: real TP2 servers (else stand-ins)")
+    ap.add_argument("--learner", default="tp1,tp2,tp2pp2", help="learner layouts, comma separated (real servers)")
+    ap.add_argument("--servers", type=int, default=1, help="real servers")
+    ap.add_argument("--server-tp", type=int, default=2, help="TP of each real server")
+    ap.add_argument("--work-dir", default="", help="where the real-server runs keep the model and logs")
+    ap.add_argument("--model", choices=sorted(PUBLISHED), default="llama-70b", help="--mode plan: the shape")
+    ap.add_argument("--link-gbps", type=float, default=400.0, help="--mode plan: NIC speed per GPU")
+    ap.add_argument("--link-efficiency", type=float, default=0.7, help="--mode plan: achieved fraction of the link")
+    ap.add_argument("--alpha-us", type=float, default=50.0, help="--mode plan: latency per plan round")
+    ap.add_argument("--overhead-s", type=float, default=0.1, help="--mode plan: control overhead per sync")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--hf-dir", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--urls", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--mib", type=float, default=512, help="approximate model size in MiB (bf16)")
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size (a multiple of 64; small = a smoke test)")
     ap.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
@@ -137,6 +378,20 @@ def main() -> None:
     ap.add_argument("--no-load", action="store_true", help="receivers skip the copy into parameters (pure transport)")
     ap.add_argument("--repeats", type=int, default=3, help="timed (sync, raw, wire) rounds; the best time of each is reported")
     args = ap.parse_args()
+    modes = args.mode.split(",")
+    if any(m not in ("broadcast", "reshard", "plan") for m in modes) or (len(modes) > 1 and not args.sglang_python):
+        raise SystemExit(f"--mode: {args.mode!r} is not broadcast, reshard or plan (a comma list needs --sglang-python)")
+    if args.mode == "plan":
+        print(json.dumps(plan_projection(args.model, args.link_gbps, args.link_efficiency, args.alpha_us, args.overhead_s)))
+        return
+    if args.worker:
+        worker(args)
+        return
+    if args.sglang_python:
+        real_server_runs(args)
+        return
+    if args.mode == "reshard":
+        raise SystemExit("--mode reshard needs --sglang-python (real SGLang servers with the receiver)")
     torch.set_num_threads(1)
 
     ctx = mp.get_context("spawn")

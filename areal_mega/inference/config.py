@@ -42,6 +42,11 @@ class SGLangServerConfig:
     skip_tokenizer_init: bool = True
     """The client sends token ids and reads token ids, so the server needs no tokenizer
     (``--skip-tokenizer-init``); turn it off only for text-based endpoints."""
+    reshard_receiver: bool = True
+    """Register areal_mega's reshard receiver (``--custom-weight-loader
+    areal_mega_sglang_reshard.receive``) when the server's Python has it (tools/env/make_venv.sh
+    installs it; checked once per interpreter at launch). weight_sync.mode reshard needs it; a
+    server without it is synced by broadcast. Containers: docs/weight_sync.md."""
     extra_args: list[str] = field(default_factory=list)
     """More SGLang command-line arguments, appended verbatim (e.g. ``["--attention-backend",
     "torch_native"]``)."""

@@ -13,6 +13,7 @@ through ``asyncio.to_thread`` so a restart never blocks the event loop.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -54,10 +55,13 @@ def build_launch_command(
     weight_version: int | str = 0,
     random_seed: int | None = None,
     capture_routes: bool = False,
+    reshard_receiver: bool = False,
 ) -> list[str]:
     """The ``python -m sglang.launch_server ...`` argv for one server (pure; unit-tested).
     ``capture_routes``: MoE routing replay from the rollout (``actor.model.moe_routing_replay:
-    rollout``) -- the server records the experts of every token (``--enable-return-routed-experts``)."""
+    rollout``) -- the server records the experts of every token (``--enable-return-routed-experts``).
+    ``reshard_receiver``: register areal_mega's receiver as a custom weight loader (weight_sync
+    mode reshard)."""
     cmd = [
         cfg.python, "-m", "sglang.launch_server",
         "--model-path", cfg.model_path,
@@ -79,10 +83,29 @@ def build_launch_command(
         cmd += ["--skip-tokenizer-init"]
     if capture_routes:
         cmd += ["--enable-return-routed-experts"]
+    if reshard_receiver:
+        cmd += ["--custom-weight-loader", RESHARD_RECEIVER]
     if secret_config is not None:
         # SGLang's --config YAML carries the API key (utils.secrets): never the key on argv.
         cmd += ["--config", secret_config]
     return cmd + list(cfg.extra_args)
+
+
+RESHARD_RECEIVER = "areal_mega_sglang_reshard.receive"
+"""The receiver's loader path (tools/env/sglang_reshard.py, installed as areal_mega_sglang_reshard)."""
+
+
+@functools.lru_cache(maxsize=None)
+def has_reshard_receiver(python: str, pythonpath: str | None = None) -> bool:
+    """Does ``python`` (an SGLang environment) have areal_mega's receiver module? (find_spec
+    only: no torch import, well under a second.) A registered loader that cannot be imported
+    would kill the server at its first weight sync, so the flag is added only when this holds."""
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('areal_mega_sglang_reshard') else 1)"
+    try:
+        env = {**server_base_env(), **({"PYTHONPATH": pythonpath} if pythonpath else {})}
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60, env=env).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 class SGLangServer:
@@ -137,6 +160,7 @@ class SGLangServer:
         return build_launch_command(
             self.cfg, self.port, secret_config=self._secret_config, weight_version=weight_version,
             random_seed=self.random_seed, capture_routes=self.capture_routes,
+            reshard_receiver=self.cfg.reshard_receiver and has_reshard_receiver(self.cfg.python, self.cfg.env.get("PYTHONPATH")),
         )
 
     def start(self, weight_version: int | str = 0) -> None:

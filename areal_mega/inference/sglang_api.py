@@ -19,6 +19,7 @@ Bodies follow SGLang 0.5.23's ``io_struct`` (verified on CPU, see docs/inference
     POST /begin_weight_update          {}   (0.5.23+: distributed/tensor updates must sit inside begin/end)
     POST /update_weights_from_distributed  names, dtypes, shapes, group_name, flush_cache, weight_version, load_format
     POST /end_weight_update            {}
+    POST /update_weights_from_tensor   serialized_named_tensors (one per TP rank), load_format, flush_cache, weight_version
     POST /update_weights_from_disk     model_path, weight_version, flush_cache
     POST /destroy_weights_update_group group_name
 """
@@ -154,6 +155,19 @@ def update_weights_from_distributed(*, names: Sequence[str], dtypes: Sequence[st
     return Call("POST", "/update_weights_from_distributed", body)
 
 
+def update_weights_from_tensor(*, payloads: Sequence[str], load_format: str | None, flush_cache: bool,
+                               weight_version: int | str | None) -> Call:
+    """``payloads[tp_rank]``: base64 of that TP rank's pickled ``[(name, tensor)]`` (each rank
+    deserializes only its own); ``load_format`` a registered ``--custom-weight-loader`` path, or
+    "direct" / None. Must sit inside /begin_weight_update ... /end_weight_update (0.5.23)."""
+    body: dict[str, Any] = {"serialized_named_tensors": list(payloads), "flush_cache": flush_cache}
+    if load_format is not None:
+        body["load_format"] = load_format
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    return Call("POST", "/update_weights_from_tensor", body)
+
+
 def update_weights_from_disk(model_path: str, weight_version: int | str | None, flush_cache: bool = True) -> Call:
     body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
     if weight_version is not None:
@@ -176,6 +190,9 @@ class ServerCapabilities:
     routes: frozenset[str]
     tp_size: int = 1
     dtype: str = "auto"
+    ep_size: int = 1
+    custom_weight_loaders: tuple[str, ...] = ()
+    """``--custom-weight-loader`` import paths the server registered (the reshard receiver's)."""
 
     @property
     def weight_update_session(self) -> bool:
@@ -207,7 +224,8 @@ def capabilities_from(server_info: dict | None, openapi_spec: dict | None) -> Se
         if version_tuple(version) >= WEIGHT_UPDATE_SESSION_SINCE:
             routes |= {"/begin_weight_update", "/end_weight_update"}
     return ServerCapabilities(sglang_version=version, routes=routes, tp_size=int(info.get("tp_size", 1) or 1),
-                              dtype=str(info.get("dtype", "auto")))
+                              dtype=str(info.get("dtype", "auto")), ep_size=int(info.get("ep_size", 1) or 1),
+                              custom_weight_loaders=tuple(info.get("custom_weight_loader") or ()))
 
 
 # -- the blocking client --------------------------------------------------------------------------

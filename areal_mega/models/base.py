@@ -182,6 +182,25 @@ class McoreParam:
 
 
 @dataclass(frozen=True)
+class Block:
+    """Where part of an HF tensor lives in one local tensor (a TP shard, an engine parameter).
+
+    The HF box ``hf_box`` (``(start, stop)`` per HF dimension) sits in the local tensor at
+    ``local[local_index][local_start[0]:..., local_start[1]:...]`` (``local_index``: leading
+    indices of a stacked tensor, e.g. the expert of SGLang's ``w13_weight``). Inside a block the
+    map is a translation, so any sub-box of ``hf_box`` maps by the same offsets (reshard.py)."""
+
+    hf_name: str
+    hf_box: tuple[tuple[int, int], ...]
+    local_start: tuple[int, ...]
+    local_index: tuple[int, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(b - a for a, b in self.hf_box)
+
+
+@dataclass(frozen=True)
 class HFTensorSpec:
     name: str
     shape: tuple[int, ...]
@@ -445,6 +464,12 @@ class ModelAdapter:
         return table
 
     def hf_shape(self, hf_name: str) -> tuple[int, ...]:
+        cache = self.__dict__.setdefault("_hf_shape_cache", {})  # pure in (arch, name); planners call it ~1e5 times
+        if hf_name not in cache:
+            cache[hf_name] = self._hf_shape(hf_name)
+        return cache[hf_name]
+
+    def _hf_shape(self, hf_name: str) -> tuple[int, ...]:
         a = self.arch
         h = a.hidden_size
         top = {"model.embed_tokens.weight": (a.vocab_size, h), "lm_head.weight": (a.vocab_size, h), "model.norm.weight": (h,)}
@@ -627,6 +652,51 @@ class ModelAdapter:
             else:  # plain, gate/up halves, and q/k/v all split into tp equal, ordered pieces
                 per = size // tp
                 out.append((n, prm.tp_dim, tp_rank * per, (tp_rank + 1) * per))
+        return out
+
+    def shard_blocks(self, prm: McoreParam, tp: int, tp_rank: int) -> list[Block]:
+        """The HF boxes TP rank ``tp_rank`` of ``tp`` holds in its LOCAL shard of ``prm`` and where
+        (pure: the resharding planner's view of megatron's layouts, the same rules as
+        :meth:`merge_tp` / :meth:`to_hf`). For expert weights pass the expert-TP size and rank."""
+        hf = {n: self.hf_shape(n) for n in prm.hf_names}
+        d = prm.tp_dim
+        size = 1 if d is None else tp
+        rank = 0 if d is None else tp_rank
+
+        def box(n: str, dim: int | None, a: int = 0, b: int = 0) -> tuple[tuple[int, int], ...]:
+            return tuple((a, b) if i == dim else (0, s) for i, s in enumerate(hf[n]))
+
+        def at(n: str, dim: int | None, off: int) -> tuple[int, ...]:
+            return tuple(off if i == dim else 0 for i in range(len(hf[n])))
+
+        if prm.fusion == "vocab":  # megatron's padded rows split evenly; the real ones end at vocab_size
+            (n,) = prm.hf_names
+            per = prm.shape[0] // size
+            a, b = min(rank * per, hf[n][0]), min((rank + 1) * per, hf[n][0])
+            return [Block(n, box(n, 0, a, b), at(n, 0, 0))] if b > a else []
+        if prm.fusion == "none":
+            (n,) = prm.hf_names
+            if d is None:
+                return [Block(n, box(n, None), at(n, None, 0))]
+            per = hf[n][d] // size
+            return [Block(n, box(n, d, rank * per, (rank + 1) * per), at(n, d, 0))]
+        if prm.fusion == "gate_up":  # local shard = [gate_r; up_r]
+            gate, up = prm.hf_names
+            per = hf[gate][0] // size
+            return [Block(gate, box(gate, 0, rank * per, (rank + 1) * per), at(gate, 0, 0)),
+                    Block(up, box(up, 0, rank * per, (rank + 1) * per), at(up, 0, per))]
+        # qkv: the local shard holds whole query groups, each [q x heads_per_group, k, v] rows
+        q, k, v = prm.hf_names
+        a = self.arch
+        hd, hpg = a.head_dim, a.heads_per_group
+        groups = a.num_kv_heads // size
+        out = []
+        for j in range(groups):
+            g = rank * groups + j
+            base = j * (hpg + 2) * hd
+            out += [Block(q, box(q, 0, g * hpg * hd, (g + 1) * hpg * hd), at(q, 0, base)),
+                    Block(k, box(k, 0, g * hd, (g + 1) * hd), at(k, 0, base + hpg * hd)),
+                    Block(v, box(v, 0, g * hd, (g + 1) * hd), at(v, 0, base + (hpg + 1) * hd))]
         return out
 
     @staticmethod

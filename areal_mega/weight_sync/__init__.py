@@ -2,11 +2,12 @@
 
 from areal_mega.weight_sync.config import WeightSyncConfig
 from areal_mega.weight_sync.planner import PlanMismatchError, SyncPlan, TensorSpec, check_plan_against, plan_weight_sync
-from areal_mega.weight_sync.sync import SyncStats, WeightSync, megatron_weight_sync
+from areal_mega.weight_sync.sync import ReshardSource, SyncStats, WeightSync, megatron_weight_sync
 from areal_mega.weight_sync.transport import WeightSyncError
 
 __all__ = [
     "PlanMismatchError",
+    "ReshardSource",
     "SyncPlan",
     "SyncStats",
     "TensorSpec",

@@ -19,8 +19,12 @@ class WeightSyncConfig:
     }
     """Keys that were removed, with where their setting lives now (a one-line error names it)."""
 
-    mode: Literal["distributed", "disk"] = "distributed"
-    """"distributed": broadcast over a torch.distributed group shared with the servers (SGLang's
+    mode: Literal["reshard", "broadcast", "disk"] = "broadcast"
+    """"reshard": every learner rank sends what it owns straight to the SGLang ranks that need it,
+    each engine rank receiving only its shard in SGLang's own layout (weight_sync/reshard.py;
+    needs areal_mega's receiver in the SGLang environment, docs/weight_sync.md; a server without
+    it falls back to broadcast with one printed line). "broadcast": one sender per pipeline stage
+    broadcasts full HF tensors to every TP rank of every server (SGLang's
     /update_weights_from_distributed). "disk": save HF safetensors to ``disk_dir`` and call
     /update_weights_from_disk (for clusters where learners and servers cannot share a group)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
@@ -39,7 +43,8 @@ class WeightSyncConfig:
     master_port_base: int = 0
     """First rendezvous port; stage s uses master_port_base + s. 0 = pick free ports."""
     group_name_prefix: str = "areal_wsync"
-    """Prefix of the per-stage group names registered on the servers ("<prefix>_s<stage>")."""
+    """Prefix of the group names registered on the servers ("<prefix>_s<stage>" per stage when
+    broadcasting, "<prefix>_reshard" for the one reshard group)."""
     disk_dir: str = ""
     """Shared directory (visible to learners and servers) for mode == "disk"."""
     check_model: bool = True
@@ -57,6 +62,9 @@ class WeightSyncConfig:
         return max(1, int(self.bucket_mib * MiB))
 
     def validate(self) -> None:
+        if self.mode not in ("reshard", "broadcast", "disk"):
+            hint = " ('distributed' is now 'broadcast')" if self.mode == "distributed" else ""
+            raise ValueError(f"mode: {self.mode!r} is not one of reshard, broadcast, disk{hint}")
         if self.bucket_mib <= 0:
             raise ValueError(f"bucket_mib: must be > 0, got {self.bucket_mib}")
         if self.mode == "disk" and not self.disk_dir:

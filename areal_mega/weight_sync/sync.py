@@ -51,6 +51,9 @@ from areal_mega.weight_sync.planner import (
 from areal_mega.inference import sglang_api as api
 from areal_mega.inference.sglang_api import SGLangClient
 from areal_mega.utils.procs import free_port, host_address
+from areal_mega.weight_sync.reshard import plan_reshard
+from areal_mega.weight_sync.reshard_transport import RECEIVER, ReshardTransport, has_receiver
+from areal_mega.weight_sync.sglang_layout import EngineLayout
 from areal_mega.weight_sync.transport import BroadcastSender, WeightSyncError, check_bucket_tensors, send_all
 
 ExportFn = Callable[[], Iterable[tuple[str, torch.Tensor]]]
@@ -62,6 +65,16 @@ ExpectedFn = Callable[[dict], Sequence[Any]]
 has: the adapter's metadata function at TP1 x PP1."""
 
 
+@dataclass(frozen=True)
+class ReshardSource:
+    """What the reshard mode needs from the learner: the model adapter (plans from metadata)
+    and this rank's local megatron tensors (``local()[chunk][name]``, read at send time)."""
+
+    adapter: Any
+    local: Callable[[], list]
+    dtype: str
+
+
 @dataclass
 class SyncStats:
     version: int
@@ -69,6 +82,10 @@ class SyncStats:
     seconds: float
     num_buckets: int
     phase_s: dict[str, float] = field(default_factory=dict)
+    mode: str = "broadcast"
+    """The mode that ran (reshard falls back to broadcast for servers without the receiver)."""
+    bytes_per_engine_rank: dict[str, int] = field(default_factory=dict)
+    """"<server url>/<tp rank>" -> bytes that rank received."""
 
     @property
     def gbps(self) -> float:
@@ -129,8 +146,15 @@ class WeightSync:
         pause_mode: str = "retract",
         pause_servers: bool = True,
         api_key: str | None = None,
+        reshard: ReshardSource | None = None,
     ) -> None:
         cfg.validate()
+        if cfg.mode == "reshard" and reshard is None:
+            raise ValueError("mode: reshard needs the learner's adapter and local tensors (megatron_weight_sync)")
+        self.reshard = reshard
+        self.mode = cfg.mode  # what runs: reshard falls back to broadcast when a server has no receiver
+        self._reshard: ReshardTransport | None = None
+        self._joined = False
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause_mode: {pause_mode!r} is not one of abort, retract, in_place")
         self.pause_mode = pause_mode
@@ -188,17 +212,38 @@ class WeightSync:
         box: list[Any] = [None]
         if self.rank == 0:
             try:
-                caps = [s.capabilities() for s in self.servers]
+                caps = [s.capabilities(refresh=True) for s in self.servers]
                 tps = [c.tp_size for c in caps]
+                eps = [c.ep_size for c in caps]
                 session = all(c.weight_update_session for c in caps)
-                box[0] = (tps, session, None)
+                mode = self.cfg.mode
+                if mode == "reshard":
+                    missing = [s.url for s, c in zip(self.servers, caps) if not has_receiver(c)]
+                    if missing:
+                        print(f"weight_sync.mode reshard: {missing[0]} has no reshard receiver (--custom-weight-loader "
+                              f"{RECEIVER}); broadcasting instead", flush=True)
+                        mode = "broadcast"
+                port = (self.cfg.master_port_base or free_port("")) if mode == "reshard" else 0
+                box[0] = (tps, eps, session, mode, port, None)
             except Exception as e:  # noqa: BLE001 - shared below
-                box[0] = (None, None, f"{type(e).__name__}: {e}")
+                box[0] = (None, None, None, None, None, f"{type(e).__name__}: {e}")
         dist.broadcast_object_list(box, group_src=0, group=self._ctrl)
-        tps, self._session, err = box[0]
+        tps, eps, self._session, self.mode, port, err = box[0]
         if err:
             raise WeightSyncError(f"weight sync failed (rank 0): {err}")
-        if self.cfg.mode != "distributed":
+        if self.mode == "reshard":
+            # Every rank builds the same plan from metadata; the group is joined inside the
+            # first update session (the receiver runs as an update_weights_from_tensor loader).
+            plan = plan_reshard(self.reshard.adapter, self.layout, [EngineLayout(t, e) for t, e in zip(tps, eps)],
+                                dtype=self.reshard.dtype, bucket_bytes=self.cfg.bucket_bytes)
+            self._reshard = ReshardTransport(
+                plan=plan, rank=self.rank, servers=self.servers, local=self.reshard.local, backend=self.cfg.backend,
+                address=self.cfg.master_address or host_address(), port=port,
+                group_name=f"{self.cfg.group_name_prefix}_reshard", timeout_s=self.cfg.group_timeout_s)
+            self._joined = False
+            self._connected = True
+            return
+        if self.mode != "broadcast":
             self._connected = True
             return
         for stage in self.plan.stages:
@@ -255,8 +300,14 @@ class WeightSync:
             t = time.perf_counter()
             self._on_rank0(self._pause_and_begin)
             phases["pause"] = time.perf_counter() - t
+            if self.mode == "reshard" and not self._joined:
+                t = time.perf_counter()
+                self._join_reshard()
+                phases["connect"] = phases.get("connect", 0.0) + time.perf_counter() - t
             t = time.perf_counter()
-            if self.cfg.mode == "distributed":
+            if self.mode == "reshard":
+                self._send_reshard(version)
+            elif self.mode == "broadcast":
                 self._send_stages(version)
             else:
                 self._disk_sync(version)
@@ -264,32 +315,44 @@ class WeightSync:
             t = time.perf_counter()
             self._on_rank0(self._end_and_continue)
             phases["resume"] = time.perf_counter() - t
-        except Exception:
+        except Exception as e:
+            if isinstance(e, PlanMismatchError) and self.rank == 0 and self.pause_servers:
+                try:  # nothing was sent: the servers keep serving their weights
+                    send_all(self.servers, api.end_weight_update())
+                    send_all(self.servers, api.continue_generation())
+                except Exception:  # noqa: BLE001 - best effort, the mismatch is the error
+                    pass
             # A server that died mid-sync leaves the others with an open update session, which
             # would refuse the retry's /begin_weight_update: close those sessions, best effort.
-            if self.rank == 0 and self._session and self.cfg.mode == "distributed":
+            if self.rank == 0 and self._session and self.mode in ("broadcast", "reshard"):
                 for server in self.servers:
                     try:
                         server.send(api.end_weight_update())
                     except Exception:  # noqa: BLE001 - the dead one, or no session open
                         pass
             raise
+        per_engine: dict[str, int] = {}
+        if self.mode == "reshard":
+            plan = self._reshard.plan
+            per_engine = {f"{self.servers[i].url}/{r}": b for (i, r), b in plan.bytes_per_engine_rank().items()}
         return SyncStats(
             version=version,
-            bytes=self.plan.nbytes,
+            bytes=self._reshard.plan.nbytes if self.mode == "reshard" else self.plan.nbytes,
             seconds=time.perf_counter() - t0,
-            num_buckets=self.plan.num_buckets,
+            num_buckets=len(self._reshard.plan.messages) if self.mode == "reshard" else self.plan.num_buckets,
             phase_s=phases,
+            mode=self.mode,
+            bytes_per_engine_rank=per_engine,
         )
 
     def _pause_and_begin(self) -> None:
         if self.pause_servers:
             send_all(self.servers, api.pause_generation(self.pause_mode))
-        if self._session and self.cfg.mode == "distributed":
+        if self._session and self.mode in ("broadcast", "reshard"):
             send_all(self.servers, api.begin_weight_update())
 
     def _end_and_continue(self) -> None:
-        if self._session and self.cfg.mode == "distributed":
+        if self._session and self.mode in ("broadcast", "reshard"):
             send_all(self.servers, api.end_weight_update())
         if self.pause_servers:
             send_all(self.servers, api.continue_generation())
@@ -341,6 +404,34 @@ class WeightSync:
                 if self._sender is not None:
                     self._sender.release_buffers()
             self._agree(err)
+
+    def _join_reshard(self) -> None:
+        """Inside the first update session: all learner ranks and every engine rank join the
+        reshard group, then every engine rank checks the plan's parameters against its own."""
+        err = None
+        try:
+            self._reshard.connect()
+        except Exception as e:  # noqa: BLE001 - shared by _agree
+            err = f"{type(e).__name__}: {e}"
+        self._agree(err)
+        err = None
+        try:
+            self._reshard.check()
+        except Exception as e:  # noqa: BLE001
+            err = f"{type(e).__name__}: {e}"
+        msgs: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(msgs, err, group=self._ctrl)
+        if msgs[0]:
+            raise PlanMismatchError(f"weight sync refused before sending anything: {msgs[0]}")
+        self._joined = True
+
+    def _send_reshard(self, version: int) -> None:
+        err = None
+        try:
+            self._reshard.send(version, flush_cache=self.pause_mode != "in_place")
+        except Exception as e:  # noqa: BLE001 - shared by _agree
+            err = f"{type(e).__name__}: {e}"
+        self._agree(err)
 
     def _disk_sync(self, version: int) -> None:
         """Each stage's sender writes its buckets as safetensors files into a fresh directory,
@@ -400,6 +491,10 @@ class WeightSync:
         if self._sender is not None:
             self._sender.close()
             self._sender = None
+        if self._reshard is not None:
+            self._reshard.close(session=self._session)
+            self._reshard = None
+        self._joined = False
         self._connected = False
 
 
@@ -436,8 +531,12 @@ def megatron_weight_sync(
     def expected(hf_config: dict) -> Sequence[Any]:
         return get_adapter(hf_config).plan(ParallelLayout(world_size=1), dtype=dtype)[0].tensors
 
+    from areal_mega.models.base import named_tensors
+
+    reshard = ReshardSource(adapter=adapter, local=lambda: [named_tensors(c) for c in chunks], dtype=dtype)
     return WeightSync(
         cfg,
+        reshard=reshard,
         layout=layout,
         rank=groups.rank,
         world_group=world_group if world_group is not None else dist.group.WORLD,

@@ -242,6 +242,19 @@ class BroadcastSender:
         self._pool.shutdown(wait=True)
 
 
+def pack_message(message: Any, local: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
+    """The flat uint8 buffer of one reshard message (reshard.Message): each piece's box of this
+    rank's local megatron tensor (``local[chunk][name]``), cast to the wire dtype, at its offset.
+    ``out`` is a reused buffer of at least ``message.nbytes``."""
+    buf = out[: message.nbytes]
+    for off, p in zip(message.offsets, message.pieces):
+        src = local[p.src_chunk][p.src_param].detach()
+        for d, (a, b) in enumerate(p.src_box):
+            src = src.narrow(d, a, b - a)
+        buf[off: off + p.nbytes].view(getattr(torch, p.dtype)).view(p.shape).copy_(src)
+    return buf
+
+
 def _collect(futs: list) -> list[BaseException]:
     errors = []
     for f in futs:

@@ -15,7 +15,7 @@ cache="${AREAL_MEGA_CACHE:-$HOME/.cache/areal_mega}"
 # same-named ones (learner-latest: learner.txt on the newest megatron-core/transformers).
 base="$(sed -n 's/^# \[base\] *//p' "$req")"
 [ -z "$base" ] || [ -f "$here/$base" ] || { echo "make_venv.sh: no base file $here/$base" >&2; exit 2; }
-key="$(cat "$req" ${base:+"$here/$base"} "$here/make_venv.sh" "$here/sglang_cpu_shim.py" | sha256sum | cut -c1-12)"
+key="$(cat "$req" ${base:+"$here/$base"} "$here/make_venv.sh" "$here/sglang_cpu_shim.py" "$here/sglang_reshard.py" | sha256sum | cut -c1-12)"
 venv="$cache/venvs/$name-$key"
 if [ -x "$venv/bin/python" ] && [ -f "$venv/.complete" ]; then echo "$venv"; exit 0; fi
 mkdir -p "$cache/venvs"
@@ -37,6 +37,8 @@ if [ "$name" = sglang ]; then
   site="$("$tmp/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   cp "$here/sglang_cpu_shim.py" "$site/areal_mega_sglang_cpu_shim.py"
   echo "import areal_mega_sglang_cpu_shim" > "$site/areal_mega_sglang_cpu_shim.pth"
+  # The reshard receiver (weight_sync.mode reshard): imported by SGLang as a custom weight loader.
+  cp "$here/sglang_reshard.py" "$site/areal_mega_sglang_reshard.py"
 else
   late=()
   if [ -n "$base" ]; then

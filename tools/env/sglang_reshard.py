@@ -1,0 +1,196 @@
+"""areal_mega's resharding receiver inside SGLang (installed as ``areal_mega_sglang_reshard``).
+
+Every TP rank of an SGLang server receives only its own shard, straight from the learner ranks
+that own it, and writes it into its own (fused, sharded) parameters. The extension point is
+SGLang's custom weight loader (0.5.23): the server starts with
+
+    --custom-weight-loader areal_mega_sglang_reshard.receive
+
+and the learner calls ``/update_weights_from_tensor`` with ``load_format`` equal to that path and
+one payload per TP rank (``serialized_named_tensors[tp_rank]``): a single uint8 tensor holding a
+JSON command for that rank. Inside the weight-update session SGLang calls ``receive(model,
+named_tensors)`` on every TP rank; the HTTP call returns when every rank has returned.
+
+Commands (one per call, per rank)::
+
+    {"op": "join",  "group": name, "backend", "address", "port", "world_size", "rank", "timeout_s"}
+    {"op": "check", "group": name, "params": {sglang name: [shape, dtype]}}  -> status to rank 0
+    {"op": "sync",  "group": name, "messages": [[src, nbytes, [[param, index, box, dtype, offset], ...]], ...]}
+                                                                              -> status to rank 0
+    {"op": "leave", "group": name}
+
+``sync`` receives the messages in the given order (the plan's deadlock-free order, see
+areal_mega/weight_sync/reshard.py), blocking, each into one reused flat buffer, and copies every
+piece into ``param[index][box]``. A failure never raises into SGLang's scheduler (that would kill
+the server): the rank keeps draining its messages so the learner's senders never hang, then
+reports the error in its status (a fixed-size JSON message to group rank 0, the learner's
+coordinator), and the learner raises it.
+
+Version-checked at import: the SGLang versions whose parameter layout areal_mega's planner
+(areal_mega/weight_sync/sglang_layout.py) was read from. Only torch and SGLang are imported: this
+file is copied into the SGLang environment (tools/env/make_venv.sh; containers: docs/weight_sync.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+PROTOCOL = 1
+SUPPORTED_SGLANG = ("0.5.23",)
+STATUS_BYTES = 4096
+COMMAND = "areal_mega_reshard"
+"""The one tensor name of a payload."""
+
+logger = logging.getLogger("areal_mega_sglang_reshard")
+
+
+def unsupported() -> str | None:
+    """Why this SGLang cannot be resharded into, or None. Checked when imported (logged) and by
+    every ``check`` (reported to the learner, which refuses before sending): an unsupported
+    version never raises into SGLang, whose scheduler would die of it."""
+    try:
+        from sglang.version import __version__
+    except ImportError:  # imported outside SGLang (the learner's tests): nothing to check
+        return None
+    if __version__ not in SUPPORTED_SGLANG:
+        return (f"areal_mega_sglang_reshard: SGLang {__version__} is not supported (parameter layouts read from "
+                f"{SUPPORTED_SGLANG}); use weight_sync.mode broadcast")
+    return None
+
+
+if unsupported():
+    logging.getLogger(__name__).error(unsupported())
+
+_groups: dict[str, dict] = {}
+"""group name -> {"pg", "rank", "buf"}: this process's learner<->engine groups."""
+
+
+def decode_payload(t: torch.Tensor) -> dict:
+    return json.loads(bytes(t.detach().cpu().contiguous().numpy().tobytes()).decode())
+
+
+def encode_status(status: dict, device: torch.device | str = "cpu") -> torch.Tensor:
+    raw = json.dumps(status).encode()[: STATUS_BYTES - 1]
+    out = torch.zeros(STATUS_BYTES, dtype=torch.uint8)
+    out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out.to(device)
+
+
+def decode_status(t: torch.Tensor) -> dict:
+    raw = bytes(t.cpu().numpy().tobytes()).rstrip(b"\0")
+    return json.loads(raw.decode())
+
+
+def write_piece(params: dict[str, torch.Tensor], buf: torch.Tensor, piece: list) -> None:
+    """Copy one piece out of the flat uint8 ``buf`` into ``param[index][box]``."""
+    name, index, box, dtype, off = piece
+    dst = params[name].data
+    for i in index:
+        dst = dst[i]
+    for d, (a, b) in enumerate(box):
+        dst = dst.narrow(d, a, b - a)
+    n = 1
+    for a, b in box:
+        n *= b - a
+    dt = getattr(torch, dtype)
+    src = buf[off: off + n * dt.itemsize].view(dt).view([b - a for a, b in box])
+    dst.copy_(src)
+
+
+def apply_messages(params: dict[str, torch.Tensor], messages: list, recv) -> str | None:
+    """Receive every message (``recv(src, nbytes) -> uint8 tensor``) in order and write its pieces;
+    returns the first error (after draining every message) or None."""
+    error = None
+    for src, nbytes, pieces in messages:
+        buf = recv(src, nbytes)
+        if error is not None:
+            continue
+        try:
+            for p in pieces:
+                write_piece(params, buf, p)
+        except Exception as e:  # noqa: BLE001 - reported to the learner, never raised into SGLang
+            error = f"{type(e).__name__}: {e}"
+    return error
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters())
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _join(cmd: dict, model: torch.nn.Module) -> None:
+    from sglang.srt.utils import init_custom_process_group
+
+    old = _groups.pop(cmd["group"], None)
+    if old is not None:
+        dist.destroy_process_group(old["pg"])
+    pg = init_custom_process_group(backend=cmd["backend"], init_method=f"tcp://{cmd['address']}:{cmd['port']}",
+                                   world_size=cmd["world_size"], rank=cmd["rank"], group_name=cmd["group"],
+                                   timeout=timedelta(seconds=cmd.get("timeout_s", 300)))
+    dev = _device(model) if cmd["backend"] == "nccl" else torch.device("cpu")
+    _groups[cmd["group"]] = {"pg": pg, "rank": cmd["rank"], "buf": None, "device": dev}
+
+
+def _report(g: dict, status: dict) -> None:
+    dist.send(encode_status({"rank": g["rank"], "protocol": PROTOCOL, **status}, g["device"]), group_dst=0, group=g["pg"])
+
+
+def _check(cmd: dict, model: torch.nn.Module) -> None:
+    g = _groups[cmd["group"]]
+    params = _params(model)
+    problems = [unsupported()] if unsupported() else []
+    for name, (shape, dtype) in cmd["params"].items():
+        p = params.get(name)
+        if p is None:
+            problems.append(f"{name}: no such parameter")
+        elif list(p.shape) != list(shape) or str(p.dtype).removeprefix("torch.") != dtype:
+            problems.append(f"{name}: engine has {list(p.shape)} {str(p.dtype).removeprefix('torch.')}, "
+                            f"plan says {list(shape)} {dtype}")
+    _report(g, {"ok": not problems, "error": "; ".join(problems[:5]), "num_params": len(params)})
+
+
+def _sync(cmd: dict, model: torch.nn.Module) -> None:
+    g = _groups[cmd["group"]]
+    need = max((m[1] for m in cmd["messages"]), default=0)
+    if g["buf"] is None or g["buf"].numel() < need:  # one flat buffer, reused (no page faults per message)
+        g["buf"] = torch.empty(need, dtype=torch.uint8, device=g["device"])
+
+    def recv(src: int, nbytes: int) -> torch.Tensor:
+        buf = g["buf"][:nbytes]
+        dist.recv(buf, group_src=src, group=g["pg"])
+        return buf
+
+    error = apply_messages(_params(model), cmd["messages"], recv)
+    received = sum(m[1] for m in cmd["messages"])
+    _report(g, {"ok": error is None, "error": error or "", "bytes": received})
+
+
+def _leave(cmd: dict, model: torch.nn.Module) -> None:
+    g = _groups.pop(cmd["group"], None)
+    if g is not None:
+        dist.destroy_process_group(g["pg"])
+
+
+_OPS = {"join": _join, "check": _check, "sync": _sync, "leave": _leave}
+
+
+def receive(model: torch.nn.Module, named_tensors: list) -> None:
+    """SGLang custom weight loader: run this rank's command. Never raises into the scheduler."""
+    for name, tensor in named_tensors:
+        try:
+            cmd = decode_payload(tensor) if name == COMMAND else None
+            if cmd is None or cmd.get("op") not in _OPS:
+                logger.error("areal_mega_sglang_reshard: unknown payload %r", name)
+                continue
+            with torch.no_grad():
+                _OPS[cmd["op"]](cmd, model)
+        except Exception:  # noqa: BLE001 - a raise here would take the server down
+            logger.exception("areal_mega_sglang_reshard: %s failed", name)
