@@ -46,10 +46,12 @@ test-tools:
 	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -m tools_heavy $(PYTEST_ARGS)
 
 # Context parallelism, every layout (CP2, CP2xTP2, CP2xPP2, CP2xEP2 MoE vs CP1; critic, recompute,
-# routing replay; tests/dist/cp_layouts.py, ~3-5 min on 2 cores): make test runs the cheap subset.
+# routing replay; tests/dist/cp_layouts.py) and the CP2 trainer with a real SGLang server, checkpoint
+# and resume (~10 min on 2 cores): make test runs the cheap subset.
 test-cp:
-	@L=$$(tools/env/make_venv.sh learner) && \
-	  $$L/bin/python -m pytest -q -rfE -m cp_heavy tests/test_context_parallel.py $(PYTEST_ARGS)
+	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
+	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -m cp_heavy \
+	  tests/test_context_parallel.py tests/test_trainer_e2e.py $(PYTEST_ARGS)
 
 # weight_sync.mode reshard into real TP2 SGLang CPU servers (one at a time; 3-5 min per server start
 # under load): the TP2 x PP2 and EP2 MoE learners, log-probs / greedy vs HF, bytes per engine rank.

@@ -27,7 +27,10 @@ class ParallelConfig:
     pipeline_parallel: int = 1
     """Pipeline-parallel size (number of stages). Must divide the number of layers."""
     context_parallel: int = 1
-    """Context-parallel size (sequence split across ranks); 1 on CPU."""
+    """Context-parallel size: every packed sequence split in 2 x cp chunks over cp ranks (rank r
+    holds chunks r and 2cp-1-r), each rank holding T / cp tokens of a micro-batch and attending
+    over all T (docs/context_parallel.md). For long traces; attention across the ranks by
+    ``actor.model.cp_comm_type``. 1 = off."""
     virtual_pipeline_parallel: int | None = None
     """Model chunks per pipeline stage (interleaved schedule); None = not interleaved."""
     data_parallel: int | None = None

@@ -6,7 +6,7 @@
 * ``make test-cp`` (cp_heavy: one 4-rank launch of tests/dist/cp_layouts.py, ~3-5 min on 2 busy
   cores): CP2, CP2 x TP2, CP2 x PP2 and (tiny Qwen3-MoE) CP2 x EP2 vs CP1 for log-probs, entropy,
   loss, grad norm, every gradient and the step's effect; the critic; selective recompute; MoE
-  routing replay with the routes split like the tokens.
+  routing replay with the routes split like the tokens; a CP2 checkpoint loaded at TP1.
 
 Upstream behaviour pinned: megatron-core 0.16.1's THD RoPE under CP (``_apply_rotary_pos_emb_thd``
 with ``cu_seqlens_q_padded``) expects exactly this split (chunks r and 2cp-1-r of each sequence
@@ -133,3 +133,11 @@ def test_cp_with_experts_and_routing_replay(res):
     assert b["natural"] == a["natural"] and b["natural_under_replay"] == a["natural_under_replay"]
     assert maxdiff(a["replayed"], a["plain"]) > 100 * lp_tol(a["plain"])  # the forced routes do matter
     assert b["stats"]["loss"] == pytest.approx(a["stats"]["loss"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.cp_heavy
+def test_checkpoint_saved_at_cp2_loads_at_tp1(res):
+    c = res["checkpoint"]
+    assert maxdiff(c["loaded_tp1"], c["saved_cp2"]) <= lp_tol(c["saved_cp2"])
+    assert maxdiff(c["fresh_tp1"], c["saved_cp2"]) > 100 * lp_tol(c["saved_cp2"])  # the step is what was loaded

@@ -101,3 +101,31 @@ def test_interleaved_pipeline_trainer(tmp_path: Path) -> None:
     for r in rows:
         assert abs(r["train/importance_weight/mean"] - 1.0) <= math.expm1(lp_tol), r
         assert r["weight_sync/seconds"] > 0 and r["staleness/max"] == 0
+
+
+@pytest.mark.cp_heavy
+def test_context_parallel_trainer_checkpoint_and_resume(tmp_path: Path) -> None:
+    """The RL trainer with a context-parallel learner (CP2: two ranks, each holding 2 of the 4
+    chunks of every sequence; one SGLang server): every step trains and syncs the weights (CP ranks
+    are replicas: the weights go once), the servers' behaviour log-probs equal the learner's
+    proximal ones (importance weight 1, as in the VPP test above: a wrong split, gather or export
+    moves log-probs by O(1)), a checkpoint written at CP2 is resumed (versions continue 1, 2 | 3).
+    make test-cp."""
+    env = child_env()
+    make_task(tmp_path / "tiny", learner_python=sys.executable, env=env, num_layers=4)
+    out = tmp_path / "grpo"
+    common = ["trainer.eval_every=0", "trainer.eval_at_start=false", "trainer.eval_at_end=false",
+              "trainer.export_hf_at_end=false", "rollout.max_staleness=0", "parallel.tensor_parallel=1",
+              "parallel.context_parallel=2", "trainer.save_every=2"]
+    kw = dict(model_dir=tmp_path / "tiny" / "model", task=tmp_path / "tiny", out=out, learner_python=sys.executable,
+              sglang_python=SGLANG_PYTHON, env=env)
+    run_rl("configs/grpo_tiny.yaml", steps=2, extra=common, **kw)
+    assert any(out.rglob("areal_mega.json")), "no checkpoint written at CP2"
+    run_rl("configs/grpo_tiny.yaml", steps=3, extra=common + ["trainer.resume=true"], **kw)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "version" in r]
+    assert [r["version"] for r in rows] == [1, 2, 3]  # the second run resumed at step 2, not from scratch
+    lp_tol = 2 * fp32_tol(128, 10.0, ops=transformer_reductions(4))  # as test_interleaved_pipeline_trainer
+    for r in rows:
+        assert abs(r["train/importance_weight/mean"] - 1.0) <= math.expm1(lp_tol), r
+        assert r["weight_sync/seconds"] > 0 and r["staleness/max"] == 0

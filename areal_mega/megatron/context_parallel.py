@@ -28,6 +28,10 @@ import torch.distributed as dist
 
 from areal_mega.batching.packing import PAD_TOKEN_ID, ContextShard
 
+# torch 2.13 renames these (the old names warn FutureWarning); the same collectives
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class _AllGatherSequence(torch.autograd.Function):
     """[t, ...] per rank -> [cp * t, ...] (rank order); backward: reduce-scatter (sum) of the
@@ -38,14 +42,14 @@ class _AllGatherSequence(torch.autograd.Function):
         ctx.group = group
         n = dist.get_world_size(group)
         out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _all_gather(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         n = dist.get_world_size(ctx.group)
         out = grad.new_empty((grad.shape[0] // n, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        _reduce_scatter(out, grad.contiguous(), group=ctx.group)
         return out, None
 
 
@@ -63,7 +67,7 @@ class _GatherTokens(torch.autograd.Function):
     def forward(ctx, x, shard: ContextShard, group):
         ctx.shard = shard
         parts = x.new_empty((shard.cp * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(parts, x.contiguous(), group=group)
+        _all_gather(parts, x.contiguous(), group=group)
         row = x.new_zeros((shard.padded_len, *x.shape[1:]))
         row[shard.all_index().to(x.device)] = parts
         return row[shard.real_pos.to(x.device)]

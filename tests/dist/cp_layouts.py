@@ -10,7 +10,8 @@ the same model shards on the same ranks, so gradients compare rank by rank:
     tp1 (dp 4) vs cp2 (dp 2)            tp2 SP (dp 2) vs cp2 x tp2 SP (dp 1)
     pp2 (dp 2) vs cp2 x pp2 (dp 1)      tiny Qwen3-MoE: ep2 (dp 4) vs cp2 x ep2 (dp 2), also replaying routes
 
-plus the critic (tp1 vs cp2) and selective recompute (tp2 vs cp2 x tp2). Per run: forward (log-probs +
+plus the critic (tp1 vs cp2), selective recompute (tp2 vs cp2 x tp2) and a checkpoint saved at
+CP2 loaded at TP1. Per run: forward (log-probs +
 entropy) -> one train_batch (non-distributed optimizer: every rank keeps its shard's full reduced
 gradients) -> forward again; the gradient max-diff against the reference is reduced over all
 ranks. Negative control: CP2 with RoPE left unadjusted to the balanced split (every rank's chunks
@@ -134,6 +135,23 @@ def moe_runs(work: str, batch, loss_fn, temperature, engine_cfg, flat_grads) -> 
     return out
 
 
+def checkpoint_runs(hf_dir: str, work: str, batch, loss_fn, temperature, engine_cfg) -> dict:
+    """A checkpoint saved at CP2 (dp 2) after one step, loaded at TP1 (dp 4): CP ranks are
+    replicas (one copy of the weights), so the loaded policy is the saved one."""
+    path = os.path.join(work, "ckpt_cp2")
+    eng = MegatronTrainEngine.create(engine_cfg("auto"), load_hf_config(hf_dir), layout_groups(context_parallel=2), hf_dir)
+    eng.train_batch(batch, loss_fn, temperature=temperature)
+    saved = eng.forward_logprobs(batch, temperature=temperature).tolist()
+    eng.save(path)
+    destroy_model_parallel()
+    eng = MegatronTrainEngine.create(engine_cfg("auto"), load_hf_config(hf_dir), layout_groups(), hf_dir)
+    fresh = eng.forward_logprobs(batch, temperature=temperature).tolist()
+    eng.load(path)
+    loaded = eng.forward_logprobs(batch, temperature=temperature).tolist()
+    destroy_model_parallel()
+    return {"saved_cp2": saved, "loaded_tp1": loaded, "fresh_tp1": fresh}
+
+
 def main() -> None:
     from tests.dist.engine_sp import LENS, SCALE, TEMPERATURE, engine_cfg, flat_grads, make_batch, make_loss_fn
     from tests.dist.engine_sp import value_loss_fn
@@ -170,6 +188,7 @@ def main() -> None:
         rc[name], _ = one_run(hf_dir, cfg, batch, loss_fn, TEMPERATURE, flat_grads, **kw)
     res["recompute"] = rc
     res["moe"] = moe_runs(args.work_dir, batch, loss_fn, TEMPERATURE, engine_cfg, flat_grads)
+    res["checkpoint"] = checkpoint_runs(hf_dir, args.work_dir, batch, loss_fn, TEMPERATURE, engine_cfg)
     finish(res, args.out)
 
 
