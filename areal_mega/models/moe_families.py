@@ -201,6 +201,20 @@ class DeepseekV3Adapter(ModelAdapter):
                      yarn=yarn, **moe)
 
 
+    _FUSED_ON_LOAD = ("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
+                      "self_attn.kv_a_proj_with_mqa.weight")
+
+    def bucket_group(self, hf_name: str) -> str | None:
+        """SGLang's DeepseekV2 loader fuses q_a_proj and kv_a_proj_with_mqa into one parameter
+        only when both arrive in the same load_weights call (deepseek_weight_loader.py ~438-513,
+        a per-call cache): a bucket boundary between them would leave the fused weight stale,
+        silently. The layer's tensors from q_a_proj to kv_a_proj_with_mqa travel together."""
+        layer, _, leaf = hf_name.partition(".self_attn.")
+        if self.arch.mla is not None and self.arch.mla.q_lora_rank and f"self_attn.{leaf}" in self._FUSED_ON_LOAD:
+            return f"{layer}.qkv_a"
+        return None
+
+
 class Glm4MoeAdapter(ModelAdapter):
     """GLM-4.5 / 4.6 / 4.5-Air (Glm4MoeForCausalLM): GQA with q/k/v bias (attention_bias) and
     optional per-head q/k norms (use_qk_norm), partial rotary (partial_rotary_factor), dense
