@@ -508,3 +508,32 @@ def test_plan_deepseek_v3_671b_learners_fit_80gb_engines_named():
     assert em.kv_bytes_per_token == 61 * (512 + 64) * 2  # MLA: the latent and the rope key per layer
     text = plan.describe()
     assert "-> fits" in text and "DOES NOT FIT" in text and "servers spanning nodes (SGLang --nnodes)" in text
+
+
+CONFIG_GLM_AIR = "configs/grpo_glm45_air.yaml"
+
+
+def test_plan_glm45_air_fits_80gb():
+    """GLM-4.5-Air (configs/grpo_glm45_air.yaml on 16 nodes x 8 GPUs): TP4 x PP2 x DP8, EP16 on
+    8 learner nodes fits 80 GB (the last stage: 23 MoE layers, parameters by hand); 8 SGLang TP8
+    servers fit; the weight-sync tensors and bytes = the checkpoint's (MTP dropped)."""
+    from areal_mega.weight_sync.planner import plan_weight_sync
+    from tests.test_moe_families_plan import glm_hand_count
+
+    cfg, raw, rest = load_launch_config(CONFIG_GLM_AIR, [])
+    plan = build_plan(cfg, alloc(16, 8), raw=raw, config_path=CONFIG_GLM_AIR, overrides=rest, python="PY")
+    assert str(plan.layout) == "dp=8 pp=2 cp=1 tp=4 ep=16 etp=1 (world_size=64)"
+    assert len(plan.learner_nodes) == 8 and len(plan.engines) == 8 and plan.fits
+    hf = raw["launch"]["model_config"]
+    h, layers, v, d = 4096, 23, 151552, 128
+    attn = (96 * d * h + 96 * d) + 2 * (8 * d * h + 8 * d) + 96 * d * h  # q/k/v with bias, o (TP4)
+    sharded = (layers * (attn + 3 * h * 1408) + v * h) // 4  # + shared expert; the output layer
+    replicated = layers * (2 * h + 128 * h) + h  # norms, router; final norm
+    experts = layers * 128 * 3 * h * 1408 // 16
+    lm = plan.learner_memory
+    assert lm.stage == 1 and lm.params == sharded + replicated + experts
+    assert round(lm.total / GIB, 1) == 51.3 and round(plan.engine_memory.total / GIB, 1) == 46.9
+    stages = get_adapter(hf).plan(plan.layout)
+    sync = plan_weight_sync([s.tensors for s in stages], plan.layout, 512 << 20)
+    tensors, params = glm_hand_count(hf)
+    assert (len(sync.tensors), sync.nbytes) == (tensors, 2 * params)
