@@ -150,14 +150,44 @@ def test_families_map_to_megatron_settings():
     assert q2.dense_layers == (0, 1, 2) and q2.moe_shared_expert_gate  # HF: sparse iff (i + 1) % step == 0
 
 
-def test_launcher_memory_estimate_refuses_what_it_does_not_model():
-    """The memory model counts Qwen3-MoE-style MoE only: MLA, shared experts and dense first
-    layers are refused by name instead of estimated as another model (docs/engine.md)."""
-    from areal_mega.simulator.memory import ModelShape
+@pytest.mark.parametrize("family,kw", [
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    ("deepseek_v3", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=2,
+                         first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
+                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4,
+                         num_nextn_predict_layers=0)),
+    ("deepseek_v3", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                         first_k_dense_replace=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=None,
+                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4,
+                         num_nextn_predict_layers=0)),
+    ("glm4_moe", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                      first_k_dense_replace=1, n_group=1, topk_group=1, attention_bias=True,
+                      partial_rotary_factor=0.5, num_nextn_predict_layers=0)),
+])
+def test_memory_estimate_counts_each_family_as_transformers_does(family, kw):
+    """The launcher's parameter count (MLA's projections and latent norms, shared experts and
+    their gate, dense layers, routers) = the transformers model's own parameters (the expert bias
+    is a buffer in both). The state bytes per GPU are checked against the engine's real tensors
+    by tools/check_memory_model.py (tests/test_launch_plan.py)."""
+    from areal_mega.simulator.memory import ModelShape, total_params
+    from tests.support.models import count_params, tiny_config
 
-    with pytest.raises(ValueError, match="^model_type 'deepseek_v3': the launcher's memory estimate does not model "
-                                         "multi-latent attention, shared experts, dense layers between MoE layers"):
-        ModelShape.from_arch(get_adapter(_ds()).arch)
-    mixtral = dict(model_type="mixtral", num_hidden_layers=2, hidden_size=64, intermediate_size=32,
-                   num_attention_heads=4, vocab_size=100, num_local_experts=4, num_experts_per_tok=2)
-    assert ModelShape.from_arch(get_adapter(mixtral).arch).num_experts == 4
+    shape = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=100)
+    cfg = tiny_config(family, **{**shape, **kw})
+    assert total_params(ModelShape.from_arch(get_adapter(cfg).arch)) == count_params(family, **{**shape, **kw})
+
+
+def test_memory_estimate_of_the_published_shapes():
+    """DeepSeek-V3-671B and GLM-4.5-Air in the estimator: the hand totals minus the expert-bias
+    buffers (not parameters: no gradient, no optimizer state); 37B active parameters for V3."""
+    from areal_mega.simulator.memory import ModelShape, count_params, total_params
+
+    for hf, hand in ((_ds(), deepseek_hand_count), (dict(GLM45_AIR, num_nextn_predict_layers=0), glm_hand_count)):
+        m = ModelShape.from_arch(get_adapter(hf).arch)
+        moe_layers = hf["num_hidden_layers"] - hf["first_k_dense_replace"]
+        assert total_params(m) == hand(hf)[1] - moe_layers * hf["n_routed_experts"]
+    m = ModelShape.from_arch(get_adapter(_ds()).arch)
+    assert int(count_params(m).active(61, 3) / 1e9) == 37  # the model card: "37B activated" (37.55B)

@@ -104,6 +104,39 @@ def test_bucketize_hand_example():
     assert [[x.name for x in b] for b in bucketize(odd, 1024)] == [["x"], ["y"]]  # offset 3 unaligned
 
 
+def test_bucketize_keeps_a_group_together():
+    t = lambda n, k: TensorSpec(n, (k,), "bfloat16")  # noqa: E731
+    specs = [t("a", 100), t("q_a", 100), t("q_b", 100), t("kv_a", 100), t("z", 10)]
+    group = {"q_a": "L0", "q_b": "L0", "kv_a": "L0"}.get
+    assert [[x.name for x in b] for b in bucketize(specs, 400)] == [["a", "q_a"], ["q_b", "kv_a"], ["z"]]  # control
+    # 200 B each; the group (600 B) never splits: it starts a bucket, and being over-size, it is one of its own
+    assert [[x.name for x in b] for b in bucketize(specs, 400, group)] == [["a"], ["q_a", "q_b", "kv_a"], ["z"]]
+    assert [[x.name for x in b] for b in bucketize(specs, 1000, group)] == [["a", "q_a", "q_b", "kv_a", "z"]]
+
+
+def test_deepseek_fused_projections_one_bucket():
+    """SGLang fuses DeepSeek's q_a_proj + kv_a_proj_with_mqa only when both come in one update
+    (models/moe_families.py DeepseekV3Adapter.bucket_group): every bucket size keeps each layer's
+    pair together; without the adapter's groups some size splits them (the control)."""
+    cfg = tiny_config("deepseek_v3", vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      n_routed_experts=8, num_experts_per_tok=4, moe_intermediate_size=64, n_shared_experts=1,
+                      first_k_dense_replace=1, n_group=4, topk_group=2, kv_lora_rank=32, q_lora_rank=48,
+                      qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64, num_key_value_heads=2,
+                      intermediate_size=256, num_nextn_predict_layers=0)
+    adapter = get_adapter(cfg)
+    stages = [s.tensors for s in adapter.plan(ParallelLayout(world_size=1), dtype="float32")]
+
+    def split(plan) -> bool:
+        where = {t.name: b.index for st in plan.stages for b in st.buckets for t in b.tensors}
+        return any(where[f"model.layers.{i}.self_attn.q_a_proj.weight"]
+                   != where[f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight"] for i in range(2))
+
+    sizes = range(16 << 10, 256 << 10, 4 << 10)
+    lay = ParallelLayout(world_size=1)
+    assert any(split(plan_weight_sync(stages, lay, b)) for b in sizes)
+    assert not any(split(plan_weight_sync(stages, lay, b, adapter.bucket_group)) for b in sizes)
+
+
 def test_bucket_size_from_config_and_small_buckets():
     cfg = WeightSyncConfig(bucket_mib=0.0625)
     plan = _plan(TINY_QWEN2, 2, 2, bucket=cfg.bucket_bytes)

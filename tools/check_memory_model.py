@@ -135,6 +135,13 @@ MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_
 TOKENS = 160
 """Tokens of the one micro-batch each rank trains on (even: no SP padding; s^2 terms visible)."""
 
+DEEPSEEK = dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=1024, n_routed_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, head_dim=16,
+                num_nextn_predict_layers=0, routed_scaling_factor=2.5)
+"""Tiny bf16 DeepSeek-V3: MLA with q_lora_rank, a shared expert, a dense first layer, 8 experts top-2."""
+
 CONFIGS = [  # name, tp, pp, sequence_parallel, recompute, method, num_layers, context_parallel
     ("tp1", 1, 1, False, "none", "uniform", 1, 1),
     ("tp1_selective", 1, 1, False, "selective", "uniform", 1, 1),
@@ -149,6 +156,11 @@ CONFIGS = [  # name, tp, pp, sequence_parallel, recompute, method, num_layers, c
     # context parallel: each rank holds 2 of the 4 chunks (80 tokens), attends over all 160
     ("cp2", 1, 1, False, "none", "uniform", 1, 2),
     ("cp2_selective", 1, 1, False, "selective", "uniform", 1, 2),
+]
+FAMILY_CONFIGS = [  # the DeepSeek-V3 model: name, tp, pp, sequence_parallel, recompute, method, num_layers, ep
+    ("ds_ep2", 1, 1, False, "none", "uniform", 1, 2),
+    ("ds_tp2_spon", 2, 1, True, "none", "uniform", 1, 1),
+    ("ds_pp2", 1, 2, False, "none", "uniform", 1, 1),
 ]
 
 
@@ -165,7 +177,7 @@ def _optimizer_tensors(optimizer):
     return out
 
 
-def measure(name, tp, pp, sp, recompute, method, num_layers, cp, hf_dir) -> dict:
+def measure(name, tp, pp, sp, recompute, method, num_layers, cp, hf_dir, ep=1) -> dict:
     import torch.distributed as dist
 
     from areal_mega.simulator.memory import ModelShape, settings_from_engine_config, stage_activations, stage_state
@@ -176,7 +188,8 @@ def measure(name, tp, pp, sp, recompute, method, num_layers, cp, hf_dir) -> dict
     from areal_mega.models import get_adapter, load_hf_config
     from areal_mega.parallel import ParallelConfig, ParallelLayout
 
-    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp),
+    layout = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
+                                                 expert_parallel=ep),
                                   dist.get_world_size())
     groups = init_model_parallel(layout, backend="gloo", seed=7)
     cfg = MegatronEngineConfig(
@@ -189,7 +202,7 @@ def measure(name, tp, pp, sp, recompute, method, num_layers, cp, hf_dir) -> dict
     eng = MegatronTrainEngine.create(cfg, hf, groups, hf_dir)
     g = torch.Generator().manual_seed(0)
     # one TOKENS-long sequence per DP rank: every rank trains exactly one micro-batch of TOKENS
-    seqs = [{"input_ids": torch.randint(1, MODEL["vocab_size"], (TOKENS,), generator=g).tolist(), "loss_mask": [1] * TOKENS}
+    seqs = [{"input_ids": torch.randint(1, 256, (TOKENS,), generator=g).tolist(), "loss_mask": [1] * TOKENS}
             for _ in range(layout.dp)]
     batch = pack_sequences(seqs)
     total = float(batch["loss_mask"].sum())
@@ -231,7 +244,7 @@ def measure(name, tp, pp, sp, recompute, method, num_layers, cp, hf_dir) -> dict
         worst = max(mine, key=lambda r: r["measured"][3])
         keys = ("params", "grads", "optimizer", "activations")
         line = {
-            "config": name if pp == 1 else f"{name}/stage{stage}", "tp": tp, "pp": pp, "dp": layout.dp, "cp": cp,
+            "config": name if pp == 1 else f"{name}/stage{stage}", "tp": tp, "pp": pp, "ep": ep, "dp": layout.dp, "cp": cp,
             "sequence_parallel": bool(sp), "recompute": recompute
             + (f"/{method}/{num_layers}" if recompute == "full" else ""), "micro_batch_tokens": TOKENS,
             "predicted_bytes": dict(zip(keys, worst["predicted"])),
@@ -260,14 +273,17 @@ def main() -> None:
     box = [work]
     dist.broadcast_object_list(box, src=0)
     hf_dir = os.path.join(box[0], "tiny_llama")
+    ds_dir = os.path.join(box[0], "tiny_deepseek_v3")
     if dist.get_rank() == 0:
         save_tiny_model(hf_dir, "llama", dtype="bfloat16", **MODEL)
+        save_tiny_model(ds_dir, "deepseek_v3", dtype="bfloat16", **DEEPSEEK)
     dist.barrier()
     lines = []
-    for c in CONFIGS:
+    runs = [(*c, hf_dir) for c in CONFIGS] + [(*c[:7], 1, ds_dir, c[7]) for c in FAMILY_CONFIGS]
+    for c in runs:
         if args.only and c[0] not in args.only.split(","):
             continue
-        for line in measure(*c, hf_dir):
+        for line in measure(*c):
             lines.append(line)
             if dist.get_rank() == 0:
                 print(json.dumps(line), flush=True)

@@ -30,7 +30,7 @@ from areal_mega.inference.server import build_launch_command
 from areal_mega.launcher.config import LaunchConfig
 from areal_mega.parallel import ParallelLayout
 from areal_mega.simulator.memory import (
-    EngineMemory, LearnerMemory, LearnerSettings, ModelShape, estimate_engine, estimate_learner, learner_settings,
+    GIB, EngineMemory, LearnerMemory, LearnerSettings, ModelShape, estimate_engine, estimate_learner, learner_settings,
     model_shape,
 )
 from areal_mega.simulator.planner import choose_learner_nodes
@@ -461,6 +461,10 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
             m, tp=tp, max_total_tokens=srv.max_total_tokens,
             mem_fraction_static=srv.mem_fraction_static or ec.default_mem_fraction_static,
             kv_dtype_bytes=ec.kv_cache_dtype_bytes, gpu_memory_gib=cfg.gpu_memory_gib)
+        if gpus and engine_mem.weights > engine_mem.budget and tp >= gpus:
+            notes.append(f"one server's weights ({engine_mem.weights * tp / GIB:.0f} GiB) exceed a node's "
+                         f"{gpus} GPUs at inference.server.tp_size={tp}; servers spanning nodes (SGLang "
+                         "--nnodes) are not implemented by the launcher")
     return LaunchPlan(
         job_id=job, run_dir=run_dir, allocation=alloc, layout=layout, learner_nodes=learner_nodes,
         engine_nodes=tuple(dict.fromkeys(n for n, _, _ in engine_slots)),

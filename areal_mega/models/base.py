@@ -517,6 +517,11 @@ class ModelAdapter:
             })
         return full.get(leaf, (h,))
 
+    def bucket_group(self, hf_name: str) -> str | None:
+        """Tensors a server must receive in ONE weight update (the weight-sync planner keeps
+        consecutive tensors of one group in one bucket); None: no constraint."""
+        return None
+
     def hf_names(self) -> list[str]:
         """Every tensor of the HF checkpoint, in plan order for a single stage."""
         return [t.name for t in self.plan(ParallelLayout(world_size=1))[0].tensors]

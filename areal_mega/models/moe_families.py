@@ -78,9 +78,11 @@ class MixtralAdapter(ModelAdapter):
 
     def parse_config(self, c: dict) -> ModelArch:
         if c.get("sliding_window") is not None:
-            raise ValueError(f"sliding_window: {c['sliding_window']} (sliding-window attention) is not supported; only null")
+            raise ValueError(f"sliding_window: {c['sliding_window']} (sliding-window attention) is not supported; only null "
+                             "(it would run with a windowed mask in areal_mega/megatron/attention.py and the adapter passing it)")
         if float(c.get("router_jitter_noise") or 0.0) != 0.0:
-            raise ValueError(f"router_jitter_noise: {c['router_jitter_noise']} is not supported (only 0: it makes routing random)")
+            raise ValueError(f"router_jitter_noise: {c['router_jitter_noise']} is not supported (only 0: it makes routing "
+                             "random; set it to 0, which HF inference does anyway)")
         refuse_unknown_keys({k: v for k, v in c.items() if k != "sliding_window"}, self.known_keys, self.model_type)
         _req(c, "num_local_experts", "num_experts_per_tok")
         e = int(c["num_local_experts"])
@@ -104,11 +106,13 @@ class Qwen2MoeAdapter(ModelAdapter):
         refuse_unknown_keys(c, self.known_keys, self.model_type)
         _req(c, "num_experts", "num_experts_per_tok", "moe_intermediate_size")
         if c.get("qkv_bias", True) is not True:
-            raise ValueError(f"qkv_bias: {c['qkv_bias']!r} is not supported for qwen2_moe (only true)")
+            raise ValueError(f"qkv_bias: {c['qkv_bias']!r} is not supported for qwen2_moe (only true; it would run with the "
+                             "adapter's qkv_bias following the key, as Glm4MoeAdapter's attention_bias does)")
         e, n = int(c["num_experts"]), int(c["num_hidden_layers"])
         k, norm = _topk(c, e), bool(c.get("norm_topk_prob", False))
         if k == 1 and norm:
-            raise ValueError("norm_topk_prob: true with num_experts_per_tok 1 is not supported by megatron's router")
+            raise ValueError("norm_topk_prob: true with num_experts_per_tok 1 is not supported by megatron's router (HF's "
+                             "weight is then a constant 1: it would run with a compat entry on megatron's top-k routing)")
         step, only = int(c.get("decoder_sparse_step", 1)), set(c.get("mlp_only_layers") or [])
         dense = tuple(i for i in range(n) if i in only or (i + 1) % step != 0)  # HF Qwen2MoeDecoderLayer's rule
         shared = int(c.get("shared_expert_intermediate_size") or 0)
@@ -130,9 +134,11 @@ def _sigmoid_routing(c: dict, n_layers: int) -> dict:
     k, norm = _topk(c, e), bool(c.get("norm_topk_prob", True))
     if k > 1 and not norm:
         raise ValueError(f"norm_topk_prob: false with num_experts_per_tok {k} > 1 is not supported (megatron always "
-                         "renormalises sigmoid top-k weights)")
+                         "renormalises sigmoid top-k weights; it would run with a compat entry on "
+                         "topk_routing_with_score_function)")
     if k == 1 and norm:
-        raise ValueError("norm_topk_prob: true with num_experts_per_tok 1 is not supported by megatron's router")
+        raise ValueError("norm_topk_prob: true with num_experts_per_tok 1 is not supported by megatron's router (HF's "
+                         "weight is then a constant 1: it would run with a compat entry on megatron's top-k routing)")
     groups, gtop = int(c.get("n_group") or 1), int(c.get("topk_group") or 1)
     if groups > 1:
         if e % groups:
@@ -140,7 +146,8 @@ def _sigmoid_routing(c: dict, n_layers: int) -> dict:
         if not 1 <= gtop <= groups or k // gtop != 2:
             raise ValueError(f"topk_group: {gtop} with num_experts_per_tok {k}: megatron ranks groups by their top "
                              f"num_experts_per_tok // topk_group = {k // max(gtop, 1)} scores, HF by their top 2; only "
-                             "configs where that is 2 (e.g. DeepSeek-V3: 8 // 4) are supported")
+                             "configs where that is 2 (e.g. DeepSeek-V3: 8 // 4) are supported (others would run with a "
+                             "compat entry making megatron's group score HF's top-2 sum)")
     elif gtop != 1:
         raise ValueError(f"topk_group: {gtop} with n_group 1 is not supported (only 1)")
     first = int(c.get("first_k_dense_replace") or 0)
@@ -172,7 +179,8 @@ class DeepseekV3Adapter(ModelAdapter):
         for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1),
                           ("pretraining_tp", 1), ("rope_interleave", True)):
             if key in c and c[key] != want:
-                raise ValueError(f"{key}: {c[key]!r} is not supported for deepseek_v3 (only {want!r})")
+                raise ValueError(f"{key}: {c[key]!r} is not supported for deepseek_v3 (only {want!r}, DeepSeek-V3's; "
+                                 "another variant needs its own mapping in areal_mega/models/moe_families.py)")
         n = int(c["num_hidden_layers"])
         moe = _sigmoid_routing(c, n)
         _mtp_notice(c, self.model_type)
@@ -182,9 +190,11 @@ class DeepseekV3Adapter(ModelAdapter):
         if rtype == "yarn":
             for key in ("attention_factor",):
                 if rope.get(key) is not None:
-                    raise ValueError(f"rope_parameters.{key}: is not supported (megatron derives it from mscale)")
+                    raise ValueError(f"rope_parameters.{key}: is not supported (megatron derives it from mscale; "
+                                     "remove it, or pass it through mla_kwargs once megatron takes it)")
             if rope.get("truncate", True) is not True:
-                raise ValueError("rope_parameters.truncate: false is not supported (megatron rounds the YaRN range)")
+                raise ValueError("rope_parameters.truncate: false is not supported (megatron rounds the YaRN range; it "
+                                 "would run with a compat entry on megatron's YarnRotaryEmbedding)")
             yarn = YarnArch(factor=float(rope["factor"]),
                             original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 4096)),
                             beta_fast=float(rope.get("beta_fast", 32)), beta_slow=float(rope.get("beta_slow", 1)),
@@ -199,6 +209,20 @@ class DeepseekV3Adapter(ModelAdapter):
         arch = super().parse_config({**c, "num_key_value_heads": heads, "head_dim": None})
         return _arch(arch, num_kv_heads=heads, head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla=mla,
                      yarn=yarn, **moe)
+
+
+    _FUSED_ON_LOAD = ("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
+                      "self_attn.kv_a_proj_with_mqa.weight")
+
+    def bucket_group(self, hf_name: str) -> str | None:
+        """SGLang's DeepseekV2 loader fuses q_a_proj and kv_a_proj_with_mqa into one parameter
+        only when both arrive in the same load_weights call (deepseek_weight_loader.py ~438-513,
+        a per-call cache): a bucket boundary between them would leave the fused weight stale,
+        silently. The layer's tensors from q_a_proj to kv_a_proj_with_mqa travel together."""
+        layer, _, leaf = hf_name.partition(".self_attn.")
+        if self.arch.mla is not None and self.arch.mla.q_lora_rank and f"self_attn.{leaf}" in self._FUSED_ON_LOAD:
+            return f"{layer}.qkv_a"
+        return None
 
 
 class Glm4MoeAdapter(ModelAdapter):

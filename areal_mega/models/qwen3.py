@@ -63,7 +63,8 @@ def refuse_unknown_keys(c: dict, known: set[str], model_type: str) -> None:
             if c[key] in (None, 0, [], False):
                 continue  # present but off
             raise ValueError(f"{key}: {_VARIANTS[key]} ({key}={c[key]!r}) is not supported for {model_type}")
-        raise ValueError(f"{key}: config key not implemented by the {model_type} adapter (refused rather than ignored)")
+        raise ValueError(f"{key}: config key not implemented by the {model_type} adapter (refused rather than ignored; "
+                     "it runs once the adapter in areal_mega/models/ maps it to megatron)")
 
 
 class Qwen3Adapter(ModelAdapter):

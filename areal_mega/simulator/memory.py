@@ -25,7 +25,7 @@ __all__ = [
     "ModelShape", "ParamCount", "StageState", "activation_bytes_per_token", "count_params", "estimate_engine",
     "estimate_learner", "in_flight", "layer_bytes_per_token", "learner_settings", "microbatch_activation_bytes",
     "model_shape", "selective_layer_bytes_per_token", "settings_from_engine_config", "stage_activations",
-    "stage_state", "total_params"
+    "stage_layer_ids", "stage_state", "total_params"
 ]
 
 GIB = 1024**3
@@ -64,34 +64,60 @@ class ModelShape:
     dtype: str = "bfloat16"
     """The checkpoint's storage dtype (what the engine trains in when actor.model.dtype is null)."""
     num_experts: int = 0
-    """MoE: routed experts per layer (every layer MoE, Qwen3-MoE); 0 = dense MLP."""
+    """MoE: routed experts per MoE layer; 0 = dense MLP."""
     moe_intermediate_size: int = 0
     """MoE: each expert's inner width (f_e); an expert is a gated MLP of 3*h*f_e weights."""
     num_experts_per_tok: int = 0
     """MoE: experts each token is routed to (k): activations scale with k*f_e, not E*f_e."""
     qk_layernorm: bool = False
     """Per-head q/k RMSNorms (Qwen3): 2*d replicated weights per layer."""
+    dense_layers: tuple[int, ...] = ()
+    """MoE: global ids of the layers with a dense MLP of intermediate_size (DeepSeek's
+    first_k_dense_replace, Qwen2-MoE's mlp_only_layers); the others are MoE layers."""
+    moe_shared_intermediate_size: int = 0
+    """MoE: the shared expert(s)' total inner width (every token; a gated MLP, TP-sharded); 0 = none."""
+    moe_shared_expert_gate: bool = False
+    """MoE: the shared expert's sigmoid gate (Qwen2-MoE): h replicated weights per MoE layer."""
+    kv_lora_rank: int = 0
+    """Multi-latent attention (DeepSeek-V3): the KV latent's rank; 0 = standard GQA attention."""
+    q_lora_rank: int = 0
+    """MLA: the query bottleneck's rank; 0 = a full q projection (Moonlight, V2-Lite)."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head q/k dims without RoPE."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head q/k dims with RoPE (the key's shared by all heads)."""
+    v_head_dim: int = 0
+    """MLA: per-head value dims."""
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def num_dense_in(self, layers) -> int:
+        """How many of the global layer ids ``layers`` are a MoE model's dense layers (0 for a dense model)."""
+        return sum(1 for i in layers if self.is_moe and i in self.dense_layers)
+
     @classmethod
     def from_arch(cls, arch) -> "ModelShape":
-        """The shape of a :class:`~areal_mega.models.ModelArch` (the adapter's parse). Refuses what
-        the memory model does not count yet, rather than estimating another model."""
-        missing = [what for what, on in (("multi-latent attention", getattr(arch, "mla", None) is not None),
-                                         ("shared experts", bool(getattr(arch, "moe_shared_ffn_hidden_size", None))),
-                                         ("dense layers between MoE layers", bool(getattr(arch, "dense_layers", ())))) if on]
-        if missing:
-            raise ValueError(f"model_type {arch.model_type!r}: the launcher's memory estimate does not model "
-                             f"{', '.join(missing)} yet (the learner runs it; size the job by hand, see docs/engine.md)")
+        """The shape of a :class:`~areal_mega.models.ModelArch` (the adapter's parse), every field
+        the memory terms read (MLA dims, shared experts, dense layers included)."""
+        mla = getattr(arch, "mla", None)
+        mla_kw = {} if mla is None else dict(
+            kv_lora_rank=mla.kv_lora_rank, q_lora_rank=mla.q_lora_rank or 0, qk_nope_head_dim=mla.qk_nope_head_dim,
+            qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim)
         return cls(num_hidden_layers=arch.num_layers, hidden_size=arch.hidden_size,
                    intermediate_size=arch.ffn_hidden_size, num_attention_heads=arch.num_heads,
                    num_key_value_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, head_dim=arch.head_dim,
                    tie_word_embeddings=arch.tie_word_embeddings, attention_bias=arch.qkv_bias, dtype=arch.dtype,
                    num_experts=arch.num_experts or 0, moe_intermediate_size=arch.moe_ffn_hidden_size or 0,
-                   num_experts_per_tok=arch.moe_topk, qk_layernorm=arch.qk_layernorm)
+                   num_experts_per_tok=arch.moe_topk, qk_layernorm=arch.qk_layernorm,
+                   dense_layers=tuple(arch.dense_layers) if arch.num_experts else (),
+                   moe_shared_intermediate_size=arch.moe_shared_ffn_hidden_size or 0,
+                   moe_shared_expert_gate=bool(arch.moe_shared_expert_gate), **mla_kw)
 
     @property
     def d(self) -> int:
@@ -101,12 +127,15 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameters split into what TP shards and what every TP rank replicates."""
+    """Parameters split into what TP shards and what every TP rank replicates. The ``layer_*``
+    fields are one MoE layer's (one layer's for a dense model); ``dense_layer_*`` one dense
+    layer's of a MoE model with dense layers (DeepSeek's first layers)."""
 
     layer_sharded: int
-    """One decoder layer's TP-sharded weights (q, k, v, o, MLP, qkv biases)."""
+    """One decoder layer's TP-sharded weights (q, k, v, o or MLA's projections, MLP or shared
+    expert, qkv biases)."""
     layer_replicated: int
-    """One decoder layer's norms (and MoE router)."""
+    """One decoder layer's norms (fp32 on the local spec)."""
     embedding: int
     """Input embedding V*h (vocab-parallel)."""
     output: int
@@ -116,35 +145,71 @@ class ParamCount:
     """One decoder layer's routed experts (all E), split over ep x etp GPUs; 0 for dense."""
     layer_active_expert: int = 0
     """The experts one token uses (k of E)."""
+    dense_layer_sharded: int = 0
+    """A MoE model's dense layer: attention + dense MLP, TP-sharded."""
+    dense_layer_replicated: int = 0
+    """A MoE model's dense layer: its norms (no router)."""
+    layer_replicated_weights: int = 0
+    """One MoE layer's replicated weights in the compute dtype (with an fp32 master copy): the
+    router, the shared-expert gate; TE spec: MLA's (duplicated) down projections."""
+    dense_layer_replicated_weights: int = 0
+    """The same for a MoE model's dense layer (TE spec: MLA's down projections)."""
 
-    def total(self, num_layers: int) -> int:
-        layers = num_layers * (self.layer_sharded + self.layer_replicated + self.layer_expert)
+    def total(self, num_layers: int, num_dense: int = 0) -> int:
+        """``num_layers`` layers of which ``num_dense`` are a MoE model's dense layers."""
+        moe = num_layers - num_dense
+        layers = moe * (self.layer_sharded + self.layer_replicated + self.layer_replicated_weights + self.layer_expert)
+        layers += num_dense * (self.dense_layer_sharded + self.dense_layer_replicated
+                               + self.dense_layer_replicated_weights)
         return layers + self.embedding + self.output + self.final_norm
 
-    def active(self, num_layers: int) -> int:
+    def active(self, num_layers: int, num_dense: int = 0) -> int:
         """Parameters one token passes through (MoE: k experts of E; dense: all)."""
-        return self.total(num_layers) - num_layers * (self.layer_expert - self.layer_active_expert)
+        return self.total(num_layers, num_dense) - (num_layers - num_dense) * (self.layer_expert - self.layer_active_expert)
 
 
-def count_params(m: ModelShape, vocab: int | None = None) -> ParamCount:
-    """``vocab``: the (padded) vocabulary to count; default the model's own."""
-    h, f, d = m.hidden_size, m.intermediate_size, m.d
-    qd, kvd = m.num_attention_heads * d, m.num_key_value_heads * d
-    attn = h * qd + 2 * h * kvd + qd * h + ((qd + 2 * kvd) if m.attention_bias else 0)
+def _attention_params(m: ModelShape, spec: str) -> tuple[int, int, int]:
+    """(TP-sharded, replicated norms, replicated weights) of one layer's attention and its two norms."""
+    h, a = m.hidden_size, m.num_attention_heads
+    norms = 2 * h
+    if not m.is_mla:
+        d = m.d
+        qd, kvd = a * d, m.num_key_value_heads * d
+        attn = h * qd + 2 * h * kvd + qd * h + ((qd + 2 * kvd) if m.attention_bias else 0)
+        return attn, norms + (2 * d if m.qk_layernorm else 0), 0
+    # MLA (megatron MLASelfAttention): q down/up (or one q projection), kv down/up, the latent
+    # norms; the down projections are column-parallel on the local spec, duplicated with TE.
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    down = h * (m.kv_lora_rank + m.qk_rope_head_dim) + (h * m.q_lora_rank if m.q_lora_rank else 0)
+    up = m.kv_lora_rank * a * (m.qk_nope_head_dim + m.v_head_dim) + (m.q_lora_rank * a * qk if m.q_lora_rank else h * a * qk)
+    sharded = up + a * m.v_head_dim * h
+    norms += m.kv_lora_rank + m.q_lora_rank
+    return (sharded + down, norms, 0) if spec == "local" else (sharded, norms, down)
+
+
+def count_params(m: ModelShape, vocab: int | None = None, spec: str = "te") -> ParamCount:
+    """``vocab``: the (padded) vocabulary to count; default the model's own. ``spec``: the layer
+    spec ("local" / "te": only where MLA's down projections live differs)."""
+    h, f = m.hidden_size, m.intermediate_size
+    attn, norms, rep = _attention_params(m, spec)
     emb = (vocab or m.vocab_size) * h
-    norms = 2 * h + (2 * d if m.qk_layernorm else 0)
+    mlp = 3 * h * f
     if m.is_moe:
         expert = 3 * h * m.moe_intermediate_size
-        return ParamCount(layer_sharded=attn, layer_replicated=norms + m.num_experts * h, embedding=emb,
-                          output=0 if m.tie_word_embeddings else emb, final_norm=h,
-                          layer_expert=m.num_experts * expert, layer_active_expert=m.num_experts_per_tok * expert)
-    mlp = 3 * h * f
-    return ParamCount(layer_sharded=attn + mlp, layer_replicated=norms, embedding=emb,
+        shared = 3 * h * m.moe_shared_intermediate_size
+        gate = h if m.moe_shared_expert_gate else 0
+        return ParamCount(layer_sharded=attn + shared, layer_replicated=norms,
+                          layer_replicated_weights=rep + m.num_experts * h + gate,
+                          embedding=emb, output=0 if m.tie_word_embeddings else emb, final_norm=h,
+                          layer_expert=m.num_experts * expert, layer_active_expert=m.num_experts_per_tok * expert,
+                          dense_layer_sharded=attn + mlp, dense_layer_replicated=norms,
+                          dense_layer_replicated_weights=rep)
+    return ParamCount(layer_sharded=attn + mlp, layer_replicated=norms, layer_replicated_weights=rep, embedding=emb,
                       output=0 if m.tie_word_embeddings else emb, final_norm=h)
 
 
 def total_params(m: ModelShape) -> int:
-    return count_params(m).total(m.num_hidden_layers)
+    return count_params(m).total(m.num_hidden_layers, m.num_dense_in(range(m.num_hidden_layers)))
 
 
 @dataclass(frozen=True)
@@ -337,23 +402,26 @@ def _attention_mask_terms(m: ModelShape, s: LearnerSettings, t: int, cp: int = 1
     return inner, inner
 
 
-def _active_mlp_width(m: ModelShape) -> int:
-    """f of the activation terms: the MLP width a token passes through (MoE: k * f_e)."""
-    return m.num_experts_per_tok * m.moe_intermediate_size if m.is_moe else m.intermediate_size
+def _active_mlp_width(m: ModelShape, dense: bool = False) -> int:
+    """f of the activation terms: the MLP width a token passes through (MoE: k * f_e plus the
+    shared experts'; a MoE model's dense layer: f)."""
+    if not m.is_moe or dense:
+        return m.intermediate_size
+    return m.num_experts_per_tok * m.moe_intermediate_size + m.moe_shared_intermediate_size
 
 
-def _dispatch_bytes_per_token(m: ModelShape, s: LearnerSettings) -> float:
+def _dispatch_bytes_per_token(m: ModelShape, s: LearnerSettings, dense: bool = False) -> float:
     """MoE router fp32 logits + probabilities, and the permuted token copies (to and from the
-    experts, k each); 0 for dense models."""
-    if not m.is_moe:
+    experts, k each); 0 for dense models and layers."""
+    if not m.is_moe or dense:
         return 0.0
     return 8 * m.num_experts + 2 * m.num_experts_per_tok * s.b * m.hidden_size
 
 
-def layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int, cp: int = 1) -> float:
+def layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int, cp: int = 1, dense: bool = False) -> float:
     """Bytes one layer keeps per micro-batch token (of this rank: T / cp of them) for backward
-    without recompute."""
-    h, f, d, a, b = m.hidden_size, _active_mlp_width(m), m.d, m.num_attention_heads, s.b
+    without recompute (``dense``: a MoE model's dense layer)."""
+    h, f, d, a, b = m.hidden_size, _active_mlp_width(m, dense), m.d, m.num_attention_heads, s.b
     sig = t if s.sequence_parallel else 1
     rope = 4 * b * d
     attn, _ = _attention_mask_terms(m, s, t, cp)
@@ -363,16 +431,17 @@ def layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int, cp: int = 1
     else:
         norms_linears = 2 * (8 * h + 4) / sig + 2 * b * h / sig
         mlp = 5 * b * f / t
-    return norms_linears + rope + attn + b * a * d / t + mlp + _dispatch_bytes_per_token(m, s)
+    return norms_linears + rope + attn + b * a * d / t + mlp + _dispatch_bytes_per_token(m, s, dense)
 
 
-def selective_layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int, cp: int = 1) -> float:
+def selective_layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int, cp: int = 1,
+                                    dense: bool = False) -> float:
     """A layer under selective (core attention) recompute: the attention internals are dropped;
     its checkpoint keeps rotated q (a heads), k (g heads) and the qkv buffer (v is a view)."""
     b, a, g, d = s.b, m.num_attention_heads, m.num_key_value_heads, m.d
     attn, _ = _attention_mask_terms(m, s, t, cp)
     kept = b * (a + g) * d / t + b * (a + 2 * g) * d / t
-    return layer_bytes_per_token(m, s, t, cp) - attn + kept
+    return layer_bytes_per_token(m, s, t, cp, dense) - attn + kept
 
 
 def activation_bytes_per_token(m: ModelShape, s: LearnerSettings, tp: int, cp: int = 1) -> float:
@@ -386,45 +455,47 @@ def activation_bytes_per_token(m: ModelShape, s: LearnerSettings, tp: int, cp: i
     return layer_bytes_per_token(m, s, tp, cp)
 
 
-def _mlp_half_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int) -> float:
+def _mlp_half_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int, dense: bool = False) -> float:
     """What a layer's MLP half keeps (pre-MLP norm, fc1 input, MLP internals): freed by the time
     backward reaches that layer's attention."""
-    h, f, b = m.hidden_size, _active_mlp_width(m), s.b
+    h, f, b = m.hidden_size, _active_mlp_width(m, dense), s.b
     sig = t if s.sequence_parallel else 1
     if s.layer_spec == "te":
-        return (2 * b * h + 4) / sig + 3 * b * f / t + _dispatch_bytes_per_token(m, s)
-    return (8 * h + 4) / sig + b * h / sig + 5 * b * f / t + _dispatch_bytes_per_token(m, s)
+        return (2 * b * h + 4) / sig + 3 * b * f / t + _dispatch_bytes_per_token(m, s, dense)
+    return (8 * h + 4) / sig + b * h / sig + 5 * b * f / t + _dispatch_bytes_per_token(m, s, dense)
 
 
-def _chunk_bytes(m: ModelShape, s: LearnerSettings, t: int, layers: int, cp: int = 1) -> tuple[float, float]:
-    """(bytes one pipeline chunk keeps for one micro-batch after its forward, its peak during the
-    backward's rematerialisation), both per micro-batch (the module docstring's terms). Backward
-    runs the layers last to first and frees each layer's saves after its backward, so a
-    rematerialised unit coexists only with what the EARLIER layers keep. Under context
-    parallelism a rank holds T / cp tokens of the row (attention terms: see
-    :func:`_attention_mask_terms`)."""
+def _chunk_bytes(m: ModelShape, s: LearnerSettings, t: int, layers: int, cp: int = 1,
+                 dense: int = 0) -> tuple[float, float]:
+    """(bytes one pipeline chunk of ``layers`` layers (``dense`` of them a MoE model's dense
+    layers, first) keeps for one micro-batch after its forward, its peak during the backward's
+    rematerialisation), both per micro-batch (the module docstring's terms). Backward runs the
+    layers last to first and frees each layer's saves after its backward, so a rematerialised
+    unit coexists only with what the EARLIER layers keep. Under context parallelism a rank holds
+    T / cp tokens of the row (attention terms: see :func:`_attention_mask_terms`)."""
     T = s.micro_batch_tokens / cp
     sig = t if s.sequence_parallel else 1
-    full = layer_bytes_per_token(m, s, t, cp) * T
+    flags = [i < dense for i in range(layers)]
+    fulls = [layer_bytes_per_token(m, s, t, cp, f) * T for f in flags]
     mask = T * T if s.attention == "mask" and cp == 1 else 0.0  # one [T, T] mask shared by the layers
     if s.recompute == "none":
-        kept = mask + layers * full
+        kept = mask + sum(fulls)
         return kept, kept
     if s.recompute == "selective":
-        kept = mask + layers * selective_layer_bytes_per_token(m, s, t, cp) * T
+        kept = mask + sum(selective_layer_bytes_per_token(m, s, t, cp, f) * T for f in flags)
         inner = _attention_mask_terms(m, s, t, cp)[1] * T
-        return kept, kept - _mlp_half_bytes_per_token(m, s, t) * T + inner
+        return kept, kept - min(_mlp_half_bytes_per_token(m, s, t, f) for f in flags) * T + inner
     unit_input = s.b * m.hidden_size / sig * T
     freqs = 4 * m.d * T  # fp32 RoPE freqs, an argument of every checkpoint (one storage)
     n = min(s.recompute_num_layers, layers)
     if s.recompute_method == "uniform":
-        sizes = [min(n, layers - i) for i in range(0, layers, n)]  # units in forward order
-        kept = mask + freqs + len(sizes) * unit_input
+        starts = list(range(0, layers, n))  # units in forward order
+        kept = mask + freqs + len(starts) * unit_input
         # unit j (1-based) is rematerialised with the inputs of units 1..j still alive
-        peak = max(mask + freqs + (j + 1) * unit_input + sizes[j] * full for j in range(len(sizes)))
+        peak = max(mask + freqs + (j + 1) * unit_input + sum(fulls[a: a + n]) for j, a in enumerate(starts))
         return kept, peak
-    kept = mask + (freqs if n else 0.0) + n * unit_input + (layers - n) * full
-    peak = mask + freqs + n * unit_input + full if n else kept
+    kept = mask + (freqs if n else 0.0) + n * unit_input + sum(fulls[n:])
+    peak = mask + freqs + n * unit_input + max(fulls[:n]) if n else kept
     return kept, peak
 
 
@@ -435,13 +506,15 @@ def microbatch_activation_bytes(m: ModelShape, s: LearnerSettings, layout: Paral
     t = layout.tp
     T = s.micro_batch_tokens / layout.cp  # this rank's tokens of the row
     sig = t if s.sequence_parallel else 1
-    kept_c, peak_c = _chunk_bytes(m, s, t, chunk_layers, layout.cp)
-    kept = chunks * kept_c
-    peak = (chunks - 1) * kept_c + peak_c  # the last chunk rematerialises while the others keep
+    ids = stage_layer_ids(m.num_hidden_layers, layout, stage)
+    per = [_chunk_bytes(m, s, t, chunk_layers, layout.cp,
+                        m.num_dense_in(ids[j * chunk_layers: (j + 1) * chunk_layers])) for j in range(chunks)]
+    kept = sum(k for k, _ in per)
+    peak = max(kept - k + p for k, p in per)  # one chunk rematerialises while the others keep
     if stage == 0:
-        ids = T * (8 + (1 if t > 1 else 0))  # token ids (+ the vocab-parallel input mask)
-        kept += ids
-        peak += ids
+        tokens = T * (8 + (1 if t > 1 else 0))  # token ids (+ the vocab-parallel input mask)
+        kept += tokens
+        peak += tokens
     logits = 0.0
     if stage == layout.pp - 1:
         vocab = _padded_vocab(m, s, t)
@@ -474,10 +547,13 @@ def stage_state(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, stage
                 value_head: bool = False, trainable: bool = True) -> StageState:
     """Weights / grads / optimizer bytes of one GPU of ``stage``."""
     t, p = layout.tp, layout.pp
-    pc = count_params(m, _padded_vocab(m, s, t))
-    layers = m.num_hidden_layers // p
-    sharded = layers * pc.layer_sharded // t
-    norms = layers * pc.layer_replicated
+    pc = count_params(m, _padded_vocab(m, s, t), s.layer_spec)
+    ids = stage_layer_ids(m.num_hidden_layers, layout, stage)
+    dense = m.num_dense_in(ids)
+    layers = len(ids) - dense  # MoE layers (all layers of a dense model)
+    sharded = (layers * pc.layer_sharded + dense * pc.dense_layer_sharded) // t
+    norms = layers * pc.layer_replicated + dense * pc.dense_layer_replicated
+    replicated = layers * pc.layer_replicated_weights + dense * pc.dense_layer_replicated_weights  # router, ...
     head = 0
     if stage == 0:
         sharded += pc.embedding // t
@@ -490,12 +566,12 @@ def stage_state(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, stage
             sharded += (pc.output or (pc.embedding if p > 1 else 0)) // t
     experts = layers * pc.layer_expert // (layout.ep * layout.etp)  # MoE: this GPU's share of the experts
     nb = _norm_bytes(s)
-    weights = (sharded + head + experts) * s.b + norms * nb
-    n = sharded + head + norms + experts
+    weights = (sharded + head + replicated + experts) * s.b + norms * nb
+    n = sharded + head + norms + replicated + experts
     if not trainable:
         return StageState(params=n, weights=weights, grads=0, optimizer=0.0)
     grads = 4 * n if s.grad_reduce_in_fp32 else weights
-    sixteen = (sharded + head) if s.b == 2 else 0  # params with an fp32 master copy
+    sixteen = (sharded + head + replicated) if s.b == 2 else 0  # params with an fp32 master copy
     opt = 8 * (n - experts) + 4 * sixteen
     if nb == 2:
         opt += 4 * norms
@@ -505,6 +581,14 @@ def stage_state(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, stage
     else:
         optimizer = float(opt + expert_opt)
     return StageState(params=n, weights=weights, grads=grads, optimizer=optimizer)
+
+
+def stage_layer_ids(num_layers: int, layout: ParallelLayout, stage: int) -> list[int]:
+    """Global ids of the layers pipeline stage ``stage`` holds (megatron's even split; with VPP
+    v, virtual chunk j of stage k holds the (j * pp + k)-th run of num_layers / (pp * v) layers)."""
+    v = layout.vpp or 1
+    c = num_layers // (layout.pp * v)
+    return [(j * layout.pp + stage) * c + i for j in range(v) for i in range(c)]
 
 
 def in_flight(layout: ParallelLayout, stage: int, num_microbatches: int | None) -> float:
@@ -596,13 +680,18 @@ def estimate_engine(m: ModelShape, *, tp: int, max_total_tokens: int | None, mem
     if m.num_attention_heads % tp:
         raise ValueError(f"inference.server.tp_size: num_attention_heads({m.num_attention_heads}) % tp({tp}) != 0")
     pc = count_params(m)
+    dense = m.num_dense_in(range(m.num_hidden_layers))
+    moe = m.num_hidden_layers - dense
     # MoE experts are sharded over the server's TP ranks too (SGLang's default expert TP)
-    sharded = m.num_hidden_layers * (pc.layer_sharded + pc.layer_expert) + pc.embedding + pc.output
-    replicated = m.num_hidden_layers * pc.layer_replicated + pc.final_norm
+    sharded = moe * (pc.layer_sharded + pc.layer_expert) + dense * pc.dense_layer_sharded + pc.embedding + pc.output
+    replicated = (moe * (pc.layer_replicated + pc.layer_replicated_weights)
+                  + dense * (pc.dense_layer_replicated + pc.dense_layer_replicated_weights) + pc.final_norm)
     weights = 2.0 * (sharded / tp + replicated)
-    # SGLang replicates KV heads when there are fewer of them than TP ranks.
-    kv_heads = max(1, m.num_key_value_heads // tp)
-    per_token = 2 * m.num_hidden_layers * kv_heads * m.d * kv_dtype_bytes
+    if m.is_mla:  # SGLang's MLA pool: the latent and the rope key per token and layer, on every TP rank
+        per_token = m.num_hidden_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * kv_dtype_bytes
+    else:  # SGLang replicates KV heads when there are fewer of them than TP ranks.
+        kv_heads = max(1, m.num_key_value_heads // tp)
+        per_token = 2 * m.num_hidden_layers * kv_heads * m.d * kv_dtype_bytes
     limit = gpu_memory_gib * GIB
     budget = mem_fraction_static * limit
     if max_total_tokens is None:

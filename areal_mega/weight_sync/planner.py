@@ -16,8 +16,9 @@ Invariants of a :class:`SyncPlan` (checked when it is built):
 
 * every HF name appears exactly once across all stages (tied embeddings are the adapter's job:
   a tied ``lm_head.weight`` is not exported, so it is not sent twice);
-* a bucket holds at most ``bucket_bytes`` bytes, except a bucket holding a single tensor larger
-  than ``bucket_bytes`` (which gets a bucket of its own);
+* a bucket holds at most ``bucket_bytes`` bytes, except a bucket holding a single tensor (or one
+  group of tensors the adapter keeps together) larger than ``bucket_bytes``, which gets a bucket
+  of its own;
 * inside a bucket each tensor starts at a byte offset that is a multiple of its dtype's item size
   (SGLang's flattened-bucket receiver rejects unaligned tensors);
 * order is deterministic: the adapter's order within a stage, stages in pipeline order.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from areal_mega.parallel import ParallelLayout
 
@@ -159,31 +160,49 @@ class SyncPlan:
         }
 
 
-def bucketize(tensors: Iterable[TensorSpec], bucket_bytes: int) -> list[list[TensorSpec]]:
+def bucketize(tensors: Iterable[TensorSpec], bucket_bytes: int,
+              group_of: Callable[[str], str | None] | None = None) -> list[list[TensorSpec]]:
     """Greedy in-order packing: start a new bucket when the next tensor would overflow the
-    current one or start at a byte offset that is not a multiple of its item size."""
+    current one or start at a byte offset that is not a multiple of its item size.
+    ``group_of(name)``: consecutive tensors of one (non-None) group are one unit -- never split
+    across buckets (a server that fuses them on load needs them in one update; a group larger
+    than ``bucket_bytes`` gets a bucket of its own)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes: must be >= 1, got {bucket_bytes}")
+    units: list[list[TensorSpec]] = []
+    last = None
+    for t in tensors:
+        g = group_of(t.name) if group_of else None
+        if g is not None and g == last:
+            units[-1].append(t)
+        else:
+            units.append([t])
+        last = g
     buckets: list[list[TensorSpec]] = []
     current: list[TensorSpec] = []
     used = 0
-    for t in tensors:
-        aligned = used % DTYPE_BYTES[t.dtype] == 0
-        if current and (used + t.nbytes > bucket_bytes or not aligned):
+    for unit in units:
+        size, pos, aligned = sum(t.nbytes for t in unit), used, True
+        for t in unit:
+            aligned &= pos % DTYPE_BYTES[t.dtype] == 0
+            pos += t.nbytes
+        if current and (used + size > bucket_bytes or not aligned):
             buckets.append(current)
             current, used = [], 0
-        current.append(t)
-        used += t.nbytes
+        current.extend(unit)
+        used += size
     if current:
         buckets.append(current)
     return buckets
 
 
 def plan_weight_sync(
-    stage_tensors: Sequence[Sequence[Any]], layout: ParallelLayout, bucket_bytes: int
+    stage_tensors: Sequence[Sequence[Any]], layout: ParallelLayout, bucket_bytes: int,
+    group_of: Callable[[str], str | None] | None = None,
 ) -> SyncPlan:
     """Build the plan. ``stage_tensors[s]`` is the adapter's ordered metadata for PP stage ``s``
-    (entries accepted by :meth:`TensorSpec.of`)."""
+    (entries accepted by :meth:`TensorSpec.of`); ``group_of``: the adapter's ``bucket_group``
+    (tensors kept in one bucket, see :func:`bucketize`)."""
     if len(stage_tensors) != layout.pp:
         raise ValueError(
             f"weight sync plan: metadata has {len(stage_tensors)} stages but the layout has pp={layout.pp}"
@@ -201,7 +220,7 @@ def plan_weight_sync(
                 raise ValueError(f"weight sync plan: tensor {t.name!r} has a negative dimension {t.shape}")
             seen[t.name] = s
         buckets = tuple(
-            Bucket(stage=s, index=i, tensors=tuple(b)) for i, b in enumerate(bucketize(specs, bucket_bytes))
+            Bucket(stage=s, index=i, tensors=tuple(b)) for i, b in enumerate(bucketize(specs, bucket_bytes, group_of))
         )
         stages.append(SenderPlan(stage=s, sender_rank=layout.rank(pp=s), buckets=buckets))
     return SyncPlan(layout=layout, bucket_bytes=bucket_bytes, stages=tuple(stages))

@@ -147,6 +147,7 @@ class WeightSync:
         pause_servers: bool = True,
         api_key: str | None = None,
         reshard: ReshardSource | None = None,
+        bucket_group: Callable[[str], str | None] | None = None,
     ) -> None:
         cfg.validate()
         if cfg.mode == "reshard" and reshard is None:
@@ -165,7 +166,7 @@ class WeightSync:
         self.cfg = cfg
         self.layout = layout
         self.rank = rank
-        self.plan: SyncPlan = plan_weight_sync(stage_metadata, layout, cfg.bucket_bytes)
+        self.plan: SyncPlan = plan_weight_sync(stage_metadata, layout, cfg.bucket_bytes, bucket_group)
         self.export = export
         self.servers = list(servers)
         self.expected_fn = expected_fn
@@ -549,4 +550,5 @@ def megatron_weight_sync(
         pause_mode=pause_mode,
         pause_servers=pause_servers,
         api_key=api_key,
+        bucket_group=adapter.bucket_group,
     )
