@@ -7,8 +7,9 @@ layer) in megatron-core vs HF transformers on CPU (gloo). One 4-rank torchrun la
 * per-token log-probs vs HF (fp32, per sequence, eager attention) at TP1, TP2 (with sequence
   parallelism, "auto"), PP2, EP2, EP2 x TP2, EP2 x PP2 within the derived logits bound;
 * ModelAdapter.export_hf (the weight-sync path) bit-exact and complete at every layout;
-* negative controls: DeepSeek-V3's / GLM-4.5's expert bias dropped, Qwen2-MoE's shared expert
-  dropped -- far outside the bound (so the bias and the shared expert are really used);
+* negative controls: DeepSeek-V3's (with and without q_lora) / GLM-4.5's expert bias dropped,
+  Qwen2-MoE's shared expert dropped, Mixtral's router dropped -- far outside the bound (so the
+  bias, the shared expert and the routing are really used): one control per family;
 * tools: HF -> megatron (EP2 x PP2) -> HF (EP2 x TP2) bit-exact (DeepSeek-V3, Qwen2-MoE).
 
 Upstream behaviour pinned: transformers 5.19's MixtralForCausalLM, Qwen2MoeForCausalLM,

@@ -45,6 +45,8 @@ NEGATIVE = {
     "expert_bias_dropped": ("deepseek_v3", (1, 1, 2), "mlp.gate.e_score_correction_bias"),
     "shared_expert_dropped": ("qwen2_moe", (2, 1, 1), "mlp.shared_expert.down_proj.weight"),
     "glm_expert_bias_dropped": ("glm4_moe", (1, 1, 1), "mlp.gate.e_score_correction_bias"),
+    "mixtral_router_dropped": ("mixtral", (1, 1, 2), "block_sparse_moe.gate.weight"),
+    "nolora_expert_bias_dropped": ("deepseek_nolora", (2, 1, 1), "mlp.gate.e_score_correction_bias"),
 }
 # The families whose weight kinds the others lack: MLA + expert bias + shared experts + dense
 # layers (DeepSeek-V3), the gated shared expert (Qwen2-MoE). The rest share their code paths

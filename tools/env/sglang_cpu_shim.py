@@ -73,5 +73,84 @@ class _NoHostRegisterOnCPU(importlib.abc.MetaPathFinder):
         return spec
 
 
+# Entry 3 (MLA prefill on CPU; SGLang 0.5.23). Symptom: a DeepSeek-V2/V3 (MLA) server on
+# --device cpu dies at its first prefill with "The expanded size of the tensor (64) must match the
+# existing size (32)" (layers/attention/torch_native_backend.py ~172): the CPU attention backends
+# (intel_amx, torch_native) have no entry in models/deepseek_common/attention_backend_handler.py's
+# AttentionBackendRegistry, so get_handler falls back to the triton handler, which sends a
+# prefill to the MHA path; the CPU backends' extend reads K/V back from the KV pool, and an MLA
+# pool holds the latent (kv_lora_rank + rope dims), not per-head K/V. Fix: the CPU backends get
+# the handler the absorbed MLA path uses (_dispatch_mla_subtype: MLA, or the fused-rope CPU MLA
+# where sgl-kernel's AMX path is active), as their decode already does. Test:
+# tests/test_families_serve.py (deepseek_v3: greedy = HF, log-probs = the learner's).
+_MLA_HANDLER = "sglang.srt.models.deepseek_common.attention_backend_handler"
+_CPU_ATTENTION = ("intel_amx", "torch_native")
+
+
+def _patch_after_exec(fullname, patch):
+    """A finder that runs ``patch(module)`` right after ``fullname`` is first executed."""
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != fullname:
+                return None
+            sys.meta_path.remove(self)
+            import importlib.util
+
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None:
+                return spec
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                from sglang.version import __version__
+
+                if __version__ in _PATCHED_SGLANG:
+                    patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    return _Finder()
+
+
+def _mla_on_cpu_backends(module):
+    for name in _CPU_ATTENTION:
+        if name not in module.AttentionBackendRegistry._handlers:
+            module.AttentionBackendRegistry.register(name, module._dispatch_mla_subtype)
+
+
+# Entry 4 (Qwen2-MoE's shared-expert gate on CPU; SGLang 0.5.23). Symptom: a Qwen2-MoE server
+# on --device cpu dies at its first prefill with "RuntimeError: 0 active drivers ([]). There
+# should only be one." (triton/runtime/driver.py ~20): models/qwen2_moe.py ~821 fuses the shared
+# expert's sigmoid gate into a triton kernel (kernels/ops/elementwise/elementwise.py
+# fused_gate_sigmoid_mul[_add]) unless sgl-kernel's AMX path is active, and triton has no CPU
+# driver. Fix: without CUDA, the two functions qwen2_moe imported compute the same in torch
+# (fp32 gate sigmoid(x . w), times the shared output, plus the routed output). Test:
+# tests/test_families_serve.py (qwen2_moe).
+_QWEN2_MOE = "sglang.srt.models.qwen2_moe"
+
+
+def _torch_shared_gate(module):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+
+    def gated(hidden_states, gate_weight, shared_output):
+        gate = torch.sigmoid(hidden_states.float() @ gate_weight.float())[:, None]
+        return (gate * shared_output.float()).to(shared_output.dtype)
+
+    def gated_add(hidden_states, gate_weight, shared_output, final_hidden_states):
+        gate = torch.sigmoid(hidden_states.float() @ gate_weight.float())[:, None]
+        final_hidden_states.copy_(gate * shared_output.float() + final_hidden_states.float())
+
+    module.fused_gate_sigmoid_mul = gated
+    module.fused_gate_sigmoid_mul_add = gated_add
+
+
 sys.meta_path.insert(0, _DefineTorchvisionOps())
 sys.meta_path.insert(0, _NoHostRegisterOnCPU())
+sys.meta_path.insert(0, _patch_after_exec(_MLA_HANDLER, _mla_on_cpu_backends))
+sys.meta_path.insert(0, _patch_after_exec(_QWEN2_MOE, _torch_shared_gate))
