@@ -123,8 +123,8 @@ def _run_plan(plan: ReshardPlan, locals_: dict, adapter: ModelAdapter) -> dict:
         engines[(srv, r)] = {p.name: torch.zeros(p.shape) for p in params}
     for (srv, r), params in engines.items():
         msgs = plan.received_by(srv, r)
-        bufs = iter([pack_message(m, locals_[m.src], torch.empty(m.nbytes, dtype=torch.uint8)) for m in msgs])
-        err = RECEIVER.apply_messages(params, wire_messages(msgs), lambda src, n: next(bufs))
+        bufs = [pack_message(m, locals_[m.src], torch.empty(m.nbytes, dtype=torch.uint8)) for m in msgs]
+        err = RECEIVER.apply_messages(params, wire_messages(msgs), bufs)
         assert err is None, err
     return engines
 
@@ -310,3 +310,13 @@ def test_receiver_never_raises_into_sglang_and_payload_round_trips():
     RECEIVER.receive(torch.nn.Linear(2, 2), [(COMMAND, torch.frombuffer(bytearray(b'{"op": "sync", "group": "none"}'),
                                                                         dtype=torch.uint8))])
     assert RECEIVER.decode_status(RECEIVER.encode_status({"ok": True, "rank": 3})) == {"ok": True, "rank": 3}
+
+
+def test_family_without_an_sglang_layout_is_refused_in_one_line():
+    from areal_mega.weight_sync.sglang_layout import check_supported
+
+    mixtral = get_adapter(tiny_config("mixtral", num_local_experts=4, num_experts_per_tok=2))
+    with pytest.raises(ValueError, match="reshard has no SGLang layout for model_type 'mixtral'.*use broadcast"):
+        check_supported(mixtral)
+    with pytest.raises(ValueError, match="no SGLang layout"):
+        plan_reshard(mixtral, ParallelLayout(world_size=1), [EngineLayout(1)])
