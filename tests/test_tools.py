@@ -100,6 +100,17 @@ def test_bench_simulator_reuse(tmp_path, capsys):
     assert _tool("bench_simulator").main(["--reuse", "--work-dir", str(tmp_path / "none")]) == 1
 
 
+def test_bench_weight_sync_plan_projection():
+    """--mode plan in-process (pure): the 70B sync of the issue (8 + 8 nodes, 400 Gb/s per GPU)
+    from the reshard plan's own byte counts -- each engine GPU receives its 17.64 GB shard, the
+    floor is the busiest link's bytes at line rate, the expected time stays under 1 s."""
+    res = _tool("bench_weight_sync").plan_projection("llama-70b", 400.0, 0.7, 50.0, 0.1)
+    assert res["bytes_per_engine_rank"] == res["shard_bytes"] == 17_640_734_720
+    busiest = max(res["bytes_per_engine_rank"], res["bytes_per_learner_rank"])
+    assert res["floor_s"] == round(busiest / 50e9, 3) and res["expected_s"] <= 1.0
+    assert res["broadcast_floor_s"] == round(res["model_bytes"] / 50e9, 3) > 7 * res["floor_s"]
+
+
 # ---------------------------------------------------------------- slow: stand-in processes
 @pytest.mark.slow
 def test_bench_weight_sync(tmp_path):

@@ -147,14 +147,24 @@ class ReshardTransport:
         sent = 0
         try:
             if self.mine:
+                # Two reused buffers: message k+1 is packed while k is on the wire. Still
+                # deadlock-free: a sender only ever waits for its own earlier message, and the
+                # earliest unfinished message has been posted by its sender and awaited by its receiver.
                 local = self.local()
                 need = max(m.nbytes for m in self.mine)
-                if self._buf is None or self._buf.numel() < need:
-                    self._buf = torch.empty(need, dtype=torch.uint8, device=self.device)
-                for m in self.mine:
-                    buf = pack_message(m, local, self._buf)
-                    dist.send(buf, group_dst=self.offsets[m.server] + m.engine_rank, group=self.group)
+                if self._buf is None or self._buf.numel() < 2 * need:
+                    self._buf = torch.empty(2 * need, dtype=torch.uint8, device=self.device)
+                halves = (self._buf[:need], self._buf[need: 2 * need])
+                pending: list = [None, None]
+                for k, m in enumerate(self.mine):
+                    if pending[k % 2] is not None:
+                        pending[k % 2].wait()
+                    buf = pack_message(m, local, halves[k % 2])
+                    pending[k % 2] = dist.isend(buf, group_dst=self.offsets[m.server] + m.engine_rank, group=self.group)
                     sent += m.nbytes
+                for w in pending:
+                    if w is not None:
+                        w.wait()
         finally:
             if self.rank == 0:
                 self._finish(works, bufs, futs, f"sync v{version}")

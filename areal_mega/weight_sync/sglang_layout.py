@@ -35,7 +35,7 @@ from typing import Callable
 
 from areal_mega.models.base import Block, ModelAdapter
 
-__all__ = ["EngineLayout", "EngineParam", "SGLANG_LAYOUTS", "engine_params", "sglang_vocab_padded"]
+__all__ = ["EngineLayout", "EngineParam", "SGLANG_LAYOUTS", "check_supported", "engine_params", "sglang_vocab_padded"]
 
 
 @dataclass(frozen=True)
@@ -252,12 +252,18 @@ SGLANG_LAYOUTS: dict[str, Callable[[_Rank], None]] = {
 """HF model_type -> SGLang 0.5.23's parameter layout (exact keys)."""
 
 
-def engine_params(adapter: ModelAdapter, layout: EngineLayout, rank: int) -> list[EngineParam]:
-    """Every parameter SGLang rank ``rank`` of a server with ``layout`` holds, in load order."""
+def check_supported(adapter: ModelAdapter) -> None:
+    """One-line ValueError unless SGLang's layout of ``adapter``'s family is known here."""
     mt = adapter.arch.model_type
     if mt not in SGLANG_LAYOUTS:
         raise ValueError(f"weight_sync.mode: reshard has no SGLang layout for model_type {mt!r} "
                          f"(known: {sorted(SGLANG_LAYOUTS)}); use broadcast")
+
+
+def engine_params(adapter: ModelAdapter, layout: EngineLayout, rank: int) -> list[EngineParam]:
+    """Every parameter SGLang rank ``rank`` of a server with ``layout`` holds, in load order."""
+    check_supported(adapter)
+    mt = adapter.arch.model_type
     a = adapter.arch
     if a.num_heads % layout.tp:
         raise ValueError(f"engine layout: num_heads({a.num_heads}) % tp({layout.tp}) != 0")

@@ -20,8 +20,8 @@ Commands (one per call, per rank)::
     {"op": "leave", "group": name}
 
 ``sync`` receives the messages in the given order (the plan's deadlock-free order, see
-areal_mega/weight_sync/reshard.py), blocking, each into one reused flat buffer, and copies every
-piece into ``param[index][box]``. A failure never raises into SGLang's scheduler (that would kill
+areal_mega/weight_sync/reshard.py) into two reused flat buffers (the next arrives while this one
+is written) and copies every piece into ``param[index][box]``. A failure never raises into SGLang's scheduler (that would kill
 the server): the rank keeps draining its messages so the learner's senders never hang, then
 reports the error in its status (a fixed-size JSON message to group rank 0, the learner's
 coordinator), and the learner raises it.
@@ -102,12 +102,11 @@ def write_piece(params: dict[str, torch.Tensor], buf: torch.Tensor, piece: list)
     dst.copy_(src)
 
 
-def apply_messages(params: dict[str, torch.Tensor], messages: list, recv) -> str | None:
-    """Receive every message (``recv(src, nbytes) -> uint8 tensor``) in order and write its pieces;
+def apply_messages(params: dict[str, torch.Tensor], messages: list, received) -> str | None:
+    """Write the pieces of every message, ``received`` yielding each message's buffer in order;
     returns the first error (after draining every message) or None."""
     error = None
-    for src, nbytes, pieces in messages:
-        buf = recv(src, nbytes)
+    for (src, nbytes, pieces), buf in zip(messages, received):
         if error is not None:
             continue
         try:
@@ -157,18 +156,30 @@ def _check(cmd: dict, model: torch.nn.Module) -> None:
     _report(g, {"ok": not problems, "error": "; ".join(problems[:5]), "num_params": len(params)})
 
 
+def _received(g: dict, messages: list):
+    """Each message's buffer, in order; the next message is already being received (into the
+    other of two reused buffers) while the caller writes this one. Receives stay in plan order,
+    so the plan's deadlock-freedom holds (posting a receive early only helps)."""
+    def post(k: int):
+        src, nbytes, _ = messages[k]
+        buf = g["bufs"][k % 2][:nbytes]
+        return buf, dist.irecv(buf, group_src=src, group=g["pg"])
+
+    cur = post(0) if messages else None
+    for k in range(len(messages)):
+        buf, work = cur
+        work.wait()
+        cur = post(k + 1) if k + 1 < len(messages) else None
+        yield buf
+
+
 def _sync(cmd: dict, model: torch.nn.Module) -> None:
     g = _groups[cmd["group"]]
     need = max((m[1] for m in cmd["messages"]), default=0)
-    if g["buf"] is None or g["buf"].numel() < need:  # one flat buffer, reused (no page faults per message)
-        g["buf"] = torch.empty(need, dtype=torch.uint8, device=g["device"])
-
-    def recv(src: int, nbytes: int) -> torch.Tensor:
-        buf = g["buf"][:nbytes]
-        dist.recv(buf, group_src=src, group=g["pg"])
-        return buf
-
-    error = apply_messages(_params(model), cmd["messages"], recv)
+    if g["buf"] is None or g["buf"].numel() < 2 * need:  # two flat buffers, reused (no page faults per message)
+        g["buf"] = torch.empty(2 * need, dtype=torch.uint8, device=g["device"])
+    g["bufs"] = (g["buf"][:need], g["buf"][need: 2 * need])
+    error = apply_messages(_params(model), cmd["messages"], _received(g, cmd["messages"]))
     received = sum(m[1] for m in cmd["messages"])
     _report(g, {"ok": error is None, "error": error or "", "bytes": received})
 
