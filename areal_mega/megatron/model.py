@@ -53,12 +53,14 @@ class MegatronModelConfig:
     0 = off (RL fine-tuning usually keeps the pretrained router as is); HF's router_aux_loss_coef
     in the config is NOT applied implicitly. Tokens are never dropped (no expert capacity), so
     every layout computes the same function."""
-    moe_routing_replay: Literal["off", "rollout", "proximal"] = "off"
+    moe_routing_replay: Literal["off", "observe", "rollout", "proximal"] = "off"
     """MoE routing replay (docs/routing_replay.md). "rollout" (R3): the servers record the experts
     of every token and the learner's routers use them in the proximal and the training forward;
     "proximal" (R2): the training forward replays the routes of the proximal forward (needs
     algorithm.decoupled). Either way the gate values are this model's router probabilities at
-    the replayed experts (the router still gets gradients). "off": megatron's plain top-k."""
+    the replayed experts (the router still gets gradients). "off": megatron's plain top-k.
+    "observe": plain top-k too, but the servers record their routes and the learner its own, so
+    routing/disagreement is logged (the control arm of a replay experiment)."""
     sequence_parallel: bool | Literal["auto"] = "auto"
     """Megatron sequence parallelism: the activations outside attention/MLP (norms, residuals,
     dropout) are split over the TP ranks along the sequence (all-gather before the column-parallel
@@ -96,8 +98,9 @@ class MegatronModelConfig:
             raise ValueError(f"recompute_num_layers: must be >= 1, got {self.recompute_num_layers}")
         if self.moe_aux_loss_coef < 0:
             raise ValueError(f"moe_aux_loss_coef: must be >= 0, got {self.moe_aux_loss_coef}")
-        if self.moe_routing_replay not in ("off", "rollout", "proximal"):
-            raise ValueError(f"moe_routing_replay: {self.moe_routing_replay!r} is not one of off, rollout, proximal")
+        if self.moe_routing_replay not in ("off", "observe", "rollout", "proximal"):
+            raise ValueError(f"moe_routing_replay: {self.moe_routing_replay!r} is not one of off, observe, rollout, "
+                             "proximal")
         if self.moe_routing_replay != "off" and self.recompute != "none":
             raise ValueError(f"moe_routing_replay: {self.moe_routing_replay} with recompute {self.recompute!r} is not "
                              "supported (the recomputed forward would route afresh); set recompute: none")
@@ -105,6 +108,16 @@ class MegatronModelConfig:
             torch_dtype(self.dtype)
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"make_vocab_size_divisible_by: must be >= 1, got {self.make_vocab_size_divisible_by}")
+
+    @property
+    def captures_server_routes(self) -> bool:
+        """The servers record every token's experts (--enable-return-routed-experts)."""
+        return self.moe_routing_replay in ("observe", "rollout")
+
+    @property
+    def replays_routes(self) -> bool:
+        """The learner's routers take a batch's routed_experts (else they only record theirs)."""
+        return self.moe_routing_replay in ("rollout", "proximal")
 
     def sequence_parallel_for(self, tp: int) -> bool:
         """The resolved sequence_parallel setting at tensor-parallel size ``tp``: off at TP1

@@ -109,8 +109,8 @@ class Trainer:
         start_step, prompt_state = (resume_run(out / "checkpoints", actor, critic, group=ctrl)
                                     if cfg.trainer.resume else (0, None))
         rank0 = groups.rank == 0
-        capture = cfg.actor.model.moe_routing_replay == "rollout"  # the servers record every token's experts
-        generation = (RolloutService(cfg.inference, server_wait_s=cfg.weight_sync.server_wait_s, capture_routes=capture)
+        generation = (RolloutService(cfg.inference, server_wait_s=cfg.weight_sync.server_wait_s,
+                                     capture_routes=cfg.actor.model.captures_server_routes)
                       if rank0 else None)
         # Tensors travel in the servers' dtype (inference.server.dtype), whatever the learner trains in.
         wire = cfg.inference.server.dtype if cfg.inference.server.dtype != "auto" else None
