@@ -112,25 +112,33 @@ def _grpo(args) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-replay-grpo-"))
     runs, evals = {}, {}
     for mode in ARMS:
-        stop = threading.Event()
-        load = _load_sampler(stop)
-        summary = run_pipeline(str(work), learner_python=sys.executable, sglang_python=args.sglang_python,
-                               rl_steps=args.grpo_steps, rl_name=f"grpo-{mode}", reuse_sft=True, model="qwen3_moe",
-                               extra=[f"actor.model.moe_routing_replay={mode}", "inference.server.dtype=bfloat16",
-                                      f"rollout.max_staleness={args.max_staleness}",
-                                      f"trainer.eval_every={args.eval_every}"])
-        stop.set()
-        out = Path(summary["output_dir"])
+        out = work / f"grpo-{mode}"
+        if mode in args.arms:
+            stop = threading.Event()
+            load = _load_sampler(stop)
+            t0 = time.time()
+            run_pipeline(str(work), learner_python=sys.executable, sglang_python=args.sglang_python,
+                         rl_steps=args.grpo_steps, rl_name=f"grpo-{mode}", reuse_sft=True, model="qwen3_moe",
+                         extra=[f"actor.model.moe_routing_replay={mode}", "inference.server.dtype=bfloat16",
+                                f"rollout.max_staleness={args.max_staleness}", f"trainer.eval_every={args.eval_every}"])
+            stop.set()
+            extra = {"wall_s": round(time.time() - t0, 1), "load_avg_1min_min_mean_max": load()}
+        elif (out / "metrics.jsonl").exists():  # an arm of an earlier call in this work dir (plotted too)
+            extra = {"from_earlier_run": True}
+        else:
+            continue
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         runs[mode] = rows
-        evals[mode] = summary["eval_curve"]
+        evals[mode] = [(e["step"], round(e["accuracy"], 3)) for e in map(json.loads, (out / "eval.jsonl").read_text().splitlines())]
         pick = lambda k: [round(r[k], 5) if k in r else None for r in rows]  # noqa: E731
         print(json.dumps({"replay": mode, "steps": len(rows), "max_staleness": args.max_staleness,
                           "reward": pick("rollout/reward_mean"), "mismatch_mean": pick("routing/mismatch_mean"),
                           "mismatch_p99": pick("routing/mismatch_p99"), "mismatch_max": pick("routing/mismatch_max"),
                           "mismatch_tokens": pick("routing/mismatch_tokens"),
-                          "disagreement": pick("routing/disagreement"), "heldout": summary["eval_curve"],
-                          "wall_s": summary["wall_s"], "load_avg_1min_min_mean_max": load()}), flush=True)
+                          "disagreement": pick("routing/disagreement"),
+                          **({f"mismatch_if_replayed_{q}": pick(f"routing/mismatch_if_replayed_{q}")
+                              for q in ("mean", "p99", "max")} if mode == "observe" else {}),
+                          "heldout": evals[mode], **extra}), flush=True)
     if args.plot:
         _plot(runs, evals, args)
     return 0
@@ -157,6 +165,11 @@ def _plot(runs: dict, evals: dict, args) -> None:
                 pts = [(r["version"], r[key]) for r in rows if key in r]
                 ax[i].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, color=colors[mode],
                            label=label[mode])
+                paired = [(r["version"], r[key.replace("mismatch_", "mismatch_if_replayed_")]) for r in rows
+                          if key.replace("mismatch_", "mismatch_if_replayed_") in r and "mismatch" in key]
+                if paired:  # the observe arm's own tokens, forwarded again with the servers' routes
+                    ax[i].plot([p[0] for p in paired], [p[1] for p in paired], ls="--", marker="x", ms=3,
+                               color=colors[mode], alpha=0.7, label="replay off arm, same tokens replayed")
         ax[i].set_title(title, fontsize=9)
         ax[i].set_xlabel("step")
         if "log-prob" in title and "mean" not in title:
@@ -166,6 +179,7 @@ def _plot(runs: dict, evals: dict, args) -> None:
     ax[5].set_title("held-out greedy accuracy (30 prompts)", fontsize=9)
     ax[5].set_xlabel("step")
     ax[0].legend(fontsize=8)
+    ax[1].legend(fontsize=7)
     fig.suptitle(f"tiny Qwen3-MoE GRPO (MoE demo settings, max_staleness {args.max_staleness}): bf16 SGLang server, "
                  "fp32 TP2 learner; mismatch over every trained token, every step", fontsize=10)
     fig.tight_layout()
@@ -184,6 +198,8 @@ def main() -> int:
     ap.add_argument("--max-staleness", type=int, default=0,
                     help="with --grpo-steps: 0 = every trained token on-policy, so the mismatch is measured on all")
     ap.add_argument("--eval-every", type=int, default=4, help="with --grpo-steps: held-out eval every N steps")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
+                    help="with --grpo-steps: the arms to run (an arm already in --work-dir is still reported/plotted)")
     args = ap.parse_args()
     if not os.path.exists(args.sglang_python):
         raise SystemExit(f"--sglang-python: {args.sglang_python} does not exist")

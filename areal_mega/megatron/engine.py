@@ -202,8 +202,7 @@ class MegatronTrainEngine(TrainEngine):
         self._num_steps = 0
         self.trainable = trainable
         self._device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        # MoE routing replay: a batch's routed_experts are replayed (not under "observe"); forwards
-        # record the natural routes.
+        # MoE routing replay: a batch's routed_experts are replayed; forwards record the natural routes.
         self.replay: BatchReplay | None = None
         if model.arch.is_moe and cfg.model.moe_routing_replay != "off":
             self.replay = BatchReplay(model.arch.num_layers, model.arch.moe_topk, self.groups.coords.tp, self.layout.tp,
@@ -311,7 +310,7 @@ class MegatronTrainEngine(TrainEngine):
     def _model_forward(self, chunk: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         T = int(mb["input_ids"].numel())
         if self.replay is not None:  # MoE routing replay: this chunk's routers, this micro-batch
-            if "routed_experts" in mb and self.cfg.model.replays_routes:
+            if "routed_experts" in mb:
                 self.replay.set_targets(chunk, mb["routed_experts"], T)
             else:
                 self.replay.observe(chunk)

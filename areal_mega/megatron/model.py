@@ -60,7 +60,8 @@ class MegatronModelConfig:
     algorithm.decoupled). Either way the gate values are this model's router probabilities at
     the replayed experts (the router still gets gradients). "off": megatron's plain top-k.
     "observe": plain top-k too, but the servers record their routes and the learner its own, so
-    routing/disagreement is logged (the control arm of a replay experiment)."""
+    routing/disagreement is logged, and one more forward per step replays the servers' routes on
+    the same tokens for routing/mismatch_if_replayed_* (the control arm of a replay experiment)."""
     sequence_parallel: bool | Literal["auto"] = "auto"
     """Megatron sequence parallelism: the activations outside attention/MLP (norms, residuals,
     dropout) are split over the TP ranks along the sequence (all-gather before the column-parallel
@@ -113,11 +114,6 @@ class MegatronModelConfig:
     def captures_server_routes(self) -> bool:
         """The servers record every token's experts (--enable-return-routed-experts)."""
         return self.moe_routing_replay in ("observe", "rollout")
-
-    @property
-    def replays_routes(self) -> bool:
-        """The learner's routers take a batch's routed_experts (else they only record theirs)."""
-        return self.moe_routing_replay in ("rollout", "proximal")
 
     def sequence_parallel_for(self, tp: int) -> bool:
         """The resolved sequence_parallel setting at tensor-parallel size ``tp``: off at TP1

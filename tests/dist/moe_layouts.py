@@ -163,9 +163,8 @@ def engine_replay_checks(hf_dir, groups, r: dict) -> dict:
     """The product's engine with ``moe_routing_replay: rollout`` on a packed batch (4 sequences of
     unequal length, several micro-batches): forward with the batch's ``routed_experts`` (forced
     routes, -1 on each sequence's last token), forward without them (plain routing; the
-    natural routes it returns), one train_batch whose loss reports the replayed log-probs'
-    sum (the training forward must replay too), and, after it, a forward under ``observe``
-    with the routes present (must route freely)."""
+    natural routes it returns), and one train_batch whose loss reports the replayed log-probs'
+    sum (the training forward must replay too)."""
     import dataclasses
 
     from areal_mega.megatron.engine import MegatronTrainEngine
@@ -185,13 +184,9 @@ def engine_replay_checks(hf_dir, groups, r: dict) -> dict:
         return (lp * 0).sum(), {"lp_sum": (lp * mb["loss_mask"]).sum(), "n": mb["loss_mask"].sum()}
 
     stats = eng.train_batch(batch, loss_fn)
-    # "observe" (the control arm): the same weights, the batch's routes present but not replayed
-    eng.cfg = dataclasses.replace(eng.cfg, model=dataclasses.replace(cfg.model, moe_routing_replay="observe"))
-    observed = eng.forward(batch, with_entropy=False)
     return {"replayed": replayed["logprobs"].tolist(), "plain": plain["logprobs"].tolist(),
             "natural": plain["routes"].tolist(), "natural_under_replay": replayed["routes"].tolist(),
-            "train_lp_mean": float(stats["lp_sum"]), "train_n": float(stats["n"]),
-            "observed": observed["logprobs"].tolist(), "natural_observed": observed["routes"].tolist()}
+            "train_lp_mean": float(stats["lp_sum"]), "train_n": float(stats["n"])}
 
 
 def routing_replay_checks(hf_dir, groups, ids, cu) -> dict:
