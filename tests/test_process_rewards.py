@@ -497,7 +497,7 @@ def test_generative_judge_per_step():
 def test_chain_task_outcome_and_step_scores(tmp_path):
     """The LM run's task (areal_mega/demo/chain.py): the outcome is the chain's answer; a step is
     right given the step before it as written, so one wrong step costs its own step score only,
-    and the outcome. Step prefixes are what the product's splitter makes at spaces."""
+    and the outcome. Step prefixes are what the product's splitter makes at "="."""
     import json
 
     from areal_mega.demo.chain import chain_reward, chains, reduce_first, write_data
@@ -505,17 +505,17 @@ def test_chain_task_outcome_and_step_scores(tmp_path):
 
     p, d = "Q:5+3-4+2=?A:", {"answer": "6"}
     assert reduce_first("8-4+2") == "4+2" and reduce_first("6") is None
-    right, one_wrong = "8-4+2 4+2 6", "9-4+2 5+2 7"
+    right, one_wrong = "8-4+2=4+2=6", "9-4+2=5+2=7"
 
     class Chars:
         def decode(self, ids, skip_special_tokens=True):
             return "".join(map(chr, ids))
 
     for text, outcome, steps in ((right, 1.0, [1.0, 1.0, 1.0]), (one_wrong, 0.0, [0.0, 1.0, 0.0])):
-        _, parts = split_steps(Chars(), [[ord(c) for c in text]], StepConfig(split="regex", delimiter=r"\s+"))
+        _, parts = split_steps(Chars(), [[ord(c) for c in text]], StepConfig(split="regex", delimiter="="))
         assert [chain_reward(p, "".join(parts[:j + 1]), d) for j in range(len(parts))] == steps
         assert chain_reward(p, text, d) == outcome
-    assert chain_reward(p, "8-4+2 4+2", d) == 0.0  # finished without an answer
+    assert chain_reward(p, "8-4+2=4+2", d) == 0.0  # finished without an answer
     assert chain_reward(p, "", d) == 0.0 and chain_reward(p, "6", d) == 1.0
     # the held-out chains are in neither train nor sft; the right answer alone is a right outcome
     assert len(chains(3)) == 2268  # every true value in [0, 6]

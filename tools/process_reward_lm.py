@@ -5,11 +5,11 @@ then a summary).
     python tools/process_reward_lm.py --sglang-python S --rl-steps 24 --plot docs/process_rewards_lm.png
 
 The task (areal_mega/demo/chain.py): three-step chains of single-digit additions/subtractions
-rewritten one operation per step (``Q:5+3-4+2=?A:`` -> ``8-4+2 4+2 6``), on the demo's tiny Qwen2
+rewritten one operation per step (``Q:5+3-4+2=?A:`` -> ``8-4+2=4+2=6``), on the demo's tiny Qwen2
 SFT'd on demonstrations whose steps are written one too high 60% of the time (so a whole chain is
 right ~6% of the time when sampled, never greedily). Both arms: configs/grpo_tiny.yaml (the demo's
 async GRPO, max_staleness 1), the reward ``chain_reward``, the same SFT model and seeds. Outcome
-arm: the chain's answer only. Process arm: also ``workflow.steps`` (cut at spaces),
+arm: the chain's answer only. Process arm: also ``workflow.steps`` (cut after each "="),
 ``reward.step_scoring: prefix`` (each step right given the step before it) and
 ``algorithm.process_weight: 1``. Recorded per step: the outcome reward (the same function in both
 arms), the step reward's mean, held-out greedy accuracy every ``--eval-every`` steps.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 ARMS = {
     "outcome": [],
-    "process": [r"workflow.steps.split=regex", r"workflow.steps.delimiter=\s+", "reward.step_scoring=prefix",
+    "process": [r"workflow.steps.split=regex", 'workflow.steps.delimiter="="', "reward.step_scoring=prefix",
                 "algorithm.process_weight=1.0"],
 }
 

@@ -3,14 +3,16 @@
     python -m areal_mega.demo.chain --out runs/chain   # model/ (tiny Qwen2, character tokenizer), data/
 
 A prompt is a chain of ``num_steps`` single-digit additions / subtractions, ``Q:5+3-4+2=?A:``; the
-completion rewrites it one operation at a time, steps separated by a space, the last step the
-answer: ``8-4+2 4+2 6``. Every true intermediate value lies in [0, 6], so each step is one
-single-digit operation plus a copy of the rest (what the two-layer demo model can learn).
+completion rewrites it one operation at a time, steps joined by "=", the last step the answer:
+``8-4+2=4+2=6`` (the demo's character tokenizer drops spaces, so "=" is the step delimiter).
+Every true intermediate value lies in [0, 6], so each step is one single-digit operation plus a
+copy of the rest (what the two-layer demo model can learn).
 
 * ``chain_reward`` is both rewards: on a finished completion the outcome (its last step is the
-  true answer), on a step prefix (``reward.step_scoring: prefix``, steps cut at spaces) whether
-  that step is right *given the step before it as written* -- so a chain with one wrong step gets
-  step scores 1, 0, 1 and outcome 0, the outcome only says that something went wrong.
+  true answer), on a step prefix (``reward.step_scoring: prefix``, steps cut after each "=")
+  whether that step is right *given the step before it as written* -- so a chain whose first
+  step is wrong gets step scores 0, 1, 0 (the last step is the answer) and outcome 0: the
+  outcome only says that something went wrong, the steps say where.
 * ``sft.jsonl``: demonstrations where each step's first operation is written one too high with
   probability ``sft_noise`` (0.6; the error carries into the later steps, which compute from the
   written value). The SFT'd model samples a right step ~40% of the time and greedily never does,
@@ -31,6 +33,7 @@ from typing import Any
 
 _OP = re.compile(r"^(\d+)([+-])(\d+)(.*)$")
 _NUMBER = re.compile(r"^-?\d+$")
+STEP = "="  # joins the steps; workflow.steps.delimiter "=" cuts after it
 
 
 def reduce_first(expr: str) -> str | None:
@@ -48,15 +51,19 @@ def expression(prompt: str) -> str:
 
 
 def chain_reward(prompt: str, completion: str, data: dict[str, Any]) -> float:
-    """1.0 or 0.0. A finished completion (not ending in a space): its last step is the answer
-    ``data["answer"]`` (the outcome). A step prefix (ending in the space that ends its step): its
+    """1.0 or 0.0. A finished completion (not ending in "="): its last step is the answer
+    ``data["answer"]`` (the outcome). A step prefix (ending in the "=" that ends its step): its
     last step, when a bare number, is the answer; otherwise it must be the step before it (the
     prompt's chain for the first) with the first operation done right."""
-    steps = completion.split()
-    if not steps:
+    text = completion.strip()
+    steps = [x.strip() for x in text.split(STEP)]
+    if not text:
         return 0.0
+    if not text.endswith(STEP):
+        return float(steps[-1] == str(data["answer"]).strip())
+    steps = steps[:-1]  # the empty remainder after the final "="
     last = steps[-1]
-    if not completion[-1].isspace() or _NUMBER.match(last):
+    if _NUMBER.match(last):
         return float(last == str(data["answer"]).strip())
     prev = steps[-2] if len(steps) > 1 else expression(prompt)
     return float(last == reduce_first(prev))
@@ -87,7 +94,7 @@ def demonstration(a: int, ops: list[tuple[str, int]], rng: random.Random, noise:
     for j, (o, b) in enumerate(ops):
         v = (v + b if o == "+" else v - b) + (1 if rng.random() < noise else 0)
         steps.append(render(v, ops[j + 1:]))
-    return " ".join(steps)
+    return STEP.join(steps)
 
 
 def write_data(out_dir: Path, *, num_steps: int, num_test: int, num_sft: int, sft_noise: float, seed: int) -> None:
