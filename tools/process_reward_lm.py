@@ -94,6 +94,18 @@ def main() -> int:
     for seed in args.seeds:
         for arm in args.arms:
             out = work / f"{arm}-s{seed}"
+            done = (out / "metrics.jsonl").exists() and (out / "eval.jsonl").exists() and \
+                len((out / "metrics.jsonl").read_text().splitlines()) >= args.rl_steps
+            if done:  # this arm and seed finished in an earlier call on this work dir: reported, not rerun
+                rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][:args.rl_steps]
+                evals = [e for e in map(json.loads, (out / "eval.jsonl").read_text().splitlines())
+                         if e["step"] <= args.rl_steps]
+                rec = {"arm": arm, "seed": seed, "steps": len(rows), "reward": _steps_mean(rows, "rollout/reward_mean"),
+                       "step_reward": _steps_mean(rows, "rollout/step_reward_mean"),
+                       "heldout": [[e["step"], round(e["accuracy"], 3)] for e in evals], "from_earlier_run": True}
+                runs[f"{arm}-s{seed}"] = rec
+                print(json.dumps(rec), flush=True)
+                continue
             for stale in ("eval.jsonl", "metrics.jsonl", "prompts.jsonl"):
                 (out / stale).unlink(missing_ok=True)
             load = _load_sampler()
