@@ -2,12 +2,12 @@
 through the real trainer (SGLang CPU server, TP2 megatron learners); prints JSON (one line per run,
 then a summary).
 
-    python tools/process_reward_lm.py --sglang-python S --rl-steps 24 --plot docs/process_rewards_lm.png
+    python tools/process_reward_lm.py --sglang-python S --seeds 1 2 --plot docs/process_rewards_lm.png
 
 The task (areal_mega/demo/chain.py): three-step chains of single-digit additions/subtractions
 rewritten one operation per step (``Q:5+3-4+2=?A:`` -> ``8-4+2=4+2=6``), on the demo's tiny Qwen2
-SFT'd on demonstrations whose steps are written one too high 60% of the time (so a whole chain is
-right ~6% of the time when sampled, never greedily). Both arms: configs/grpo_tiny.yaml (the demo's
+SFT'd on demonstrations whose steps are written one too high 60% of the time (so the SFT'd
+model is usually wrong: 13% right answers sampled, 7% greedy, in docs/algorithms.md's run). Both arms: configs/grpo_tiny.yaml (the demo's
 async GRPO, max_staleness 1), the reward ``chain_reward``, the same SFT model and seeds. Outcome
 arm: the chain's answer only. Process arm: also ``workflow.steps`` (cut after each "="),
 ``reward.step_scoring: prefix`` (each step right given the step before it) and
@@ -63,8 +63,8 @@ def main() -> int:
     ap.add_argument("--sglang-python", required=True)
     ap.add_argument("--learner-python", default=sys.executable)
     ap.add_argument("--work-dir", default="runs/process_rewards_lm")
-    ap.add_argument("--rl-steps", type=int, default=24)
-    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--rl-steps", type=int, default=16)
+    ap.add_argument("--sft-steps", type=int, default=250)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1], help="trainer seeds (and server sampling seeds)")
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))

@@ -15,8 +15,8 @@ copy of the rest (what the two-layer demo model can learn).
   outcome only says that something went wrong, the steps say where.
 * ``sft.jsonl``: demonstrations where each step's first operation is written one too high with
   probability ``sft_noise`` (0.6; the error carries into the later steps, which compute from the
-  written value). The SFT'd model samples a right step ~40% of the time and greedily never does,
-  so a right chain (the outcome reward) is rare at first: 0.4 ** 3 = 6% with three steps.
+  written value), so the SFT'd model is usually wrong (measured after 250 SFT steps, sampled:
+  22% right steps, 13% right answers -- some by errors that cancel; greedy: 7%).
 
 tools/process_reward_lm.py trains it with outcome rewards only vs outcome + process rewards.
 """
