@@ -93,6 +93,9 @@ class ExperimentConfig:
             raise ValueError("reward.step_scoring: there are no steps to score; set workflow.steps.split (regex or turns)")
         if scores_steps and self.algorithm.process_weight == 0:
             raise ValueError("reward.step_scoring: the step scores would be unused with algorithm.process_weight 0")
+        if self.actor.model.moe_routing_replay == "observe" and not self.algorithm.decoupled:
+            raise ValueError("actor.model.moe_routing_replay: 'observe' measures the routes in the proximal forward, "
+                             "which only algorithm.decoupled computes; set algorithm.decoupled: true")
         if self.actor.model.moe_routing_replay == "proximal" and not self.algorithm.decoupled:
             raise ValueError("actor.model.moe_routing_replay: 'proximal' replays the proximal forward's routes, "
                              "which only algorithm.decoupled computes; set algorithm.decoupled: true or use 'rollout'")

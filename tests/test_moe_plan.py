@@ -153,11 +153,17 @@ def test_routing_replay_settings_validated():
     cfg.algorithm.decoupled = False
     with pytest.raises(ValueError, match="^actor.model.moe_routing_replay: 'proximal' replays the proximal"):
         cfg.validate()
+    cfg.actor.model.moe_routing_replay = "observe"
+    with pytest.raises(ValueError, match="^actor.model.moe_routing_replay: 'observe' measures the routes in the"):
+        cfg.validate()
     cfg.algorithm.decoupled = True
     cfg.validate()
-    for mode in ("off", "rollout"):
+    for mode in ("off", "observe", "rollout"):
         cfg.actor.model.moe_routing_replay = mode
         cfg.validate()
+    # which modes start the servers with route capture
+    assert [m for m in ("off", "observe", "rollout", "proximal")
+            if MegatronModelConfig(moe_routing_replay=m).captures_server_routes] == ["observe", "rollout"]
     cfg.actor.model.moe_routing_replay = "rollout"
     cfg.actor.model.recompute = "full"
     with pytest.raises(ValueError, match="^moe_routing_replay: rollout with recompute 'full' is not supported"):

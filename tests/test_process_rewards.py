@@ -492,3 +492,35 @@ def test_generative_judge_per_step():
     assert judge.stats["requests"] == 6 and judge.stats["ok"] == 6
     seen = [p for p in judge._engine.prompts]
     assert any("2+3=5\n5*4=21\nSo 21." in p for p in seen)  # the last prefix is the whole completion
+
+
+def test_chain_task_outcome_and_step_scores(tmp_path):
+    """The LM run's task (areal_mega/demo/chain.py): the outcome is the chain's answer; a step is
+    right given the step before it as written, so one wrong step costs its own step score only,
+    and the outcome. Step prefixes are what the product's splitter makes at "="."""
+    import json
+
+    from areal_mega.demo.chain import chain_reward, chains, reduce_first, write_data
+    from areal_mega.workflows.steps import StepConfig, split_steps
+
+    p, d = "Q:5+3-4+2=?A:", {"answer": "6"}
+    assert reduce_first("8-4+2") == "4+2" and reduce_first("6") is None
+    right, one_wrong = "8-4+2=4+2=6", "9-4+2=5+2=7"
+
+    class Chars:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    for text, outcome, steps in ((right, 1.0, [1.0, 1.0, 1.0]), (one_wrong, 0.0, [0.0, 1.0, 0.0])):
+        _, parts = split_steps(Chars(), [[ord(c) for c in text]], StepConfig(split="regex", delimiter="="))
+        assert [chain_reward(p, "".join(parts[:j + 1]), d) for j in range(len(parts))] == steps
+        assert chain_reward(p, text, d) == outcome
+    assert chain_reward(p, "8-4+2=4+2", d) == 0.0  # finished without an answer
+    assert chain_reward(p, "", d) == 0.0 and chain_reward(p, "6", d) == 1.0
+    # the held-out chains are in neither train nor sft; the right answer alone is a right outcome
+    assert len(chains(3)) == 2268  # every true value in [0, 6]
+    write_data(tmp_path, num_steps=3, num_test=5, num_sft=50, sft_noise=0.6, seed=0)
+    rows = {n: [json.loads(x) for x in (tmp_path / f"{n}.jsonl").read_text().splitlines()] for n in ("train", "test", "sft")}
+    test_ids = {r["id"] for r in rows["test"]}
+    assert len(test_ids) == 5 and not test_ids & {r["id"] for r in rows["train"] + rows["sft"]}
+    assert all(chain_reward(r["prompt"], r["answer"], r) == 1.0 for r in rows["train"][:20])

@@ -351,3 +351,29 @@ def test_inflight_time_is_logged_per_batch():
     inflight, wall, train = asyncio.run(run())
     assert all(x >= 0.004 for x in inflight), inflight  # >= one chunk's sleep of one episode
     assert sum(inflight) + 4 * train <= wall, (inflight, wall)
+
+
+def test_batch_stats_pool_step_rewards():
+    """rollout/step_reward_mean pools every step reward of the batch; absent without steps."""
+    class Steps(GroupWorkflow):
+        async def arun_episode(self, engine, data):
+            out = await super().arun_episode(engine, data)
+            for i, t in enumerate(out):  # trajectory i: up to i + 1 steps, the last rewarded 1.0, the rest 0.5
+                n = sum(t.loss_mask)
+                t.step_ends = list(range(1, i + 1)) + [n] if n > i else [n]
+                t.step_rewards = [0.5] * (len(t.step_ends) - 1) + [1.0]
+            return out
+
+    async def run(wf):
+        ctrl = RolloutController(FakeEngine(random.Random(3)), wf, dataset(4), RolloutConfig(batch_size=2))
+        await ctrl.astart()
+        try:
+            return await ctrl.aget_batch()
+        finally:
+            await ctrl.aclose()
+
+    b = asyncio.run(run(Steps()))
+    steps = [r for g in b.groups for t in g for r in t.step_rewards]
+    assert b.stats["rollout/step_reward_mean"] == sum(steps) / len(steps) < 1.0
+    assert b.stats["rollout/steps_per_trajectory"] == len(steps) / 4
+    assert "rollout/step_reward_mean" not in asyncio.run(run(GroupWorkflow())).stats

@@ -83,3 +83,48 @@ def test_replay_metrics_by_hand():
     # routed rows 0..2 (row 3 is -1): 6 (token, layer) cells, one differs (row 1, layer 1);
     # order within a cell does not matter (row 1, layer 0 is {0, 1} on both sides)
     assert m["routing/disagreement"] == pytest.approx(1 / 6)
+
+
+def test_observe_mode_measures_server_routes_and_never_trains_on_them():
+    """Trainer.proximal under "observe": the proximal forward routes freely (no routes in its
+    batch), a second forward gets the servers' routes (the counterfactual replayed mismatch), and
+    the batch left for the training forward carries no routes; "rollout" replays in one forward."""
+    from types import SimpleNamespace
+
+    from areal_mega.experiment import ExperimentConfig
+    from areal_mega.trainer.trainer import Trainer
+
+    server = torch.tensor([[0, 1, 2, 3], [1, 0, 2, 3], [4, 5, 6, 7]])
+    behav = torch.tensor([0.0, -1.0, -2.0])
+
+    class Actor:
+        model = SimpleNamespace(arch=SimpleNamespace(num_layers=2))
+        seen: list = []
+
+        def get_version(self):
+            return 3
+
+        def forward(self, batch, temperature, with_entropy):
+            replayed = "routed_experts" in batch
+            self.seen.append(replayed)
+            lp = behav - (0.0 if replayed else 0.5) * batch["loss_mask"]  # replay closes the gap here
+            return {"logprobs": lp, "routes": torch.tensor([[0, 1, 2, 3], [0, 1, 3, 4], [4, 5, 6, 7]])}
+
+    def run(mode):
+        cfg = ExperimentConfig(model_path="m")
+        cfg.actor.model.moe_routing_replay = mode
+        t = Trainer.__new__(Trainer)
+        t.cfg, t.actor = cfg, Actor()
+        Actor.seen = []
+        batch = {"loss_mask": torch.tensor([0, 1, 1]), "versions": torch.tensor([-1, 3, 3]), "logprobs": behav,
+                 "routed_experts": server.clone()}
+        return t.proximal(batch), batch, list(Actor.seen)
+
+    m, batch, seen = run("observe")
+    assert seen == [False, True] and "routed_experts" not in batch
+    assert torch.equal(batch["prox_logprobs"], behav - 0.5 * torch.tensor([0, 1, 1]))  # the free-routing forward's
+    assert m["routing/mismatch_mean"] == pytest.approx(0.5) and m["routing/mismatch_if_replayed_max"] == 0.0
+    assert m["routing/disagreement"] == pytest.approx(1 / 6)
+    m, batch, seen = run("rollout")
+    assert seen == [True] and torch.equal(batch["routed_experts"], server)
+    assert m["routing/mismatch_max"] == 0.0 and not any("if_replayed" in k for k in m)

@@ -33,6 +33,7 @@ SMOKE = {
     "bench_routing_replay.py": "test_tools.py::test_bench_routing_replay",
     "cpu_load.py": "test_tools.py::test_cpu_load_runs_the_command_and_stops",
     "process_reward_toy.py": "test_tools.py::test_process_reward_toy",
+    "process_reward_lm.py": "test_tools.py::test_process_reward_lm",
 }
 
 
@@ -208,3 +209,19 @@ def test_bench_routing_replay(tmp_path):
     assert 0 <= res["disagreement"] <= 1 and res["num_tokens"] > 0
     assert res["mismatch_on"]["max"] <= res["mismatch_off"]["max"] + 1e-6, res
 
+
+
+@pytest.mark.slow
+@pytest.mark.tools_heavy
+@needs_sglang
+def test_process_reward_lm(tmp_path):
+    """The LM comparison at its smallest (64 demonstrations, 2 SFT steps, 1 RL step per arm): both
+    arms report their curves, and only the process arm has step rewards."""
+    r = run_checked([sys.executable, "tools/process_reward_lm.py", "--sglang-python", SGLANG_PYTHON,
+                     "--work-dir", str(tmp_path), "--rl-steps", "1", "--sft-steps", "2", "--num-sft", "64",
+                     "--eval-every", "1"], timeout_s=1800, env=child_env())
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    arms = {x["arm"]: x for x in lines if "arm" in x}
+    assert set(arms) == {"outcome", "process"} and "summary" in lines[-1]
+    assert arms["process"]["step_reward"][0] is not None and arms["outcome"]["step_reward"] == [None]
+    assert all(0 <= x["reward"][0] <= 1 and x["heldout"] for x in arms.values())

@@ -2,7 +2,7 @@
 the product's MegatronTrainEngine); prints ONE JSON line.
 
     python tools/bench_routing_replay.py --sglang-python S [--num-prompts 16 --max-new-tokens 48]
-    python tools/bench_routing_replay.py --sglang-python S --grpo-steps 12 --plot docs/routing_replay_grpo.png
+    python tools/bench_routing_replay.py --sglang-python S --grpo-steps 20 --plot docs/routing_replay_grpo.png
 
 Measured (docs/routing_replay.md): ``disagreement`` -- fraction of (token, layer) routes where the
 learner's own router and the server's differ; ``mismatch_off`` / ``mismatch_on`` -- mean, p99 and
@@ -10,9 +10,13 @@ max |server - learner| log-prob over the generated tokens without / with the ser
 replayed; ``capture_tokens_per_s`` vs ``plain_tokens_per_s`` -- generation throughput with route
 capture on and off (two servers started one after the other, same prompts, same seed).
 
-``--grpo-steps N``: instead, the MoE demo's async GRPO (areal_mega/demo/run.py, tiny Qwen3-MoE,
-TP2 learners with SP, fp32) twice from one SFT model with a bf16 server -- replay off and
-``rollout`` -- and a PNG of their reward and per-step mismatch curves; one JSON line per run.
+``--grpo-steps N``: instead, the MoE demo's GRPO (areal_mega/demo/run.py, tiny Qwen3-MoE, TP2
+learners with SP, fp32) twice from one SFT model with a bf16 server -- ``observe`` (no replay,
+routes logged) and ``rollout`` -- and a PNG of their reward, per-step mismatch (mean, p99, max),
+route disagreement and held-out accuracy; one JSON line per run. ``--max-staleness 0`` (default)
+makes every trained token on-policy: the mismatch metric only counts tokens sampled by the
+current version (else it measures the policy's own change), and at max_staleness 1 nearly every
+batch is generated while the previous step trains.
 """
 
 from __future__ import annotations
@@ -82,44 +86,104 @@ def _stats(d) -> dict:
             "max": round(float(d.max()), 5)}
 
 
+ARMS = ("observe", "rollout")  # the control arm routes freely but logs the disagreement too
+
+
+def _load_sampler(stop):
+    """(min, mean, max) of the 1-min load average, sampled every 10 s until ``stop`` is set."""
+    import threading
+
+    seen: list[float] = []
+
+    def loop():
+        while not stop.wait(10.0):
+            seen.append(os.getloadavg()[0])
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return lambda: (t.join(), seen and (round(min(seen), 1), round(sum(seen) / len(seen), 1), round(max(seen), 1)))[1]
+
+
 def _grpo(args) -> int:
+    import threading
+
     from areal_mega.demo.run import run_pipeline
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-replay-grpo-"))
-    runs = {}
-    for mode in ("off", "rollout"):
-        summary = run_pipeline(str(work), learner_python=sys.executable, sglang_python=args.sglang_python,
-                               rl_steps=args.grpo_steps, rl_name=f"grpo-{mode}", reuse_sft=True, model="qwen3_moe",
-                               extra=[f"actor.model.moe_routing_replay={mode}", "inference.server.dtype=bfloat16",
-                                      "trainer.eval_every=0"])
-        rows = [json.loads(x) for x in (Path(summary["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    runs, evals = {}, {}
+    for mode in ARMS:
+        out = work / f"grpo-{mode}"
+        if mode in args.arms:
+            stop = threading.Event()
+            load = _load_sampler(stop)
+            t0 = time.time()
+            run_pipeline(str(work), learner_python=sys.executable, sglang_python=args.sglang_python,
+                         rl_steps=args.grpo_steps, rl_name=f"grpo-{mode}", reuse_sft=True, model="qwen3_moe",
+                         extra=[f"actor.model.moe_routing_replay={mode}", "inference.server.dtype=bfloat16",
+                                f"rollout.max_staleness={args.max_staleness}", f"trainer.eval_every={args.eval_every}"])
+            stop.set()
+            extra = {"wall_s": round(time.time() - t0, 1), "load_avg_1min_min_mean_max": load()}
+        elif (out / "metrics.jsonl").exists():  # an arm of an earlier call in this work dir (plotted too)
+            extra = {"from_earlier_run": True}
+        else:
+            continue
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         runs[mode] = rows
-        pick = lambda k: [round(r[k], 5) for r in rows if k in r]  # noqa: E731
-        print(json.dumps({"replay": mode, "steps": len(rows), "reward": pick("rollout/reward_mean"),
-                          "mismatch_mean": pick("routing/mismatch_mean"), "mismatch_max": pick("routing/mismatch_max"),
+        evals[mode] = [(e["step"], round(e["accuracy"], 3)) for e in map(json.loads, (out / "eval.jsonl").read_text().splitlines())]
+        pick = lambda k: [round(r[k], 5) if k in r else None for r in rows]  # noqa: E731
+        print(json.dumps({"replay": mode, "steps": len(rows), "max_staleness": args.max_staleness,
+                          "reward": pick("rollout/reward_mean"), "mismatch_mean": pick("routing/mismatch_mean"),
+                          "mismatch_p99": pick("routing/mismatch_p99"), "mismatch_max": pick("routing/mismatch_max"),
+                          "mismatch_tokens": pick("routing/mismatch_tokens"),
                           "disagreement": pick("routing/disagreement"),
-                          "heldout_before": summary["heldout_accuracy_before"],
-                          "heldout_after": summary["heldout_accuracy_after"], "wall_s": summary["wall_s"]}), flush=True)
+                          **({f"mismatch_if_replayed_{q}": pick(f"routing/mismatch_if_replayed_{q}")
+                              for q in ("mean", "p99", "max")} if mode == "observe" else {}),
+                          "heldout": evals[mode], **extra}), flush=True)
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
-        for mode, rows in runs.items():
-            for a_, key, title in ((ax[0], "rollout/reward_mean", "train reward"),
-                                   (ax[1], "routing/mismatch_mean", "mean |server - learner| log-prob"),
-                                   (ax[2], "routing/disagreement", "route disagreement (learner's own router)")):
-                pts = [(r["version"], r[key]) for r in rows if key in r]
-                a_.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"replay {mode}")
-                a_.set_title(title, fontsize=9)
-                a_.set_xlabel("step")
-        ax[0].legend()
-        fig.suptitle("tiny Qwen3-MoE async GRPO, bf16 SGLang server, fp32 TP2 learner", fontsize=10)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+        _plot(runs, evals, args)
     return 0
+
+
+def _plot(runs: dict, evals: dict, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("train reward (batch mean)", [("rollout/reward_mean", "")]),
+              ("|server - learner| log-prob: mean", [("routing/mismatch_mean", "")]),
+              ("|server - learner| log-prob: p99", [("routing/mismatch_p99", "")]),
+              ("|server - learner| log-prob: max", [("routing/mismatch_max", "")]),
+              ("route disagreement (learner's own router vs server)", [("routing/disagreement", "")])]
+    fig, ax = plt.subplots(2, 3, figsize=(14, 7))
+    ax = ax.ravel()
+    colors = {"observe": "tab:red", "rollout": "tab:blue"}
+    label = {"observe": "replay off (observe)", "rollout": "replay on (rollout, R3)"}
+    for i, (title, keys) in enumerate(panels):
+        for mode, rows in runs.items():
+            for key, _ in keys:
+                pts = [(r["version"], r[key]) for r in rows if key in r]
+                ax[i].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, color=colors[mode],
+                           label=label[mode])
+                paired = [(r["version"], r[key.replace("mismatch_", "mismatch_if_replayed_")]) for r in rows
+                          if key.replace("mismatch_", "mismatch_if_replayed_") in r and "mismatch" in key]
+                if paired:  # the observe arm's own tokens, forwarded again with the servers' routes
+                    ax[i].plot([p[0] for p in paired], [p[1] for p in paired], ls="--", marker="x", ms=3,
+                               color=colors[mode], alpha=0.7, label="replay off arm, same tokens replayed")
+        ax[i].set_title(title, fontsize=9)
+        ax[i].set_xlabel("step")
+        if "log-prob" in title and "mean" not in title:
+            ax[i].set_yscale("log")
+    for mode, curve in evals.items():
+        ax[5].plot([c[0] for c in curve], [c[1] for c in curve], marker="s", color=colors[mode], label=label[mode])
+    ax[5].set_title("held-out greedy accuracy (30 prompts)", fontsize=9)
+    ax[5].set_xlabel("step")
+    ax[0].legend(fontsize=8)
+    ax[1].legend(fontsize=7)
+    fig.suptitle(f"tiny Qwen3-MoE GRPO (MoE demo settings, max_staleness {args.max_staleness}): bf16 SGLang server, "
+                 "fp32 TP2 learner; mismatch over every trained token, every step", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=100)
 
 
 def main() -> int:
@@ -131,6 +195,11 @@ def main() -> int:
     ap.add_argument("--work-dir", default=None)
     ap.add_argument("--grpo-steps", type=int, default=0, help="run the MoE demo's GRPO with replay off and on instead")
     ap.add_argument("--plot", default=None, help="with --grpo-steps: write the curves PNG here")
+    ap.add_argument("--max-staleness", type=int, default=0,
+                    help="with --grpo-steps: 0 = every trained token on-policy, so the mismatch is measured on all")
+    ap.add_argument("--eval-every", type=int, default=4, help="with --grpo-steps: held-out eval every N steps")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
+                    help="with --grpo-steps: the arms to run (an arm already in --work-dir is still reported/plotted)")
     args = ap.parse_args()
     if not os.path.exists(args.sglang_python):
         raise SystemExit(f"--sglang-python: {args.sglang_python} does not exist")

@@ -51,6 +51,15 @@ def make_task(tiny: Path, *, learner_python: str, env: dict[str, str], num_layer
               "--model", model], env, tiny.parent / f"{tiny.name}.log")
 
 
+def run_sft(task: Path, out: Path, *, steps: int, learner_python: str, env: dict[str, str]) -> None:
+    """Stage 2: configs/sft_tiny.yaml (TP=2, torchrun) on ``task``'s model and sft.jsonl into
+    ``out`` (HF export ``out/hf``; log ``<out>.log``)."""
+    _run([learner_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+          "-m", "areal_mega.cli", "sft", "--config", "configs/sft_tiny.yaml",
+          f"model_path={task / 'model'}", f"data.path={task / 'data' / 'sft.jsonl'}", f"output_dir={out}",
+          f"trainer.num_steps={steps}"], env, out.parent / f"{out.name}.log")
+
+
 def run_rl(rl_config: str, *, model_dir: Path, task: Path, out: Path, steps: int, learner_python: str,
            sglang_python: str, env: dict[str, str], extra: list[str] | None = None) -> None:
     """Stage 3: ``rl_config`` through the local launcher, on ``task``'s data, from ``model_dir``,
@@ -82,10 +91,7 @@ def run_pipeline(workdir: str, *, learner_python: str, sglang_python: str | None
     print(f"[{time.time() - t0:5.0f}s] stage 1/3: tiny model and task in {tiny}", flush=True)
 
     if not (reuse_sft and (sft / "hf" / "config.json").exists()):
-        _run([learner_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-              "-m", "areal_mega.cli", "sft", "--config", "configs/sft_tiny.yaml",
-              f"model_path={tiny / 'model'}", f"data.path={tiny / 'data' / 'sft.jsonl'}", f"output_dir={sft}",
-              f"trainer.num_steps={sft_steps}"], env, w / "sft.log")
+        run_sft(tiny, sft, steps=sft_steps, learner_python=learner_python, env=env)
     print(f"[{time.time() - t0:5.0f}s] stage 2/3: SFT done ({sft_steps} steps) -> {sft / 'hf'}", flush=True)
 
     eval_log = rl / "eval.jsonl"

@@ -400,7 +400,7 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
                 sglang_secret = str(Path(key_file).with_name(secrets.SGLANG_CONFIG))
             cmd = build_launch_command(replace(srv, host=addr, python=engine_python), port, random_seed=seed,
                                        secret_config=sglang_secret,
-                                       capture_routes=exp.actor.model.moe_routing_replay == "rollout")
+                                       capture_routes=exp.actor.model.captures_server_routes)
             engine_env = {**env, **srv.env}
         else:
             engine_env = env

@@ -55,12 +55,15 @@ class MegatronModelConfig:
     0 = off (RL fine-tuning usually keeps the pretrained router as is); HF's router_aux_loss_coef
     in the config is NOT applied implicitly. Tokens are never dropped (no expert capacity), so
     every layout computes the same function."""
-    moe_routing_replay: Literal["off", "rollout", "proximal"] = "off"
+    moe_routing_replay: Literal["off", "observe", "rollout", "proximal"] = "off"
     """MoE routing replay (docs/routing_replay.md). "rollout" (R3): the servers record the experts
     of every token and the learner's routers use them in the proximal and the training forward;
     "proximal" (R2): the training forward replays the routes of the proximal forward (needs
     algorithm.decoupled). Either way the gate values are this model's router probabilities at
-    the replayed experts (the router still gets gradients). "off": megatron's plain top-k."""
+    the replayed experts (the router still gets gradients). "off": megatron's plain top-k.
+    "observe": plain top-k too, but the servers record their routes and the learner its own, so
+    routing/disagreement is logged, and one more forward per step replays the servers' routes on
+    the same tokens for routing/mismatch_if_replayed_* (the control arm of a replay experiment)."""
     sequence_parallel: bool | Literal["auto"] = "auto"
     """Megatron sequence parallelism: the activations outside attention/MLP (norms, residuals,
     dropout) are split over the TP ranks along the sequence (all-gather before the column-parallel
@@ -108,8 +111,9 @@ class MegatronModelConfig:
             raise ValueError(f"cp_comm_type: {self.cp_comm_type!r} is not one of auto, all_gather, p2p, a2a, a2a+p2p")
         if self.moe_aux_loss_coef < 0:
             raise ValueError(f"moe_aux_loss_coef: must be >= 0, got {self.moe_aux_loss_coef}")
-        if self.moe_routing_replay not in ("off", "rollout", "proximal"):
-            raise ValueError(f"moe_routing_replay: {self.moe_routing_replay!r} is not one of off, rollout, proximal")
+        if self.moe_routing_replay not in ("off", "observe", "rollout", "proximal"):
+            raise ValueError(f"moe_routing_replay: {self.moe_routing_replay!r} is not one of off, observe, rollout, "
+                             "proximal")
         if self.moe_routing_replay != "off" and self.recompute != "none":
             raise ValueError(f"moe_routing_replay: {self.moe_routing_replay} with recompute {self.recompute!r} is not "
                              "supported (the recomputed forward would route afresh); set recompute: none")
@@ -123,6 +127,11 @@ class MegatronModelConfig:
         if self.cp_comm_type == "auto":
             return "p2p" if spec == "te" else "all_gather"
         return self.cp_comm_type
+
+    @property
+    def captures_server_routes(self) -> bool:
+        """The servers record every token's experts (--enable-return-routed-experts)."""
+        return self.moe_routing_replay in ("observe", "rollout")
 
     def sequence_parallel_for(self, tp: int) -> bool:
         """The resolved sequence_parallel setting at tensor-parallel size ``tp``: off at TP1

@@ -222,11 +222,12 @@ class RolloutController:
     def _form_batch(self, taken: list[_Ready], version: int) -> RolloutBatch:
         oldest_allowed = version - self.config.max_staleness
         counts: collections.Counter[int] = collections.Counter()
-        rewards = []
+        rewards, step_rewards = [], []
         reasons: collections.Counter[str] = collections.Counter()  # why rewards failed (reward.evaluate's info)
         for r in taken:
             for t in r.group:
                 rewards.append(t.reward)
+                step_rewards += t.step_rewards or ()
                 reasons.update((t.info.get("reward_info") or {}).get("reasons", ()))
                 # numpy: this runs over every generated token of the batch (millions at scale)
                 gen = np.asarray(t.versions, dtype=np.int64)[np.asarray(t.loss_mask, dtype=bool)]
@@ -259,6 +260,9 @@ class RolloutController:
             "staleness/frac_stale_tokens": sum(c for s, c in counts.items() if s > 0) / max(num_tokens, 1),
             **{f"reward/reason/{k}": float(v) for k, v in sorted(reasons.items())},
         }
+        if step_rewards:  # process rewards: every step's reward pooled over the batch
+            stats["rollout/step_reward_mean"] = sum(step_rewards) / len(step_rewards)
+            stats["rollout/steps_per_trajectory"] = len(step_rewards) / max(len(rewards), 1)
         self._rejected_since_batch = 0
         self._accepted_since_batch = 0
         self._failed_since_batch.clear()

@@ -109,8 +109,8 @@ class Trainer:
         start_step, prompt_state = (resume_run(out / "checkpoints", actor, critic, group=ctrl)
                                     if cfg.trainer.resume else (0, None))
         rank0 = groups.rank == 0
-        capture = cfg.actor.model.moe_routing_replay == "rollout"  # the servers record every token's experts
-        generation = (RolloutService(cfg.inference, server_wait_s=cfg.weight_sync.server_wait_s, capture_routes=capture)
+        generation = (RolloutService(cfg.inference, server_wait_s=cfg.weight_sync.server_wait_s,
+                                     capture_routes=cfg.actor.model.captures_server_routes)
                       if rank0 else None)
         # Tensors travel in the servers' dtype (inference.server.dtype), whatever the learner trains in.
         wire = cfg.inference.server.dtype if cfg.inference.server.dtype != "auto" else None
@@ -192,14 +192,27 @@ class Trainer:
         """pi_prox (the policy before this update; one extra forward) into ``batch["prox_logprobs"]``.
         MoE routing replay: the servers' routes in the batch are replayed here (rollout); with
         "proximal" the routes this forward chose become the batch's, for the training forward.
+        "observe": the servers' routes are measured, never replayed (dropped from the batch after the
+        metrics), plus one more forward replaying them on the same tokens: the mismatch replay
+        would have left (``routing/mismatch_if_replayed_*``), paired with the one trained on.
         Returns the train/inference mismatch metrics (routing.replay_metrics)."""
+        mode = self.cfg.actor.model.moe_routing_replay
+        server_routes = batch.pop("routed_experts", None) if mode == "observe" else None
         out = self.actor.forward(batch, self.temperature, with_entropy=False)
         batch["prox_logprobs"] = out["logprobs"]
         natural = out.get("routes")
-        if self.cfg.actor.model.moe_routing_replay == "proximal":
+        if mode == "proximal":
             batch["routed_experts"] = natural
-        return replay_metrics(batch, out["logprobs"], natural, self.actor.get_version(),
-                              self.actor.model.arch.num_layers)
+        version, layers = self.actor.get_version(), self.actor.model.arch.num_layers
+        if server_routes is None:
+            return replay_metrics(batch, out["logprobs"], natural, version, layers)
+        measured = {**batch, "routed_experts": server_routes}
+        replayed = self.actor.forward(measured, self.temperature, with_entropy=False)["logprobs"]
+        metrics = replay_metrics(measured, out["logprobs"], natural, version, layers)
+        metrics.update({k.replace("routing/mismatch_", "routing/mismatch_if_replayed_"): v
+                        for k, v in replay_metrics(measured, replayed, None, version, layers).items()
+                        if k != "routing/mismatch_tokens"})
+        return metrics
 
     def ref_and_values(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the advantages and losses need from the extra models, {} when neither is built:
