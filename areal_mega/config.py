@@ -162,8 +162,22 @@ def parse_overrides(overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         key, raw = item.split("=", 1)
-        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+        _set_dotted(data, key.strip(), _override_value(key.strip(), raw))
     return data
+
+
+def _override_value(key: str, raw: str) -> Any:
+    """An override's value, read as YAML (``[a, b]``, ``1e-6``, ``null``); a plain scalar YAML
+    parses but cannot build (``=``, ``<<``: YAML's value/merge tags) is the string itself."""
+    if raw == "":
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.constructor.ConstructorError:
+        return raw
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: {raw!r} is not valid YAML: {yaml_error_line(e)} "
+                          "(quote it: key='\"...\"')") from None
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -78,3 +78,17 @@ def test_coords_and_rank_are_inverse_and_tp_is_fastest(tp: int, pp: int, cp: int
     assert len(seen) == world
     assert [lay.coords(r).tp for r in range(tp)] == list(range(tp))  # adjacent ranks share a TP group
     assert lay.ranks_of_stage(pp - 1) == [r for r in range(world) if r >= world - world // pp]
+
+
+def test_override_values_yaml_cannot_build_are_strings_bad_yaml_one_line() -> None:
+    """`key==` (YAML's value tag) is the string "=", not a constructor traceback; an override
+    that is not YAML at all is a one-line error naming the key."""
+    from areal_mega.config import parse_overrides
+
+    assert parse_overrides(["workflow.steps.delimiter==", "a.b=<<"]) == {"workflow": {"steps": {"delimiter": "="}},
+                                                                          "a": {"b": "<<"}}
+    assert parse_overrides(["a=[1, 2]", "b=null", "c="]) == {"a": [1, 2], "b": None, "c": ""}  # YAML as before
+    with pytest.raises(ConfigError) as e:
+        parse_overrides(["inference.addresses=[h1:1, h2"])
+    msg = str(e.value)
+    assert msg.startswith("override inference.addresses: '[h1:1, h2' is not valid YAML") and "\n" not in msg
