@@ -292,6 +292,29 @@ def test_receiver_detected_from_server_info_and_registered_by_the_launcher():
 RECEIVER_PATH = f"areal_mega_sglang_reshard.{RECEIVER.receive.__name__}"  # the module's own loader name
 
 
+def test_receiver_found_on_disk_never_by_running_the_interpreter(tmp_path):
+    """has_reshard_receiver reads the environment's site-packages (or PYTHONPATH): the server's
+    `python` is never run -- a wrapper that ignores its arguments once hung every launch for the
+    probe's timeout (the control: this stub records any run)."""
+    from areal_mega.inference.server import has_reshard_receiver
+
+    ran = tmp_path / "ran"
+    for env in ("with", "without"):
+        (tmp_path / env / "bin").mkdir(parents=True)
+        stub = tmp_path / env / "bin" / "python"
+        stub.write_text(f"#!/bin/sh\ntouch {ran}\nsleep 300\n")
+        stub.chmod(0o755)
+        (tmp_path / env / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
+    (tmp_path / "with" / "lib" / "python3.11" / "site-packages" / "areal_mega_sglang_reshard.py").write_text("")
+    assert has_reshard_receiver(str(tmp_path / "with" / "bin" / "python"))
+    assert not has_reshard_receiver(str(tmp_path / "without" / "bin" / "python"))
+    extra = tmp_path / "container_path"
+    extra.mkdir()
+    (extra / "areal_mega_sglang_reshard.py").write_text("")
+    assert has_reshard_receiver(str(tmp_path / "without" / "bin" / "python"), f"/nope:{extra}")
+    assert not ran.exists()
+
+
 def test_mode_values():
     from areal_mega.weight_sync.config import WeightSyncConfig
 

@@ -97,15 +97,19 @@ RESHARD_RECEIVER = "areal_mega_sglang_reshard.receive"
 
 @functools.lru_cache(maxsize=None)
 def has_reshard_receiver(python: str, pythonpath: str | None = None) -> bool:
-    """Does ``python`` (an SGLang environment) have areal_mega's receiver module? (find_spec
-    only: no torch import, well under a second.) A registered loader that cannot be imported
-    would kill the server at its first weight sync, so the flag is added only when this holds."""
-    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('areal_mega_sglang_reshard') else 1)"
-    try:
-        env = {**server_base_env(), **({"PYTHONPATH": pythonpath} if pythonpath else {})}
-        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60, env=env).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    """Does ``python`` (an SGLang environment) have areal_mega's receiver module? A registered
+    loader that cannot be imported would kill the server at its first weight sync, so the flag is
+    added only when this holds. Read from the file system, never by running ``python`` (a
+    wrapper script or a stalled interpreter must not hold up a launch): the module in the
+    environment's site-packages (``<python>/../../lib/python3*/{site,dist}-packages``, where
+    make_venv.sh installs it; /usr/local and /usr for a container's system Python) or on the
+    server's PYTHONPATH."""
+    name = "areal_mega_sglang_reshard.py"
+    dirs = [Path(d) for d in (pythonpath or "").split(os.pathsep) if d]
+    for root in (Path(python).parent.parent, Path("/usr/local"), Path("/usr")):
+        for kind in ("site-packages", "dist-packages"):
+            dirs += root.glob(f"lib/python3*/{kind}")
+    return any((d / name).is_file() for d in dirs)
 
 
 class SGLangServer:
