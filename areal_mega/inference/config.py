@@ -45,8 +45,9 @@ class SGLangServerConfig:
     reshard_receiver: bool = True
     """Register areal_mega's reshard receiver (``--custom-weight-loader
     areal_mega_sglang_reshard.receive``) when the server's Python has it (tools/env/make_venv.sh
-    installs it; looked up once per interpreter in its site-packages or PYTHONPATH, without running it). weight_sync.mode reshard needs it; a
-    server without it is synced by broadcast. Containers: docs/weight_sync.md."""
+    installs it; looked up in that environment's site-packages or on its PYTHONPATH, without
+    running it). weight_sync.mode reshard needs it; a server without it is synced by broadcast.
+    Containers: docs/weight_sync.md."""
     extra_args: list[str] = field(default_factory=list)
     """More SGLang command-line arguments, appended verbatim (e.g. ``["--attention-backend",
     "torch_native"]``)."""
