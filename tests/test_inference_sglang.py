@@ -327,6 +327,7 @@ def _runs(mask, value):
     return out
 
 
+@pytest.mark.heavy  # its own server start (~3 min on 2 cores): make test-heavy; the fake-server twin runs in make test
 def test_real_server_tree_dies_with_sigkilled_parent(h, tmp_path):
     """A real SGLang server started by a process that is then SIGKILLed: the kernel's parent-death
     signal reaches the wrapper leading the server's process group, which SIGKILLs the whole group

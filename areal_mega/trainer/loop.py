@@ -41,13 +41,15 @@ def run_train(config_path: str, overrides: list[str]) -> int:
             sync = trainer.sync_weights(version=step + 1)  # every live server; bumps the rollout version
         actor.set_version(step + 1)
         stop = trainer.stop_requested()  # SIGTERM/SIGUSR1 or trainer.stop_file: checkpoint, then stop
-        if trainer.should_save(step + 1) or stop:
-            with m.phase("save"):
-                trainer.save(step + 1)
         m.log({**rollout_stats, **prox_stats, **{f"train/{k}": v for k, v in train_stats.items()}, **critic_stats,
                "weight_sync/seconds": sync.seconds, "weight_sync/GBps": sync.gbps,
                "version": step + 1, **trainer.throughput(batch, m)})
+        # The step's record before its checkpoint: a kill -9 between the two leaves a record past
+        # the last checkpoint (cut on resume), never a checkpoint whose step has no record.
         m.commit(step + 1)
+        if trainer.should_save(step + 1) or stop:
+            with m.phase("save"):  # timed into the next step's record
+                trainer.save(step + 1)
         if stop:  # no evaluation: a preemption's grace period is for the checkpoint
             trainer.announce_stop(step + 1)
             break
