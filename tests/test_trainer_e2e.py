@@ -60,6 +60,7 @@ def test_sft_then_async_grpo_improves_heldout_accuracy(workdir: Path) -> None:
     assert (out / "hf" / "model.safetensors").exists() and (out / "hf" / "tokenizer.json").exists()
 
 
+@pytest.mark.heavy  # make test-heavy (CI budget); the critic and GAE are checked in test_critic / test_rl_algorithms
 def test_async_ppo_with_critic_improves_heldout_accuracy(workdir: Path) -> None:
     """configs/ppo_tiny.yaml: GAE advantages from a megatron critic, k3 KL to a frozen reference."""
     s = run_pipeline(str(workdir), learner_python=sys.executable, sglang_python=SGLANG_PYTHON, reuse_sft=True,
@@ -75,6 +76,7 @@ def test_async_ppo_with_critic_improves_heldout_accuracy(workdir: Path) -> None:
     assert (Path(s["output_dir"]) / "checkpoints" / "latest" / "critic").is_dir()
 
 
+@pytest.mark.heavy  # make test-heavy (CI budget); VPP exactness and resume are checked at engine level (test_engine)
 def test_interleaved_pipeline_trainer(tmp_path: Path) -> None:
     """The RL trainer with an interleaved pipeline learner (PP2 x VPP2 on a 4-layer tiny model, two
     ranks, one SGLang server): every step trains and syncs, and the servers' behaviour log-probs
