@@ -32,7 +32,7 @@ from areal_mega.inference.server import RESHARD_RECEIVER
 from areal_mega.inference.sglang_api import SGLangClient
 from areal_mega.utils.distributed import resolve_backend
 from areal_mega.weight_sync.reshard import ReshardPlan, wire_messages
-from areal_mega.weight_sync.transport import WeightSyncError, _collect, join_update_group, pack_message
+from areal_mega.weight_sync.transport import WeightSyncError, _collect, join_update_group, pack_message, wait_all
 
 RECEIVER = RESHARD_RECEIVER
 """The ``--custom-weight-loader`` path of the receiver (tools/env/sglang_reshard.py)."""
@@ -92,13 +92,7 @@ class ReshardTransport:
         return json.loads(bytes(b.cpu().numpy().tobytes()).rstrip(b"\0").decode())
 
     def _finish(self, works: list, bufs: list, futs: list, what: str) -> list[dict]:
-        try:
-            for w in works:
-                w.wait()
-        finally:
-            errors = _collect(futs)
-        if errors:
-            raise WeightSyncError(f"reshard {what}: {errors[0]}")
+        wait_all(works, futs, f"reshard {what}")
         statuses = [self._decode(b) for b in bufs]
         bad = [s for s in statuses if not s.get("ok")]
         if bad:

@@ -216,16 +216,7 @@ class BroadcastSender:
             _collect(futs)
             raise
 
-        def wait() -> None:
-            try:
-                for w in works:
-                    w.wait()
-            finally:
-                errors = _collect(futs)
-            if errors:
-                raise WeightSyncError(f"bucket {bucket.stage}/{bucket.index} ({len(bucket.tensors)} tensors): {errors[0]}")
-
-        return wait
+        return lambda: wait_all(works, futs, f"bucket {bucket.stage}/{bucket.index} ({len(bucket.tensors)} tensors)")
 
     def send_bucket(self, bucket: Bucket, tensors: Sequence[torch.Tensor], **kwargs: Any) -> None:
         """Blocking :meth:`start_bucket`."""
@@ -253,6 +244,18 @@ def pack_message(message: Any, local: Sequence[Any], out: torch.Tensor) -> torch
             src = src.narrow(d, a, b - a)
         buf[off: off + p.nbytes].view(getattr(torch, p.dtype)).view(p.shape).copy_(src)
     return buf
+
+
+def wait_all(works: Sequence[Any], futs: list, what: str) -> None:
+    """Wait for the collectives ``works``, then for every HTTP call ``futs`` (always, so none is
+    left dangling); raise the first call's error as WeightSyncError prefixed by ``what``."""
+    try:
+        for w in works:
+            w.wait()
+    finally:
+        errors = _collect(futs)
+    if errors:
+        raise WeightSyncError(f"{what}: {errors[0]}")
 
 
 def _collect(futs: list) -> list[BaseException]:
