@@ -109,6 +109,15 @@ def test_mismatch_refused_servers_untouched(run):
         assert after["logprobs"] == before["logprobs"]  # still the old weights, bit for bit
 
 
+def test_mismatch_after_connect_resumes_servers_untouched(run):
+    """Once connected the check runs beside the pause: a mismatch there resumes the servers
+    (they answered /generate afterwards) with the v1 weights and version, bit for bit."""
+    assert "learner shape" in (run["connected_mismatch_error"] or "")
+    for before, after in zip(run["v1"], run["after_connected_mismatch"]):
+        assert after["version"] == before["version"] == "1"
+        assert after["logprobs"] == before["logprobs"]
+
+
 @pytest.mark.parametrize("source", ["converted_dir", "disk_dir"])
 def test_hf_export_greedy_equals_servers(run, source):
     """HF model converted by tools/convert_mcore_to_hf.py from the learner's v2 checkpoint (and

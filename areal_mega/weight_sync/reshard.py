@@ -12,6 +12,7 @@ Dataflow::
     sglang_layout.engine_params(...)    -> HF boxes each engine rank holds, in SGLang's names
         -> intersect per HF tensor: Pieces (src rank, src param, src box) -> (dst param, dst box)
         -> group per (learner rank, engine rank), cut into Messages of <= bucket_bytes
+           (a destination's pieces together, in its memory order: they can travel without a copy)
         -> schedule Messages into rounds (a matching: a rank sends / receives <= 1 per round)
 
 Invariants of a :class:`ReshardPlan` (``check()``, also run by the tests at 70B / 235B / 671B):
@@ -304,16 +305,40 @@ def _rank_geometry(adapter: ModelAdapter, eng: EngineLayout, r: int, sources: di
     return params, pieces, total
 
 
+DIRECT_BYTES = 256 << 10
+"""The pieces a pair sends into one destination parameter travel as messages of their own once
+they reach this many bytes, in the destination's memory order: where they tile a contiguous
+span (a whole TP shard; fused qkv rows from their per-group sources) the engine receives the
+message straight into the parameter, and where the source side is one span too (fused gate/up)
+the learner sends it without packing (reshard_transport.py, tools/env/sglang_reshard.py).
+Smaller groups share a bucket: one more message costs more than their copy (~tens of us)."""
+
+
 def _cut(pairs: dict[tuple[int, int, int], list[Piece]], bucket_bytes: int) -> dict[tuple[int, int, int], list[list[Piece]]]:
     out = {}
     for key, pieces in pairs.items():
-        chunks, cur, used = [], [], 0
+        by_dst: dict[tuple, list[Piece]] = defaultdict(list)
         for p in pieces:
-            if cur and used + p.nbytes > bucket_bytes:
-                chunks.append(cur)
-                cur, used = [], 0
-            cur.append(p)
-            used += p.nbytes
+            by_dst[(p.dst_param, p.dst_index)].append(p)
+        chunks, cur, used = [], [], 0
+        for group in by_dst.values():
+            group.sort(key=lambda p: p.dst_box)
+            if sum(p.nbytes for p in group) >= min(DIRECT_BYTES, bucket_bytes):
+                run, size = [], 0  # runs of <= bucket_bytes (a larger piece alone), memory order kept
+                for p in group:
+                    if run and size + p.nbytes > bucket_bytes:
+                        chunks.append(run)
+                        run, size = [], 0
+                    run.append(p)
+                    size += p.nbytes
+                chunks.append(run)
+                continue
+            for p in group:
+                if cur and used + p.nbytes > bucket_bytes:
+                    chunks.append(cur)
+                    cur, used = [], 0
+                cur.append(p)
+                used += p.nbytes
         if cur:
             chunks.append(cur)
         out[key] = chunks

@@ -69,14 +69,19 @@ class ReshardTransport:
         self.mine = plan.sent_by(rank)
         self._buf: torch.Tensor | None = None  # one pack buffer, reused (page faults on CPU; see transport.py)
         self.group: Any = None
+        self._sync_payloads: list[list[str]] | None = None
+        self.last_statuses: list[dict] = []
+        """Rank 0: every engine rank's status of the last command (bytes, seconds, wait_s, ...)."""
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.servers)))
 
     # -- helpers --------------------------------------------------------------------------------
-    def _post(self, per_rank: Callable[[int, int], dict], **kw: Any) -> list:
-        """Rank 0: one update_weights_from_tensor per server, one command per TP rank (async)."""
+    def _post(self, per_rank: Callable[[int, int], dict] | list[list[str]], **kw: Any) -> list:
+        """Rank 0: one update_weights_from_tensor per server, one command per TP rank (async);
+        ``per_rank`` builds each rank's command, or is the payloads already built."""
         futs = []
         for i, (s, eng) in enumerate(zip(self.servers, self.plan.engines)):
-            payloads = [command_payload({"group": self.group_name, **per_rank(i, r)}) for r in range(eng.tp)]
+            payloads = (per_rank[i] if isinstance(per_rank, list) else
+                        [command_payload({"group": self.group_name, **per_rank(i, r)}) for r in range(eng.tp)])
             futs.append(self._pool.submit(s.send, api.update_weights_from_tensor(
                 payloads=payloads, load_format=RECEIVER, flush_cache=kw.get("flush_cache", False),
                 weight_version=kw.get("weight_version"))))
@@ -94,6 +99,7 @@ class ReshardTransport:
     def _finish(self, works: list, bufs: list, futs: list, what: str) -> list[dict]:
         wait_all(works, futs, f"reshard {what}")
         statuses = [self._decode(b) for b in bufs]
+        self.last_statuses = statuses
         bad = [s for s in statuses if not s.get("ok")]
         if bad:
             raise WeightSyncError(f"reshard {what}: engine group rank {bad[0].get('rank')}: {bad[0].get('error')}")
@@ -136,8 +142,10 @@ class ReshardTransport:
         works, bufs, futs = [], [], []
         if self.rank == 0:
             works, bufs = self._statuses()
-            futs = self._post(lambda i, r: {"op": "sync", "messages": wire_messages(self.plan.received_by(i, r))},
-                              flush_cache=flush_cache, weight_version=version)
+            if self._sync_payloads is None:  # the same every sync: built once (rank 0 is a sender too)
+                self._sync_payloads = [[command_payload({"group": self.group_name, "op": "sync", "messages": wire_messages(
+                    self.plan.received_by(i, r))}) for r in range(e.tp)] for i, e in enumerate(self.plan.engines)]
+            futs = self._post(self._sync_payloads, flush_cache=flush_cache, weight_version=version)
         sent = 0
         try:
             if self.mine:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -54,7 +55,7 @@ from areal_mega.utils.procs import free_port, host_address
 from areal_mega.weight_sync.reshard import plan_reshard
 from areal_mega.weight_sync.reshard_transport import RECEIVER, ReshardTransport, has_receiver
 from areal_mega.weight_sync.sglang_layout import EngineLayout, check_supported
-from areal_mega.weight_sync.transport import BroadcastSender, WeightSyncError, check_bucket_tensors, send_all
+from areal_mega.weight_sync.transport import BroadcastSender, WeightSyncError, _collect, check_bucket_tensors, send_all
 
 ExportFn = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 """Collective over this rank's stage TP group: yields this stage's full HF tensors in plan order
@@ -280,20 +281,11 @@ class WeightSync:
         """
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
-        if self.cfg.check_model:
-            err = None  # (is a plan mismatch, message): every rank raises the same type
-            if self.rank == 0:
-                try:
-                    self.check_servers()
-                except PlanMismatchError as e:
-                    err = (True, str(e))
-                except Exception as e:  # noqa: BLE001
-                    err = (False, f"{type(e).__name__}: {e}")
-            msgs: list[Any] = [None] * self.layout.world_size
-            dist.all_gather_object(msgs, err, group=self._ctrl)
-            if msgs[0]:
-                mismatch, message = msgs[0]
-                raise PlanMismatchError(message) if mismatch else WeightSyncError(message)
+        # Once connected, the check's /model_info and the pause are independent calls: rank 0
+        # makes them at once (a mismatch then resumes the servers below; nothing was sent).
+        overlap = self.cfg.check_model and self._connected
+        if self.cfg.check_model and not overlap:
+            self._check()
             phases["check"] = time.perf_counter() - t0
         if not self._connected:
             t = time.perf_counter()
@@ -301,8 +293,11 @@ class WeightSync:
             phases["connect"] = time.perf_counter() - t
         try:
             t = time.perf_counter()
-            self._on_rank0(self._pause_and_begin)
-            phases["pause"] = time.perf_counter() - t
+            if overlap:
+                self._check(also=self._pause_and_begin)
+            else:
+                self._on_rank0(self._pause_and_begin)
+            phases["check+pause" if overlap else "pause"] = time.perf_counter() - t
             if self.mode == "reshard" and not self._joined:
                 t = time.perf_counter()
                 self._join_reshard()
@@ -347,6 +342,29 @@ class WeightSync:
             mode=self.mode,
             bytes_per_engine_rank=per_engine,
         )
+
+    def _check(self, also: Callable[[], Any] | None = None) -> None:
+        """The plan against every server's model (rank 0's HTTP); every rank raises the same
+        error (PlanMismatchError on a mismatch). ``also``: a call rank 0 makes at the same time,
+        its failure raised when the check passed."""
+        err = None  # (is a plan mismatch, message)
+        if self.rank == 0:
+            with ThreadPoolExecutor(max_workers=1) as ex:
+                fut = ex.submit(also) if also is not None else None
+                try:
+                    self.check_servers()
+                except PlanMismatchError as e:
+                    err = (True, str(e))
+                except Exception as e:  # noqa: BLE001
+                    err = (False, f"{type(e).__name__}: {e}")
+                failed = _collect([fut]) if fut is not None else []
+            if failed and err is None:
+                err = (False, f"{type(failed[0]).__name__}: {failed[0]}")
+        msgs: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(msgs, err, group=self._ctrl)
+        if msgs[0]:
+            mismatch, message = msgs[0]
+            raise PlanMismatchError(message) if mismatch else WeightSyncError(message)
 
     def _pause_and_begin(self) -> None:
         if self.pause_servers:

@@ -235,15 +235,44 @@ class BroadcastSender:
 
 def pack_message(message: Any, local: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
     """The flat uint8 buffer of one reshard message (reshard.Message): each piece's box of this
-    rank's local megatron tensor (``local[chunk][name]``), cast to the wire dtype, at its offset.
-    ``out`` is a reused buffer of at least ``message.nbytes``."""
-    buf = out[: message.nbytes]
-    for off, p in zip(message.offsets, message.pieces):
+    rank's local megatron tensor (``local[chunk][name]``), cast to the wire dtype, at its offset,
+    in ``out`` (a reused buffer of at least ``message.nbytes``) -- or, when the pieces are one
+    contiguous span of one tensor in the wire dtype (a whole shard, fused gate/up), that span of
+    the tensor itself (no copy: the caller must finish sending before the weights change)."""
+    views = []
+    for p in message.pieces:
         src = local[p.src_chunk][p.src_param].detach()
         for d, (a, b) in enumerate(p.src_box):
             src = src.narrow(d, a, b - a)
+        views.append(src)
+    first = message.pieces[0]
+    span = _span(local[first.src_chunk][first.src_param].detach(), views, message.offsets, message.nbytes,
+                 getattr(torch, first.dtype)) if all((p.src_chunk, p.src_param) == (first.src_chunk, first.src_param)
+                                                     for p in message.pieces) else None
+    if span is not None:
+        return span
+    buf = out[: message.nbytes]
+    for off, p, src in zip(message.offsets, message.pieces, views):
         buf[off: off + p.nbytes].view(getattr(torch, p.dtype)).view(p.shape).copy_(src)
     return buf
+
+
+def _span(base: torch.Tensor, views: Sequence[torch.Tensor], offsets: Sequence[int], nbytes: int,
+          dtype: torch.dtype) -> torch.Tensor | None:
+    """``base``'s bytes under ``views`` when they lie back to back at ``offsets`` (one contiguous
+    span of ``nbytes``, in ``dtype``), else None. The SGLang-side receiver applies the same rule
+    to its parameters (tools/env/sglang_reshard.py ``direct_target``)."""
+    if not base.is_contiguous() or base.dtype != dtype:
+        return None
+    start = views[0].data_ptr()
+    for v, off in zip(views, offsets):
+        if not v.is_contiguous() or v.data_ptr() - start != off:
+            return None
+    end = views[-1].data_ptr() + views[-1].numel() * views[-1].element_size()
+    if end - start != nbytes:
+        return None
+    first = start - base.data_ptr()
+    return base.reshape(-1).view(torch.uint8)[first: first + nbytes]
 
 
 def wait_all(works: Sequence[Any], futs: list, what: str) -> None:

@@ -154,6 +154,19 @@ def main() -> None:
         res["v1"] = server_state(urls)
 
     log("server state v1 read")
+    # 1b. a mismatch once connected: the check then runs beside the pause (sync.py), so the
+    # paused servers must be resumed untouched -- the state read below would hang otherwise.
+    right = ws.expected_fn
+    ws.expected_fn = lambda hf: right(dict(hf, vocab_size=640))
+    try:
+        ws.sync(7)
+        res["connected_mismatch_error"] = None
+    except PlanMismatchError as e:
+        res["connected_mismatch_error"] = str(e)
+    ws.expected_fn = right
+    if rank == 0:
+        res["after_connected_mismatch"] = server_state(urls)
+    log("connected mismatch checked")
     # 3. disk fallback: another perturbation, version 2.
     perturb(model, 2)
     dcfg = WeightSyncConfig(mode="disk", disk_dir=os.path.join(args.work_dir, "disk"))

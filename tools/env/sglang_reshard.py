@@ -20,8 +20,9 @@ Commands (one per call, per rank)::
     {"op": "leave", "group": name}
 
 ``sync`` receives the messages in the given order (the plan's deadlock-free order, see
-areal_mega/weight_sync/reshard.py) into two reused flat buffers (the next arrives while this one
-is written) and copies every piece into ``param[index][box]``. A failure never raises into SGLang's scheduler (that would kill
+areal_mega/weight_sync/reshard.py): a message whose pieces lie back to back in one parameter
+(``direct_target``) straight into the parameter; the others into two reused flat
+buffers (the next arrives while this one is written), each piece then copied into place. A failure never raises into SGLang's scheduler (that would kill
 the server): the rank keeps draining its messages so the learner's senders never hang, then
 reports the error in its status (a fixed-size JSON message to group rank 0, the learner's
 coordinator), and the learner raises it.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from datetime import timedelta
 
 import torch
@@ -86,28 +88,54 @@ def decode_status(t: torch.Tensor) -> dict:
     return json.loads(raw.decode())
 
 
-def write_piece(params: dict[str, torch.Tensor], buf: torch.Tensor, piece: list) -> None:
-    """Copy one piece out of the flat uint8 ``buf`` into ``param[index][box]``."""
-    name, index, box, dtype, off = piece
+def _dst(params: dict[str, torch.Tensor], piece: list) -> torch.Tensor:
+    """The view ``param[index][box]`` of one piece ``[param, index, box, dtype, offset]``."""
+    name, index, box = piece[0], piece[1], piece[2]
     dst = params[name].data
     for i in index:
         dst = dst[i]
     for d, (a, b) in enumerate(box):
         dst = dst.narrow(d, a, b - a)
-    n = 1
-    for a, b in box:
-        n *= b - a
-    dt = getattr(torch, dtype)
-    src = buf[off: off + n * dt.itemsize].view(dt).view([b - a for a, b in box])
+    return dst
+
+
+def write_piece(params: dict[str, torch.Tensor], buf: torch.Tensor, piece: list) -> None:
+    """Copy one piece out of the flat uint8 ``buf`` into ``param[index][box]``."""
+    dst = _dst(params, piece)
+    dt = getattr(torch, piece[3])
+    off = piece[4]
+    src = buf[off: off + dst.numel() * dt.itemsize].view(dt).view(dst.shape)
     dst.copy_(src)
 
 
+def direct_target(params: dict[str, torch.Tensor], message: list) -> torch.Tensor | None:
+    """The parameter bytes a message can be received into directly (no buffer, no write): its
+    pieces lie back to back, in order, in one contiguous parameter of the wire dtype (a whole
+    shard, or fused qkv rows); else None. The sender sends the same bytes either way (the plan
+    orders a destination's pieces by memory: areal_mega/weight_sync/reshard.py ``_cut``)."""
+    src, nbytes, pieces = message
+    if not pieces or any(p[0] != pieces[0][0] for p in pieces):
+        return None
+    base = params[pieces[0][0]].data
+    if not base.is_contiguous() or str(base.dtype).removeprefix("torch.") != pieces[0][3]:
+        return None
+    views = [_dst(params, p) for p in pieces]
+    start = views[0].data_ptr()
+    for v, p in zip(views, pieces):
+        if v.data_ptr() - start != p[4] or not v.is_contiguous():
+            return None
+    if views[-1].data_ptr() + views[-1].numel() * views[-1].element_size() - start != nbytes:
+        return None
+    first = start - base.data_ptr()
+    return base.reshape(-1).view(torch.uint8)[first: first + nbytes]
+
+
 def apply_messages(params: dict[str, torch.Tensor], messages: list, received) -> str | None:
-    """Write the pieces of every message, ``received`` yielding each message's buffer in order;
-    returns the first error (after draining every message) or None."""
+    """Write the pieces of every message, ``received`` yielding each message's buffer in order
+    (None: it was received in place); returns the first error (after draining every message) or None."""
     error = None
     for (src, nbytes, pieces), buf in zip(messages, received):
-        if error is not None:
+        if error is not None or buf is None:
             continue
         try:
             for p in pieces:
@@ -156,32 +184,48 @@ def _check(cmd: dict, model: torch.nn.Module) -> None:
     _report(g, {"ok": not problems, "error": "; ".join(problems[:5]), "num_params": len(params)})
 
 
-def _received(g: dict, messages: list):
-    """Each message's buffer, in order; the next message is already being received (into the
-    other of two reused buffers) while the caller writes this one. Receives stay in plan order,
-    so the plan's deadlock-freedom holds (posting a receive early only helps)."""
+def _received(g: dict, messages: list, targets: list):
+    """Each message's buffer, in order (None for one received straight into its parameter); the
+    next message is already being received (into the other of two reused buffers, or in place)
+    while the caller writes this one. Receives stay in plan order, so the plan's deadlock-freedom
+    holds (posting a receive early only helps)."""
     def post(k: int):
         src, nbytes, _ = messages[k]
-        buf = g["bufs"][k % 2][:nbytes]
-        return buf, dist.irecv(buf, group_src=src, group=g["pg"])
+        buf = targets[k] if targets[k] is not None else g["bufs"][k % 2][:nbytes]
+        return (None if targets[k] is not None else buf), dist.irecv(buf, group_src=src, group=g["pg"])
 
     cur = post(0) if messages else None
     for k in range(len(messages)):
         buf, work = cur
+        t = time.perf_counter()
         work.wait()
+        g["wait_s"] += time.perf_counter() - t
         cur = post(k + 1) if k + 1 < len(messages) else None
         yield buf
 
 
 def _sync(cmd: dict, model: torch.nn.Module) -> None:
     g = _groups[cmd["group"]]
-    need = max((m[1] for m in cmd["messages"]), default=0)
+    params = _params(model)
+    targets, error = [], None
+    for m in cmd["messages"]:
+        try:
+            targets.append(direct_target(params, m))
+        except Exception as e:  # noqa: BLE001 - a bad piece: drained into a buffer, reported below
+            targets.append(None)
+            error = error or f"{type(e).__name__}: {e}"
+    need = max((m[1] for m, t in zip(cmd["messages"], targets) if t is None), default=0)
     if g["buf"] is None or g["buf"].numel() < 2 * need:  # two flat buffers, reused (no page faults per message)
         g["buf"] = torch.empty(2 * need, dtype=torch.uint8, device=g["device"])
     g["bufs"] = (g["buf"][:need], g["buf"][need: 2 * need])
-    error = apply_messages(_params(model), cmd["messages"], _received(g, cmd["messages"]))
+    g["wait_s"], t0 = 0.0, time.perf_counter()
+    error = apply_messages(params, cmd["messages"], _received(g, cmd["messages"], targets)) or error
     received = sum(m[1] for m in cmd["messages"])
-    _report(g, {"ok": error is None, "error": error or "", "bytes": received})
+    # where this rank's time went (the learner logs it): waiting on the wire vs everything else
+    # (writes of packed pieces, posting receives)
+    _report(g, {"ok": error is None, "error": error or "", "bytes": received,
+                "in_place_bytes": sum(m[1] for m, t in zip(cmd["messages"], targets) if t is not None),
+                "seconds": round(time.perf_counter() - t0, 6), "wait_s": round(g["wait_s"], 6)})
 
 
 def _leave(cmd: dict, model: torch.nn.Module) -> None:
