@@ -49,7 +49,7 @@ from areal_mega.simulator.calibrate import calibrate_and_predict, load_rows  # n
 from areal_mega.simulator.model import SimulationError  # noqa: E402
 
 
-DEFAULT_SETTINGS = ("sync:eta=0;eta1:eta=1;eta2:eta=2;eta4:eta=4;eta1_b8:eta=1,batch=8;"
+DEFAULT_SETTINGS = ("sync:eta=0;sync_b8:eta=0,batch=8;eta1:eta=1;eta2:eta=2;eta4:eta=4;eta1_b8:eta=1,batch=8;"
                     "eta2_new16:eta=2,new=16")
 
 
@@ -151,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                         "on --calibrate-on, predict the others (see validate.py's docstring)")
     p.add_argument("--settings", default=DEFAULT_SETTINGS,
                    help="--validate: ';'-separated runs, each 'name:key=v,...' (eta, batch, new, group)")
-    p.add_argument("--calibrate-on", default="sync,eta1", help="--validate: names of the runs to calibrate on")
+    p.add_argument("--calibrate-on", default="sync,sync_b8,eta1",
+                   help="--validate: names of the runs to calibrate on (two synchronous batch sizes: the learner's "
+                        "per-token cost; one asynchronous run: the overlap)")
     p.add_argument("--png", help="--validate: where to plot the decode sweep (default <work-dir>/decode_sweep.png)")
     p.add_argument("--server-cpus", default="0")
     p.add_argument("--learner-cpus", default="1")
