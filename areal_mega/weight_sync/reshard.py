@@ -258,10 +258,11 @@ def plan_reshard(
     *,
     dtype: str | None = None,
     bucket_bytes: int = 512 << 20,
+    backend: str = "nccl",
 ) -> ReshardPlan:
     """The plan for pushing ``adapter``'s model from ``learner`` into servers of ``engines``
     layouts, every tensor in ``dtype`` (default: the checkpoint's) unless SGLang keeps it in its
-    own dtype (EngineParam.dtype)."""
+    own dtype (EngineParam.dtype); messages cut for the transport ``backend`` (DIRECT_BYTES)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes: must be >= 1, got {bucket_bytes}")
     if not engines:
@@ -284,7 +285,9 @@ def plan_reshard(
                 src = min(ranks, key=lambda x: (load[x], x))
                 load[src] += piece.nbytes
                 pairs[(src, srv, r)].append(piece)
-    messages = _schedule(_cut(pairs, bucket_bytes))
+    if backend not in DIRECT_BYTES:
+        raise ValueError(f"reshard plan: backend must be one of {sorted(DIRECT_BYTES)}, got {backend!r}")
+    messages = _schedule(_cut(pairs, bucket_bytes, DIRECT_BYTES[backend]))
     plan = ReshardPlan(learner, tuple(engines), dtype, bucket_bytes, tuple(messages), shard, params_of)
     return plan
 
@@ -305,44 +308,50 @@ def _rank_geometry(adapter: ModelAdapter, eng: EngineLayout, r: int, sources: di
     return params, pieces, total
 
 
-DIRECT_BYTES = 256 << 10
-"""The pieces a pair sends into one destination parameter travel as messages of their own once
-they reach this many bytes, in the destination's memory order: where they tile a contiguous
-span (a whole TP shard; fused qkv rows from their per-group sources) the engine receives the
-message straight into the parameter, and where the source side is one span too (fused gate/up)
-the learner sends it without packing (reshard_transport.py, tools/env/sglang_reshard.py).
-Smaller groups share a bucket: one more message costs more than their copy (~tens of us)."""
+DIRECT_BYTES = {"gloo": 256 << 10, "nccl": None}
+"""By transport backend: the pieces a pair sends into one destination parameter travel as
+messages of their own once they reach this many bytes, in the destination's memory order: where
+they tile a contiguous span (a whole TP shard; fused qkv rows from their per-group sources) the
+engine receives the message straight into the parameter, and where the source side is one span
+too (fused gate/up) the learner sends it without packing (reshard_transport.py,
+tools/env/sglang_reshard.py). Worth it where a copy costs about what the wire does (CPU: memcpy
+vs loopback TCP) and the group is bigger than one message's latency (~tens of us) of copying.
+On GPUs a copy runs in HBM at ~60x a 400 Gb/s link, so there (None) pieces share
+bucket_bytes messages: fewer rounds (the projections in docs/weight_sync.md)."""
 
 
-def _cut(pairs: dict[tuple[int, int, int], list[Piece]], bucket_bytes: int) -> dict[tuple[int, int, int], list[list[Piece]]]:
+def _cut(pairs: dict[tuple[int, int, int], list[Piece]], bucket_bytes: int,
+         direct_bytes: int | None) -> dict[tuple[int, int, int], list[list[Piece]]]:
+    if direct_bytes is None:
+        return {key: _buckets(pieces, bucket_bytes) for key, pieces in pairs.items()}
     out = {}
     for key, pieces in pairs.items():
-        by_dst: dict[tuple, list[Piece]] = defaultdict(list)
-        for p in pieces:
-            by_dst[(p.dst_param, p.dst_index)].append(p)
-        chunks, cur, used = [], [], 0
+        by_dst: dict[str, list[Piece]] = defaultdict(list)
+        for p in pieces:  # a FusedMoE parameter's experts together: consecutive ones are adjacent
+            by_dst[p.dst_param].append(p)
+        chunks, small = [], []
         for group in by_dst.values():
-            group.sort(key=lambda p: p.dst_box)
-            if sum(p.nbytes for p in group) >= min(DIRECT_BYTES, bucket_bytes):
-                run, size = [], 0  # runs of <= bucket_bytes (a larger piece alone), memory order kept
-                for p in group:
-                    if run and size + p.nbytes > bucket_bytes:
-                        chunks.append(run)
-                        run, size = [], 0
-                    run.append(p)
-                    size += p.nbytes
-                chunks.append(run)
-                continue
-            for p in group:
-                if cur and used + p.nbytes > bucket_bytes:
-                    chunks.append(cur)
-                    cur, used = [], 0
-                cur.append(p)
-                used += p.nbytes
-        if cur:
-            chunks.append(cur)
-        out[key] = chunks
+            group.sort(key=lambda p: (p.dst_index, p.dst_box))
+            if sum(p.nbytes for p in group) >= min(direct_bytes, bucket_bytes):
+                chunks.extend(_buckets(group, bucket_bytes))  # memory order kept
+            else:
+                small.extend(group)
+        out[key] = chunks + _buckets(small, bucket_bytes)
     return out
+
+
+def _buckets(pieces: list[Piece], bucket_bytes: int) -> list[list[Piece]]:
+    """Pieces in plan order, cut into messages of <= bucket_bytes (a larger piece alone)."""
+    chunks, cur, used = [], [], 0
+    for p in pieces:
+        if cur and used + p.nbytes > bucket_bytes:
+            chunks.append(cur)
+            cur, used = [], 0
+        cur.append(p)
+        used += p.nbytes
+    if cur:
+        chunks.append(cur)
+    return chunks
 
 
 def _schedule(queues: dict[tuple[int, int, int], list[list[Piece]]]) -> list[Message]:

@@ -51,6 +51,7 @@ from areal_mega.weight_sync.planner import (
 )
 from areal_mega.inference import sglang_api as api
 from areal_mega.inference.sglang_api import SGLangClient
+from areal_mega.utils.distributed import resolve_backend
 from areal_mega.utils.procs import free_port, host_address
 from areal_mega.weight_sync.reshard import plan_reshard
 from areal_mega.weight_sync.reshard_transport import RECEIVER, ReshardTransport, has_receiver
@@ -239,7 +240,8 @@ class WeightSync:
             # Every rank builds the same plan from metadata; the group is joined inside the
             # first update session (the receiver runs as an update_weights_from_tensor loader).
             plan = plan_reshard(self.reshard.adapter, self.layout, [EngineLayout(t, e) for t, e in zip(tps, eps)],
-                                dtype=self.reshard.dtype, bucket_bytes=self.cfg.bucket_bytes)
+                                dtype=self.reshard.dtype, bucket_bytes=self.cfg.bucket_bytes,
+                                backend=resolve_backend(self.cfg.backend))
             self._reshard = ReshardTransport(
                 plan=plan, rank=self.rank, servers=self.servers, local=self.reshard.local, backend=self.cfg.backend,
                 address=self.cfg.master_address or host_address(), port=port,
