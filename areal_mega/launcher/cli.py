@@ -34,7 +34,7 @@ from areal_mega.launcher.plan import LaunchPlan, build_plan
 from areal_mega.launcher.slurm import SrunRunner, slurm_allocation
 from areal_mega.launcher.supervisor import supervise
 from areal_mega.simulator.costs import ClusterCostModel, WorkloadModel
-from areal_mega.simulator.model import SimulationError
+from areal_mega.simulator.model import PLAN_TOLERANCE, SimulationError
 from areal_mega.simulator.planner import PlanReport, describe, recommendation, sensitivity, sweep, write_plan
 from areal_mega.utils.secrets import write_api_key
 
@@ -172,7 +172,7 @@ def _planner_overrides(overrides: list[str]) -> list[str]:
 
 
 def build_plan_report(config: str, nodes: int, overrides: list[str] | None = None, *, gpus_per_node: int | None = None,
-                      staleness: tuple[int, ...] = DEFAULT_STALENESS, tolerance: float = 0.02,
+                      staleness: tuple[int, ...] = DEFAULT_STALENESS, tolerance: float = PLAN_TOLERANCE,
                       cost: ClusterCostModel | None = None, workload: WorkloadModel | None = None,
                       with_sensitivity: bool = False) -> PlanReport:
     """Sweep splits x max_staleness for the YAML at ``config`` (raises ValueError -- ConfigError,
@@ -212,7 +212,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, required=True, help="nodes in the allocation")
     p.add_argument("--gpus-per-node", type=int, help=f"default launch.gpus_per_node, else {DEFAULT_GPUS_PER_NODE}")
     p.add_argument("--staleness", default=",".join(map(str, DEFAULT_STALENESS)), help="max_staleness values to sweep")
-    p.add_argument("--tolerance", type=float, default=0.02, help="recommend the smallest max_staleness whose "
+    p.add_argument("--tolerance", type=float, default=PLAN_TOLERANCE, help="recommend the smallest max_staleness whose "
                    "predicted throughput is within this fraction of the best (default 0.02)")
     p.add_argument("--out", help="write plan.json and throughput_plan.png (predicted throughput vs split and "
                    "vs max_staleness) into this directory")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_mega.simulator.model import (
-    DecodeModel, HostModel, LearnerModel, LengthModel, SimConfig, SimulationError, SyncModel,
+    PLAN_TOLERANCE, DecodeModel, HostModel, LearnerModel, LengthModel, SimConfig, SimulationError, SyncModel,
 )
 from areal_mega.simulator.sim import simulate
 
@@ -301,13 +301,6 @@ def run_facts(rows: list[dict], warmup: int, setting: RunSetting) -> dict:
     }
 
 
-def _tie_tolerance() -> float:
-    """Predictions closer than this (relative) are a tie: the planner's own default tolerance."""
-    from areal_mega.simulator.planner import PlanReport
-
-    return next(f.default for f in dataclasses.fields(PlanReport) if f.name == "tolerance")
-
-
 def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *, warmup_steps: int) -> dict:
     """Calibrate on the runs named ``calibrate_on`` (+ the decode sweep), predict every other run.
 
@@ -471,11 +464,11 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
 
     def order(a: str, b: str, key: str) -> int:
         """-1, 0, 1: a below, tied with, above b. Predictions tie within the planner's own
-        tolerance (_tie_tolerance); measurements within twice the standard error of their
+        tolerance (PLAN_TOLERANCE); measurements within twice the standard error of their
         difference (each run's rel_se), as no ranking finer than the noise is measurable."""
         x, y = preds[a][key], preds[b][key]
         if key == "predicted":
-            tie = _tie_tolerance() * max(x, y)
+            tie = PLAN_TOLERANCE * max(x, y)
         else:
             se = [preds[n]["measured_facts"]["rel_se"] or 0.0 for n in (a, b)]
             tie = 2.0 * math.hypot(se[0] * x, se[1] * y)

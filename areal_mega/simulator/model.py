@@ -14,6 +14,11 @@ from typing import Callable, Literal
 __all__ = ["DecodeModel", "LearnerModel", "LengthModel", "SimConfig", "SimulationError", "SyncModel"]
 
 
+PLAN_TOLERANCE = 0.02
+"""Throughputs within this fraction count as equal: the planner recommends the smallest
+max_staleness within it of the best, and the out-of-sample validation ranks with it."""
+
+
 class SimulationError(ValueError):
     """A simulation input is invalid, or the simulated pipeline stalled."""
 

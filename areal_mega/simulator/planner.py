@@ -30,7 +30,7 @@ from areal_mega.simulator.costs import (
 from areal_mega.simulator.memory import (
     GIB, ModelShape, count_params, estimate_engine, estimate_learner, learner_settings, model_shape, total_params,
 )
-from areal_mega.simulator.model import SimConfig, SimulationError
+from areal_mega.simulator.model import PLAN_TOLERANCE, SimConfig, SimulationError
 from areal_mega.simulator.sim import simulate
 from areal_mega.simulator.plot import plot_plan
 
@@ -79,7 +79,7 @@ class PlanReport:
     workload: WorkloadModel
     configured: tuple[int, int] | None
     """(learner nodes, max_staleness) the config itself asks for, when set."""
-    tolerance: float = 0.02
+    tolerance: float = PLAN_TOLERANCE
     """Recommend the smallest max_staleness within this fraction of the best throughput."""
     margin: float = 0.10
     """``launch.planner.margin``: the configured split is flagged when predicted this fraction
@@ -224,7 +224,7 @@ def sensitivity(exp: "ExperimentConfig", rep: PlanReport, factors: tuple[float, 
 
 
 def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int, gpus_source: str,
-          staleness: tuple[int, ...], tolerance: float = 0.02, sweep_pipeline: bool = True,
+          staleness: tuple[int, ...], tolerance: float = PLAN_TOLERANCE, sweep_pipeline: bool = True,
           learner_nodes: tuple[int, ...] | None = None) -> PlanReport:
     """Simulate every split of ``nodes`` x every ``staleness`` for a typed experiment (its
     ``launch.planner`` figures, model, ``parallel``, ``actor``/``critic``/``algorithm``,
