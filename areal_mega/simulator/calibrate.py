@@ -32,6 +32,7 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from areal_mega.simulator.model import (
     PLAN_TOLERANCE, DecodeModel, HostModel, LearnerModel, LengthModel, SimConfig, SimulationError, SyncModel,
@@ -382,19 +383,29 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
     gen_target = statistics.fmean(facts[s.name]["rollout_wait_s"] for s in sync_cal)
     learner_target = statistics.fmean(facts[s.name]["learner_s"] for s in async_cal) if async_cal else 0.0
     sync_target = statistics.fmean(facts[s.name]["weight_sync_s"] for s in async_cal) if async_cal else 0.0
-    def fit_speed() -> float:
-        """The decode time scale at which the synchronous calibration runs' generation matches
-        (fitted last: the synchronous run is reproduced whatever the other fits found)."""
+    def set_decode(m: DecodeModel) -> None:
         nonlocal decode
+        decode = m
 
-        def gen_s(logk: float) -> float:
-            nonlocal decode
-            decode = scaled(math.exp(logk))
-            return statistics.fmean(simulate(cfg_for(s, HostModel(client_s_per_request=client_s))).gen_wait_s
-                                    for s in sync_cal)
-        k = math.exp(_bisect(gen_s, math.log(1e-3), math.log(1e3), gen_target))
-        decode = scaled(k)
+    def set_overlap(m: DecodeModel) -> None:
+        nonlocal decode_overlap
+        decode_overlap = m
+
+    def fit_scale(runs: list[RunSetting], metric: str, target: float, assign: Callable[[DecodeModel], None]) -> float:
+        """The decode time scale k (the sweep's shape at k times its times) at which the simulated
+        ``metric`` of ``runs`` matches ``target`` (their mean); ``assign`` installs the model."""
+        def value(logk: float) -> float:
+            assign(scaled(math.exp(logk)))
+            return statistics.fmean(getattr(simulate(cfg_for(s, HostModel(client_s_per_request=client_s))), metric)
+                                    for s in runs)
+        k = math.exp(_bisect(value, math.log(1e-3), math.log(1e3), target))
+        assign(scaled(k))
         return k
+
+    def fit_speed() -> float:
+        """The synchronous calibration runs' generation (fitted last: the synchronous run is
+        reproduced whatever the other fits found)."""
+        return fit_scale(sync_cal, "gen_wait_s", gen_target, set_decode)
 
     speed = fit_speed()
     k_identified = True
@@ -410,20 +421,9 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
         inflight_target = statistics.fmean(inflight) if None not in inflight else None
 
         def fit_overlap() -> float | None:
-            """The decode time scale at which the asynchronous calibration runs' in-flight time
-            (rollout/gen_inflight_s, pauses included) matches; None when not logged."""
-            nonlocal decode_overlap
-            if inflight_target is None:
-                return None
-
-            def inflight_s(logk: float) -> float:
-                nonlocal decode_overlap
-                decode_overlap = scaled(math.exp(logk))
-                return statistics.fmean(simulate(cfg_for(s, HostModel(client_s_per_request=client_s))).gen_inflight_s
-                                        for s in async_cal)
-            k = math.exp(_bisect(inflight_s, math.log(1e-3), math.log(1e3), inflight_target))
-            decode_overlap = scaled(k)
-            return k
+            """The asynchronous calibration runs' in-flight time (rollout/gen_inflight_s, pauses
+            included); None when not logged."""
+            return None if inflight_target is None else fit_scale(async_cal, "gen_inflight_s", inflight_target, set_overlap)
 
         for _ in range(8):  # alternate to the fixed point: the sync run's generation holds client work too
             prev = client_s
