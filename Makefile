@@ -65,9 +65,10 @@ test-families-serve:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
 	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -s -m families_serve $(PYTEST_ARGS)
 
-# Slow checks whose mechanism make test covers more cheaply (pytest -m heavy; ~8 min): the failover of
+# Slow checks whose mechanism make test covers more cheaply (pytest -m heavy; ~14 min): the failover of
 # a lone server, a real SGLang server tree dying with its SIGKILLed parent, the async PPO (critic) and
-# PP2xVPP2 trainer runs (their engine-level exactness stays in make test).
+# PP2xVPP2 trainer runs (their engine-level exactness stays in make test), and the real trainer on the
+# 4-node Slurm cluster (make test keeps that sbatch script's placement and rank-death paths).
 test-heavy:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
 	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -m heavy $(PYTEST_ARGS)

@@ -214,6 +214,7 @@ def _probe_engine_auth(tmp: Path, result: dict, timeout_s: float = 900) -> None:
 TINY_STEPS = 4
 
 
+@pytest.mark.heavy  # 5+ min; make test keeps the same sbatch script's placement and failure paths
 @needs_sglang
 def test_grpo_tiny_real_trainer_on_4_nodes(cluster, tmp_path):
     """sbatch launch/grpo_tiny.sh with the REAL trainer and SGLang: learners (TP=2, one rank per
