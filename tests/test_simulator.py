@@ -517,3 +517,91 @@ def test_fixed_split_far_from_recommendation_warns(capsys):
     assert cap.err.count("planner: WARNING: the fixed split") == 1 and "WARNING" not in cap.out
     _print_throughput_plan(CONFIG_70B, fixed + [f"launch.planner.margin={gap + 0.01:.4f}"], 8, 8)
     assert "WARNING" not in capsys.readouterr().err
+
+
+def test_learner_curve_follows_a_step_that_is_not_affine():
+    """fit_learner_curve goes through every run it is given (runs of one batch size averaged),
+    linear between them, the end segments extended; the affine least squares (the control)
+    misses a CPU learner whose step grows 2.6x for 2x the tokens."""
+    from areal_mega.simulator.sweep import fit_learner_curve, fit_learner_points
+
+    runs = [(540.0, 0.100), (545.0, 0.104), (1080.0, 0.263)]
+    m = fit_learner_curve(runs)
+    assert len(m.points) == 2 and m.points[0] == pytest.approx((542.5, 0.102))
+    assert m.step_s(542.5) == pytest.approx(0.102) and m.step_s(1080.0) == pytest.approx(0.263)
+    assert m.step_s(811.25) == pytest.approx((0.102 + 0.263) / 2)  # halfway
+    slope = (0.263 - 0.102) / (1080.0 - 542.5)
+    assert m.step_s(1280.0) == pytest.approx(0.263 + 200.0 * slope)  # beyond: the last segment
+    assert m.step_s(10.0) == 0.0  # floored
+    affine = fit_learner_points([x for x, _ in runs], [y for _, y in runs])
+    assert max(abs(affine.step_s(x) - y) / y for x, y in runs) > 0.10  # the control
+    assert fit_learner_curve([(540.0, 0.1), (550.0, 0.12)]).points == ()  # one batch size: a constant
+    assert fit_learner_curve([(540.0, 0.1), (550.0, 0.12)]).step_s(2000.0) == pytest.approx(0.11)
+    for bad in (((1.0, 0.1),), ((2.0, 0.1), (1.0, 0.2)), ((1.0, 0.1), (2.0, -0.1))):
+        with pytest.raises(SimulationError, match="learner.points"):
+            LearnerModel(points=bad).validate()
+
+
+def _validation_runs(tmp_path, rounds, *, learner_scale=None, sync_noise=0.0, eta1_sync=0.03):
+    """sync / eta1 / eta2 runs the simulator made (rounds x each), written as bench_simulator does;
+    ``learner_scale[name]``: that setting's learner time per round (a machine drifting between runs);
+    the synchronous runs' sync time alternates +-``sync_noise`` around 0.03 s, eta1's is ``eta1_sync``."""
+    from areal_mega.simulator.calibrate import parse_settings
+
+    fit = _true_decode_fit()
+    tmp_path.mkdir()
+    (tmp_path / "decode_sweep.json").write_text(json.dumps(fit.summary()) + "\n")
+    (tmp_path / "validate_runs.json").write_text(json.dumps({"rounds": rounds, "loadavg": []}) + "\n")
+    settings = parse_settings("sync:eta=0;eta1:eta=1;eta2:eta=2", batch=4, group=8, new=8)
+    B, G, L, P = 4, 8, 8, 9
+    for s in settings:
+        for r in range(rounds):
+            k = (learner_scale or {}).get(s.name, [1.0] * rounds)[r]
+            cfg = SimConfig(batch_size=B, group_size=G, max_staleness=s.max_staleness, max_concurrent=B, steps=8,
+                            warmup_steps=2, lengths=LengthModel(kind="constant", mean_tokens=L, max_tokens=L, prompt_tokens=P),
+                            decode=fit.decode_model(prompt_tokens=P), learner=LearnerModel(fixed_s=0.15 * k),
+                            sync=SyncModel(latency_s=0.03))
+            res = simulate(cfg)
+            rows = _rows(11, rollout=res.gen_wait_s, learner=res.step_s - res.gen_wait_s - res.weight_sync_s,
+                         sync=res.weight_sync_s, traj=B * G, gen=B * G * L, total=B * G * (L + P), inflight=res.gen_inflight_s)
+            for i, row in enumerate(rows):
+                row["time/weight_sync_s"] = (0.03 + (sync_noise if i % 2 else -sync_noise)) if s.max_staleness == 0 \
+                    else eta1_sync if s.name == "eta1" else 0.03
+            (tmp_path / f"{s.name}{r}").mkdir()
+            (tmp_path / f"{s.name}{r}" / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+    return settings
+
+
+def test_validate_measured_ties_come_from_the_rounds(tmp_path):
+    """With >= 2 rounds a setting's standard error includes the spread between its rounds:
+    eta2 measured 12% apart in two rounds is tied with eta1, which the same mean difference in
+    steady rounds (the control) is not. The planner's choice is scored against that."""
+    from areal_mega.simulator.calibrate import validate
+
+    settings = _validation_runs(tmp_path / "a", 2, learner_scale={"eta2": [0.9, 1.25]})
+    res = validate(tmp_path / "a", settings, ["sync", "eta1"], warmup_steps=2)
+    f = res["predictions"]["eta2"]["measured_facts"]
+    xs = f["samples_per_s_rounds"]
+    assert xs[0] > 1.1 * xs[1]
+    assert f["rel_se_rounds"] == pytest.approx(abs(xs[0] - xs[1]) / 2 / (sum(xs) / 2), rel=1e-3)
+    assert res["staleness_pairs"]["eta1|eta2"]["measured"] == 0
+    assert res["staleness_choice"] == {"planner": "eta1", "measured_best": res["staleness_choice"]["measured_best"],
+                                       "right": True}
+
+    settings = _validation_runs(tmp_path / "b", 2, learner_scale={"eta2": [1.075, 1.075]})  # the same mean, steady
+    res = validate(tmp_path / "b", settings, ["sync", "eta1"], warmup_steps=2)
+    assert res["predictions"]["eta2"]["measured_facts"]["rel_se_rounds"] == 0.0
+    assert res["staleness_pairs"]["eta1|eta2"]["measured"] == 1  # eta1 measured faster: resolved
+
+
+def test_validate_fits_no_sync_cost_to_noise(tmp_path):
+    """The per-in-flight sync cost is fitted only when the async calibration run's syncs are
+    slower than the synchronous runs' by more than twice the standard error of the difference."""
+    from areal_mega.simulator.calibrate import validate
+
+    settings = _validation_runs(tmp_path / "a", 1, sync_noise=0.01, eta1_sync=0.032)
+    cal = validate(tmp_path / "a", settings, ["sync", "eta1"], warmup_steps=2)["calibration"]
+    assert not cal["sync_s_per_inflight_request_identified"] and cal["sync_s_per_inflight_request"] == 0.0
+    settings = _validation_runs(tmp_path / "b", 1, sync_noise=0.01, eta1_sync=0.06)  # the control
+    cal = validate(tmp_path / "b", settings, ["sync", "eta1"], warmup_steps=2)["calibration"]
+    assert cal["sync_s_per_inflight_request_identified"] and cal["sync_s_per_inflight_request"] > 0.0

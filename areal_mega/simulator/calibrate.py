@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from areal_mega.simulator.model import (
-    PLAN_TOLERANCE, DecodeModel, HostModel, LearnerModel, LengthModel, SimConfig, SimulationError, SyncModel,
+    PLAN_TOLERANCE, DecodeModel, HostModel, LearnerModel, LengthModel, SimConfig, SimulationError, SyncModel, near_best,
 )
 from areal_mega.simulator.sim import simulate
 
@@ -307,8 +307,8 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
 
     * decode: the sweep's fit (``<work>/decode_sweep.json``: concurrency x length x prompt
       against the same server), not the runs;
-    * learner ``fixed + per_token * tokens``: the synchronous calibration runs' learner time
-      (there nothing else runs on its core); the slope needs two batch sizes among them;
+    * learner: the curve through the synchronous calibration runs' learner times, one point per
+      batch size (there nothing else runs on its core; one batch size gives a constant);
     * weight sync: their mean ``time/weight_sync_s``;
     * client work per request on the learner's core (``HostModel``): bisection so that the
       asynchronous calibration runs' simulated learner time matches theirs (the overlap's cost);
@@ -329,25 +329,32 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
         raise SimulationError(f"validate: no measurement in {work} ({e}); run without --reuse") from None
     rounds = int(meta.get("rounds", 1))
     rows: dict[str, list[dict]] = {}
+    per_round: dict[str, list[float]] = {}
     for s in settings:
         runs = [load_rows(work / f"{s.name}{r}" / "metrics.jsonl") for r in range(rounds)]
         mid = [row for run in runs for row in run[warmup_steps:-1]]  # pooled timed steps, one trim
         rows[s.name] = runs[0][:warmup_steps] + mid + runs[-1][-1:]
+        per_round[s.name] = [run_stats(timed(run, warmup_steps)).samples_per_s for run in runs]
     fit = DecodeFit(**{k: sweep[k] for k in ("batch_s", "request_s", "prompt_token_s", "iter_fixed_s", "iter_per_seq_s")},
                     points=[DecodePoint(*p) for p in sweep["points"]])
     facts = {s.name: run_facts(rows[s.name], warmup_steps, s) for s in settings}
+    for name, xs in per_round.items():
+        # Runs minutes apart differ more than one run's steps do (the machine's speed drifts):
+        # with >= 2 rounds the standard error of the mean comes from the rounds themselves.
+        facts[name]["samples_per_s_rounds"] = [round(x, 4) for x in xs]
+        facts[name]["rel_se_rounds"] = (round(statistics.stdev(xs) / math.sqrt(len(xs)) / statistics.fmean(xs), 4)
+                                        if len(xs) > 1 else None)
     cal = [by_name[c] for c in calibrate_on]
     sync_cal = [s for s in cal if s.max_staleness == 0] or cal
-    xs, ys, prompts = [], [], []
-    for s in sync_cal:
-        for r in timed(rows[s.name], warmup_steps):
-            xs.append(float(r.get("train/num_tokens", 0.0)))
-            ys.append(_learner_s(r))
+    prompts = []
     for s in cal:
         prompts.append(fit_lengths(rows[s.name], s.max_new_tokens).prompt_tokens)
-    from areal_mega.simulator.sweep import fit_learner_points
+    from areal_mega.simulator.sweep import fit_learner_curve
 
-    learner = fit_learner_points(xs, ys)
+    # the learner's step through the synchronous runs (one point per batch size): on this CPU host
+    # it is not affine in the tokens, so a least-squares line misses both ends
+    learner = fit_learner_curve([(statistics.fmean(float(r.get("train/num_tokens", 0.0)) for r in timed(rows[s.name], warmup_steps)),
+                                  facts[s.name]["learner_s"]) for s in sync_cal])
     prompt = int(round(statistics.fmean(prompts)))
     swept = fit.decode_model(prompt_tokens=prompt)
 
@@ -441,7 +448,15 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
             res = [simulate(cfg_for(s, HostModel(client_s_per_request=client_s))) for s in async_cal]
             return statistics.fmean(r.weight_sync_s for r in res)
         probe = [simulate(cfg_for(s, HostModel(client_s_per_request=client_s))) for s in async_cal]
-        k_identified = any(r.inflight_at_sync > 0 for r in probe)
+        # Identified only when requests are in flight at the simulated syncs and the async runs'
+        # sync is slower than the synchronous runs' by more than twice the standard error of the
+        # difference: a cost fitted to noise would rank the bounds by that noise.
+        def sync_se(runs: list[RunSetting]) -> float:
+            xs = [r["time/weight_sync_s"] for s in runs for r in timed(rows[s.name], warmup_steps)]
+            return statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
+        excess = sync_target - sync.latency_s
+        k_identified = any(r.inflight_at_sync > 0 for r in probe) and excess > 2.0 * math.hypot(sync_se(async_cal),
+                                                                                                 sync_se(sync_cal))
         k = _bisect(sync_s, 0.0, 1.0, sync_target) if k_identified else 0.0
         sync = dataclasses.replace(sync, per_inflight_request_s=k)
     host = HostModel(client_s_per_request=client_s)
@@ -462,20 +477,41 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
     out_of_sample = [n for n in preds if not preds[n]["calibration_run"]]
     rank = lambda key, names: sorted(names, key=lambda n: -preds[n][key])  # noqa: E731
 
+    def rel_se(name: str) -> float:
+        """A setting's measured samples/s, relative standard error: the larger of the steps'
+        (within its runs) and the rounds' (between them; None with one round)."""
+        f = preds[name]["measured_facts"]
+        return max(f["rel_se"] or 0.0, f.get("rel_se_rounds") or 0.0)
+
     def order(a: str, b: str, key: str) -> int:
         """-1, 0, 1: a below, tied with, above b. Predictions tie within the planner's own
         tolerance (PLAN_TOLERANCE); measurements within twice the standard error of their
-        difference (each run's rel_se), as no ranking finer than the noise is measurable."""
+        difference (rel_se), as no ranking finer than the noise is measurable."""
         x, y = preds[a][key], preds[b][key]
         if key == "predicted":
             tie = PLAN_TOLERANCE * max(x, y)
         else:
-            se = [preds[n]["measured_facts"]["rel_se"] or 0.0 for n in (a, b)]
-            tie = 2.0 * math.hypot(se[0] * x, se[1] * y)
+            tie = 2.0 * math.hypot(rel_se(a) * x, rel_se(b) * y)
         return 0 if abs(x - y) <= tie else (1 if x > y else -1)
 
     def same_order(names: list[str]) -> bool:
         return all(order(a, b, "predicted") == order(a, b, "measured") for i, a in enumerate(names) for b in names[i + 1:])
+
+    def consistent(names: list[str]) -> bool:
+        """No pair the measurement resolves is predicted otherwise (measured ties allow any order)."""
+        return all(order(a, b, "predicted") == m for i, a in enumerate(names) for b in names[i + 1:]
+                   if (m := order(a, b, "measured")) != 0)
+
+    def choice(names: list[str]) -> dict:
+        """The bound the planner would recommend among ``names`` (its rule: the smallest
+        max_staleness within PLAN_TOLERANCE of the best prediction) against the measured best:
+        right when its measured throughput is not below the best's (order(), with the noise)."""
+        if not names:
+            return {}
+        top = max(preds[n]["predicted"] for n in names)
+        pick = min((n for n in names if near_best(preds[n]["predicted"], top)), key=lambda n: by_name[n].max_staleness)
+        best = max(names, key=lambda n: preds[n]["measured"])
+        return {"planner": pick, "measured_best": best, "right": order(pick, best, "measured") >= 0}
 
     # the staleness ranking: runs that differ from the calibration's workload only in max_staleness
     ref = cal[0]
@@ -492,11 +528,14 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
         # equal: every pair in the same order, ties included (order()); *_strict: sorted lists equal
         "ranking_equal": same_order(list(preds)),
         "ranking_equal_strict": rank("predicted", list(preds)) == rank("measured", list(preds)),
+        "ranking_consistent": consistent(list(preds)),
         "staleness_ranking_predicted": rank("predicted", eta_runs), "staleness_ranking_measured": rank("measured", eta_runs),
         "staleness_ranking_equal": same_order(eta_runs),
         "staleness_ranking_equal_strict": rank("predicted", eta_runs) == rank("measured", eta_runs),
+        "staleness_ranking_consistent": consistent(eta_runs),
         "staleness_pairs": {f"{a}|{b}": {"predicted": order(a, b, "predicted"), "measured": order(a, b, "measured")}
                             for i, a in enumerate(eta_runs) for b in eta_runs[i + 1:]},
+        "staleness_choice": choice(eta_runs),
         "calibrated_on": calibrate_on,
         "calibration": {"decode_sweep": {k: v for k, v in fit.summary().items() if k != "points"},
                         "decode_sweep_points": len(fit.points), "decode_sweep_rms_rel_error": sweep.get("rms_rel_error"),

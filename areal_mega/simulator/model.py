@@ -6,6 +6,7 @@ described by one :class:`SimConfig` (``dataclasses.asdict`` gives the record to 
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from dataclasses import dataclass, field
@@ -17,6 +18,12 @@ __all__ = ["DecodeModel", "LearnerModel", "LengthModel", "SimConfig", "Simulatio
 PLAN_TOLERANCE = 0.02
 """Throughputs within this fraction count as equal: the planner recommends the smallest
 max_staleness within it of the best, and the out-of-sample validation ranks with it."""
+
+
+def near_best(x: float, top: float, tolerance: float = PLAN_TOLERANCE) -> bool:
+    """``x`` counts as equal to the best throughput ``top``: the planner's rule for its
+    recommendation (PlanReport.best) and the validation's check of it."""
+    return x >= (1 - tolerance) * top
 
 
 class SimulationError(ValueError):
@@ -127,19 +134,35 @@ class DecodeModel:
 @dataclass
 class LearnerModel:
     """One learner step (everything between receiving a batch and starting the weight sync):
-    ``fixed_s + per_token_s * tokens``, tokens = prompt + generated tokens of the batch."""
+    ``fixed_s + per_token_s * tokens``, tokens = prompt + generated tokens of the batch; or,
+    when ``points`` are given, the measured curve through them."""
 
     fixed_s: float = 1.0
     """Per-step constant (optimizer step, logging, batch packing), seconds."""
     per_token_s: float = 0.0
     """Seconds per batch token (forward + backward + proximal forward over all learner GPUs)."""
+    points: tuple[tuple[float, float], ...] = ()
+    """Measured (tokens per step, seconds) at >= 2 token counts, replacing ``fixed_s + per_token_s``:
+    linear between neighbouring points, the end segments extended beyond them (floored at 0). A
+    step time that is not affine in the tokens (a CPU learner whose activations leave the cache:
+    2.8x the time for 2x the tokens on a 2-core host, docs/simulator.md) is followed, not averaged."""
 
     def validate(self) -> None:
         if self.fixed_s < 0 or self.per_token_s < 0:
             raise SimulationError("learner: fixed_s and per_token_s must be >= 0")
+        if self.points:
+            xs = [x for x, _ in self.points]
+            if len(xs) < 2 or any(b <= a for a, b in zip(xs, xs[1:])) or min(y for _, y in self.points) < 0:
+                raise SimulationError("learner.points: need >= 2 (tokens, seconds) pairs, tokens strictly increasing, "
+                                      f"seconds >= 0; got {self.points}")
 
     def step_s(self, tokens: float) -> float:
-        return self.fixed_s + self.per_token_s * tokens
+        if not self.points:
+            return self.fixed_s + self.per_token_s * tokens
+        pts = self.points
+        i = max(0, min(len(pts) - 2, bisect.bisect_right([x for x, _ in pts], tokens) - 1))
+        (x0, y0), (x1, y1) = pts[i], pts[i + 1]
+        return max(0.0, y0 + (y1 - y0) * (tokens - x0) / (x1 - x0))
 
 
 @dataclass

@@ -30,7 +30,7 @@ from areal_mega.simulator.costs import (
 from areal_mega.simulator.memory import (
     GIB, ModelShape, count_params, estimate_engine, estimate_learner, learner_settings, model_shape, total_params,
 )
-from areal_mega.simulator.model import PLAN_TOLERANCE, SimConfig, SimulationError
+from areal_mega.simulator.model import PLAN_TOLERANCE, SimConfig, SimulationError, near_best
 from areal_mega.simulator.sim import simulate
 from areal_mega.simulator.plot import plot_plan
 
@@ -99,7 +99,7 @@ class PlanReport:
         if not cands:
             return None
         top = max(c[2] for c in cands)
-        ok = [c for c in cands if c[2] >= (1 - self.tolerance) * top]
+        ok = [c for c in cands if near_best(c[2], top, self.tolerance)]
         s, eta, _ = min(ok, key=lambda c: (c[1], -c[2], c[0].learner_nodes))
         return s, eta
 

@@ -166,6 +166,27 @@ def fit_learner_points(tokens: list[float], seconds: list[float]) -> LearnerMode
     return LearnerModel(fixed_s=statistics.fmean(seconds), per_token_s=0.0)
 
 
+def fit_learner_curve(runs: list[tuple[float, float]], *, merge: float = 0.05) -> LearnerModel:
+    """The learner's step through measured runs' (mean tokens per step, mean seconds): the curve
+    through them (``LearnerModel.points``) when they span >= 2 token counts (runs within ``merge``
+    of each other averaged into one point), else their mean as a constant. Unlike the affine
+    least squares of ``fit_learner_points`` it reproduces every run it was given."""
+    if not runs:
+        raise SimulationError("learner fit: need >= 1 run")
+    pts: list[list[float]] = []  # [tokens sum, seconds sum, count]
+    for x, y in sorted(runs):
+        if pts and x <= (pts[-1][0] / pts[-1][2]) * (1 + merge):
+            pts[-1][0] += x
+            pts[-1][1] += y
+            pts[-1][2] += 1
+        else:
+            pts.append([x, y, 1])
+    means = tuple((tx / n, ty / n) for tx, ty, n in pts)
+    if len(means) < 2:
+        return LearnerModel(fixed_s=means[0][1], per_token_s=0.0)
+    return LearnerModel(fixed_s=0.0, per_token_s=0.0, points=means)
+
+
 def fit_sync_points(nbytes: list[float], seconds: list[float]) -> SyncModel:
     """``latency + bytes / bandwidth`` over weight syncs of several sizes (>= 2 sizes)."""
     if len(set(nbytes)) < 2:
