@@ -293,6 +293,37 @@ def test_plan_cli_bad_input_one_line(args, msg, capsys):
     assert msg in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_plan_decode_from_a_measured_sweep(tmp_path, capsys):
+    """cost.decode_from: the plan's decode model is the sweep's fit (the four figures it replaces
+    marked measured, left out of the sensitivity analysis); a faster measured server moves the
+    recommendation to fewer engine nodes than the published figures give (the control); an
+    unreadable sweep is one line."""
+    from areal_mega.cli import main
+    from areal_mega.launcher.cli import build_plan_report
+    from areal_mega.simulator.costs import DECODE_FIGURES
+    from areal_mega.simulator.sweep import DecodeFit
+
+    base = ["workload.sim_steps=2"]
+    default = build_plan_report(CONFIG_70B, 8, base, staleness=(1,))
+    # a TP8 70B server measured ~7x faster than the published figures give (peak 7,495 tok/s,
+    # half_batch 66): fewer engine nodes keep up
+    fast = DecodeFit(batch_s=0.05, request_s=0.0, prompt_token_s=0.0, iter_fixed_s=2e-4, iter_per_seq_s=2e-5)
+    (tmp_path / "sweep.json").write_text(json.dumps(fast.summary()) + "\n")
+    assert DecodeFit.load(tmp_path / "sweep.json").decode_model(prompt_tokens=9).peak_tokens_per_s == pytest.approx(5e4)
+    rep = build_plan_report(CONFIG_70B, 8, base + [f"cost.decode_from={tmp_path / 'sweep.json'}"], staleness=(1,),
+                            with_sensitivity=True)
+    src = rep.to_dict()["cost_sources"]
+    assert all(src[f"cost.{k}"]["source"] == "measured" for k in DECODE_FIGURES)
+    assert src["cost.train_mfu"]["source"] == "published"
+    assert not any(r["figure"].endswith(DECODE_FIGURES) for r in rep.sensitivity)
+    assert rep.best()[0].learner_nodes > default.best()[0].learner_nodes  # faster decode: fewer engines
+
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["plan", "--config", CONFIG_70B, "--nodes", "8", f"cost.decode_from={tmp_path / 'bad.json'}"]) == 2
+    err = capsys.readouterr().err
+    assert "bad.json: not a sweep written by python -m areal_mega.simulator.sweep" in err and err.count("\n") == 1
+
+
 def test_plan_cli_missing_config(capsys):
     from areal_mega.cli import main
 

@@ -71,11 +71,9 @@ def validate(args: argparse.Namespace) -> int:
         print(f"bench_simulator: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     from areal_mega.simulator.plot import plot_decode_sweep
-    from areal_mega.simulator.sweep import DecodeFit, DecodePoint
+    from areal_mega.simulator.sweep import DecodeFit
 
-    sw = json.loads((work / "decode_sweep.json").read_text())
-    fit = DecodeFit(**{k: sw[k] for k in ("batch_s", "request_s", "prompt_token_s", "iter_fixed_s", "iter_per_seq_s")},
-                    rms_rel_error=sw["rms_rel_error"], points=[DecodePoint(*q) for q in sw["points"]])
+    fit = DecodeFit.load(work / "decode_sweep.json")
     png, why = plot_decode_sweep(fit, args.png or (work / "decode_sweep.png"))
     res["decode_sweep_png"] = png or f"not written: {why}"
     print(json.dumps(res), flush=True)

@@ -316,7 +316,7 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
       the synchronous calibration runs' generation time, for asynchronous ones from the
       asynchronous calibration runs' in-flight time (generation overlapping training).
     """
-    from areal_mega.simulator.sweep import DecodeFit, DecodePoint
+    from areal_mega.simulator.sweep import DecodeFit
 
     by_name = {s.name: s for s in settings}
     missing = [c for c in calibrate_on if c not in by_name]
@@ -324,9 +324,9 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
         raise SimulationError(f"--calibrate-on: {missing or calibrate_on} not among the settings {list(by_name)}")
     try:
         meta = json.loads((work / "validate_runs.json").read_text())
-        sweep = json.loads((work / "decode_sweep.json").read_text())
     except (OSError, ValueError) as e:
         raise SimulationError(f"validate: no measurement in {work} ({e}); run without --reuse") from None
+    fit = DecodeFit.load(work / "decode_sweep.json")
     rounds = int(meta.get("rounds", 1))
     rows: dict[str, list[dict]] = {}
     per_round: dict[str, list[float]] = {}
@@ -335,8 +335,6 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
         mid = [row for run in runs for row in run[warmup_steps:-1]]  # pooled timed steps, one trim
         rows[s.name] = runs[0][:warmup_steps] + mid + runs[-1][-1:]
         per_round[s.name] = [run_stats(timed(run, warmup_steps)).samples_per_s for run in runs]
-    fit = DecodeFit(**{k: sweep[k] for k in ("batch_s", "request_s", "prompt_token_s", "iter_fixed_s", "iter_per_seq_s")},
-                    points=[DecodePoint(*p) for p in sweep["points"]])
     facts = {s.name: run_facts(rows[s.name], warmup_steps, s) for s in settings}
     for name, xs in per_round.items():
         # Runs minutes apart differ more than one run's steps do (the machine's speed drifts):
@@ -538,7 +536,7 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
         "staleness_choice": choice(eta_runs),
         "calibrated_on": calibrate_on,
         "calibration": {"decode_sweep": {k: v for k, v in fit.summary().items() if k != "points"},
-                        "decode_sweep_points": len(fit.points), "decode_sweep_rms_rel_error": sweep.get("rms_rel_error"),
+                        "decode_sweep_points": len(fit.points), "decode_sweep_rms_rel_error": fit.rms_rel_error,
                         "learner": dataclasses.asdict(learner), "weight_sync_s": r4(sync.latency_s),
                         "client_s_per_request": float(f"{client_s:.6g}"), "prompt_tokens": prompt,
                         "sync_s_per_inflight_request": float(f"{sync.per_inflight_request_s:.6g}"),

@@ -65,6 +65,11 @@ class ClusterCostModel:
     """Per-step learner constant: optimizer step, batch broadcast and packing, logging."""
     request_latency_s: float = 0.2
     """Per-request time before decoding: HTTP, tokenisation, prefill of a short prompt."""
+    decode_from: str = ""
+    """A decode sweep of one of the job's own servers (``python -m areal_mega.simulator.sweep --url
+    URL --out F.json``: its model, TP and GPU): the decode model measured, in place of the four
+    figures it replaces (HBM bandwidth, both decode efficiencies, request latency; ``cost_sources``
+    marks them measured and the sensitivity analysis leaves them alone). Empty = those figures."""
 
     def validate(self) -> None:
         for name in ("peak_bf16_tflops", "hbm_bandwidth_gbps", "nic_gbit_per_gpu"):
@@ -135,10 +140,19 @@ WORKLOAD_SOURCES: dict[str, tuple[str, str]] = {
 }
 
 
+DECODE_FIGURES = ("hbm_bandwidth_gbps", "decode_bandwidth_efficiency", "decode_compute_efficiency", "request_latency_s")
+"""The cost figures a measured decode sweep (``cost.decode_from``) replaces."""
+
+
 def cost_sources(cost: ClusterCostModel, workload: WorkloadModel) -> dict[str, dict]:
     """Every planner input with its value and whether it was measured or assumed; a workload
-    whose lengths come from a run's metrics (``lengths_from``) is measured."""
+    whose lengths come from a run's metrics (``lengths_from``) is measured, and so are the decode
+    figures a decode sweep (``decode_from``) replaces."""
     out = {f"cost.{k}": {"value": getattr(cost, k), "source": src, "note": note} for k, (src, note) in COST_SOURCES.items()}
+    if cost.decode_from:
+        for k in DECODE_FIGURES:
+            out[f"cost.{k}"] = {"value": cost.decode_from, "source": "measured",
+                                "note": "not used: the decode model is the sweep's fit"}
     for k, (src, note) in WORKLOAD_SOURCES.items():
         measured = bool(workload.lengths_from) and k == "gen_mean_tokens"
         out[f"workload.{k}"] = {"value": workload.lengths_from if measured else getattr(workload, k),
@@ -148,10 +162,17 @@ def cost_sources(cost: ClusterCostModel, workload: WorkloadModel) -> dict[str, d
 
 
 def decode_model(cost: ClusterCostModel, *, params: int, engine_tp: int, kv_bytes_per_token_per_gpu: float,
-                 mean_context: float, kv_capacity_tokens: int, active_params: int | None = None) -> DecodeModel:
+                 mean_context: float, kv_capacity_tokens: int, prompt_tokens: int,
+                 active_params: int | None = None) -> DecodeModel:
     """``params``: weights read per decode step (all of them; a large MoE batch touches every
     expert); ``active_params``: the weights one token computes with (MoE: k of E experts;
-    default = params)."""
+    default = params). With ``cost.decode_from``: that sweep's fit at ``prompt_tokens``
+    (the KV capacity still the engine estimate's)."""
+    if cost.decode_from:
+        from areal_mega.simulator.sweep import DecodeFit
+
+        return DecodeFit.load(cost.decode_from).decode_model(prompt_tokens=prompt_tokens,
+                                                             kv_capacity_tokens=kv_capacity_tokens)
     bw = cost.hbm_bandwidth_gbps * 1e9 * cost.decode_bandwidth_efficiency
     flops = cost.peak_bf16_tflops * 1e12 * cost.decode_compute_efficiency
     active = params if active_params is None else active_params

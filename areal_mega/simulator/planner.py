@@ -174,7 +174,8 @@ def sensitivity(exp: "ExperimentConfig", rep: PlanReport, factors: tuple[float, 
     base_cost, base_wl = cfg.planner.cost, cfg.planner.workload
     steps = min(base_wl.sim_steps, 4)
     # the published MFU was not measured on this trainer either: it is perturbed with the guesses
-    perturb = [("cost", k) for k, (src, _) in COST_SOURCES.items() if src in ("assumed", "published")]
+    sources = cost_sources(base_cost, base_wl)  # a measured decode sweep takes its figures out
+    perturb = [("cost", k) for k in COST_SOURCES if sources[f"cost.{k}"]["source"] in ("assumed", "published")]
     if not base_wl.lengths_from:
         perturb += [("workload", k) for k, (src, _) in WORKLOAD_SOURCES.items() if src == "assumed" and k != "reject_prob"]
 
@@ -270,7 +271,8 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
                                        reference=alg.kl_coef > 0, critic=alg.adv_estimator == "gae",
                                        recompute=recompute)
     dec = decode_model(cost, params=P, engine_tp=et, kv_bytes_per_token_per_gpu=eng.kv_bytes_per_token,
-                       mean_context=mean_ctx, kv_capacity_tokens=eng.kv_tokens, active_params=PA)
+                       mean_context=mean_ctx, kv_capacity_tokens=eng.kv_tokens, prompt_tokens=lengths.prompt_tokens,
+                       active_params=PA)
     per_node = gpus_per_node // et
     splits = []
     for k in range(1, nodes):

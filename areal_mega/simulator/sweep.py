@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from areal_mega.simulator.model import DecodeModel, LearnerModel, SimulationError, SyncModel
 
@@ -70,6 +71,18 @@ class DecodeFit:
                            kv_capacity_tokens=kv_capacity_tokens, max_running=max_running,
                            request_latency_s=self.batch_s,
                            request_server_s=self.request_s + self.prompt_token_s * prompt_tokens)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DecodeFit":
+        """A sweep written by ``--out`` (``summary()``); SimulationError names the file and the problem."""
+        try:
+            d = json.loads(Path(path).read_text())
+            return cls(**{k: float(d[k]) for k in ("batch_s", "request_s", "prompt_token_s", "iter_fixed_s", "iter_per_seq_s")},
+                       rms_rel_error=float(d.get("rms_rel_error", 0.0)), max_rel_error=float(d.get("max_rel_error", 0.0)),
+                       points=[DecodePoint(*q) for q in d.get("points", [])])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SimulationError(f"decode sweep {path}: not a sweep written by python -m areal_mega.simulator.sweep "
+                                  f"--out ({type(e).__name__}: {e})") from None
 
     def summary(self) -> dict:
         r = lambda x: float(f"{x:.6g}")  # noqa: E731
