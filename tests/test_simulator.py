@@ -625,6 +625,16 @@ def test_validate_measured_ties_come_from_the_rounds(tmp_path):
     assert res["staleness_pairs"]["eta1|eta2"]["measured"] == 1  # eta1 measured faster: resolved
 
 
+def test_validate_refuses_an_async_calibration_run_without_its_synchronous_workload(tmp_path):
+    """The overlap's costs are fitted as what an async calibration run adds to the learner's curve
+    at its own tokens: an async run of a batch size no synchronous run measured is refused."""
+    from areal_mega.simulator.calibrate import parse_settings, validate
+
+    settings = parse_settings("sync:eta=0;eta1_b8:eta=1,batch=8", batch=4, group=8, new=8)
+    with pytest.raises(SimulationError, match="eta1_b8 .batch 8, 8 new tokens. has no synchronous calibration run"):
+        validate(tmp_path, settings, ["sync", "eta1_b8"], warmup_steps=2)
+
+
 def test_validate_fits_no_sync_cost_to_noise(tmp_path):
     """The per-in-flight sync cost is fitted only when the async calibration run's syncs are
     slower than the synchronous runs' by more than twice the standard error of the difference."""

@@ -322,6 +322,13 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
     missing = [c for c in calibrate_on if c not in by_name]
     if missing or not calibrate_on:
         raise SimulationError(f"--calibrate-on: {missing or calibrate_on} not among the settings {list(by_name)}")
+    work_of = lambda s: (s.batch_size, s.group_size, s.max_new_tokens)  # noqa: E731
+    sync_work = {work_of(by_name[c]) for c in calibrate_on if by_name[c].max_staleness == 0}
+    for c in calibrate_on:  # the overlap's costs are what the async run adds to the learner curve at its tokens
+        if sync_work and by_name[c].max_staleness > 0 and work_of(by_name[c]) not in sync_work:
+            raise SimulationError(f"--calibrate-on: {c} (batch {by_name[c].batch_size}, {by_name[c].max_new_tokens} new "
+                                  "tokens) has no synchronous calibration run of its workload, which the learner's step "
+                                  "at its tokens comes from")
     try:
         meta = json.loads((work / "validate_runs.json").read_text())
     except (OSError, ValueError) as e:
