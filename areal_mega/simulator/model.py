@@ -145,7 +145,7 @@ class LearnerModel:
     """Measured (tokens per step, seconds) at >= 2 token counts, replacing ``fixed_s + per_token_s``:
     linear between neighbouring points, the end segments extended beyond them (floored at 0). A
     step time that is not affine in the tokens (a CPU learner whose activations leave the cache:
-    2.8x the time for 2x the tokens on a 2-core host, docs/simulator.md) is followed, not averaged."""
+    2.6x the time for 2x the tokens on a 2-core host, docs/simulator.md) is followed, not averaged."""
 
     def validate(self) -> None:
         if self.fixed_s < 0 or self.per_token_s < 0:
