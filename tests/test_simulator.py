@@ -596,8 +596,9 @@ def _validation_runs(tmp_path, rounds, *, learner_scale=None, sync_noise=0.0, et
             rows = _rows(11, rollout=res.gen_wait_s, learner=res.step_s - res.gen_wait_s - res.weight_sync_s,
                          sync=res.weight_sync_s, traj=B * G, gen=B * G * L, total=B * G * (L + P), inflight=res.gen_inflight_s)
             for i, row in enumerate(rows):
+                e1 = eta1_sync[r] if isinstance(eta1_sync, list) else eta1_sync
                 row["time/weight_sync_s"] = (0.03 + (sync_noise if i % 2 else -sync_noise)) if s.max_staleness == 0 \
-                    else eta1_sync if s.name == "eta1" else 0.03
+                    else e1 if s.name == "eta1" else 0.03
             (tmp_path / f"{s.name}{r}").mkdir()
             (tmp_path / f"{s.name}{r}" / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
     return settings
@@ -637,7 +638,8 @@ def test_validate_refuses_an_async_calibration_run_without_its_synchronous_workl
 
 def test_validate_fits_no_sync_cost_to_noise(tmp_path):
     """The per-in-flight sync cost is fitted only when the async calibration run's syncs are
-    slower than the synchronous runs' by more than twice the standard error of the difference."""
+    slower than the synchronous runs' by more than twice the standard error of the difference
+    (the steps' or, with >= 2 rounds, the rounds' spread, whichever is larger)."""
     from areal_mega.simulator.calibrate import validate
 
     settings = _validation_runs(tmp_path / "a", 1, sync_noise=0.01, eta1_sync=0.032)
@@ -646,3 +648,10 @@ def test_validate_fits_no_sync_cost_to_noise(tmp_path):
     settings = _validation_runs(tmp_path / "b", 1, sync_noise=0.01, eta1_sync=0.06)  # the control
     cal = validate(tmp_path / "b", settings, ["sync", "eta1"], warmup_steps=2)["calibration"]
     assert cal["sync_s_per_inflight_request_identified"] and cal["sync_s_per_inflight_request"] > 0.0
+    # steady within each run, apart between rounds: the rounds' spread is the noise
+    settings = _validation_runs(tmp_path / "c", 2, sync_noise=0.001, eta1_sync=[0.03, 0.05])
+    assert not validate(tmp_path / "c", settings, ["sync", "eta1"], warmup_steps=2)["calibration"][
+        "sync_s_per_inflight_request_identified"]
+    settings = _validation_runs(tmp_path / "d", 2, sync_noise=0.001, eta1_sync=[0.04, 0.04])  # the control
+    assert validate(tmp_path / "d", settings, ["sync", "eta1"], warmup_steps=2)["calibration"][
+        "sync_s_per_inflight_request_identified"]

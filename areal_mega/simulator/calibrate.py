@@ -336,16 +336,27 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
     fit = DecodeFit.load(work / "decode_sweep.json")
     rounds = int(meta.get("rounds", 1))
     rows: dict[str, list[dict]] = {}
-    per_round: dict[str, list[float]] = {}
+    per_round: dict[str, list[list[dict]]] = {}  # each round's timed steps
     for s in settings:
         runs = [load_rows(work / f"{s.name}{r}" / "metrics.jsonl") for r in range(rounds)]
         mid = [row for run in runs for row in run[warmup_steps:-1]]  # pooled timed steps, one trim
         rows[s.name] = runs[0][:warmup_steps] + mid + runs[-1][-1:]
-        per_round[s.name] = [run_stats(timed(run, warmup_steps)).samples_per_s for run in runs]
+        per_round[s.name] = [timed(run, warmup_steps) for run in runs]
+
+    def mean_se(runs: list[RunSetting], value: Callable[[list[dict]], float]) -> tuple[float, float]:
+        """``value`` over these settings' timed steps, and its standard error: the larger of the
+        steps' and, with >= 2 rounds, the rounds' (runs minutes apart differ more than one run's
+        steps do: the machine's speed drifts)."""
+        steps = [value([r]) for s in runs for r in timed(rows[s.name], warmup_steps)]
+        means = [value(t) for s in runs for t in per_round[s.name]]
+        se = statistics.stdev(steps) / math.sqrt(len(steps)) if len(steps) > 1 else 0.0
+        if rounds > 1 and len(means) > 1:
+            se = max(se, statistics.stdev(means) / math.sqrt(len(means)))
+        return statistics.fmean(steps), se
     facts = {s.name: run_facts(rows[s.name], warmup_steps, s) for s in settings}
-    for name, xs in per_round.items():
-        # Runs minutes apart differ more than one run's steps do (the machine's speed drifts):
-        # with >= 2 rounds the standard error of the mean comes from the rounds themselves.
+    for name, timed_runs in per_round.items():
+        # with >= 2 rounds the standard error of the mean also comes from the rounds (mean_se)
+        xs = [run_stats(t).samples_per_s for t in timed_runs]
         facts[name]["samples_per_s_rounds"] = [round(x, 4) for x in xs]
         facts[name]["rel_se_rounds"] = (round(statistics.stdev(xs) / math.sqrt(len(xs)) / statistics.fmean(xs), 4)
                                         if len(xs) > 1 else None)
@@ -456,12 +467,9 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
         # Identified only when requests are in flight at the simulated syncs and the async runs'
         # sync is slower than the synchronous runs' by more than twice the standard error of the
         # difference: a cost fitted to noise would rank the bounds by that noise.
-        def sync_se(runs: list[RunSetting]) -> float:
-            xs = [r["time/weight_sync_s"] for s in runs for r in timed(rows[s.name], warmup_steps)]
-            return statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
-        excess = sync_target - sync.latency_s
-        k_identified = any(r.inflight_at_sync > 0 for r in probe) and excess > 2.0 * math.hypot(sync_se(async_cal),
-                                                                                                 sync_se(sync_cal))
+        sync_s_of = lambda steps: statistics.fmean(r["time/weight_sync_s"] for r in steps)  # noqa: E731
+        (a_mean, a_se), (s_mean, s_se) = mean_se(async_cal, sync_s_of), mean_se(sync_cal, sync_s_of)
+        k_identified = any(r.inflight_at_sync > 0 for r in probe) and a_mean - s_mean > 2.0 * math.hypot(a_se, s_se)
         k = _bisect(sync_s, 0.0, 1.0, sync_target) if k_identified else 0.0
         sync = dataclasses.replace(sync, per_inflight_request_s=k)
     host = HostModel(client_s_per_request=client_s)
