@@ -617,8 +617,8 @@ def test_validate_measured_ties_come_from_the_rounds(tmp_path):
     assert xs[0] > 1.1 * xs[1]
     assert f["rel_se_rounds"] == pytest.approx(abs(xs[0] - xs[1]) / 2 / (sum(xs) / 2), rel=1e-3)
     assert res["staleness_pairs"]["eta1|eta2"]["measured"] == 0
-    assert res["staleness_choice"] == {"planner": "eta1", "measured_best": res["staleness_choice"]["measured_best"],
-                                       "right": True}
+    choice = res["staleness_choice"]
+    assert choice["planner"] == "eta1" and choice["measured_best"] in ("eta1", "eta2") and choice["right"]
 
     settings = _validation_runs(tmp_path / "b", 2, learner_scale={"eta2": [1.075, 1.075]})  # the same mean, steady
     res = validate(tmp_path / "b", settings, ["sync", "eta1"], warmup_steps=2)

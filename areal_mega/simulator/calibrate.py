@@ -279,6 +279,11 @@ def _bisect(f, lo: float, hi: float, target: float, iters: int = 60) -> float:
     return 0.5 * (lo + hi)
 
 
+def _se(xs: list[float]) -> float:
+    """Standard error of the mean of ``xs`` (0 for fewer than two values)."""
+    return statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
+
+
 def run_facts(rows: list[dict], warmup: int, setting: RunSetting) -> dict:
     """What one run measured, and the instruments of the why (per timed step)."""
     t = timed(rows, warmup)
@@ -290,7 +295,7 @@ def run_facts(rows: list[dict], warmup: int, setting: RunSetting) -> dict:
     return {
         "samples_per_s": r4(st.samples_per_s), "step_s": r4(st.step_s), "learner_s": r4(st.learner_s),
         # standard error of the mean step over the timed steps, relative: the run's own noise
-        "rel_se": r4(statistics.stdev(steps) / math.sqrt(len(steps)) / statistics.fmean(steps)) if len(steps) > 1 else None,
+        "rel_se": r4(_se(steps) / statistics.fmean(steps)) if len(steps) > 1 else None,
         "rollout_wait_s": r4(st.rollout_s), "weight_sync_s": r4(st.weight_sync_s), "inflight_s": r4(st.inflight_s),
         "staleness_mean": r4(st.staleness_mean),
         # > batch_size: generation produced more than training consumed (the ready pool grew):
@@ -349,17 +354,13 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
         steps do: the machine's speed drifts)."""
         steps = [value([r]) for s in runs for r in timed(rows[s.name], warmup_steps)]
         means = [value(t) for s in runs for t in per_round[s.name]]
-        se = statistics.stdev(steps) / math.sqrt(len(steps)) if len(steps) > 1 else 0.0
-        if rounds > 1 and len(means) > 1:
-            se = max(se, statistics.stdev(means) / math.sqrt(len(means)))
-        return statistics.fmean(steps), se
+        return statistics.fmean(steps), max(_se(steps), _se(means) if rounds > 1 else 0.0)
     facts = {s.name: run_facts(rows[s.name], warmup_steps, s) for s in settings}
     for name, timed_runs in per_round.items():
         # with >= 2 rounds the standard error of the mean also comes from the rounds (mean_se)
         xs = [run_stats(t).samples_per_s for t in timed_runs]
         facts[name]["samples_per_s_rounds"] = [round(x, 4) for x in xs]
-        facts[name]["rel_se_rounds"] = (round(statistics.stdev(xs) / math.sqrt(len(xs)) / statistics.fmean(xs), 4)
-                                        if len(xs) > 1 else None)
+        facts[name]["rel_se_rounds"] = round(_se(xs) / statistics.fmean(xs), 4) if len(xs) > 1 else None
     cal = [by_name[c] for c in calibrate_on]
     sync_cal = [s for s in cal if s.max_staleness == 0] or cal
     prompts = []

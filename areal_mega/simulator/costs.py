@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from areal_mega.simulator.model import DecodeModel, LearnerModel, LengthModel, SimulationError, SyncModel
 from areal_mega.simulator.calibrate import fit_lengths, load_rows
+from areal_mega.simulator.sweep import DecodeFit
 
 __all__ = [
     "ClusterCostModel", "WorkloadModel", "decode_model", "learner_flops_per_token", "learner_model", "sync_model"
@@ -169,8 +170,6 @@ def decode_model(cost: ClusterCostModel, *, params: int, engine_tp: int, kv_byte
     default = params). With ``cost.decode_from``: that sweep's fit at ``prompt_tokens``
     (the KV capacity still the engine estimate's)."""
     if cost.decode_from:
-        from areal_mega.simulator.sweep import DecodeFit
-
         return DecodeFit.load(cost.decode_from).decode_model(prompt_tokens=prompt_tokens,
                                                              kv_capacity_tokens=kv_capacity_tokens)
     bw = cost.hbm_bandwidth_gbps * 1e9 * cost.decode_bandwidth_efficiency
