@@ -6,6 +6,7 @@ tests/test_inference_sglang.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -31,7 +32,9 @@ def test_launch_command_from_config():
     cmd = build_launch_command(cfg, 30001, secret_config="/run/secrets/sglang.yaml", weight_version=3, random_seed=7)
     assert cmd[:3] == ["/v/bin/python", "-m", "sglang.launch_server"]
     assert "--skip-tokenizer-init" in cmd and cmd[-2:] == ["--attention-backend", "torch_native"]
-    rest = [a for a in cmd[3:-2] if a != "--skip-tokenizer-init"]
+    assert "--sleep-on-idle" in cmd
+    assert "--sleep-on-idle" not in build_launch_command(dataclasses.replace(cfg, sleep_on_idle=False), 30001)
+    rest = [a for a in cmd[3:-2] if a not in ("--skip-tokenizer-init", "--sleep-on-idle")]
     flags = dict(zip(rest[::2], rest[1::2]))
     assert flags["--model-path"] == "/m" and flags["--port"] == "30001" and flags["--host"] == "127.0.0.1"
     assert flags["--device"] == "cpu" and flags["--dtype"] == "float32" and flags["--tp-size"] == "1"

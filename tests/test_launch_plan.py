@@ -583,3 +583,16 @@ def test_plan_glm45_air_fits_80gb():
     sync = plan_weight_sync([s.tensors for s in stages], plan.layout, 512 << 20)
     tensors, params = glm_hand_count(hf)
     assert (len(sync.tensors), sync.nbytes) == (tensors, 2 * params)
+
+
+def test_plan_engines_register_the_reshard_receiver_when_installed(tmp_path):
+    """The Slurm plan decides as the local launcher does (server.wants_reshard_receiver): the
+    engines get --custom-weight-loader when their Python has the receiver, and not otherwise
+    (weight_sync.mode reshard then falls back to broadcast, said once)."""
+    with_rcv = tmp_path / "with" / "bin" / "python"
+    site = tmp_path / "with" / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "areal_mega_sglang_reshard.py").write_text("")
+    for python, expect in ((with_rcv, True), (tmp_path / "without" / "bin" / "python", False)):
+        plan = plan_70b([f"inference.server.python={python}"])
+        assert all(("--custom-weight-loader" in e.argv) == expect for e in plan.engines)

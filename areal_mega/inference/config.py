@@ -42,6 +42,11 @@ class SGLangServerConfig:
     skip_tokenizer_init: bool = True
     """The client sends token ids and reads token ids, so the server needs no tokenizer
     (``--skip-tokenizer-init``); turn it off only for text-based endpoints."""
+    sleep_on_idle: bool = True
+    """Let an idle server's scheduler wait on its sockets (``--sleep-on-idle``) instead of
+    polling them in a loop: a busy-polling TP2 CPU server holds ~1.4 cores while it has nothing to
+    do (tools/bench_weight_sync.py reports it), which on a small host is taken from the learner.
+    Waking on a request costs no measurable latency (docs/inference.md). False: SGLang's default."""
     reshard_receiver: bool = True
     """Register areal_mega's reshard receiver (``--custom-weight-loader
     areal_mega_sglang_reshard.receive``) when the server's Python has it (tools/env/make_venv.sh

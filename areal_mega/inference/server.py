@@ -81,6 +81,8 @@ def build_launch_command(
         cmd += ["--random-seed", str(random_seed)]
     if cfg.skip_tokenizer_init:
         cmd += ["--skip-tokenizer-init"]
+    if cfg.sleep_on_idle:
+        cmd += ["--sleep-on-idle"]
     if capture_routes:
         cmd += ["--enable-return-routed-experts"]
     if reshard_receiver:
@@ -110,6 +112,12 @@ def has_reshard_receiver(python: str, pythonpath: str | None = None) -> bool:
         for kind in ("site-packages", "dist-packages"):
             dirs += root.glob(f"lib/python3*/{kind}")
     return any((d / name).is_file() for d in dirs)
+
+
+def wants_reshard_receiver(cfg: SGLangServerConfig) -> bool:
+    """Register the receiver for a server of ``cfg``: asked for and installed in its Python (the
+    local launcher and the Slurm plan both decide here)."""
+    return cfg.reshard_receiver and has_reshard_receiver(cfg.python, cfg.env.get("PYTHONPATH"))
 
 
 class SGLangServer:
@@ -164,7 +172,7 @@ class SGLangServer:
         return build_launch_command(
             self.cfg, self.port, secret_config=self._secret_config, weight_version=weight_version,
             random_seed=self.random_seed, capture_routes=self.capture_routes,
-            reshard_receiver=self.cfg.reshard_receiver and has_reshard_receiver(self.cfg.python, self.cfg.env.get("PYTHONPATH")),
+            reshard_receiver=wants_reshard_receiver(self.cfg),
         )
 
     def start(self, weight_version: int | str = 0) -> None:

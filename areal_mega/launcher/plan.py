@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_mega.experiment import ExperimentConfig, experiment_from_dict
-from areal_mega.inference.server import build_launch_command
+from areal_mega.inference.server import build_launch_command, wants_reshard_receiver
 from areal_mega.launcher.config import LaunchConfig
 from areal_mega.parallel import ParallelLayout
 from areal_mega.simulator.memory import (
@@ -398,9 +398,10 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
             seed = None if srv.random_seed is None else srv.random_seed + i
             if sglang_secret is None:  # the user's own key file: SGLang reads a YAML next to it
                 sglang_secret = str(Path(key_file).with_name(secrets.SGLANG_CONFIG))
-            cmd = build_launch_command(replace(srv, host=addr, python=engine_python), port, random_seed=seed,
-                                       secret_config=sglang_secret,
-                                       capture_routes=exp.actor.model.captures_server_routes)
+            engine_srv = replace(srv, host=addr, python=engine_python)
+            cmd = build_launch_command(engine_srv, port, random_seed=seed, secret_config=sglang_secret,
+                                       capture_routes=exp.actor.model.captures_server_routes,
+                                       reshard_receiver=wants_reshard_receiver(engine_srv))
             engine_env = {**env, **srv.env}
         else:
             engine_env = env
