@@ -15,7 +15,9 @@ cache="${AREAL_MEGA_CACHE:-$HOME/.cache/areal_mega}"
 # same-named ones (learner-latest: learner.txt on the newest megatron-core/transformers).
 base="$(sed -n 's/^# \[base\] *//p' "$req")"
 [ -z "$base" ] || [ -f "$here/$base" ] || { echo "make_venv.sh: no base file $here/$base" >&2; exit 2; }
-key="$(cat "$req" ${base:+"$here/$base"} "$here/make_venv.sh" "$here/sglang_cpu_shim.py" "$here/sglang_reshard.py" | sha256sum | cut -c1-12)"
+# The files copied into the SGLang venv key only that one (a receiver change rebuilds no learner).
+extra=(); [ "$name" = sglang ] && extra=("$here/sglang_cpu_shim.py" "$here/sglang_reshard.py")
+key="$(cat "$req" ${base:+"$here/$base"} "$here/make_venv.sh" "${extra[@]}" | sha256sum | cut -c1-12)"
 venv="$cache/venvs/$name-$key"
 if [ -x "$venv/bin/python" ] && [ -f "$venv/.complete" ]; then echo "$venv"; exit 0; fi
 mkdir -p "$cache/venvs"
