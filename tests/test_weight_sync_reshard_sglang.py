@@ -102,8 +102,11 @@ def test_reshard_sync_logprobs_match_learner(run):
     assert d <= tol
     # negative control: the unsynced server (v0, as started) is far from the learner's v1
     assert _maxdiff(run["v0"][0]["logprobs"], run["learner_v1"]) > tol
-    # a second sync of the same weights (group reused) leaves the server bit-identical
-    assert run["v2"][0]["version"] == "2" and run["v2"][0]["logprobs"] == srv["logprobs"]
+    # a second sync after the learner's weights changed in place (v2 = 0.9 v1; group, plan and
+    # both sides' cached views reused) serves v2: the learner's v2 within the bound, far from v1
+    assert run["v2"][0]["version"] == "2"
+    assert _maxdiff(run["v2"][0]["logprobs"], run["learner_v2"]) <= tol
+    assert _maxdiff(run["v2"][0]["logprobs"], srv["logprobs"]) > tol
 
 
 def test_reshard_bytes_per_engine_rank_are_its_shard(run):
@@ -150,4 +153,4 @@ def test_no_receiver_falls_back_to_broadcast(run):
     tol = 2 * bf16_tol(1, run["logit_scale"], ops=_roundings(run["case"]))
     assert run["fallback"]["mode"] == "broadcast"
     assert run["v3"][0]["version"] == "3"
-    assert _maxdiff(run["v3"][0]["logprobs"], run["learner_v1"]) <= tol  # the same weights, by the other path
+    assert _maxdiff(run["v3"][0]["logprobs"], run["learner_v2"]) <= tol  # the same weights, by the other path

@@ -233,9 +233,11 @@ def real_server_runs(args) -> None:
     bind = "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.server_tp))
     servers = launch_servers(InferenceConfig(num_servers=args.servers, server=SGLangServerConfig(
         python=args.sglang_python, model_path=str(hf_dir), device="cpu", tp_size=args.server_tp, max_total_tokens=2048,
+        sleep_on_idle=not args.busy_poll,
         env={"OMP_NUM_THREADS": "1", "SGLANG_CPU_OMP_THREADS_BIND": bind, "PYTHONPATH": str(receiver)},
         startup_timeout_s=1200, log_dir=str(work / "logs"))))
     try:
+        idle = {"server_idle_cores": round(sum(idle_cores(s.pid) for s in servers), 2), "sleep_on_idle": not args.busy_poll}
         for mode, learner in [(m, x) for x in args.learner.split(",") for m in args.mode.split(",")]:
             tp, pp = LEARNERS[learner]
             out = work / f"{mode}-{learner}.json"
@@ -245,10 +247,31 @@ def real_server_runs(args) -> None:
                    "--bucket-mib", str(args.bucket_mib), "--repeats", str(args.repeats)]
             env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
             subprocess.run(cmd, check=True, env=env, timeout=1800)
-            print(out.read_text().strip(), flush=True)
+            print(json.dumps({**json.loads(out.read_text()), **idle}), flush=True)
     finally:
         for s in servers:
             s.stop()
+
+
+def idle_cores(pid: int, seconds: float = 3.0) -> float:
+    """CPU cores a server's process tree uses while it has nothing to do (/proc utime + stime)."""
+    import os
+
+    from areal_mega.utils.procs import tree_pids
+
+    def ticks() -> int:
+        total = 0
+        for p in tree_pids(pid):
+            try:
+                fields = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:  # exited between the listing and the read
+                continue
+            total += int(fields[11]) + int(fields[12])
+        return total
+
+    t0, c0 = time.monotonic(), ticks()
+    time.sleep(seconds)  # a measurement window, not a wait for a condition
+    return (ticks() - c0) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t0)
 
 
 LEARNERS = {"tp1": (1, 1), "tp2": (2, 1), "tp2pp2": (2, 2)}
@@ -274,12 +297,25 @@ def worker(args) -> None:
     model = build_model(args.hf_dir, groups, MegatronModelConfig(dtype="bfloat16"))
     load_hf_weights(model, args.hf_dir)
     urls = args.urls.split(",")
+    # route -> wall (start, end) of rank 0's calls inside the timed syncs / raw transfers
+    calls: dict[str, list[tuple[float, float]]] = {}
+    raw_calls: dict[str, list[tuple[float, float]]] = {}
+    timing: list = [None]  # the dict being recorded into
+
+    class TimedClient(SGLangClient):
+        def send(self, call):
+            t = time.time()
+            try:
+                return super().send(call)
+            finally:
+                if timing[0] is not None:
+                    timing[0].setdefault(call.path, []).append((t, time.time()))
 
     def make(mode: str, prefix: str):
         cfg = WeightSyncConfig(mode=mode, backend="gloo", bucket_mib=args.bucket_mib, master_address="127.0.0.1",
                                group_name_prefix=prefix)
         return megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
-                                    servers=[SGLangClient(u, timeout_s=600) for u in urls], pause_mode="retract")
+                                    servers=[TimedClient(u, timeout_s=600) for u in urls], pause_mode="retract")
 
     ws = make(args.mode, "bench")
     ws.sync(1)  # warm-up: connect, first-touch of the buffers
@@ -312,12 +348,30 @@ def worker(args) -> None:
                 s.send(api_end())
         return elapsed
 
-    syncs, raws, engine = [], [], []
+    def split_update_call(statuses: list, calls: dict) -> dict:
+        """The last update call's time, split by the engine ranks' clocks: HTTP to the loader,
+        the loader's set-up, the transfer, and from the last rank's end to the answer (barrier,
+        cache flush)."""
+        post, answer = calls["/update_weights_from_tensor"][-1]
+        return {"dispatch": min(s["entered"] for s in statuses) - post,
+                "prepare": max(s["started"] - s["entered"] for s in statuses),
+                "receive": max(s["finished"] for s in statuses) - min(s["started"] for s in statuses),
+                "answer": answer - max(s["finished"] for s in statuses)}
+
+    syncs, raws, engine, timeline, timeline_raw = [], [], [], [], []
     for i in range(args.repeats):
         dist.barrier()
+        timing[0] = calls
         syncs.append(ws.sync(2 + i))
+        timing[0] = None
         engine.append(list(ws._reshard.last_statuses) if args.mode == "reshard" else [])
+        if args.mode == "reshard" and rank == 0:
+            timeline.append(split_update_call(ws._reshard.last_statuses, calls))
+        timing[0] = raw_calls
         raws.append(raw())
+        timing[0] = None
+        if rank == 0:
+            timeline_raw.append(split_update_call(rt.last_statuses, raw_calls))
         engine[-1] += [dict(s, raw=True) for s in rt.last_statuses]
     best = min(syncs, key=lambda x: x.seconds)
     shard = plan_reshard(model.adapter, layout, [EngineLayout(e.tp, e.ep) for e in rt.plan.engines]).shard_bytes
@@ -336,6 +390,12 @@ def worker(args) -> None:
             "raw_seconds_median": round(statistics.median(raws), 4),
             "GBps": round(sum(per_engine.values()) / best.seconds / 1e9, 3),
             "phases_s": {k: round(v, 4) for k, v in best.phase_s.items()},
+            # rank 0's HTTP calls to the servers inside the timed syncs: median seconds per route
+            "calls_median_s": {k: round(statistics.median(b - a for a, b in v), 4) for k, v in sorted(calls.items())},
+            # the sync's and the raw transfer's update call, split (medians; split_update_call)
+            "update_call_median_s": {k: round(statistics.median(t[k] for t in timeline), 4) for k in timeline[0]}
+            if timeline else {},
+            "raw_call_median_s": {k: round(statistics.median(t[k] for t in timeline_raw), 4) for k in timeline_raw[0]},
             # each engine rank's own time in the best sync and the raw transfer after it
             "engine_ranks": [{k: s.get(k) for k in ("rank", "raw", "seconds", "wait_s", "bytes", "in_place_bytes")}
                              for s in engine[syncs.index(best)]],
@@ -372,6 +432,8 @@ def main() -> None:
     ap.add_argument("--learner", default="tp1,tp2,tp2pp2", help="learner layouts, comma separated (real servers)")
     ap.add_argument("--servers", type=int, default=1, help="real servers")
     ap.add_argument("--server-tp", type=int, default=2, help="TP of each real server")
+    ap.add_argument("--busy-poll", action="store_true",
+                    help="servers without --sleep-on-idle (SGLang's default: idle schedulers poll in a loop)")
     ap.add_argument("--work-dir", default="", help="where the real-server runs keep the model and logs")
     ap.add_argument("--model", choices=sorted(PUBLISHED), default="llama-70b", help="--mode plan: the shape")
     ap.add_argument("--link-gbps", type=float, default=400.0, help="--mode plan: NIC speed per GPU")

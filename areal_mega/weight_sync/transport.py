@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -233,12 +233,26 @@ class BroadcastSender:
         self._pool.shutdown(wait=True)
 
 
-def pack_message(message: Any, local: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
-    """The flat uint8 buffer of one reshard message (reshard.Message): each piece's box of this
-    rank's local megatron tensor (``local[chunk][name]``), cast to the wire dtype, at its offset,
-    in ``out`` (a reused buffer of at least ``message.nbytes``) -- or, when the pieces are one
-    contiguous span of one tensor in the wire dtype (a whole shard, fused gate/up), that span of
-    the tensor itself (no copy: the caller must finish sending before the weights change)."""
+class PackedMessage(NamedTuple):
+    """One reshard message ready to send: ``tensor`` goes on the wire once ``copies`` (``(slot in
+    the pack buffer, source view)`` pairs; none when the message is a span of one tensor) ran."""
+
+    tensor: torch.Tensor
+    copies: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    def fill(self) -> torch.Tensor:
+        for dst, src in self.copies:
+            dst.copy_(src)
+        return self.tensor
+
+
+def prepare_message(message: Any, local: Sequence[Any], out: torch.Tensor) -> PackedMessage:
+    """The views of one reshard message (reshard.Message): each piece's box of this rank's local
+    megatron tensor (``local[chunk][name]``), cast to the wire dtype, at its offset in ``out`` (a
+    reused buffer of at least ``message.nbytes``) -- or, when the pieces are one contiguous span
+    of one tensor in the wire dtype (a whole shard, fused gate/up), that span of the tensor itself
+    (no copy: the caller must finish sending before the weights change). Views only: the caller
+    may keep them for as long as the tensors and ``out`` keep their storage (ReshardTransport)."""
     views = []
     for p in message.pieces:
         src = local[p.src_chunk][p.src_param].detach()
@@ -250,11 +264,15 @@ def pack_message(message: Any, local: Sequence[Any], out: torch.Tensor) -> torch
                  getattr(torch, first.dtype)) if all((p.src_chunk, p.src_param) == (first.src_chunk, first.src_param)
                                                      for p in message.pieces) else None
     if span is not None:
-        return span
+        return PackedMessage(span, ())
     buf = out[: message.nbytes]
-    for off, p, src in zip(message.offsets, message.pieces, views):
-        buf[off: off + p.nbytes].view(getattr(torch, p.dtype)).view(p.shape).copy_(src)
-    return buf
+    return PackedMessage(buf, tuple((buf[off: off + p.nbytes].view(getattr(torch, p.dtype)).view(p.shape), src)
+                                    for off, p, src in zip(message.offsets, message.pieces, views)))
+
+
+def pack_message(message: Any, local: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
+    """The flat uint8 buffer of one reshard message (:func:`prepare_message`, filled)."""
+    return prepare_message(message, local, out).fill()
 
 
 def _span(base: torch.Tensor, views: Sequence[torch.Tensor], offsets: Sequence[int], nbytes: int,

@@ -22,6 +22,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -111,10 +112,21 @@ def main() -> None:
         res["v1"] = server_state(urls)
         res["greedy_v1"] = [greedy(u) for u in urls]
         res["learner_v1"], res["logit_scale"] = lp1["logprobs"], lp1["logit_scale"]
+    # v2 = 0.9 v1, written in place (as an optimizer step does): the second sync reuses the
+    # sender's and the receiver's cached views, which must read the new values.
+    with torch.no_grad():
+        for chunk in model.chunks:
+            for prm in chunk.parameters():
+                prm.copy_((prm.float() * 0.9).to(prm.dtype))
+    lp2 = learner_logprobs(model)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, lp2)
+    lp2 = next(x for x in gathered if x is not None)
     stats2 = ws.sync(2)
     res["sync2"] = {"mode": stats2.mode, "seconds": stats2.seconds, "phases": stats2.phase_s}
     if rank == 0:
         res["v2"] = server_state(urls)
+        res["learner_v2"] = lp2["logprobs"]
     ws.close()
     # 3. a server that does not report the receiver: the sync falls back to broadcast (one line).
     nr = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,

@@ -14,12 +14,15 @@ named_tensors)`` on every TP rank; the HTTP call returns when every rank has ret
 Commands (one per call, per rank)::
 
     {"op": "join",  "group": name, "backend", "address", "port", "world_size", "rank", "timeout_s"}
-    {"op": "check", "group": name, "params": {sglang name: [shape, dtype]}}  -> status to rank 0
-    {"op": "sync",  "group": name, "messages": [[src, nbytes, [[param, index, box, dtype, offset], ...]], ...]}
-                                                                              -> status to rank 0
+    {"op": "check", "group": name, "params": {sglang name: [shape, dtype]},
+     "messages": [[src, nbytes, [[param, index, box, dtype, offset], ...]], ...]}  -> status to rank 0
+    {"op": "sync",  "group": name[, "messages": [...]]}                         -> status to rank 0
     {"op": "leave", "group": name}
 
-``sync`` receives the messages in the given order (the plan's deadlock-free order, see
+A passed ``check`` keeps the rank's messages (the plan's, the same every sync) for the group, so
+a ``sync`` command is a few bytes (SGLang forwards every payload to every TP rank); a ``sync``
+that carries its own messages (the bench's raw transfer) uses those. ``sync`` receives the
+messages in the given order (the plan's deadlock-free order, see
 areal_mega/weight_sync/reshard.py): a message whose pieces lie back to back in one parameter
 (``direct_target``) straight into the parameter; the others into two reused flat
 buffers (the next arrives while this one is written), each piece then copied into place. A failure never raises into SGLang's scheduler (that would kill
@@ -42,7 +45,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-PROTOCOL = 1
+PROTOCOL = 2
 SUPPORTED_SGLANG = ("0.5.23",)
 STATUS_BYTES = 4096
 COMMAND = "areal_mega_reshard"
@@ -153,7 +156,7 @@ def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _join(cmd: dict, model: torch.nn.Module) -> None:
+def _join(cmd: dict, model: torch.nn.Module, entered: float) -> None:
     from sglang.srt.utils import init_custom_process_group
 
     old = _groups.pop(cmd["group"], None)
@@ -170,7 +173,7 @@ def _report(g: dict, status: dict) -> None:
     dist.send(encode_status({"rank": g["rank"], "protocol": PROTOCOL, **status}, g["device"]), group_dst=0, group=g["pg"])
 
 
-def _check(cmd: dict, model: torch.nn.Module) -> None:
+def _check(cmd: dict, model: torch.nn.Module, entered: float) -> None:
     g = _groups[cmd["group"]]
     params = _params(model)
     problems = [unsupported()] if unsupported() else []
@@ -181,6 +184,7 @@ def _check(cmd: dict, model: torch.nn.Module) -> None:
         elif list(p.shape) != list(shape) or str(p.dtype).removeprefix("torch.") != dtype:
             problems.append(f"{name}: engine has {list(p.shape)} {str(p.dtype).removeprefix('torch.')}, "
                             f"plan says {list(shape)} {dtype}")
+    g["messages"], g["targets"] = (cmd.get("messages") if not problems else None), None
     _report(g, {"ok": not problems, "error": "; ".join(problems[:5]), "num_params": len(params)})
 
 
@@ -204,31 +208,50 @@ def _received(g: dict, messages: list, targets: list):
         yield buf
 
 
-def _sync(cmd: dict, model: torch.nn.Module) -> None:
+def _sync(cmd: dict, model: torch.nn.Module, entered: float) -> None:
     g = _groups[cmd["group"]]
+    kept = "messages" not in cmd
+    messages = g.get("messages") if kept else cmd["messages"]
+    if messages is None:  # nothing to drain: the learner sends only after a passed check
+        _report(g, {"ok": False, "error": "sync before a passed check (no plan kept for this group)"})
+        return
     params = _params(model)
-    targets, error = [], None
-    for m in cmd["messages"]:
-        try:
-            targets.append(direct_target(params, m))
-        except Exception as e:  # noqa: BLE001 - a bad piece: drained into a buffer, reported below
-            targets.append(None)
-            error = error or f"{type(e).__name__}: {e}"
-    need = max((m[1] for m, t in zip(cmd["messages"], targets) if t is None), default=0)
+    # The kept plan's targets are views: reused while every parameter keeps its storage (the
+    # views hold the old storage alive, so an equal address is the same memory); SGLang may
+    # re-create parameters (a disk load, a repack), which recomputes them.
+    key = tuple((n, p.data.data_ptr(), p.dtype, tuple(p.shape)) for n, p in params.items())
+    cached = g.get("targets")
+    if kept and cached is not None and cached[0] == key:
+        targets, error = cached[1], None
+    else:
+        if kept:
+            g["targets"] = None  # release the old views first
+        targets, error = [], None
+        for m in messages:
+            try:
+                targets.append(direct_target(params, m))
+            except Exception as e:  # noqa: BLE001 - a bad piece: drained into a buffer, reported below
+                targets.append(None)
+                error = error or f"{type(e).__name__}: {e}"
+        if kept and error is None:
+            g["targets"] = (key, targets)
+    need = max((m[1] for m, t in zip(messages, targets) if t is None), default=0)
     if g["buf"] is None or g["buf"].numel() < 2 * need:  # two flat buffers, reused (no page faults per message)
         g["buf"] = torch.empty(2 * need, dtype=torch.uint8, device=g["device"])
     g["bufs"] = (g["buf"][:need], g["buf"][need: 2 * need])
-    g["wait_s"], t0 = 0.0, time.perf_counter()
-    error = apply_messages(params, cmd["messages"], _received(g, cmd["messages"], targets)) or error
-    received = sum(m[1] for m in cmd["messages"])
+    g["wait_s"], t0, started = 0.0, time.perf_counter(), time.time()
+    error = apply_messages(params, messages, _received(g, messages, targets)) or error
+    received = sum(m[1] for m in messages)
     # where this rank's time went (the learner logs it): waiting on the wire vs everything else
-    # (writes of packed pieces, posting receives)
+    # (writes of packed pieces, posting receives); wall-clock times of entering the loader,
+    # starting to receive and finishing, to place this rank on the learner's timeline
     _report(g, {"ok": error is None, "error": error or "", "bytes": received,
-                "in_place_bytes": sum(m[1] for m, t in zip(cmd["messages"], targets) if t is not None),
-                "seconds": round(time.perf_counter() - t0, 6), "wait_s": round(g["wait_s"], 6)})
+                "in_place_bytes": sum(m[1] for m, t in zip(messages, targets) if t is not None),
+                "seconds": round(time.perf_counter() - t0, 6), "wait_s": round(g["wait_s"], 6),
+                "entered": entered, "started": started, "finished": time.time()})
 
 
-def _leave(cmd: dict, model: torch.nn.Module) -> None:
+def _leave(cmd: dict, model: torch.nn.Module, entered: float) -> None:
     g = _groups.pop(cmd["group"], None)
     if g is not None:
         dist.destroy_process_group(g["pg"])
@@ -239,6 +262,7 @@ _OPS = {"join": _join, "check": _check, "sync": _sync, "leave": _leave}
 
 def receive(model: torch.nn.Module, named_tensors: list) -> None:
     """SGLang custom weight loader: run this rank's command. Never raises into the scheduler."""
+    entered = time.time()
     for name, tensor in named_tensors:
         try:
             cmd = decode_payload(tensor) if name == COMMAND else None
@@ -246,6 +270,6 @@ def receive(model: torch.nn.Module, named_tensors: list) -> None:
                 logger.error("areal_mega_sglang_reshard: unknown payload %r", name)
                 continue
             with torch.no_grad():
-                _OPS[cmd["op"]](cmd, model)
+                _OPS[cmd["op"]](cmd, model, entered)
         except Exception:  # noqa: BLE001 - a raise here would take the server down
             logger.exception("areal_mega_sglang_reshard: %s failed", name)
