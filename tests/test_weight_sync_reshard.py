@@ -411,3 +411,16 @@ def test_family_without_an_sglang_layout_is_refused_in_one_line():
         check_supported(mixtral)
     with pytest.raises(ValueError, match="no SGLang layout"):
         plan_reshard(mixtral, ParallelLayout(world_size=1), [EngineLayout(1)])
+
+
+def test_deepseek_v3_is_planned_but_a_runtime_sync_is_refused():
+    """MLA: the plan exists (projections), but a sync would leave SGLang's w_kc / w_vc stale
+    (derived from kv_b_proj in post_load_weights): WeightSync refuses mode reshard at
+    construction, in one line; the planned families pass the same check (control)."""
+    from areal_mega.weight_sync.sglang_layout import check_syncable
+
+    ds = get_adapter(dict(DEEPSEEK_V3_671B, num_nextn_predict_layers=0, num_hidden_layers=4))
+    assert engine_params(ds, EngineLayout(8, ep=8), 0)  # planned
+    with pytest.raises(ValueError, match=r"planned but not run for model_type 'deepseek_v3'.*post_load_weights.*use broadcast"):
+        check_syncable(ds)
+    check_syncable(get_adapter(tiny_config("qwen2")))

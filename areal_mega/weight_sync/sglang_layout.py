@@ -21,7 +21,8 @@ where inside each parameter (:class:`~areal_mega.models.base.Block`). The reshar
 * DeepSeek-V3 MLA: ``fused_qkv_a_proj_with_mqa`` = ``[q_a_proj; kv_a_proj_with_mqa]``
   (replicated), ``q_b_proj`` / ``kv_b_proj`` column-parallel (by heads), ``o_proj`` row-parallel.
   SGLang derives ``w_kc`` / ``w_vc`` from ``kv_b_proj`` in ``post_load_weights``: a receiver must
-  run it after writing ``kv_b_proj`` (planned here for the byte counts; not run on CPU).
+  run it after writing ``kv_b_proj`` (planned here for the byte counts; a runtime sync is
+  refused, ``NOT_SYNCED``).
 
 Exact-key registry by HF ``model_type``; a family without an entry is refused with a one-line
 error (weight_sync.mode broadcast serves it).
@@ -35,7 +36,7 @@ from typing import Callable
 
 from areal_mega.models.base import Block, ModelAdapter
 
-__all__ = ["EngineLayout", "EngineParam", "SGLANG_LAYOUTS", "check_supported", "engine_params", "sglang_vocab_padded"]
+__all__ = ["EngineLayout", "EngineParam", "NOT_SYNCED", "SGLANG_LAYOUTS", "check_supported", "check_syncable", "engine_params", "sglang_vocab_padded"]
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,23 @@ SGLANG_LAYOUTS: dict[str, Callable[[_Rank], None]] = {
     "deepseek_v3": _deepseek_v3,
 }
 """HF model_type -> SGLang 0.5.23's parameter layout (exact keys)."""
+
+
+NOT_SYNCED = {
+    "deepseek_v3": "SGLang derives w_kc / w_vc from kv_b_proj in post_load_weights, which the receiver "
+                   "does not run (and SGLang on CPU cannot serve MLA to test it)",
+}
+"""Families planned (byte counts, projections) but refused by a runtime reshard sync: the reason."""
+
+
+def check_syncable(adapter: ModelAdapter) -> None:
+    """One-line ValueError unless a reshard sync of ``adapter``'s family can run (WeightSync,
+    at construction): planned, and nothing left for SGLang to derive after the receiver wrote."""
+    check_supported(adapter)
+    why = NOT_SYNCED.get(adapter.arch.model_type)
+    if why:
+        raise ValueError(f"weight_sync.mode: reshard is planned but not run for model_type "
+                         f"{adapter.arch.model_type!r}: {why}; use broadcast")
 
 
 def check_supported(adapter: ModelAdapter) -> None:

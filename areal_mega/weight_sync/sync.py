@@ -55,7 +55,7 @@ from areal_mega.utils.distributed import resolve_backend
 from areal_mega.utils.procs import free_port, host_address
 from areal_mega.weight_sync.reshard import plan_reshard
 from areal_mega.weight_sync.reshard_transport import RECEIVER, ReshardTransport, has_receiver
-from areal_mega.weight_sync.sglang_layout import EngineLayout, check_supported
+from areal_mega.weight_sync.sglang_layout import EngineLayout, check_syncable
 from areal_mega.weight_sync.transport import BroadcastSender, WeightSyncError, _collect, check_bucket_tensors, send_all
 
 ExportFn = Callable[[], Iterable[tuple[str, torch.Tensor]]]
@@ -155,7 +155,7 @@ class WeightSync:
         if cfg.mode == "reshard" and reshard is None:
             raise ValueError("mode: reshard needs the learner's adapter and local tensors (megatron_weight_sync)")
         if cfg.mode == "reshard":
-            check_supported(reshard.adapter)  # refused at construction, not at the first sync
+            check_syncable(reshard.adapter)  # refused at construction, not at the first sync
         self.reshard = reshard
         self.mode = cfg.mode  # what runs: reshard falls back to broadcast when a server has no receiver
         self._reshard: ReshardTransport | None = None
