@@ -11,7 +11,11 @@ Weight-sync transport efficiency on this machine, three ways (one JSON line per 
       (efficiency_best: best raw / best sync), where raw is a raw gloo transfer
       of the same bytes over the same links (the same learner ranks to the same engine ranks, in
       the same order, received into a buffer inside the same SGLang processes: no packing, no
-      writes, no pause/begin/end), measured in the same run. Also the machine's load average.
+      writes, no pause/begin/end), measured in the same run. Also the machine's load average,
+      rank 0's HTTP calls inside the timed syncs (calls_median_s), the sync's and the raw
+      transfer's update call split by the engine ranks' clocks (update_call_median_s,
+      raw_call_median_s: dispatch, prepare, receive, answer) and the servers' idle CPU
+      (server_idle_cores; --busy-poll starts them without --sleep-on-idle).
 
       PYTHONPATH=. python tools/bench_weight_sync.py --mode reshard --sglang-python S/bin/python --mib 64
 
