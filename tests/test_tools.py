@@ -24,6 +24,7 @@ SMOKE = {
     "bench_rewards.py": "test_tools.py::test_bench_rewards",
     "bench_rollout_client.py": "test_tools.py::test_bench_rollout_client",
     "bench_simulator.py": "test_tools.py::test_bench_simulator_reuse",
+    "bench_sparse_delta.py": "test_tools.py::test_bench_sparse_delta",
     "bench_weight_sync.py": "test_tools.py::test_bench_weight_sync",
     "check_memory_model.py": "test_launch_plan.py::test_estimator_matches_what_the_engine_holds",
     "convert_hf_to_mcore.py": "test_megatron_model.py::test_conversion_tools_roundtrip_bit_exact",
@@ -74,6 +75,19 @@ def test_plot_run(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
     assert _tool("plot_run").main([str(tmp_path / "missing.jsonl"), str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_bench_sparse_delta(tmp_path, capsys):
+    """A tiny model, two Adam steps: some bf16 values move and the sparse encoding rebuilds the
+    new weights bit for bit; at lr 0 nothing moves (control: the count is of real changes)."""
+    from tests.support.models import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "m", "qwen2")
+    for lr, moved in ((4e-5, True), (0.0, False)):
+        _tool("bench_sparse_delta").main(["--model", str(model), "--lr", str(lr), "--steps", "2", "--seq", "16"])
+        out = _json_line(capsys.readouterr().out)
+        assert out["lossless"] and len(out["steps"]) == 2
+        assert all((0 < s["density"] <= 1) == moved and (s["changed"] == 0) == (not moved) for s in out["steps"])
 
 
 def test_bench_simulator_reuse(tmp_path, capsys):
