@@ -103,7 +103,8 @@ def test_abort_pause_resubmits_with_prefix_and_keeps_versions():
     async def body(pool, fakes):
         req = GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=40))
         task = asyncio.create_task(pool.agenerate(req))
-        await asyncio.sleep(0.15)  # ~15 tokens in
+        while fakes[0].num_tokens < 15:  # pause mid-generation: a condition, not a sleep
+            await asyncio.sleep(0.005)
         await pool.pause()
         await asyncio.sleep(0.1)
         assert not task.done()  # aborted on the server, held by the client while paused

@@ -177,6 +177,25 @@ def test_api_key_required(h):
     assert secret.stat().st_mode & 0o777 == 0o600
 
 
+async def decoding(pool, since: float, timeout_s: float = 120.0) -> None:
+    """Wait until every server holding requests decodes all of them: its load snapshot (SGLang
+    publishes one after each prefill and every 15 decode steps, stamped with time.time()) is
+    newer than ``since`` and counts them in its running batch, so each has its first token. A
+    fixed sleep (once 0.3 x the reference latency) paused a loaded CI machine before any prefill."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready = True
+        for s in pool.servers:
+            if s.in_flight == 0:
+                continue
+            load = (await s.send(sglang_api.Call("GET", "/v1/loads?include=core")))["loads"][0]
+            ready &= load["timestamp"] > since and load.get("num_running_reqs", 0) >= s.in_flight
+        if ready and any(s.in_flight for s in pool.servers):
+            return
+        assert time.monotonic() < deadline, "the requests never started decoding"
+        await asyncio.sleep(0.02)
+
+
 @pytest.mark.parametrize("mode", ["abort", "retract"])
 def test_pause_bump_version_continue(h, mode):
     """Pause mid-generation, load the same weights under version v+1, continue: every sequence is
@@ -194,8 +213,9 @@ def test_pause_bump_version_continue(h, mode):
 
     async def interrupted():
         reqs = [GenerationRequest(list(p), SamplingParams(max_new_tokens=n, temperature=0.0)) for p in ps]
+        t0 = time.time()
         tasks = [asyncio.create_task(pool.agenerate(r)) for r in reqs]
-        await asyncio.sleep(0.3 * ref[0].latency_s)
+        await decoding(pool, since=t0)
         assert not any(t.done() for t in tasks)
         await pool.pause()
         await asyncio.sleep(0.3)
