@@ -177,8 +177,8 @@ def test_api_key_required(h):
     assert secret.stat().st_mode & 0o777 == 0o600
 
 
-async def decoding(pool, since: float, timeout_s: float = 120.0) -> None:
-    """Wait until every server holding requests decodes all of them: its load snapshot (SGLang
+async def decoding(pool, since: float, n: int, timeout_s: float = 120.0) -> None:
+    """Wait until all ``n`` requests sent since ``since`` decode: each server's load snapshot (SGLang
     publishes one after each prefill and every 15 decode steps, stamped with time.time()) is
     newer than ``since`` and counts them in its running batch, so each has its first token. A
     fixed sleep (once 0.3 x the reference latency) paused a loaded CI machine before any prefill."""
@@ -188,9 +188,9 @@ async def decoding(pool, since: float, timeout_s: float = 120.0) -> None:
         for s in pool.servers:
             if s.in_flight == 0:
                 continue
-            load = (await s.send(sglang_api.Call("GET", "/v1/loads?include=core")))["loads"][0]
-            ready &= load["timestamp"] > since and load.get("num_running_reqs", 0) >= s.in_flight
-        if ready and any(s.in_flight for s in pool.servers):
+            loads = (await s.send(sglang_api.Call("GET", "/v1/loads?include=core"))).get("loads") or [{}]
+            ready &= loads[0].get("timestamp", 0.0) > since and loads[0].get("num_running_reqs", 0) >= s.in_flight
+        if ready and sum(s.in_flight for s in pool.servers) == n:
             return
         assert time.monotonic() < deadline, "the requests never started decoding"
         await asyncio.sleep(0.02)
@@ -215,7 +215,7 @@ def test_pause_bump_version_continue(h, mode):
         reqs = [GenerationRequest(list(p), SamplingParams(max_new_tokens=n, temperature=0.0)) for p in ps]
         t0 = time.time()
         tasks = [asyncio.create_task(pool.agenerate(r)) for r in reqs]
-        await decoding(pool, since=t0)
+        await decoding(pool, since=t0, n=len(reqs))
         assert not any(t.done() for t in tasks)
         await pool.pause()
         await asyncio.sleep(0.3)
