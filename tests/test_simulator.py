@@ -260,6 +260,31 @@ def test_planner_70b_respects_memory_plan_and_recommends():
     assert d["recommended"]["speedup_over_best_sync"] >= 1.0
 
 
+def test_planner_prices_the_configured_weight_sync_mode():
+    """The plan's sync time follows weight_sync.mode (costs.sync_bytes): broadcast's critical path
+    carries 2P (one sender per stage, the stages taking turns: sync.py), reshard's busiest link
+    max(2P/t, S 2P/W) (each engine GPU its TP shard, the W learner GPUs splitting the S servers'
+    copies) -- checked split by split on the 70B config; the two differ on every split (control)."""
+    from areal_mega.launcher.cli import build_plan_report, load_launch
+    from areal_mega.simulator.costs import WorkloadModel
+    from areal_mega.simulator.memory import model_shape, total_params
+
+    exp, _, _ = load_launch(CONFIG_70B, [])
+    two_p, t = 2 * total_params(model_shape(exp)), exp.inference.server.tp_size
+    reps = {mode: build_plan_report(CONFIG_70B, 12, [f"weight_sync.mode={mode}"], staleness=(2,),
+                                    workload=WorkloadModel(sim_steps=3)) for mode in ("broadcast", "reshard")}
+    cost = reps["broadcast"].cost
+    bw, lat = cost.nic_gbit_per_gpu / 8 * 1e9 * cost.weight_sync_efficiency, cost.weight_sync_latency_s
+    feasible = list(zip(reps["broadcast"].feasible(), reps["reshard"].feasible()))
+    assert len(feasible) >= 3
+    for bc, rs in feasible:
+        assert bc.learner_nodes == rs.learner_nodes and bc.layout == rs.layout
+        world = 8 * bc.learner_nodes
+        assert bc.sync_s == pytest.approx(lat + two_p / bw, abs=1e-3)
+        assert rs.sync_s == pytest.approx(lat + max(two_p / t, rs.num_servers * two_p / world) / bw, abs=1e-3)
+        assert abs(rs.sync_s - bc.sync_s) > 0.05
+
+
 def test_plan_cli(tmp_path, capsys):
     from areal_mega.cli import main
 

@@ -22,8 +22,13 @@ Formulas (P parameters, L layers, h width, t engine TP, c mean decode context in
             + A                 selective recompute of core attention
       seconds = flops / (W * F * MFU) * (1 + (p - 1) / (v * m))      1F1B pipeline bubble
 
-* weight sync: ``latency + (2P / p) / (NIC * e_sync)``: each pipeline stage's sender
-  broadcasts its stage's bf16 weights, stages in parallel (areal_mega/weight_sync/planner.py).
+* weight sync (``weight_sync.mode``): ``latency + bytes / (NIC * e_sync)`` with ``bytes`` the
+  most bf16 bytes through one GPU's link. broadcast (and disk, priced the same: no filesystem
+  model): ``2P``, each pipeline stage's sender broadcasts its stage's full tensors, the stages
+  taking turns (areal_mega/weight_sync/sync.py). reshard: ``max(2P / t, S * 2P / W)``, each engine GPU
+  receives its TP shard, the W learner GPUs split the S servers' copies evenly
+  (areal_mega/weight_sync/reshard.py; within 4% of its plan at 70B, Qwen3-235B, DeepSeek-V3:
+  tests/test_weight_sync_reshard.py).
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from areal_mega.simulator.calibrate import fit_lengths, load_rows
 from areal_mega.simulator.sweep import DecodeFit
 
 __all__ = [
-    "ClusterCostModel", "WorkloadModel", "decode_model", "learner_flops_per_token", "learner_model", "sync_model"
+    "ClusterCostModel", "WorkloadModel", "decode_model", "learner_flops_per_token", "learner_model", "sync_bytes",
+    "sync_model"
 ]
 
 
@@ -59,7 +65,8 @@ class ClusterCostModel:
     nic_gbit_per_gpu: float = 400.0
     """Inter-node bandwidth per GPU, Gbit/s (one 400G NDR InfiniBand NIC per GPU, DGX H100)."""
     weight_sync_efficiency: float = 0.5
-    """Fraction of the NIC line rate a weight-sync broadcast achieves (NCCL, bucketed)."""
+    """Fraction of the NIC line rate a weight sync's transfers achieve (NCCL: bucketed broadcasts,
+    or reshard's point-to-point messages)."""
     weight_sync_latency_s: float = 3.0
     """Fixed cost of one weight sync: pause/retract, cache flush, per-bucket handshakes, resume."""
     learner_fixed_s: float = 2.0
@@ -130,7 +137,7 @@ COST_SOURCES: dict[str, tuple[str, str]] = {
     "train_mfu": ("published", "Llama 3 paper: 38-43% BF16 MFU on H100 (not measured on this trainer)"),
     "decode_bandwidth_efficiency": ("assumed", "decode kernels at 50-80% of HBM peak: the low end"),
     "decode_compute_efficiency": ("assumed", "batched decode GEMMs far from peak"),
-    "weight_sync_efficiency": ("assumed", "bucketed NCCL broadcast; measure with tools/bench_weight_sync.py"),
+    "weight_sync_efficiency": ("assumed", "NCCL broadcast / reshard transfers; measure with tools/bench_weight_sync.py"),
     "weight_sync_latency_s": ("assumed", "pause/retract, flush, per-bucket handshakes, resume"),
     "learner_fixed_s": ("assumed", "optimizer step, batch broadcast, packing, logging"),
     "request_latency_s": ("assumed", "HTTP, tokenisation, prefill of a short prompt"),
@@ -206,7 +213,19 @@ def learner_model(cost: ClusterCostModel, *, flops_per_token: float, world: int,
     return LearnerModel(fixed_s=cost.learner_fixed_s, per_token_s=per_token)
 
 
-def sync_model(cost: ClusterCostModel, *, params: int, pp: int, dtype_bytes: int = 2) -> SyncModel:
-    return SyncModel(weight_bytes=dtype_bytes * params / pp,
+def sync_bytes(*, mode: str, params: int, engine_tp: int, num_servers: int, world: int,
+               dtype_bytes: int = 2) -> float:
+    """The bytes on one sync's critical path for ``weight_sync.mode`` (module docstring): the busiest
+    link's for reshard; for broadcast every stage's, one stage after another (so PP does not shorten it)."""
+    full = dtype_bytes * params
+    if mode == "reshard":
+        return max(full / engine_tp, num_servers * full / world)
+    return full
+
+
+def sync_model(cost: ClusterCostModel, *, mode: str, params: int, engine_tp: int, num_servers: int,
+               world: int, dtype_bytes: int = 2) -> SyncModel:
+    return SyncModel(weight_bytes=sync_bytes(mode=mode, params=params, engine_tp=engine_tp,
+                                             num_servers=num_servers, world=world, dtype_bytes=dtype_bytes),
                      bandwidth_bytes_per_s=cost.nic_gbit_per_gpu / 8 * 1e9 * cost.weight_sync_efficiency,
                      latency_s=cost.weight_sync_latency_s)

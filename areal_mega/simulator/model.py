@@ -171,7 +171,7 @@ class SyncModel:
     nothing meanwhile (paused, in-flight requests resume after it with the new weights)."""
 
     weight_bytes: float = 0.0
-    """Bytes on the critical path of one sync (per sender, senders working in parallel)."""
+    """Bytes on the critical path of one sync (the planner: costs.sync_bytes)."""
     bandwidth_bytes_per_s: float = 1e9
     """Effective bandwidth of one sender, bytes/s."""
     latency_s: float = 0.0

@@ -303,7 +303,8 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
                                dp=layout.dp, tokens_per_step=tokens_per_step, micro_batch_tokens=mbt)
             t = lm.step_s(tokens_per_step)
             if best is None or t < best[0] - 1e-12:
-                best = (t, layout, mem, lm, sync_model(cost, params=P, pp=pp))
+                best = (t, layout, mem, lm, sync_model(cost, mode=exp.weight_sync.mode, params=P, engine_tp=et,
+                                                    num_servers=s.num_servers, world=world))
         if best is None:
             s.reason = "no learner layout fits: " + "; ".join(reasons)
             splits.append(s)
