@@ -435,3 +435,49 @@ def test_deepseek_v3_is_planned_but_a_runtime_sync_is_refused():
     with pytest.raises(ValueError, match=r"planned but not run for model_type 'deepseek_v3'.*post_load_weights.*use broadcast"):
         check_syncable(ds)
     check_syncable(get_adapter(tiny_config("qwen2")))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_sender_keeps_its_pack_buffer_only_where_the_rule_says(monkeypatch, keep):
+    """ReshardTransport.send, one learner rank (not rank 0: no HTTP), the wire captured: the bytes
+    are the plan's messages, the same in two syncs; its pack buffer and cached views survive a sync
+    exactly where transport.keeps_buffers says (CPU: kept, page faults; GPU: released for training,
+    as the broadcast sender does) -- the GPU branch forced here, and a second sync after the
+    release still sends the same bytes."""
+    import areal_mega.weight_sync.reshard_transport as rt
+
+    cfg = tiny_config("llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                      num_key_value_heads=2)
+    adapter, layout = get_adapter(cfg), ParallelLayout.build(ParallelConfig(tensor_parallel=2), 2)
+    plan = plan_reshard(adapter, layout, [EngineLayout(2)], dtype="bfloat16", bucket_bytes=40_000, backend="gloo")
+    local = [{k: v.to(torch.float32) for k, v in chunk.items()}
+             for chunk in _learner_locals(adapter, layout, _hf_tensors(adapter))[1]]
+    wire: list = []
+
+    class Done:
+        def wait(self):
+            pass
+
+    monkeypatch.setattr(rt.dist, "isend", lambda t, group_dst, group: wire.append((group_dst, t.clone())) or Done())
+    monkeypatch.setattr(rt, "keeps_buffers", lambda device: keep)
+    tr = rt.ReshardTransport(plan=plan, rank=1, servers=[], local=lambda: local, backend="gloo", address="127.0.0.1",
+                             port=0, group_name="t", timeout_s=1)
+    assert any(m.nbytes and len(m.pieces) > 1 for m in tr.mine)  # some messages are packed, not spans
+    sent = [tr.send(1, flush_cache=False)]
+    first, wire[:] = list(wire), []
+    assert (tr._buf is not None and tr._prepared is not None) == keep
+    sent.append(tr.send(2, flush_cache=False))
+    assert sent[0] == sent[1] == sum(m.nbytes for m in tr.mine) > 0
+    assert [d for d, _ in wire] == [d for d, _ in first] and all(torch.equal(a, b) for (_, a), (_, b) in zip(wire, first))
+    want = [pack_message(m, local, torch.empty(m.nbytes, dtype=torch.uint8)) for m in tr.mine]
+    assert all(torch.equal(w, t) for w, (_, t) in zip(want, wire))
+    tr.close()
+
+
+def test_receiver_and_senders_keep_buffers_by_one_rule():
+    """The receiver imports only torch inside SGLang, so the buffer rule is written twice: the
+    learner's (transport.keeps_buffers) and the receiver's must agree on every device type."""
+    from areal_mega.weight_sync.transport import keeps_buffers
+
+    for dev in ("cpu", "cuda", "cuda:3", "xpu"):
+        assert RECEIVER.keeps_buffers(torch.device(dev)) == keeps_buffers(torch.device(dev)) == (dev == "cpu")

@@ -32,7 +32,8 @@ from areal_mega.inference.server import RESHARD_RECEIVER
 from areal_mega.inference.sglang_api import SGLangClient
 from areal_mega.utils.distributed import resolve_backend
 from areal_mega.weight_sync.reshard import ReshardPlan, wire_messages
-from areal_mega.weight_sync.transport import WeightSyncError, _collect, join_update_group, prepare_message, wait_all
+from areal_mega.weight_sync.transport import (WeightSyncError, _collect, join_update_group, keeps_buffers, prepare_message,
+                                               wait_all)
 
 RECEIVER = RESHARD_RECEIVER
 """The ``--custom-weight-loader`` path of the receiver (tools/env/sglang_reshard.py)."""
@@ -180,9 +181,16 @@ class ReshardTransport:
                     if w is not None:
                         w.wait()
         finally:
+            self.release_buffers()
             if self.rank == 0:
                 self._finish(works, bufs, futs, f"sync v{version}")
         return sent
+
+    def release_buffers(self) -> None:
+        """End of a sync (transport.keeps_buffers): on GPU the pack buffer and the views into it go."""
+        if not keeps_buffers(self.device):
+            self._prepared = None
+            self._buf = None
 
     def send_raw(self, transfers: Sequence[tuple[int, int, int, int]]) -> None:
         """The reference transfer (tools/bench_weight_sync.py): ``(src, server, engine rank,
@@ -217,6 +225,5 @@ class ReshardTransport:
             dist.destroy_process_group(self.group)
             self.group = None
         self._prepared = None
-        if self.device.type != "cpu":
-            self._buf = None
+        self._buf = None
         self._pool.shutdown(wait=True)

@@ -93,6 +93,14 @@ def check_bucket_tensors(bucket: Bucket, names: Sequence[str], tensors: Sequence
         assert got == spec, f"exported {got} != planned {spec}"
 
 
+def keeps_buffers(device: torch.device) -> bool:
+    """Whether a sender keeps its pack buffers between syncs: on CPU yes (a fresh buffer page-faults
+    more than the copy into it costs); on GPU no -- training needs the memory between syncs, the
+    caching allocator makes the next sync's allocation cheap, and a buffer can be a 2 GB
+    embedding (the memory plan counts no sync buffers during training)."""
+    return device.type == "cpu"
+
+
 class BroadcastSender:
     """Rank 0 of one learner->servers group: announces each bucket over HTTP and broadcasts it.
 
@@ -186,9 +194,8 @@ class BroadcastSender:
         return [out]
 
     def release_buffers(self) -> None:
-        """End of a sync: drop the bucket buffers on GPU (training needs the memory; the caching
-        allocator makes the next sync's allocation cheap); keep them on CPU (page faults)."""
-        if self.device.type != "cpu":
+        """End of a sync: drop the bucket buffers where :func:`keeps_buffers` says so."""
+        if not keeps_buffers(self.device):
             self._buffers = [None, None]
 
     def start_bucket(

@@ -148,6 +148,14 @@ def apply_messages(params: dict[str, torch.Tensor], messages: list, received) ->
     return error
 
 
+def keeps_buffers(device: torch.device) -> bool:
+    """Whether this rank keeps its two receive buffers between syncs: on CPU yes (fresh memory
+    page-faults), on GPU no (the server's activations need the memory). The learner's senders
+    follow the same rule (areal_mega/weight_sync/transport.py ``keeps_buffers``; a test holds
+    the two equal)."""
+    return torch.device(device).type == "cpu"
+
+
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters())
 
@@ -241,6 +249,8 @@ def _sync(cmd: dict, model: torch.nn.Module, entered: float) -> None:
     g["bufs"] = (g["buf"][:need], g["buf"][need: 2 * need])
     g["wait_s"], t0, started = 0.0, time.perf_counter(), time.time()
     error = apply_messages(params, messages, _received(g, messages, targets)) or error
+    if not keeps_buffers(g["device"]):
+        g["buf"] = g["bufs"] = None
     received = sum(m[1] for m in messages)
     # where this rank's time went (the learner logs it): waiting on the wire vs everything else
     # (writes of packed pieces, posting receives); wall-clock times of entering the loader,
