@@ -53,7 +53,7 @@ class ClusterUnavailable(RuntimeError):
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free ports below the kernel's ephemeral range (32768+), so that outgoing
     connections (srun, slurmd, HTTP clients) cannot take them before the daemons bind."""
-    return procs.free_ports(n, "", low=20000, high=32000)
+    return procs.free_ports(n, "", low=procs.SERVICE_PORTS[0], high=procs.SERVICE_PORTS[1])
 
 
 def ensure_installed(timeout_s: float = 600) -> None:

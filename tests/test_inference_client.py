@@ -224,6 +224,23 @@ def test_server_process_group_stop_and_start_error(tmp_path):
         srv.wait_ready(timeout_s=20)
     srv.stop()
 
+    # SGLang whose port is taken logs uvicorn's bind error and lingers in its warm-up for minutes
+    # (then exits 137): the start fails at once, naming the port, and nothing is left running.
+    # Control: the same lingering server without the error line waits out its timeout instead.
+    # (The timeouts only tell the two apart: the first message comes from the fast path alone.)
+    for line, want, timeout in [("[2026-12-03 06:55:07] ERROR:    [Errno 98] error while attempting to bind on "
+                                 "address ('127.0.0.1', 3): address already in use", "port 3 is already in use", 60),
+                                ("[2026-12-03 06:55:07] loading weights", "not healthy after 3s", 3)]:
+        lingering = tmp_path / "lingering.sh"
+        lingering.write_text(f"#!/bin/sh\necho \"{line}\"\nexec sleep 300\n")
+        lingering.chmod(0o755)
+        srv = SGLangServer(SGLangServerConfig(python=str(lingering), model_path="m"), 3, log_dir=tmp_path)
+        srv.start()
+        with pytest.raises(ServerStartError, match=want):
+            srv.wait_ready(timeout_s=timeout)
+        srv.stop()
+        assert not srv.is_running()
+
 
 @pytest.mark.slow
 def test_pool_owned_server_dies_with_its_parent(tmp_path):

@@ -142,6 +142,27 @@ def test_free_ports_distinct() -> None:
     assert len(set(ranged)) == 8 and all(20000 <= q < 32000 for q in ranged)
 
 
+def test_free_port_block_is_consecutive_free_and_below_the_ephemeral_range() -> None:
+    import socket
+
+    lo, hi = procs.SERVICE_PORTS
+    assert hi <= 32768  # Linux's ephemeral range starts there: no outgoing connection takes these
+    first = procs.free_port_block(3)
+    assert lo <= first and first + 3 <= hi
+    held = []
+    try:
+        for p in range(first, first + 3):  # all three bind now
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind(("127.0.0.1", p))
+        # control: with those held, a block that must contain them is refused
+        with pytest.raises(OSError, match="no 2 consecutive free ports"):
+            procs.free_port_block(2, low=first, high=first + 3)
+    finally:
+        for s in held:
+            s.close()
+
+
 @pytest.mark.slow
 def test_wrapper_redacts_secrets_from_the_output(tmp_path: Path) -> None:
     """The values of a redact file never reach the command's output (SGLang logs its API key)."""

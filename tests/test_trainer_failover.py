@@ -24,13 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from areal_mega.utils.procs import free_port
+from areal_mega.utils.procs import free_port_block
 from tests import procs
 from tests.support.launch import REPO, SGLANG_PYTHON, child_env, needs_sglang, torchrun_cmd
 from tests.support.models import write_tiny_task
 
 pytestmark = [pytest.mark.slow, needs_sglang, pytest.mark.timeout(2400)]
-MAX_STEPS = 500  # the test ends the run through trainer.stop_file once the server is back
+MAX_STEPS = 100_000  # the test ends the run through trainer.stop_file once the server is back (a
+# 500-step cap, ~90 s of 0.18 s steps, once ended a run before the test had seen the server back)
 KILL_AT_STEP = 2
 
 
@@ -47,23 +48,24 @@ def _steps(path: Path) -> list[dict]:
 
 
 # [1]: a lone server killed (the run waits for its restart); kept out of make test for the CI budget
-@pytest.mark.parametrize("num_servers", [2, pytest.param(1, marks=pytest.mark.heavy)])
-def test_server_killed_mid_run_is_restarted_resynced_and_run_completes(tmp_path: Path, num_servers: int) -> None:
+@pytest.mark.parametrize("num_servers,mode", [(2, "broadcast"), (2, "reshard"),
+                                              pytest.param(1, "broadcast", marks=pytest.mark.heavy)])
+def test_server_killed_mid_run_is_restarted_resynced_and_run_completes(tmp_path: Path, num_servers: int,
+                                                                       mode: str) -> None:
     """num_servers=2: the survivor carries generation and the syncs meanwhile. num_servers=1:
     nothing can generate or take weights until the server is back: the learner waits for it
     (in the sync, or in the batch wait, which then pushes it the current weights) -- no
-    deadlock, no crash."""
+    deadlock, no crash. mode reshard: every sync a reshard (the servers carry the receiver),
+    the group rebuilt without the dead server and again with the restarted one."""
     work = tmp_path / "tiny"
     write_tiny_task(work)
-    port, out = free_port(), tmp_path / "grpo"
-    while free_port() == port + 1:  # the pool uses port and port + 1
-        port = free_port()
+    port, out = free_port_block(2), tmp_path / "grpo"  # the pool uses port and port + 1
     cmd = torchrun_cmd(2, "-m", "areal_mega.cli", "train", "--config", "configs/grpo_tiny.yaml",
            f"model_path={work / 'model'}", f"output_dir={out}", f"data.path={work / 'data' / 'train.jsonl'}",
            f"eval_data.path={work / 'data' / 'test.jsonl'}", "trainer.eval_at_start=false", "trainer.eval_every=0",
            f"trainer.num_steps={MAX_STEPS}", f"trainer.stop_file={tmp_path / 'STOP'}", f"inference.num_servers={num_servers}", f"inference.server.port={port}", "inference.server.startup_timeout_s=900",
            f"inference.server.python={SGLANG_PYTHON}", "inference.client.health_check_interval_s=1.0",
-           "rollout.batch_size=4", "workflow.group_size=4")
+           "rollout.batch_size=4", "workflow.group_size=4", f"weight_sync.mode={mode}")
     env = child_env()
     log = open(tmp_path / "train.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -105,6 +107,9 @@ def test_server_killed_mid_run_is_restarted_resynced_and_run_completes(tmp_path:
     assert max(r["staleness/max"] for r in rows) <= 1
     assert "restarting inference server" in text and "back in rotation" in text, text[-5000:]
     assert all(r["weight_sync/seconds"] > 0 for r in rows)  # every step synced, none failed
+    # every sync ran the configured mode: no fallback from reshard (which would print its line)
+    assert all(r["weight_sync/resharded"] == float(mode == "reshard") for r in rows), text[-5000:]
+    assert ("broadcasting instead" in text) is False, text[-5000:]
     # It went out of rotation, and came back (only after a sync gave it the current weights).
     assert f"inference server 127.0.0.1:{victim_port} back in rotation" in text, text[-5000:]
     if num_servers == 2:

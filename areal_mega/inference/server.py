@@ -30,6 +30,10 @@ from areal_mega.utils.logs import attempt_tail, open_attempt
 from areal_mega.utils.secrets import sglang_key_config, write_private
 
 
+BIND_FAILED = "address already in use"
+"""What SGLang (uvicorn) logs when its HTTP port is taken."""
+
+
 class ServerStartError(RuntimeError):
     """A server did not become healthy; the message carries the tail of its log."""
 
@@ -219,6 +223,11 @@ class SGLangServer:
         process exits or ``timeout_s`` (default ``cfg.startup_timeout_s``) passes."""
         deadline = time.monotonic() + (timeout_s or self.cfg.startup_timeout_s)
         while time.monotonic() < deadline:
+            if BIND_FAILED in attempt_tail(self.log_path, 30).lower():
+                # SGLang logs the failed bind and lingers in its warm-up for minutes: fail now
+                self.stop()
+                raise ServerStartError(f"SGLang server {self.address}: port {self.port} is already in use by another "
+                                       f"process (inference.server.port); log {self.log_path}")
             if not self.is_running():
                 raise ServerStartError(
                     f"SGLang server {self.address} exited with code "
@@ -272,8 +281,9 @@ def make_servers(cfg: InferenceConfig, *, capture_routes: bool = False) -> list[
     log_dir = scfg.log_dir or tempfile.mkdtemp(prefix="sglang-logs-")
     key = cfg.resolved_api_key()
     servers = []
+    auto = procs.free_ports(cfg.num_servers, scfg.host, low=procs.SERVICE_PORTS[0], high=procs.SERVICE_PORTS[1])
     for i in range(cfg.num_servers):
-        port = scfg.port + i if scfg.port else procs.free_port(scfg.host)
+        port = scfg.port + i if scfg.port else auto[i]
         seed = None if scfg.random_seed is None else scfg.random_seed + i
         servers.append(SGLangServer(scfg, port, api_key=key, random_seed=seed, log_dir=log_dir,
                                     capture_routes=capture_routes))

@@ -43,6 +43,7 @@ def run_train(config_path: str, overrides: list[str]) -> int:
         stop = trainer.stop_requested()  # SIGTERM/SIGUSR1 or trainer.stop_file: checkpoint, then stop
         m.log({**rollout_stats, **prox_stats, **{f"train/{k}": v for k, v in train_stats.items()}, **critic_stats,
                "weight_sync/seconds": sync.seconds, "weight_sync/GBps": sync.gbps,
+               "weight_sync/resharded": float(sync.mode == "reshard"),  # 0: broadcast (or a fallback to it)
                "version": step + 1, **trainer.throughput(batch, m)})
         # The step's record before its checkpoint: a kill -9 between the two leaves a record past
         # the last checkpoint (cut on resume), never a checkpoint whose step has no record.

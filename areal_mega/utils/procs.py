@@ -40,12 +40,19 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 __all__ = [
-    "alive", "children", "die_with_parent", "free_port", "free_ports", "group_pids", "host_address", "main_pid",
-    "run", "signal_group", "spawn", "stop_pids", "stop_tree", "tree_pids"
+    "SERVICE_PORTS", "alive", "children", "die_with_parent", "free_port", "free_port_block", "free_ports", "group_pids",
+    "host_address", "main_pid", "run", "signal_group", "spawn", "stop_pids", "stop_tree", "tree_pids"
 ]
 
 # ---------------------------------------------------------------------------------------------
 # ports
+
+
+SERVICE_PORTS = (20000, 32000)
+"""Where servers that bind late (SGLang binds its HTTP port after loading the model, seconds to
+minutes after the port was chosen) draw their ports: below Linux's ephemeral range (32768+), so
+no outgoing connection and no bind to port 0 can take the port meanwhile (a bind-0 port was once
+taken by another process before its SGLang server bound it)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,6 +93,28 @@ def free_ports(n: int, host: str = "127.0.0.1", *, low: int | None = None, high:
     if len(ports) < n:
         raise OSError(f"free_ports: fewer than {n} free ports in [{low}, {high})")
     return ports
+
+
+def free_port_block(n: int, host: str = "127.0.0.1", *, low: int = SERVICE_PORTS[0],
+                    high: int = SERVICE_PORTS[1]) -> int:
+    """The first of ``n`` consecutive ports in [low, high) that all bind right now (for a pool
+    whose server i listens on ``port + i``)."""
+    rng = random.Random()
+    for _ in range(1000):
+        first = rng.randrange(low, high - n + 1)
+        socks = []
+        try:
+            for p in range(first, first + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise OSError(f"free_port_block: no {n} consecutive free ports in [{low}, {high})")
 
 
 def host_address() -> str:
