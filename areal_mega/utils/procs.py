@@ -51,8 +51,8 @@ __all__ = [
 SERVICE_PORTS = (20000, 32000)
 """Where servers that bind late (SGLang binds its HTTP port after loading the model, seconds to
 minutes after the port was chosen) draw their ports: below Linux's ephemeral range (32768+), so
-no outgoing connection and no bind to port 0 can take the port meanwhile (a bind-0 port was once
-taken by another process before its SGLang server bound it)."""
+no outgoing connection and no bind to port 0 can take the port meanwhile (a port chosen in the
+ephemeral range was once taken before its SGLang server bound it: tests/test_trainer_failover.py)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
