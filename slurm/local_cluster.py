@@ -50,12 +50,6 @@ class ClusterUnavailable(RuntimeError):
     """Slurm cannot be installed or started here (the caller may skip, naming this reason)."""
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports below the kernel's ephemeral range (32768+), so that outgoing
-    connections (srun, slurmd, HTTP clients) cannot take them before the daemons bind."""
-    return procs.free_ports(n, "", low=procs.SERVICE_PORTS[0], high=procs.SERVICE_PORTS[1])
-
-
 def ensure_installed(timeout_s: float = 600) -> None:
     """Install slurm-wlm + munge with apt when slurmctld is missing; raise ClusterUnavailable if apt fails."""
     if shutil.which("slurmctld") and shutil.which("munged"):
@@ -126,7 +120,7 @@ class LocalSlurmCluster:
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._add_hosts()
         self._make_fake_gpus()
-        ctld_port, munge_dummy, *slurmd_ports = free_ports(self.num_nodes + 2)
+        ctld_port, munge_dummy, *slurmd_ports = procs.service_ports(self.num_nodes + 2, "")
         del munge_dummy
         self._write_conf(ctld_port, slurmd_ports)
         try:

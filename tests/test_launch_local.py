@@ -18,15 +18,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_mega.utils.procs import free_port_block
-from slurm.local_cluster import free_ports
+from areal_mega.utils.procs import free_port_block, service_ports
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # every test runs the launcher with its torchrun and engine processes
 
 
 def _config(tmp: Path, marker: str, *, die_rank: int | None, engine_die_after: float | None) -> Path:
-    master, p0 = free_ports(1)[0], free_port_block(2)  # engine1 uses p0 + 1
+    master, p0 = service_ports(1)[0], free_port_block(2)  # engine1 uses p0 + 1
     learner = ["tests/launch_standins/learner.py", "--engines", "{engine_addresses}", "--out", "{run_dir}/out",
                "--marker", marker, "--hold", "1"]
     if die_rank is not None:

@@ -33,7 +33,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slurm.local_cluster import ClusterUnavailable, LocalSlurmCluster, free_ports
+from areal_mega.utils.procs import service_ports
+from slurm.local_cluster import ClusterUnavailable, LocalSlurmCluster
 from tests.support.launch import SGLANG_PYTHON, needs_sglang
 from tests.support.models import write_tiny_task
 
@@ -133,7 +134,7 @@ def test_grpo_70b_tp1_is_refused_with_numbers(cluster, tmp_path):
 
 
 def _tiny_config(tmp: Path, marker: str, die_rank: int | None) -> Path:
-    master, engine_port = free_ports(2)
+    master, engine_port = service_ports(2)
     learner = ["tests/launch_standins/learner.py", "--engines", "{engine_addresses}", "--out", "{run_dir}/out",
                "--marker", marker, "--hold", "1"]
     if die_rank is not None:
@@ -223,7 +224,7 @@ def test_grpo_tiny_real_trainer_on_4_nodes(cluster, tmp_path):
     TensorBoard logs and a final checkpoint are left, and no process of the job."""
     work = tmp_path / "tiny"
     write_tiny_task(work)
-    master, engine_port = free_ports(2)
+    master, engine_port = service_ports(2)
     out_dir = tmp_path / "grpo"
     args = [
         f"model_path={work / 'model'}", f"output_dir={out_dir}", f"data.path={work / 'data' / 'train.jsonl'}",

@@ -41,7 +41,7 @@ def _command(tmp: Path, work: Path, name: str, port: int) -> list[str]:
             f"model_path={model}", f"output_dir={tmp / name}", f"data.path={data / 'train.jsonl'}",
             f"eval_data.path={data / 'test.jsonl'}", f"launch.run_dir={tmp / (name + '-run')}",
             "parallel.tensor_parallel=1", "launch.learner.nproc_per_node=1", f"inference.server.port={port}",
-            f"launch.learner.master_port={procs.free_ports(1, low=procs.SERVICE_PORTS[0], high=procs.SERVICE_PORTS[1])[0]}",
+            f"launch.learner.master_port={procs.service_ports(1)[0]}",
             f"inference.server.python={SGLANG_PYTHON}", "inference.server.startup_timeout_s=900",
             f"trainer.num_steps={STEPS}", f"trainer.save_every={SAVE_EVERY}", "trainer.eval_every=0",
             "trainer.eval_at_start=false", "trainer.eval_at_end=false", "trainer.export_hf_at_end=false",

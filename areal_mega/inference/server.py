@@ -281,7 +281,7 @@ def make_servers(cfg: InferenceConfig, *, capture_routes: bool = False) -> list[
     log_dir = scfg.log_dir or tempfile.mkdtemp(prefix="sglang-logs-")
     key = cfg.resolved_api_key()
     servers = []
-    auto = procs.free_ports(cfg.num_servers, scfg.host, low=procs.SERVICE_PORTS[0], high=procs.SERVICE_PORTS[1])
+    auto = procs.service_ports(cfg.num_servers, scfg.host)
     for i in range(cfg.num_servers):
         port = scfg.port + i if scfg.port else auto[i]
         seed = None if scfg.random_seed is None else scfg.random_seed + i

@@ -35,7 +35,7 @@ from areal_mega.simulator.memory import (
 )
 from areal_mega.simulator.planner import choose_learner_nodes
 from areal_mega.utils import secrets
-from areal_mega.utils.procs import SERVICE_PORTS, free_ports
+from areal_mega.utils.procs import service_ports
 
 __all__ = [
     "Allocation", "LaunchPlan", "PLACEHOLDERS", "ProcSpec", "REPO_ROOT", "build_plan", "learner_node_count",
@@ -368,7 +368,7 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
     env["PYTHONPATH"] = str(REPO_ROOT)
     engine_python = engine_python or srv.python
     if alloc.local and not srv.port:
-        ports = free_ports(len(engine_slots), low=SERVICE_PORTS[0], high=SERVICE_PORTS[1])
+        ports = service_ports(len(engine_slots))
     else:
         first = srv.port or ec.default_port
         ports = [first + (i if alloc.local else k) for i, (_, _, k) in enumerate(engine_slots)]

@@ -41,7 +41,7 @@ from typing import Iterable, Sequence
 
 __all__ = [
     "SERVICE_PORTS", "alive", "children", "die_with_parent", "free_port", "free_port_block", "free_ports", "group_pids",
-    "host_address", "main_pid", "run", "signal_group", "spawn", "stop_pids", "stop_tree", "tree_pids"
+    "host_address", "main_pid", "run", "service_ports", "signal_group", "spawn", "stop_pids", "stop_tree", "tree_pids"
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def free_ports(n: int, host: str = "127.0.0.1", *, low: int | None = None, high:
     Without ``low``/``high`` the kernel picks them (all sockets stay open until every port is
     chosen, so they are distinct). With a range, ports are drawn from it at random: a range below
     the kernel's ephemeral range (32768+) cannot be taken by an outgoing connection (srun,
-    slurmd, HTTP clients) between this check and the server's bind."""
+    slurmd, HTTP clients) between this check and the server's bind (:func:`service_ports`)."""
     if low is None or high is None:
         socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
         try:
@@ -82,17 +82,16 @@ def free_ports(n: int, host: str = "127.0.0.1", *, low: int | None = None, high:
         if len(ports) == n:
             break
         port = rng.randrange(low, high)
-        if port in ports:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        ports.append(port)
+        if port not in ports and _bind_all(host, [port]):
+            ports.append(port)
     if len(ports) < n:
         raise OSError(f"free_ports: fewer than {n} free ports in [{low}, {high})")
     return ports
+
+
+def service_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free ports from :data:`SERVICE_PORTS`, for servers that bind late."""
+    return free_ports(n, host, low=SERVICE_PORTS[0], high=SERVICE_PORTS[1])
 
 
 def free_port_block(n: int, host: str = "127.0.0.1", *, low: int = SERVICE_PORTS[0],
@@ -102,19 +101,25 @@ def free_port_block(n: int, host: str = "127.0.0.1", *, low: int = SERVICE_PORTS
     rng = random.Random()
     for _ in range(1000):
         first = rng.randrange(low, high - n + 1)
-        socks = []
-        try:
-            for p in range(first, first + n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind((host, p))
+        if _bind_all(host, range(first, first + n)):
             return first
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
     raise OSError(f"free_port_block: no {n} consecutive free ports in [{low}, {high})")
+
+
+def _bind_all(host: str, ports: Iterable[int]) -> bool:
+    """Whether every one of ``ports`` binds right now (held together, then released)."""
+    socks = []
+    try:
+        for p in ports:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, p))
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()
 
 
 def host_address() -> str:
