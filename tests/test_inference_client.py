@@ -227,7 +227,9 @@ def test_server_process_group_stop_and_start_error(tmp_path):
     # SGLang whose port is taken logs uvicorn's bind error and lingers in its warm-up for minutes
     # (then exits 137): the start fails at once, naming the port, and nothing is left running.
     # Control: the same lingering server without the error line waits out its timeout instead.
-    # (The timeouts only tell the two apart: the first message comes from the fast path alone.)
+    # (The timeouts only tell the two apart: the first message comes from the fast path alone. Both
+    # starts append to the same sglang-3.log: the control also shows an earlier start's error is not
+    # read as this one's.)
     for line, want, timeout in [("[2026-12-03 06:55:07] ERROR:    [Errno 98] error while attempting to bind on "
                                  "address ('127.0.0.1', 3): address already in use", "port 3 is already in use", 60),
                                 ("[2026-12-03 06:55:07] loading weights", "not healthy after 3s", 3)]:

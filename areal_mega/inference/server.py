@@ -30,7 +30,7 @@ from areal_mega.utils.logs import attempt_tail, open_attempt
 from areal_mega.utils.secrets import sglang_key_config, write_private
 
 
-BIND_FAILED = "address already in use"
+BIND_FAILED = b"address already in use"
 """What SGLang (uvicorn) logs when its HTTP port is taken."""
 
 
@@ -154,6 +154,7 @@ class SGLangServer:
             write_private(path, sglang_key_config(api_key))
             self._secret_config = str(path)
         self.num_starts = 0
+        self._log_seen = 0
         self._proc: subprocess.Popen | None = None
         # close() may race with a restart running in a worker thread: the lock + flag make sure
         # nothing is started after close().
@@ -189,6 +190,7 @@ class SGLangServer:
                 raise ServerStartError(f"SGLang server {self.address} was closed; not starting it again")
             # A header per start: a failure's log tail shows this start only (utils/logs.py).
             with open_attempt(self.log_path, self.command(weight_version)) as log:
+                self._log_seen = log.tell()  # this start's output begins here (_bind_failed)
                 # Its own session, behind the die-with-parent wrapper (areal_mega.utils.procs): a
                 # trainer killed with SIGKILL leaves no server holding ports and accelerators.
                 self._proc = procs.spawn(self.command(weight_version), stdout=log, stderr=subprocess.STDOUT,
@@ -223,7 +225,7 @@ class SGLangServer:
         process exits or ``timeout_s`` (default ``cfg.startup_timeout_s``) passes."""
         deadline = time.monotonic() + (timeout_s or self.cfg.startup_timeout_s)
         while time.monotonic() < deadline:
-            if BIND_FAILED in attempt_tail(self.log_path, 30).lower():
+            if self._bind_failed():
                 # SGLang logs the failed bind and lingers in its warm-up for minutes: fail now
                 self.stop()
                 raise ServerStartError(f"SGLang server {self.address}: port {self.port} is already in use by another "
@@ -241,6 +243,18 @@ class SGLangServer:
             f"SGLang server {self.address} not healthy after {timeout_s or self.cfg.startup_timeout_s:.0f}s "
             f"(inference.server.startup_timeout_s); log {self.log_path}:\n{self.log_tail()}"
         )
+
+    def _bind_failed(self) -> bool:
+        """Whether this start's log has SGLang's bind error; each call reads only what was
+        written since the last (keeping an overlap, for a message split across two reads)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_seen)
+                new = f.read()
+        except OSError:
+            return False
+        self._log_seen += max(0, len(new) - len(BIND_FAILED))
+        return BIND_FAILED in new.lower()
 
     def log_tail(self, num_lines: int = 40) -> str:
         # SGLang logs its full server_args on one ~20 kB line: keep each line readable.
