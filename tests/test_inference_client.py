@@ -103,8 +103,7 @@ def test_abort_pause_resubmits_with_prefix_and_keeps_versions():
     async def body(pool, fakes):
         req = GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=40))
         task = asyncio.create_task(pool.agenerate(req))
-        while fakes[0].num_tokens < 15:  # pause mid-generation: a condition, not a sleep
-            await asyncio.sleep(0.005)
+        await fakes[0].generated(15)  # pause mid-generation
         await pool.pause()
         await asyncio.sleep(0.1)
         assert not task.done()  # aborted on the server, held by the client while paused
@@ -324,8 +323,7 @@ def test_routes_survive_an_interruption_first_call_wins():
     async def body(pool, fakes):
         prompt = [5, 6, 7]
         task = asyncio.create_task(pool.agenerate(GenerationRequest(prompt, SamplingParams(max_new_tokens=40))))
-        while fakes[0].num_tokens < 10:  # some tokens generated under version 0
-            await asyncio.sleep(0.005)
+        await fakes[0].generated(10)  # some tokens generated under version 0
         await pool.pause()
         await pool.update_weights_from_disk("/new/weights", version=1)
         await pool.resume()

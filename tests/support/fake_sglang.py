@@ -40,7 +40,8 @@ class FakeSGLang:
         self._prompt_len: dict[str, int] = {} if prompt_lengths is None else prompt_lengths
         self.requests: list[dict] = []  # every /generate body received (tests inspect them)
         self.num_generate = 0
-        self.num_tokens = 0  # generated so far, over all requests (tests wait on it)
+        self.num_tokens = 0  # generated so far, over all requests (tests wait on it: generated())
+        self._token_waiters: list[tuple[int, asyncio.Future]] = []  # generated(): (count, future)
         self.fail_next = 0  # tests: answer the next N /generate calls with HTTP 503
         self.health_delay_s = 0.0  # tests: /health answers this late (a one-token generation behind a long batch)
         self.num_health = 0
@@ -52,6 +53,18 @@ class FakeSGLang:
         self._round_count = 0
         self._round_full = asyncio.Event()
         self.t_round_arrived: list[float] = []
+
+    async def generated(self, n: int) -> None:
+        """Return once ``n`` tokens were generated in all (woken by the n-th token, no polling)."""
+        if self.num_tokens < n:
+            fut = asyncio.get_running_loop().create_future()
+            self._token_waiters.append((n, fut))
+            await fut
+
+    def _wake(self, n: int, fut: asyncio.Future) -> bool:
+        if self.num_tokens >= n and not fut.done():
+            fut.set_result(None)
+        return fut.done()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth])
@@ -164,6 +177,8 @@ class FakeSGLang:
                 spans.append({"version": v, "start": len(out), "end": len(out) + 1})
             out.append(tok)
             self.num_tokens += 1
+            if self._token_waiters:  # nothing on the benches' hot path unless a test waits
+                self._token_waiters = [(k, f) for k, f in self._token_waiters if not self._wake(k, f)]
             if tok in stop:
                 finish = {"type": "stop", "matched": tok}
                 break
