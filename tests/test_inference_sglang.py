@@ -400,3 +400,35 @@ def test_real_server_tree_dies_with_sigkilled_parent(h, tmp_path):
     finally:
         if group_pids(pgid):
             os.killpg(pgid, signal.SIGKILL)
+
+
+def test_real_server_on_a_taken_port_fails_its_start_at_once(h, tmp_path):
+    """A real SGLang server whose HTTP port another process listens on: SGLang logs uvicorn's bind
+    error and would linger in its warm-up (~2 min, then exit 137); the start fails as soon as the
+    error is in the log, naming the port, and no process of the server is left (the message text
+    is SGLang's own: this is what the fast path reads; the fake's control is in
+    test_inference_client)."""
+    import socket
+
+    from areal_mega.config import from_dict as _from_dict
+    from areal_mega.inference.config import SGLangServerConfig
+    from areal_mega.inference.server import ServerStartError, SGLangServer
+    from areal_mega.utils.procs import group_pids, service_ports
+
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    port = service_ports(1)[0]
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    cfg = _from_dict(SGLangServerConfig, {"python": SGLANG_PYTHON, "model_path": h.model_dir, "device": "cpu",
+                                          "dtype": "float32", "max_total_tokens": 4096, "startup_timeout_s": 420,
+                                          "env": {"OMP_NUM_THREADS": "1"}})
+    srv = SGLangServer(cfg, port, log_dir=tmp_path)
+    try:
+        srv.start()
+        pgid = srv.pid
+        with pytest.raises(ServerStartError, match=f"port {port} is already in use"):
+            srv.wait_ready()  # the 420 s allowance: only the fast path can end it with this message
+        assert not srv.is_running() and group_pids(pgid) == []
+    finally:
+        srv.stop()
+        holder.close()
