@@ -68,9 +68,9 @@ def _main(argv: list[str] | None = None) -> int:
     args, rest = ap.parse_known_args(argv)
 
     if args.cmd == "train":
-        from areal_mega.trainer.loop import run_train
+        from areal_mega.trainer.main import main as train_main
 
-        return run_train(args.config, _split_overrides(rest))
+        return train_main(["--config", args.config, *_split_overrides(rest)])
     if args.cmd == "sft":
         from areal_mega.sft import run_sft
 

@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar, Union
 import yaml
 
 from areal_mega.errors import UserError
+from areal_mega.kinds import KindError, options_type, resolve
 
 __all__ = [
     "ConfigError", "T", "dump_yaml", "from_dict", "load_config", "load_dict", "parse_overrides", "to_dict",
@@ -122,11 +123,35 @@ def _build(cls: type[T], data: dict, prefix: str, where: str) -> T:
             known = ", ".join(sorted(fields))
             raise ConfigError(f"{where}unknown key '{prefix}{k}' (known keys here: {known})")
     kwargs = {k: _coerce(v, hints[k], prefix + k, where) for k, v in data.items()}
+    for kind_key, (family, options_key) in getattr(cls, "OPEN_KINDS", {}).items():
+        kwargs[options_key] = _open_kind_options(cls, fields, kwargs, kind_key, family, options_key, prefix, where)
     try:
         obj = cls(**kwargs)
     except TypeError as e:  # a required field without a default is missing
         raise ConfigError(f"{where}{prefix.rstrip('.') or cls.__name__}: {e}") from None
     return obj
+
+
+def _open_kind_options(cls: type, fields: dict, kwargs: dict, kind_key: str, family: str, options_key: str,
+                       prefix: str, where: str) -> Any:
+    """The typed options of the kind ``kwargs[kind_key]`` names (``areal_mega.kinds``): its
+    ``Options`` dataclass built from the section's ``options_key`` with the usual checks."""
+    kind = kwargs.get(kind_key, fields[kind_key].default)
+    try:
+        opts_cls = options_type(resolve(family, kind))
+    except KindError as e:
+        raise ConfigError(f"{where}{prefix}{kind_key}: {e}") from None
+    raw = kwargs.get(options_key)
+    if opts_cls is None:
+        if raw:
+            raise ConfigError(f"{where}{prefix}{options_key}: {family} {kind!r} takes no options (it declares no "
+                              f"Options dataclass)")
+        return None
+    if isinstance(raw, opts_cls):
+        return raw
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"{where}{prefix}{options_key}: expected a mapping for {opts_cls.__name__}, got {raw!r}")
+    return _build(opts_cls, raw or {}, f"{prefix}{options_key}.", where)
 
 
 def validate_tree(obj: Any, prefix: str = "", where: str = "", *, depth: int = 0) -> None:

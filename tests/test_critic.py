@@ -70,7 +70,8 @@ def _setup_with(tmp_path, overrides, ref=None, critic=None):
     from areal_mega.utils.metrics import Metrics
 
     cfg = load_experiment(str(REPO / "configs" / "grpo_tiny.yaml"), overrides)
-    return Trainer(cfg=cfg, groups=None, actor=None, weight_sync=None, metrics=Metrics(None, enabled=False),
+    return Trainer(cfg=cfg, groups=None, actor=None, weight_sync=None, advantage=None, policy_loss=None,
+                   metrics=Metrics(None, enabled=False),
                  ctrl_group=None, start_step=0, ref=ref, critic=critic)
 
 

@@ -65,9 +65,10 @@ def test_learner_temperature_is_checked_against_sampling():
     cfg = load_experiment(str(REPO / "configs" / "grpo_tiny.yaml"), ["model_path=/m", "workflow.sampling.temperature=0.7"])
     from areal_mega.trainer.trainer import Trainer
 
-    t = Trainer(cfg=cfg, groups=None, actor=None, weight_sync=None, metrics=None, ctrl_group=None, start_step=0)
+    t = Trainer(cfg=cfg, groups=None, actor=None, weight_sync=None, advantage=None, policy_loss=None, metrics=None,
+                ctrl_group=None, start_step=0)
     assert t.temperature == 0.7
-    src = "\n".join((REPO / p).read_text() for p in ("areal_mega/trainer/trainer.py", "areal_mega/trainer/loop.py"))
+    src = "\n".join((REPO / p).read_text() for p in ("areal_mega/trainer/trainer.py", "areal_mega/trainer/loop.py", "areal_mega/trainer/main.py"))
     assert src.count(".sampling.temperature") == 1  # read in one place (the property)
 
 

@@ -50,12 +50,12 @@ BAD = [  # (override, what the one line must say)
     ("inference.server.python=" + sys.executable, "inference.server.python: interpreter " + sys.executable + " cannot import sglang"),
     ("data.path={root}/missing.jsonl", "data.path: {root}/missing.jsonl does not exist"),
     ("eval_data.path={root}/missing.jsonl", "eval_data.path: {root}/missing.jsonl does not exist"),
-    ("reward.kind=function reward.function=no_such_pkg.mod:fn", "reward.function: reward function 'no_such_pkg.mod:fn': cannot import no_such_pkg.mod"),
-    ("reward.kind=function reward.function=raises_on_import:fn", "reward.function: importing 'raises_on_import:fn' raised RuntimeError"),
+    ("reward.kind=function reward.function=no_such_pkg.mod:fn", "reward.function: reward 'no_such_pkg.mod:fn': cannot import no_such_pkg.mod"),
+    ("reward.kind=function reward.function=raises_on_import:fn", "reward.function: reward 'raises_on_import:fn': importing raises_on_import raised RuntimeError"),
     ("workflow.kind=agent workflow.agent=areal_mega.workflows.examples.calculator_agent:calculator_agent",
      "workflow.kind: 'agent' needs a tokenizer with a chat template; {model} has none"),
     ('workflow.kind=tool workflow.tools=[{{"kind":"function","function":"no_such_pkg:tool"}}]',
-     "workflow.tools[0].function: reward function 'no_such_pkg:tool': cannot import no_such_pkg"),
+     "workflow.tools[0].function: tool 'no_such_pkg:tool': cannot import no_such_pkg"),
 ]
 
 

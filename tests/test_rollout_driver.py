@@ -212,7 +212,8 @@ def test_trainer_sync_weights_goes_through_the_service():
     try:
         cfg = types.SimpleNamespace(weight_sync=types.SimpleNamespace(server_wait_s=0))
         ws = _RecordingSync(fail=1)
-        t = Trainer(cfg=cfg, groups=types.SimpleNamespace(rank=0), actor=None, weight_sync=ws, metrics=None,
+        t = Trainer(cfg=cfg, groups=types.SimpleNamespace(rank=0), actor=None, weight_sync=ws, advantage=None,
+                    policy_loss=None, metrics=None,
                     ctrl_group=dist.group.WORLD, start_step=0, generation=svc)
         for fk in f.fakes:
             fk.weight_version = "1"

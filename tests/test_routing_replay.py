@@ -86,13 +86,12 @@ def test_replay_metrics_by_hand():
 
 
 def test_observe_mode_measures_server_routes_and_never_trains_on_them():
-    """Trainer.proximal under "observe": the proximal forward routes freely (no routes in its
-    batch), a second forward gets the servers' routes (the counterfactual replayed mismatch), and
-    the batch left for the training forward carries no routes; "rollout" replays in one forward."""
+    """The engine's proximal_logprobs under "observe": the proximal forward routes freely (no routes
+    in its batch), a second forward gets the servers' routes (the counterfactual replayed mismatch),
+    and the batch left for the training forward carries no routes; "rollout" replays in one forward."""
     from types import SimpleNamespace
 
-    from areal_mega.experiment import ExperimentConfig
-    from areal_mega.trainer.trainer import Trainer
+    from areal_mega.megatron.engine import MegatronTrainEngine
 
     server = torch.tensor([[0, 1, 2, 3], [1, 0, 2, 3], [4, 5, 6, 7]])
     behav = torch.tensor([0.0, -1.0, -2.0])
@@ -111,14 +110,12 @@ def test_observe_mode_measures_server_routes_and_never_trains_on_them():
             return {"logprobs": lp, "routes": torch.tensor([[0, 1, 2, 3], [0, 1, 3, 4], [4, 5, 6, 7]])}
 
     def run(mode):
-        cfg = ExperimentConfig(model_path="m")
-        cfg.actor.model.moe_routing_replay = mode
-        t = Trainer.__new__(Trainer)
-        t.cfg, t.actor = cfg, Actor()
+        actor = Actor()
+        actor.cfg = SimpleNamespace(model=SimpleNamespace(moe_routing_replay=mode))
         Actor.seen = []
         batch = {"loss_mask": torch.tensor([0, 1, 1]), "versions": torch.tensor([-1, 3, 3]), "logprobs": behav,
                  "routed_experts": server.clone()}
-        return t.proximal(batch), batch, list(Actor.seen)
+        return MegatronTrainEngine.proximal_logprobs(actor, batch, 1.0), batch, list(Actor.seen)
 
     m, batch, seen = run("observe")
     assert seen == [False, True] and "routed_experts" not in batch

@@ -25,14 +25,14 @@ Tool attributes.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ClassVar, Protocol, Sequence, runtime_checkable
 
 from areal_mega.agent_tools.calculator import calculator
+from areal_mega.kinds import resolve
 from areal_mega.sandbox import Sandbox, SandboxConfig
 
 
@@ -124,27 +124,23 @@ def python_tool(cfg: SandboxConfig, name: str = "python") -> Tool:
 def function_tool(path: str, name: str = "", description: str = "") -> Tool:
     """The user tool at ``path`` ("module:function"): a function, or an object with the Tool
     attributes (used as it is; ``name`` renames it)."""
-    mod_name, _, attr = path.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"function: tool {path!r}: cannot import {mod_name}: {e}") from None
-    obj = getattr(mod, attr, None)
+    obj = resolve("tool", path)
     if not inspect.isroutine(obj) and all(hasattr(obj, a) for a in ("name", "description", "parameters", "call")):
         if name:
             obj.name = name
         return obj
-    if not callable(obj):
-        raise ValueError(f"function: tool {path!r}: {mod_name} has no callable {attr!r}")
     return FunctionTool(name or obj.__name__, description or _first_paragraph(obj.__doc__) or obj.__name__,
                         schema_of(obj), obj)
 
 
 @dataclass
 class ToolConfig:
-    kind: Literal["calculator", "python", "function"] = "calculator"
+    kind: str = "calculator"
     """"calculator": arithmetic; "python": run code in the sandbox (``sandbox``); "function":
-    the user tool at ``function``."""
+    the user tool at ``function``; or "package.module:Name", called as ``Name(cfg) -> Tool``
+    (its own settings in ``options``)."""
+    options: Any = None
+    """The typed options of a user tool kind (its ``Options`` dataclass)."""
     name: str = ""
     """The tool's name (the tag in the tool workflow's call syntax, the function name in
     OpenAI-style calls); "" = the kind for built-ins, the function's own name for user tools."""
@@ -154,6 +150,8 @@ class ToolConfig:
     """kind "function": the description shown to the model ("" = the docstring's first paragraph)."""
     sandbox: SandboxConfig = field(default_factory=lambda: SandboxConfig(num_workers=1, timeout_s=5.0))
     """kind "python": the sandbox the code runs in."""
+
+    OPEN_KINDS: ClassVar[dict[str, tuple[str, str]]] = {"kind": ("tool", "options")}
 
     def tool_name(self) -> str:
         """The name the tool will have (before importing a user tool object, which may name itself)."""
@@ -245,19 +243,26 @@ class ToolRegistry:
             t.close()
 
 
+def builtin_calculator(cfg: ToolConfig) -> Tool:
+    return calculator_tool(cfg.name or "calculator")
+
+
+def builtin_python(cfg: ToolConfig) -> Tool:
+    return python_tool(cfg.sandbox, cfg.name or "python")
+
+
+def builtin_function(cfg: ToolConfig) -> Tool:
+    return function_tool(cfg.function, cfg.name, cfg.description)
+
+
 def build_tools(cfgs: Sequence[ToolConfig], *, timeout_s: float = 30.0, max_output_chars: int = 4000) -> ToolRegistry:
+    """Each tool kind (a built-in or "package.module:Name", ``areal_mega.kinds``) is called as
+    ``Kind(cfg: ToolConfig) -> Tool``."""
     built: list[Tool] = []
     try:
         for c in cfgs:
             c.validate()
-            if c.kind == "calculator":
-                built.append(calculator_tool(c.name or "calculator"))
-            elif c.kind == "python":
-                built.append(python_tool(c.sandbox, c.name or "python"))
-            elif c.kind == "function":
-                built.append(function_tool(c.function, c.name, c.description))
-            else:
-                raise ValueError(f"kind: unknown tool kind {c.kind!r}")
+            built.append(resolve("tool", c.kind)(c))
         return ToolRegistry(built, timeout_s=timeout_s, max_output_chars=max_output_chars)
     except BaseException:
         for t in built:
@@ -266,4 +271,4 @@ def build_tools(cfgs: Sequence[ToolConfig], *, timeout_s: float = 30.0, max_outp
 
 
 __all__ = ["FunctionTool", "Tool", "ToolConfig", "ToolRegistry", "build_tools", "calculator", "calculator_tool",
-           "function_tool", "python_tool", "schema_of"]
+           "function_tool", "python_tool", "schema_of", "builtin_calculator", "builtin_function", "builtin_python"]

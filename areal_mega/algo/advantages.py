@@ -34,14 +34,14 @@ per-token estimators take them as token rewards.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
 from areal_mega.algo.config import AlgorithmConfig
 
 __all__ = [
-    "EQUAL_ULPS", "broadcast_to_tokens", "compute_advantages", "gae_advantages", "group_index_of",
+    "DrGRPO", "EQUAL_ULPS", "GAE", "GRPO", "RLOO", "ReinforcePP", "broadcast_to_tokens", "compute_advantages", "gae_advantages", "group_index_of",
     "grpo_advantages", "last_action_rewards", "reinforce_pp_advantages", "rloo_advantages", "segment_ids",
     "shape_rewards"
 ]
@@ -275,57 +275,117 @@ def _step_token_rewards(batch: dict[str, torch.Tensor], cfg: AlgorithmConfig) ->
     return torch.where(ends, shaped, torch.zeros_like(shaped)), ends
 
 
-def compute_advantages(batch: dict[str, torch.Tensor], cfg: AlgorithmConfig) -> dict[str, torch.Tensor]:
-    """Dispatch on ``cfg.adv_estimator`` over a whole packed batch.
-
-    Reads ``rewards`` [B], ``cu_seqlens`` [B+1], ``loss_mask`` [T]; ``group_index`` [B] for
-    grpo/dr_grpo/rloo; ``values`` [T] for gae; ``kl`` [T] (the per-token KL estimate against the
-    reference model, see ``losses.kl_estimate``) when ``cfg.kl_in_reward``; ``step_rewards`` /
-    ``step_mask`` [T] when ``cfg.process_weight > 0`` (step rewards are shaped like outcome
-    rewards, each on its own). Returns {"advantages": [T]} plus "returns" [T] for reinforce_pp
-    and gae; all 0 outside the mask. With process_weight 0 and outcome_weight 1 the result is
-    exactly that of the outcome-only estimators.
-    """
-    for key in ("rewards", "cu_seqlens", "loss_mask"):
+def _require(batch: dict[str, torch.Tensor], keys: Sequence[str], who: str) -> None:
+    for key in keys:
         if key not in batch:
-            raise ValueError(f"compute_advantages: batch has no '{key}' (keys: {sorted(batch)})")
-    cu, mask = batch["cu_seqlens"], batch["loss_mask"]
-    rewards = shape_rewards(batch["rewards"].float(), cfg)
-    est = cfg.adv_estimator
-    if est in ("grpo", "dr_grpo", "rloo"):
-        if "group_index" not in batch:
-            raise ValueError(f"compute_advantages: adv_estimator {est} needs 'group_index' [B] in the batch")
-        gi = batch["group_index"].long()
-        if est == "rloo":
-            per_seq = rloo_advantages(rewards, gi)
-        else:
-            per_seq = grpo_advantages(rewards, gi, std_normalize=cfg.std_normalize and est == "grpo", eps=cfg.adv_eps)
-        adv = broadcast_to_tokens(per_seq, cu) * mask.float()
+            raise ValueError(f"compute_advantages: {who} needs '{key}' in the batch (keys: {sorted(batch)})")
+
+
+class GroupEstimator:
+    """GRPO / Dr.GRPO / RLOO: one advantage per sequence from its group's rewards, on every
+    action token; with ``process_weight`` the process term of ``process_grpo_advantages``."""
+
+    needs_values: ClassVar[bool] = False
+    token_rewards: ClassVar[bool] = False
+    supports_process: ClassVar[bool] = True
+    std_normalize: ClassVar[bool] = True
+    reads: ClassVar[tuple[str, ...]] = ("rewards", "cu_seqlens", "loss_mask", "group_index")
+
+    def __init__(self, cfg: AlgorithmConfig) -> None:
+        self.cfg = cfg
+
+    def per_sequence(self, rewards: torch.Tensor, gi: torch.Tensor) -> torch.Tensor:
+        return grpo_advantages(rewards, gi, std_normalize=self.normalizes, eps=self.cfg.adv_eps)
+
+    @property
+    def normalizes(self) -> bool:
+        return self.std_normalize and self.cfg.std_normalize
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
+        _require(batch, self.reads, f"adv_estimator {cfg.adv_estimator}")
+        cu, mask, gi = batch["cu_seqlens"], batch["loss_mask"], batch["group_index"].long()
+        adv = broadcast_to_tokens(self.per_sequence(shape_rewards(batch["rewards"].float(), cfg), gi), cu) * mask.float()
         if cfg.outcome_weight != 1.0:
             adv = cfg.outcome_weight * adv
         if cfg.process_weight > 0:
-            if est == "rloo":
-                raise ValueError("algorithm.process_weight: not implemented for adv_estimator rloo")
             step_r, ends = _step_token_rewards(batch, cfg)
             adv = adv + cfg.process_weight * process_grpo_advantages(
-                step_r, ends, mask, cu, gi, std_normalize=cfg.std_normalize and est == "grpo", eps=cfg.adv_eps)
+                step_r, ends, mask, cu, gi, std_normalize=self.normalizes, eps=cfg.adv_eps)
         return {"advantages": adv}
-    if est not in ("reinforce_pp", "gae"):
-        raise ValueError(f"adv_estimator: unknown estimator {est!r}")
-    token_rewards = last_action_rewards(rewards, mask, cu)
-    if cfg.outcome_weight != 1.0:
-        token_rewards = cfg.outcome_weight * token_rewards
-    if cfg.process_weight > 0:
-        step_r, _ = _step_token_rewards(batch, cfg)
-        token_rewards = token_rewards + cfg.process_weight * step_r
-    if cfg.kl_in_reward and cfg.kl_coef > 0:
-        if "kl" not in batch:
-            raise ValueError("compute_advantages: kl_in_reward needs the per-token 'kl' [T] in the batch")
-        token_rewards = token_rewards - cfg.kl_coef * batch["kl"].float() * mask.float()
-    if est == "reinforce_pp":
-        adv, ret = reinforce_pp_advantages(token_rewards, mask, cu, gamma=cfg.gamma, eps=cfg.adv_eps)
-    else:
-        if "values" not in batch:
-            raise ValueError("compute_advantages: adv_estimator gae needs the critic's 'values' [T] in the batch")
-        adv, ret = gae_advantages(token_rewards, batch["values"], mask, cu, gamma=cfg.gamma, lam=cfg.lam)
-    return {"advantages": adv, "returns": ret}
+
+
+class GRPO(GroupEstimator):
+    """(r - group mean) / (group std + eps); ``std_normalize: false`` drops the std."""
+
+
+class DrGRPO(GroupEstimator):
+    """r - group mean (no std; pair with aggregation "seq_mean_token_sum_norm")."""
+
+    std_normalize = False
+
+
+class RLOO(GroupEstimator):
+    """r - mean of the other samples of the group."""
+
+    supports_process = False
+
+    def per_sequence(self, rewards: torch.Tensor, gi: torch.Tensor) -> torch.Tensor:
+        return rloo_advantages(rewards, gi)
+
+
+class TokenEstimator:
+    """REINFORCE++ / GAE: per-token rewards (outcome on the last action, step rewards on step
+    ends, minus the KL when ``kl_in_reward``) -> advantages and returns."""
+
+    needs_values: ClassVar[bool] = False
+    token_rewards: ClassVar[bool] = True
+    supports_process: ClassVar[bool] = True
+    reads: ClassVar[tuple[str, ...]] = ("rewards", "cu_seqlens", "loss_mask")
+
+    def __init__(self, cfg: AlgorithmConfig) -> None:
+        self.cfg = cfg
+
+    def rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        cfg = self.cfg
+        _require(batch, self.reads, f"adv_estimator {cfg.adv_estimator}")
+        mask = batch["loss_mask"]
+        token_rewards = last_action_rewards(shape_rewards(batch["rewards"].float(), cfg), mask, batch["cu_seqlens"])
+        if cfg.outcome_weight != 1.0:
+            token_rewards = cfg.outcome_weight * token_rewards
+        if cfg.process_weight > 0:
+            step_r, _ = _step_token_rewards(batch, cfg)
+            token_rewards = token_rewards + cfg.process_weight * step_r
+        if cfg.kl_in_reward and cfg.kl_coef > 0:
+            _require(batch, ("kl",), "kl_in_reward")
+            token_rewards = token_rewards - cfg.kl_coef * batch["kl"].float() * mask.float()
+        return token_rewards
+
+
+class ReinforcePP(TokenEstimator):
+    """Discounted returns normalised over the whole batch."""
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        adv, ret = reinforce_pp_advantages(self.rewards(batch), batch["loss_mask"], batch["cu_seqlens"],
+                                           gamma=self.cfg.gamma, eps=self.cfg.adv_eps)
+        return {"advantages": adv, "returns": ret}
+
+
+class GAE(TokenEstimator):
+    """Generalised advantage estimation on the critic's ``values`` (PPO)."""
+
+    needs_values = True
+    reads = ("rewards", "cu_seqlens", "loss_mask", "values")
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        adv, ret = gae_advantages(self.rewards(batch), batch["values"], batch["loss_mask"], batch["cu_seqlens"],
+                                  gamma=self.cfg.gamma, lam=self.cfg.lam)
+        return {"advantages": adv, "returns": ret}
+
+
+def compute_advantages(batch: dict[str, torch.Tensor], cfg: AlgorithmConfig) -> dict[str, torch.Tensor]:
+    """The estimator ``cfg.adv_estimator`` names (a built-in above or a user class, kinds.resolve)
+    over a whole packed batch: {"advantages": [T]} plus "returns" [T] for the token estimators;
+    all 0 outside the mask. With process_weight 0 and outcome_weight 1 the result is exactly that
+    of the outcome-only estimators. The batch keys: ``api.algorithm.BATCH_KEYS``."""
+    return cfg.estimator(cfg)(batch)

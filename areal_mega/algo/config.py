@@ -9,19 +9,21 @@ docs/algorithms.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, ClassVar, Literal
+
+from areal_mega.kinds import resolve
 
 __all__ = ["AlgorithmConfig"]
 
-AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
 Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: AdvantageEstimator = "grpo"
-    """How advantages are computed from rewards. "grpo": (r - group mean) / (group std + eps);
+    adv_estimator: str = "grpo"
+    """How advantages are computed from rewards: a built-in below or "package.module:Class" (the
+    contract: ``api.algorithm.AdvantageEstimator``; its own settings in ``adv_options``). "grpo": (r - group mean) / (group std + eps);
     "dr_grpo": r - group mean (no std, pair with aggregation "seq_mean_token_sum_norm");
     "rloo": r - mean of the *other* samples of the group; "reinforce_pp": per-token discounted
     returns (optionally with the KL penalty in the reward) normalised over the whole batch;
@@ -29,6 +31,14 @@ class AlgorithmConfig:
     Group estimators: a group of ONE sample gets advantage 0 for all three (verl gives it its raw
     reward), and a group whose rewards are all equal (up to float32 round-off: max - min <=
     4 * eps_float32 * max|r|) gets exactly 0; group statistics are computed in float64."""
+    adv_options: Any = None
+    """The typed options of a user estimator (its ``Options`` dataclass); None for the built-ins,
+    whose settings are the fields of this section."""
+    policy_loss: str = "ppo"
+    """The policy loss: "ppo" (clipped, decoupled or not, with the KL and entropy terms below) or
+    "package.module:Class" (the contract: ``api.algorithm.PolicyLoss``; options in ``loss_options``)."""
+    loss_options: Any = None
+    """The typed options of a user policy loss (its ``Options`` dataclass)."""
     std_normalize: bool = True
     """GRPO only: divide by the group's reward std. Off = Dr.GRPO-style. The std is the
     POPULATION std (unbiased=False, divide by n); verl's GRPO and TRL's GRPOTrainer use the
@@ -129,7 +139,32 @@ class AlgorithmConfig:
     outcome_weight: float = 1.0
     """Weight of the outcome term (the sequence reward) in the mix above."""
 
+    OPEN_KINDS: ClassVar[dict[str, tuple[str, str]]] = {"adv_estimator": ("advantage", "adv_options"),
+                                                         "policy_loss": ("policy_loss", "loss_options")}
+    """Fields naming an open kind -> (its family in ``areal_mega.kinds``, the field of its options)."""
+
+    @property
+    def estimator(self) -> Any:
+        """The advantage estimator's class (``adv_estimator`` resolved)."""
+        return resolve("advantage", self.adv_estimator)
+
+    @property
+    def loss(self) -> Any:
+        """The policy loss's class (``policy_loss`` resolved)."""
+        return resolve("policy_loss", self.policy_loss)
+
+    @property
+    def needs_critic(self) -> bool:
+        """The estimator reads a critic's values: the trainer builds one (PPO)."""
+        return bool(getattr(self.estimator, "needs_values", False))
+
+    @property
+    def needs_reference(self) -> bool:
+        """A frozen reference policy is built (the KL term or KL-in-reward)."""
+        return self.kl_coef > 0
+
     def validate(self) -> None:
+        est = self.estimator
         if self.eps_clip_low <= 0 or self.eps_clip_low >= 1:
             raise ValueError(f"eps_clip_low: must be in (0, 1), got {self.eps_clip_low}")
         if self.eps_clip_high <= 0:
@@ -161,10 +196,11 @@ class AlgorithmConfig:
                              f"{self.outcome_weight}")
         if self.process_weight == 0 and self.outcome_weight == 0:
             raise ValueError("outcome_weight: with process_weight 0 it must be > 0 (no reward would remain)")
-        if self.process_weight > 0 and self.adv_estimator == "rloo":
-            raise ValueError("process_weight: process supervision is implemented for grpo, dr_grpo, reinforce_pp "
-                             "and gae, not rloo")
-        if self.kl_in_reward and self.adv_estimator not in ("reinforce_pp", "gae"):
+        if self.process_weight > 0 and not getattr(est, "supports_process", False):
+            raise ValueError(f"process_weight: process supervision is implemented for grpo, dr_grpo, reinforce_pp "
+                             f"and gae, not {self.adv_estimator}")
+        if self.kl_in_reward and not getattr(est, "token_rewards", False):
             raise ValueError(
-                f"kl_in_reward: only meaningful with adv_estimator reinforce_pp or gae, got {self.adv_estimator}"
+                f"kl_in_reward: only meaningful with an estimator of per-token rewards (reinforce_pp, gae), "
+                f"got {self.adv_estimator}"
             )

@@ -24,8 +24,18 @@ class TrainEngine(ABC):
     """
 
     @abstractmethod
+    def forward(self, batch: dict[str, Any], temperature: float = 1.0, with_entropy: bool = True) -> dict[str, Any]:
+        """No gradient: per-token ``logprobs`` and ``entropy`` [T] (next-token aligned, last of each
+        sequence 0) on every rank; MoE models also return the ``routes`` their routers chose."""
+
+    @abstractmethod
     def forward_logprobs(self, batch: dict[str, Any], temperature: float = 1.0) -> Any:
         """Per-token log-prob of each next token (aligned to input_ids, last of each seq = 0)."""
+
+    @abstractmethod
+    def proximal_logprobs(self, batch: dict[str, Any], temperature: float = 1.0) -> dict[str, float]:
+        """The policy before this update into ``batch["prox_logprobs"]`` (decoupled PPO), owning MoE
+        routing replay (which routes the training forward replays); returns mismatch metrics."""
 
     @abstractmethod
     def train_batch(self, batch: dict[str, Any], loss_fn: Callable[..., Any], temperature: float = 1.0) -> dict[str, float]:

@@ -12,6 +12,7 @@ template, needs ``tokenizer``; "raw": the question as is). ``answer`` is what th
 compares against. Everything is deterministic given ``seed``.
 """
 
-from areal_mega.data.dataset import DatasetConfig, DatasetSplit, PromptDataset, PromptStream, format_prompt, load_dataset
+from areal_mega.data.dataset import (DatasetConfig, DatasetSplit, PromptDataset, PromptStream, build_prompt_source,
+                                     format_prompt, listed_source, load_dataset)
 
-__all__ = ["DatasetConfig", "DatasetSplit", "PromptDataset", "PromptStream", "format_prompt", "load_dataset"]
+__all__ = ["DatasetConfig", "DatasetSplit", "PromptDataset", "build_prompt_source", "listed_source", "PromptStream", "format_prompt", "load_dataset"]

@@ -7,16 +7,21 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, ClassVar, Iterator, Literal
 
-__all__ = ["DatasetConfig", "DatasetSplit", "PromptDataset", "PromptStream", "format_prompt", "load_dataset"]
+from areal_mega.kinds import resolve
+
+__all__ = ["DatasetConfig", "DatasetSplit", "build_prompt_source", "listed_source", "PromptDataset", "PromptStream", "format_prompt", "load_dataset"]
 
 
 @dataclass
 class DatasetConfig:
-    kind: Literal["jsonl", "parquet", "reasoning_gym"] = "reasoning_gym"
-    """Source: a .jsonl file (one JSON object per line), a .parquet file, or reasoning-gym
-    tasks generated offline."""
+    kind: str = "reasoning_gym"
+    """Source: a .jsonl file (one JSON object per line), a .parquet file, reasoning-gym tasks
+    generated offline, or "package.module:Name", a prompt source called as ``Name(cfg, tokenizer)``
+    (the contract: ``api/data.py``; its own settings in ``options``)."""
+    options: Any = None
+    """The typed options of a user prompt source (its ``Options`` dataclass), None for built-ins."""
     path: str = ""
     """File for kind jsonl / parquet."""
     prompt_field: str = "question"
@@ -52,6 +57,8 @@ class DatasetConfig:
     """Drop from the training split every sample whose question equals a held-out one, so the
     held-out items are never trained on even when the source repeats questions (generated tasks
     over a small space do: two-term two-digit sums repeat within a few thousand samples)."""
+
+    OPEN_KINDS: ClassVar[dict[str, tuple[str, str]]] = {"kind": ("prompt_source", "options")}
 
     def validate(self) -> None:
         if self.kind in ("jsonl", "parquet") and not self.path:
@@ -189,10 +196,11 @@ class PromptStream:
     (prompts rejected by the controller's filter count as used, as they do without a restart).
     """
 
-    def __init__(self, dataset: PromptDataset) -> None:
+    def __init__(self, dataset: PromptDataset, heldout: list[dict[str, Any]] | None = None) -> None:
         if len(dataset) == 0:
             raise ValueError("rollout dataset is empty")
         self.dataset = dataset
+        self._heldout = list(heldout or [])
         self.epoch = 0
         self.cursor = 0
         self._requeued: list[tuple[int, int]] = []
@@ -218,6 +226,9 @@ class PromptStream:
             self.cursor += 1
         return pos, self.dataset[self._order(pos[0])[pos[1]]]
 
+    def heldout(self) -> list[dict[str, Any]]:
+        return list(self._heldout)
+
     def state_dict(self, in_flight: list[tuple[int, int]]) -> dict[str, Any]:
         return {"epoch": self.epoch, "cursor": self.cursor, "size": len(self.dataset),
                 "seed": self.dataset.seed, "shuffle": self.dataset.shuffle,
@@ -241,15 +252,26 @@ class DatasetSplit:
     eval: list[dict[str, Any]]
 
 
+def listed_source(cfg: DatasetConfig, tokenizer: Any = None) -> PromptStream:
+    """The built-in prompt sources (jsonl, parquet, reasoning_gym): the loaded samples' training
+    split as a resumable stream, the held-out split as its ``heldout()``."""
+    split = load_dataset(cfg, tokenizer)
+    return PromptStream(split.train, split.eval)
+
+
+def build_prompt_source(cfg: DatasetConfig, tokenizer: Any = None) -> Any:
+    """The prompt source ``cfg.kind`` names (``areal_mega.kinds``): ``Kind(cfg, tokenizer)``."""
+    return resolve("prompt_source", cfg.kind)(cfg, tokenizer)
+
+
 def load_dataset(cfg: DatasetConfig, tokenizer: Any = None) -> DatasetSplit:
     """Load, format prompts, split off the held-out samples (seeded), wrap the rest."""
     cfg.validate()
-    if cfg.kind == "jsonl":
-        samples = _read_jsonl(cfg)
-    elif cfg.kind == "parquet":
-        samples = _read_parquet(cfg)
-    else:
-        samples = _generate_reasoning_gym(cfg)
+    readers = {"jsonl": _read_jsonl, "parquet": _read_parquet, "reasoning_gym": _generate_reasoning_gym}
+    if cfg.kind not in readers:
+        raise ValueError(f"kind: {cfg.kind!r} is a prompt source, not a list of samples to load (an evaluation "
+                         f"set must be jsonl, parquet or reasoning_gym)")
+    samples = readers[cfg.kind](cfg)
     if not samples:
         raise ValueError(f"path: dataset {cfg.path or cfg.tasks} has no samples")
     if cfg.max_samples:

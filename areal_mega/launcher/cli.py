@@ -118,9 +118,12 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
 
 
 def _runs_the_trainer(cfg: LaunchConfig) -> bool:
-    """Whether the learner command is ``areal-mega train`` (else the YAML may carry other keys)."""
+    """Whether the learner command is the trainer: ``areal-mega train``, or a script of the user's
+    that takes the experiment as ``--config {config}`` (a copy of ``areal_mega/trainer/main.py``);
+    anything else (a stand-in, a site's own script) may carry other keys in the YAML."""
     cmd = cfg.learner.command
-    return any(a == "areal_mega.cli" and cmd[i + 1:i + 2] == ["train"] for i, a in enumerate(cmd))
+    return (any(a == "areal_mega.cli" and cmd[i + 1:i + 2] == ["train"] for i, a in enumerate(cmd))
+            or any(a == "--config" and cmd[i + 1:i + 2] == ["{config}"] for i, a in enumerate(cmd)))
 
 
 def _print_throughput_plan(config: str, overrides: list[str], nodes: int, gpus_per_node: int,

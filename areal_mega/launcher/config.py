@@ -43,7 +43,9 @@ class LearnerLaunchConfig:
         "inference.addresses={engine_addresses}", "{overrides}",
     ])
     """What torchrun runs on every rank (after torchrun's own options: a script or ``-m mod``).
-    The default hands the trainer the planned engines through its ``inference.addresses``."""
+    The default hands the trainer the planned engines through its ``inference.addresses``. A
+    researcher's own entry (a copy of ``areal_mega/trainer/main.py``, docs/extending.md) is the
+    same list with the script in place of ``-m areal_mega.cli train``."""
     reserved_gib: float = 6.0
     """Per-GPU headroom: CUDA context, NCCL buffers, allocator fragmentation, weight-sync bucket."""
 

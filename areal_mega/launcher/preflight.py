@@ -112,15 +112,13 @@ def _data(key: str, cfg: Any, here: bool) -> str | None:
     return f"{key}: {cfg.path}"
 
 
-def _callable(key: str, path: str, *, coroutine: bool = False) -> str:
-    from areal_mega.reward.registry import load_callable
+def _callable(key: str, family: str, path: str, *, coroutine: bool = False) -> str:
+    from areal_mega.kinds import KindError, resolve
 
     try:
-        fn = load_callable(path)
-    except ValueError as e:
+        fn = resolve(family, path)
+    except KindError as e:
         raise PreflightError(f"{key}: {' '.join(str(e).split())}") from None
-    except Exception as e:  # noqa: BLE001 -- the user's module raised while importing
-        raise PreflightError(f"{key}: importing {path!r} raised {type(e).__name__}: {e}") from None
     if coroutine and not inspect.iscoroutinefunction(fn):
         raise PreflightError(f"{key}: {path!r} must be an async function (client, sample)")
     return f"{key}: {path} (imports)"
@@ -129,7 +127,7 @@ def _callable(key: str, path: str, *, coroutine: bool = False) -> str:
 def _rewards(key: str, cfg: Any) -> list[str]:
     out = []
     if cfg.kind == "function":
-        out.append(_callable(f"{key}.function", cfg.function))
+        out.append(_callable(f"{key}.function", "reward", cfg.function))
     for i, c in enumerate(cfg.components or []):
         out += _rewards(f"{key}.components[{i}]", c)
     return out
@@ -170,9 +168,9 @@ def preflight(exp: Any, *, engine_python: str | None = None, starts_sglang: bool
             lines.append(line)
     lines += _rewards("reward", exp.reward)
     if exp.workflow.kind == "agent":
-        lines.append(_callable("workflow.agent", exp.workflow.agent, coroutine=True))
+        lines.append(_callable("workflow.agent", "agent", exp.workflow.agent, coroutine=True))
     if exp.workflow.kind in ("tool", "agent"):
         for i, t in enumerate(exp.workflow.tools):
             if t.kind == "function":
-                lines.append(_callable(f"workflow.tools[{i}].function", t.function))
+                lines.append(_callable(f"workflow.tools[{i}].function", "tool", t.function))
     return lines

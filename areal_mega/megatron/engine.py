@@ -60,7 +60,7 @@ from areal_mega.megatron.model import (
     microbatch_shard, packed_causal_mask, row_lengths, run_schedule,
 )
 from areal_mega.megatron.context_parallel import gather_tokens
-from areal_mega.megatron.routing import BatchReplay
+from areal_mega.megatron.routing import BatchReplay, replay_metrics
 from areal_mega.batching.packing import (
     last_token_mask,
     next_token_labels,
@@ -438,6 +438,33 @@ class MegatronTrainEngine(TrainEngine):
             else:
                 out.append(torch.cat([tok, tok.new_full((n - tok.numel(),), -1)]))
         return out
+
+    def proximal_logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, float]:
+        """pi_prox (the policy before this update; one extra forward) into ``batch["prox_logprobs"]``.
+        MoE routing replay (``actor.model.moe_routing_replay``): the servers' routes in the batch
+        are replayed here ("rollout"); with "proximal" the routes this forward chose become the
+        batch's, for the training forward. "observe": the servers' routes are measured, never
+        replayed (dropped from the batch after the metrics), plus one more forward replaying them
+        on the same tokens: the mismatch replay would have left (``routing/mismatch_if_replayed_*``),
+        paired with the one trained on. Returns the train/inference mismatch metrics
+        (routing.replay_metrics)."""
+        mode = self.cfg.model.moe_routing_replay
+        server_routes = batch.pop("routed_experts", None) if mode == "observe" else None
+        out = self.forward(batch, temperature, with_entropy=False)
+        batch["prox_logprobs"] = out["logprobs"]
+        natural = out.get("routes")
+        if mode == "proximal":
+            batch["routed_experts"] = natural
+        version, layers = self.get_version(), self.model.arch.num_layers
+        if server_routes is None:
+            return replay_metrics(batch, out["logprobs"], natural, version, layers)
+        measured = {**batch, "routed_experts": server_routes}
+        replayed = self.forward(measured, temperature, with_entropy=False)["logprobs"]
+        metrics = replay_metrics(measured, out["logprobs"], natural, version, layers)
+        metrics.update({k.replace("routing/mismatch_", "routing/mismatch_if_replayed_"): v
+                        for k, v in replay_metrics(measured, replayed, None, version, layers).items()
+                        if k != "routing/mismatch_tokens"})
+        return metrics
 
     def forward_logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
         """log softmax(logits / temperature)[next token], flat [T] on every rank (see forward)."""

@@ -9,35 +9,34 @@
     reward = build_reward(RewardConfig(kind="consistency", step_scoring="step"))   # reward/consistency.py
     reward = build_reward(RewardConfig(kind="multi_judge", multi_judge=MultiJudgeConfig(judges=[...])))
 
-Built-ins are looked up by exact name; user functions by dotted path "module:function" with
-the signature ``fn(prompt: str, completion: str, data: dict) -> float`` (plain or async).
-With ``isolate=True`` (default) a user function runs in the worker pool, with the same
-timeout / crash protection as the math reward (its arguments must then be JSON-serialisable).
+``kind`` is a built-in name (``reward/builtins.py``) or a user's "package.module:Name", both
+resolved by ``areal_mega.kinds`` and called as ``Name(cfg, ctx)``. Kind "function" runs a plain
+``fn(prompt, completion, data) -> float`` (plain or async) from ``function``; with ``isolate``
+(default) in the worker pool, with the math reward's timeout / crash protection.
 Rewards with details also have ``evaluate(...) -> RewardResult`` (``reward.base``); shaping
 terms and the composite are in ``reward.shaping``.
 """
 
 from __future__ import annotations
 
-import inspect
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from areal_mega.reward.judge import JudgeConfig
 from areal_mega.reward.multi_judge import MultiJudgeConfig
 from areal_mega.reward.reward_model import RewardModelConfig
-from areal_mega.reward.base import COMPLETION_TOKENS, RewardFn, RewardResult, evaluate, evaluate_steps
+from areal_mega.kinds import resolve
+from areal_mega.reward.base import COMPLETION_TOKENS, RewardContext, RewardFn, RewardResult, evaluate, evaluate_steps
 from areal_mega.reward.pool import RewardWorkerPool
-from areal_mega.reward.registry import load_callable
 from areal_mega.sandbox import SandboxConfig
 
 
 @dataclass
 class RewardConfig:
-    kind: Literal["math", "code", "function", "format", "overlong", "composite", "judge", "multi_judge",
-                  "consistency", "reward_model"] = "math"
-    """"math": final answer vs the sample's "answer" via math-verify; "code": run the last
+    kind: str = "math"
+    """A built-in below or "package.module:Name" (called as ``Name(cfg, ctx)``, the contract in
+    ``api/reward.py``; its own settings in ``options``). "math": final answer vs the sample's "answer" via math-verify; "code": run the last
     python block against the sample's "tests" in the sandbox; "function": the user function in
     ``function``; "format": 1 when ``format_regex`` occurs in the completion, else 0;
     "overlong": DAPO's soft overlong penalty (0 .. -1, from the completion's token count);
@@ -77,11 +76,15 @@ class RewardConfig:
     """kind "multi_judge": the judges, the aggregation, when a failing judge is skipped."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """kind "reward_model": the RM's servers, input template and score transform."""
+    options: Any = None
+    """The typed options of a user reward kind (its ``Options`` dataclass), None for built-ins."""
     step_scoring: Literal["none", "step", "prefix"] = "none"
     """Also score each step (process rewards; needs ``workflow.steps``): "step": this reward
     applied to each step's text alone; "prefix": to the completion up to each step's end (a
     process reward model, or a judge asked per step). "none": outcome only. In a composite,
     set it on the components (their weighted step scores are summed)."""
+
+    OPEN_KINDS: ClassVar[dict[str, tuple[str, str]]] = {"kind": ("reward", "options")}
 
     def validate(self) -> None:
         if self.kind == "function" and ":" not in self.function:
@@ -139,38 +142,13 @@ class RewardConfig:
         return [n if names.count(n) == 1 or c.name else f"{n}{i}" for i, (n, c) in enumerate(zip(names, self.components))]
 
 
-class _PooledFunction:
-    def __init__(self, path: str, num_workers: int, timeout_s: float) -> None:
-        self.path = path
-        self.pool = RewardWorkerPool(num_workers, timeout_s, preload=[path.split(":", 1)[0]])
-
-    async def __call__(self, prompt: str, completion: str, data: dict[str, Any]) -> float:
-        return await self.pool.acall(self.path, prompt, completion, data)
-
-    def close(self) -> None:
-        self.pool.close()
-
-
-class _InProcessFunction:
-    def __init__(self, path: str) -> None:
-        self.fn = load_callable(path)
-
-    async def __call__(self, prompt: str, completion: str, data: dict[str, Any]) -> float:
-        out = self.fn(prompt, completion, data)
-        if inspect.isawaitable(out):
-            out = await out
-        return float(out)
-
-    def close(self) -> None:
-        pass
-
-
 def build_reward(cfg: RewardConfig, *, policy_engine: Any = None, policy_tokenizer: Any = None) -> RewardFn:
-    """The reward of ``cfg``. ``policy_engine`` / ``policy_tokenizer`` (the trainer's pool and
-    tokenizer) serve a judge that runs on the policy's servers (``judge.servers: policy``).
-    With ``step_scoring`` the reward also scores steps (``reward.steps.StepScored``)."""
+    """The reward ``cfg.kind`` names (a built-in, ``reward/builtins.py``, or a user's
+    ``package.module:Name``, both called as ``Kind(cfg, ctx)``). ``policy_engine`` /
+    ``policy_tokenizer`` (the trainer's pool and tokenizer) serve a judge that runs on the policy's
+    servers (``judge.servers: policy``). With ``step_scoring`` the reward also scores steps."""
     cfg.validate()
-    reward = _build(cfg, policy_engine=policy_engine, policy_tokenizer=policy_tokenizer)
+    reward = resolve("reward", cfg.kind)(cfg, RewardContext(policy_engine, policy_tokenizer))
     if cfg.step_scoring == "none":
         return reward
     from areal_mega.reward.steps import StepScored
@@ -178,57 +156,5 @@ def build_reward(cfg: RewardConfig, *, policy_engine: Any = None, policy_tokeniz
     return StepScored(reward, cfg.step_scoring)
 
 
-def _build(cfg: RewardConfig, *, policy_engine: Any, policy_tokenizer: Any) -> RewardFn:
-    if cfg.kind == "math":
-        from areal_mega.reward.math import MathReward
-
-        return MathReward(cfg.num_workers, cfg.timeout_s)
-    if cfg.kind == "code":
-        from areal_mega.reward.code import CodeReward
-
-        return CodeReward(cfg.sandbox)
-    if cfg.kind == "format":
-        from areal_mega.reward.shaping import FormatReward
-
-        return FormatReward(cfg.format_regex)
-    if cfg.kind == "overlong":
-        from areal_mega.reward.shaping import OverlongPenalty
-
-        return OverlongPenalty(cfg.overlong_max_tokens, cfg.overlong_buffer_tokens)
-    if cfg.kind == "composite":
-        from areal_mega.reward.shaping import CompositeReward
-
-        built: list = []
-        try:
-            for c, name in zip(cfg.components, cfg.component_names()):
-                built.append((c.weight, name, build_reward(c, policy_engine=policy_engine,
-                                                           policy_tokenizer=policy_tokenizer)))
-            return CompositeReward(built)
-        except BaseException:
-            for _, _, fn in built:
-                fn.close()
-            raise
-    if cfg.kind == "function":
-        load_callable(cfg.function)  # fail at build time, naming the path, not in a worker
-        return _PooledFunction(cfg.function, cfg.num_workers, cfg.timeout_s) if cfg.isolate else _InProcessFunction(cfg.function)
-    if cfg.kind == "judge":
-        from areal_mega.reward.judge import build_judge
-
-        return build_judge(cfg.judge, policy_engine=policy_engine, policy_tokenizer=policy_tokenizer)
-    if cfg.kind == "multi_judge":
-        from areal_mega.reward.multi_judge import build_multi_judge
-
-        return build_multi_judge(cfg.multi_judge, policy_engine=policy_engine, policy_tokenizer=policy_tokenizer)
-    if cfg.kind == "reward_model":
-        from areal_mega.reward.reward_model import build_reward_model
-
-        return build_reward_model(cfg.reward_model)
-    if cfg.kind == "consistency":
-        from areal_mega.reward.consistency import ConsistencyReward
-
-        return ConsistencyReward()
-    raise ValueError(f"kind: unknown reward kind {cfg.kind!r}")
-
-
-__all__ = ["COMPLETION_TOKENS", "JudgeConfig", "MultiJudgeConfig", "RewardConfig", "RewardModelConfig", "RewardFn", "RewardResult", "RewardWorkerPool",
-           "build_reward", "evaluate", "evaluate_steps", "load_callable"]
+__all__ = ["COMPLETION_TOKENS", "JudgeConfig", "MultiJudgeConfig", "RewardConfig", "RewardContext", "RewardModelConfig", "RewardFn", "RewardResult",
+           "RewardWorkerPool", "build_reward", "evaluate", "evaluate_steps"]

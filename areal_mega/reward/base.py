@@ -19,27 +19,11 @@ completion into steps (``areal_mega.workflows.steps``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-__all__ = ["COMPLETION_TOKENS", "RewardFn", "RewardResult", "evaluate"]
+from areal_mega.api.reward import COMPLETION_TOKENS, RewardContext, RewardFn, RewardResult
 
-COMPLETION_TOKENS = "completion_num_tokens"
-"""Key of ``data`` the workflows set to the completion's generated-token count (int)."""
-
-
-@dataclass
-class RewardResult:
-    score: float
-    info: dict[str, Any] = field(default_factory=dict)
-    """JSON-able details: e.g. the code reward's ``reasons`` (one per failed test) and
-    ``fraction_passed``; the composite's per-component scores."""
-
-
-class RewardFn(Protocol):
-    async def __call__(self, prompt: str, completion: str, data: dict[str, Any]) -> float: ...
-
-    def close(self) -> None: ...
+__all__ = ["COMPLETION_TOKENS", "RewardContext", "RewardFn", "RewardResult", "evaluate", "evaluate_steps"]
 
 
 async def evaluate_steps(reward: RewardFn, prompt: str, steps: list[str], data: dict[str, Any]) -> list[float] | None:

@@ -32,12 +32,12 @@ import asyncio
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
+from areal_mega.kinds import KindError, resolve
 from areal_mega.reward.base import RewardResult
 from areal_mega.reward.judge import JudgeConfig, Verdict
 
-Aggregation = Literal["mean", "median", "majority", "min"]
 
 
 @dataclass
@@ -47,9 +47,10 @@ class MultiJudgeConfig:
     judges: list[JudgeConfig] = field(default_factory=list)
     """Two or more judges (each a full ``JudgeConfig``: its servers, rubric, verdict format,
     timeout_s; names unique, default ``judge<i>``)."""
-    aggregation: Aggregation = "mean"
-    """"mean", "median", "majority" (more than half of the answering judges score >= 0.5) or
-    "min" (the strictest judge), over the judges that answered."""
+    aggregation: str = "mean"
+    """"mean", "median", "majority" (more than half of the answering judges score >= 0.5),
+    "min" (the strictest judge), or "package.module:function" (scores -> one score), over the
+    judges that answered."""
     skip_after_failures: int = 3
     """A judge whose last this-many requests failed with error or timeout is skipped..."""
     retry_after_s: float = 60.0
@@ -61,8 +62,10 @@ class MultiJudgeConfig:
     def validate(self) -> None:
         """Value checks (run for every experiment config); ``check_ready`` adds what a multi-judge
         about to be built needs."""
-        if self.aggregation not in ("mean", "median", "majority", "min"):
-            raise ValueError(f"aggregation: must be mean, median, majority or min, got {self.aggregation!r}")
+        try:
+            resolve("judge_aggregation", self.aggregation)
+        except KindError as e:
+            raise ValueError(f"aggregation: {e}") from None
         names = self.names()
         if len(set(names)) != len(names):
             raise ValueError(f"judges: names must be unique, got {names}")
@@ -82,16 +85,26 @@ class MultiJudgeConfig:
                 raise ValueError(f"judges[{i}].{e}") from None
 
 
+def mean(scores: Sequence[float]) -> float:
+    return sum(scores) / len(scores)
+
+
+def median(scores: Sequence[float]) -> float:
+    return float(statistics.median(scores))
+
+
+def majority(scores: Sequence[float]) -> float:
+    return 1.0 if sum(s >= 0.5 for s in scores) * 2 > len(scores) else 0.0
+
+
+def minimum(scores: Sequence[float]) -> float:
+    return min(scores)
+
+
 def aggregate(scores: Sequence[float], how: str) -> float:
-    if how == "mean":
-        return sum(scores) / len(scores)
-    if how == "median":
-        return float(statistics.median(scores))
-    if how == "majority":
-        return 1.0 if sum(s >= 0.5 for s in scores) * 2 > len(scores) else 0.0
-    if how == "min":
-        return min(scores)
-    raise ValueError(f"multi_judge.aggregation: unknown {how!r}")
+    """The aggregation ``how`` names (a built-in above or "package.module:function", scores ->
+    one score in [0, 1]) over the answering judges' scores."""
+    return float(resolve("judge_aggregation", how)(scores))
 
 
 class MultiJudgeReward:

@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from areal_mega.reward.registry import load_callable
+from areal_mega.kinds import resolve
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     for line in sys.stdin:
         try:
             req = json.loads(line)
-            fn = cache.get(req["fn"]) or cache.setdefault(req["fn"], load_callable(req["fn"]))
+            fn = cache.get(req["fn"]) or cache.setdefault(req["fn"], resolve("reward", req["fn"]))
             value = fn(*req.get("args", []))
             reply = {"ok": True, "value": value if isinstance(value, (dict, list)) else float(value)}
         except Exception as e:  # reported to the parent, which scores 0

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterable, Iterator, TextIO
 
 import numpy as np
 
+from areal_mega.api.data import PromptSource
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.workflow import RolloutBatch, RolloutWorkflow, Trajectory
 from areal_mega.rollout.config import RolloutConfig
@@ -79,7 +80,7 @@ def zero_variance(group: list[Trajectory]) -> bool:
 class RolloutController:
     """Runs ``workflow`` over ``dataset`` (cycled forever, epoch after epoch) on ``engine``.
 
-    ``dataset`` is a :class:`~areal_mega.data.PromptStream` (the trainer's: every episode then
+    ``dataset`` is a :class:`~areal_mega.api.data.PromptSource` (the trainer's: every episode then
     carries its prompt's position, and :meth:`in_flight_positions` says which prompts a
     checkpoint must give back) or any re-iterable of samples.
 
@@ -298,9 +299,7 @@ class RolloutController:
             raise RuntimeError("rollout controller is closed")
 
     def _next_data(self) -> tuple[tuple[int, int] | None, dict[str, Any]]:
-        from areal_mega.data.dataset import PromptStream
-
-        if isinstance(self.dataset, PromptStream):
+        if isinstance(self.dataset, PromptSource):
             pos, data = self.dataset.next()
             self.epoch = self.dataset.epoch
             return pos, data

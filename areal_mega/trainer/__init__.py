@@ -4,6 +4,7 @@ owns the engines, weight sync and the rollout service, the one-screen loop, and 
 * ``config``: TrainerLoopConfig, the ``trainer:`` section (the whole YAML of a run is
   ``areal_mega.experiment.ExperimentConfig``)
 * ``trainer``: Trainer (built once per learner rank; everything the loop calls)
-* ``loop``: ``run_train``, the training loop
+* ``main``: the composition root (``build``: every component by one call; ``main``: the entry)
+* ``loop``: ``run``, the training loop
 * ``critic``: CriticEngine (PPO value model)
 """

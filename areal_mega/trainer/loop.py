@@ -1,12 +1,8 @@
-"""The asynchronous RL trainer: one process per learner rank, under torchrun.
-
-    torchrun --nproc-per-node 2 -m areal_mega.cli train --config configs/grpo_tiny.yaml
-
-Every rank runs :func:`run_train`; rank 0 also drives generation (``RolloutService``: the
-inference pool and the rollout controller in a background thread). The loop:
+"""The asynchronous RL loop: one process per learner rank, under torchrun (``trainer/main.py``
+builds the components). Rank 0 also drives generation in a background thread.
 
     rollout batch (rank 0, broadcast) -> proximal log-probs -> advantages (both on the whole batch)
-      -> optimizer step(s) (one per mini-batch and epoch) -> weight sync to the servers -> version bump (learner; the rollout service's one counter)
+      -> optimizer step(s) (one per mini-batch and epoch) -> weight sync to the servers -> version bump
 
 Generation never waits for training: the controller keeps sampling with the current weights
 while the learner trains, bounded by ``rollout.max_staleness``; ``max_staleness = 0`` is
@@ -15,14 +11,12 @@ synchronous RL. The decoupled PPO loss corrects for the policy gap (``algorithm.
 
 from __future__ import annotations
 
-from areal_mega.experiment import load_experiment
 from areal_mega.trainer.trainer import Trainer
 
 
-def run_train(config_path: str, overrides: list[str]) -> int:
-    cfg = load_experiment(config_path, overrides)
-    trainer = Trainer.create(cfg)  # process groups, actor engine, weight sync, rank-0 rollout service
-    actor, m = trainer.actor, trainer.metrics
+def run(trainer: Trainer) -> int:
+    cfg, actor, m = trainer.cfg, trainer.actor, trainer.metrics
+    trainer.start()  # resume from the newest complete checkpoint, start generating (rank 0)
     if cfg.trainer.eval_at_start:
         trainer.evaluate(step=trainer.start_step)
     for step in range(trainer.start_step, cfg.trainer.num_steps):
@@ -32,7 +26,7 @@ def run_train(config_path: str, overrides: list[str]) -> int:
         if cfg.algorithm.decoupled:  # pi_prox: the policy before this update (one extra forward)
             with m.phase("prox_logp"):
                 prox_stats = trainer.proximal(batch)  # batch["prox_logprobs"]; MoE routing replay; mismatch metrics
-        batch.update(trainer.ref_and_values(batch))  # ref log-probs / KL (kl_coef > 0), critic values (gae)
+        batch.update(trainer.ref_and_values(batch))  # ref log-probs / KL (needs_reference), critic values (needs_critic)
         batch.update(trainer.advantages(batch))
         with m.phase("train"):
             train_stats = trainer.train_policy(batch)  # algorithm.num_minibatches x ppo_epochs optimizer steps

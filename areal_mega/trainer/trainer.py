@@ -1,9 +1,6 @@
-"""Everything the trainer loop (``areal_mega.trainer.loop``) calls, built once per learner rank.
-
-Rank 0 additionally owns the :class:`RolloutService` (inference pool + rollout controller) and
-writes metrics; every rank owns its share of the actor engine and of weight sync. Batches are
-formed on rank 0 and broadcast over a gloo group (tiny compared with a train step).
-"""
+"""Everything the trainer loop (``areal_mega.trainer.loop``) calls, over components built by
+``areal_mega.trainer.main`` (the composition root). Rank 0 also holds the rollout service and the
+episode stack and writes metrics; batches are formed there and broadcast over a gloo group."""
 
 from __future__ import annotations
 
@@ -19,29 +16,25 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from areal_mega.megatron.engine import MegatronTrainEngine
-from areal_mega.api.workflow import RolloutWorkflow
-from areal_mega.data import PromptStream, load_dataset
+from areal_mega.algo.losses import PPOCriticLoss, global_counts, kl_estimate
+from areal_mega.api.algorithm import AdvantageEstimator, PolicyLoss
+from areal_mega.api.data import PromptSource
+from areal_mega.api.engine import TrainEngine
+from areal_mega.api.workflow import RolloutBatch, RolloutWorkflow
 from areal_mega.evaluation import load_items
-from areal_mega.megatron.parallel_state import ModelParallelGroups, init_learner
-from areal_mega.megatron.routing import replay_metrics
-from areal_mega.algo.advantages import compute_advantages
-from areal_mega.rollout.batch import broadcast_batch, split_minibatches, to_engine_alignment, trajectories_to_batch
-from areal_mega.trainer.critic import CriticEngine
 from areal_mega.experiment import ExperimentConfig
+from areal_mega.megatron.parallel_state import ModelParallelGroups
+from areal_mega.rollout.batch import broadcast_batch, split_minibatches, to_engine_alignment, trajectories_to_batch
+from areal_mega.rollout.service import RolloutService
+from areal_mega.trainer.critic import CriticEngine
 from areal_mega.trainer.run_state import resume_run, save_run_checkpoint
 from areal_mega.trainer.runlog import cut_logs_past
-from areal_mega.algo.losses import PPOActorLoss, PPOCriticLoss, global_counts, kl_estimate
-from areal_mega.api.workflow import RolloutBatch
-from areal_mega.rollout.service import RolloutService
 from areal_mega.utils.metrics import Metrics
 from areal_mega.utils.stats import reduce_stats
-from areal_mega.weight_sync import megatron_weight_sync
 from areal_mega.weight_sync.sync import SyncStats, WeightSync, WeightSyncError
 from areal_mega.workflows.stack import EpisodeStack
 
-
-def train_on_minibatches(actor: MegatronTrainEngine, batch: dict[str, torch.Tensor],
+def train_on_minibatches(actor: TrainEngine, batch: dict[str, torch.Tensor],
                          make_loss: Callable[[dict[str, torch.Tensor]], Any], temperature: float, *,
                          num_minibatches: int = 1, ppo_epochs: int = 1) -> tuple[dict[str, float], list[dict[str, float]]]:
     """``ppo_epochs`` passes of one optimizer step per mini-batch (``split_minibatches``: by
@@ -58,28 +51,35 @@ def train_on_minibatches(actor: MegatronTrainEngine, batch: dict[str, torch.Tens
 
 @dataclass
 class Trainer:
+    """The loop's pieces over components built elsewhere (``trainer/main.py``, or a researcher's
+    own copy of it): it never builds a component and never dispatches on a config kind."""
+
     cfg: ExperimentConfig
     groups: ModelParallelGroups
-    actor: MegatronTrainEngine
-    weight_sync: WeightSync
-    metrics: Metrics
     ctrl_group: dist.ProcessGroup
     """Carries Python objects (batches, URLs, targets): gloo even when the learners use NCCL."""
-    start_step: int
+    actor: TrainEngine
+    weight_sync: WeightSync
+    advantage: AdvantageEstimator
+    """Advantages of a whole rollout batch (``api.algorithm``)."""
+    policy_loss: Callable[..., PolicyLoss]
+    """Built once per optimizer step: ``policy_loss(cfg.algorithm, total_tokens=..., total_seqs=...)``."""
+    metrics: Metrics
+    ref: TrainEngine | None = None
+    """Frozen forward-only initial policy (``algorithm.needs_reference``), same layout as the actor."""
+    critic: CriticEngine | None = None
+    """PPO critic (an estimator with ``needs_values``); never synced to the servers."""
     generation: RolloutService | None = None
     """Rank 0's generation side (inference pool + rollout controller, the one policy version)."""
     episodes: EpisodeStack | None = None
     """Rank 0's tokenizer, reward, tools and workflow (the ones ``areal-mega eval`` builds)."""
-    prompts: PromptStream | None = None
+    prompts: PromptSource | None = None
     """Rank 0's training prompts with a resumable position."""
+    start_step: int = 0
     eval_workflow: RolloutWorkflow | None = None
     eval_set: list[dict[str, object]] = field(default_factory=list)
     stop_signal: int | None = None
     """The SIGTERM/SIGUSR1 this rank received, if any (a stop after the current step)."""
-    ref: MegatronTrainEngine | None = None
-    """Frozen forward-only initial policy (algorithm.kl_coef > 0), same layout as the actor."""
-    critic: CriticEngine | None = None
-    """PPO critic (algorithm.adv_estimator == "gae"); never synced to the servers."""
     _t_last: float = field(default_factory=time.perf_counter)
 
     @property
@@ -93,62 +93,31 @@ class Trainer:
         read here and nowhere else."""
         return self.cfg.workflow.sampling.temperature
 
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def create(cls, cfg: ExperimentConfig) -> "Trainer":
-        """Every component builds itself from its own config section; this only orders them."""
-        groups, ctrl = init_learner(cfg.parallel, backend=cfg.trainer.backend, seed=cfg.seed)
-        actor = MegatronTrainEngine.create(cfg.actor, cfg.model_path, groups, hf_weights_dir=cfg.model_path)
-        # The KL reference is the INITIAL policy, also after a resume; forward-only: no optimizer state.
-        ref = (MegatronTrainEngine.create(cfg.actor, cfg.model_path, groups, hf_weights_dir=cfg.model_path,
-                                          trainable=False) if cfg.algorithm.kl_coef > 0 else None)
-        critic = (CriticEngine.create(cfg.critic, cfg.model_path, groups, hf_weights_dir=cfg.model_path, seed=cfg.seed)
-                  if cfg.algorithm.adv_estimator == "gae" else None)
-        out = Path(cfg.output_dir)
-        # The newest COMPLETE checkpoint (areal_mega.json present); half-written ones are skipped.
-        start_step, prompt_state = (resume_run(out / "checkpoints", actor, critic, group=ctrl)
-                                    if cfg.trainer.resume else (0, None))
-        rank0 = groups.rank == 0
-        generation = (RolloutService(cfg.inference, server_wait_s=cfg.weight_sync.server_wait_s,
-                                     capture_routes=cfg.actor.model.captures_server_routes)
-                      if rank0 else None)
-        # Tensors travel in the servers' dtype (inference.server.dtype), whatever the learner trains in.
-        wire = cfg.inference.server.dtype if cfg.inference.server.dtype != "auto" else None
-        # Generation is paused through the rollout service (sync_weights), in the pool's one mode;
-        # each sync's targets come from it.
-        ws = megatron_weight_sync(cfg.weight_sync, adapter=actor.model.adapter, chunks=actor.model.chunks,
-                                  groups=groups, world_group=ctrl, dtype=wire, pause_mode=cfg.inference.client.pause_mode,
-                                  pause_servers=False, api_key=cfg.inference.resolved_api_key())
-        if rank0:
+    def start(self) -> None:
+        """Resume from the newest COMPLETE checkpoint (``trainer.resume``; half-written ones are
+        skipped), bring the servers to its weights, then start generating (rank 0)."""
+        cfg, out = self.cfg, Path(self.cfg.output_dir)
+        prompt_state = None
+        if cfg.trainer.resume:
+            self.start_step, prompt_state = resume_run(out / "checkpoints", self.actor, self.critic, group=self.ctrl_group)
+        if self.is_driver:
             out.mkdir(parents=True, exist_ok=True)
             # Records past the checkpoint (a killed run's last steps) are redone: move them out.
-            for name, n in cut_logs_past(out, start_step).items():
-                print(f"trainer: {n} record(s) of {name} past checkpoint {start_step} moved to "
+            for name, n in cut_logs_past(out, self.start_step).items():
+                print(f"trainer: {n} record(s) of {name} past checkpoint {self.start_step} moved to "
                       f"{name}.superseded", file=sys.stderr, flush=True)
-        metrics = Metrics(str(out / "tb") if rank0 else None, enabled=rank0, jsonl_path=str(out / "metrics.jsonl"))
-        trainer = cls(cfg=cfg, groups=groups, actor=actor, weight_sync=ws, metrics=metrics, ctrl_group=ctrl,
-                      start_step=start_step, generation=generation, ref=ref, critic=critic)
-        if start_step > 0:  # the servers started from model_path: bring them to the resumed weights
-            trainer.sync_weights(version=start_step)
-        trainer._catch_stop_signals()
-        if generation is not None:
-            trainer._start_generation(generation, prompt_state)
-        return trainer
-
-    def _start_generation(self, generation: RolloutService, prompt_state: dict[str, Any] | None) -> None:
-        cfg = self.cfg
-        stack = self.episodes = EpisodeStack.build(cfg.model_path, cfg.workflow, cfg.reward,
-                                                   policy_engine=generation.pool)
-        split = load_dataset(cfg.data, tokenizer=stack.tokenizer)
-        self.eval_set = load_items(cfg, stack.tokenizer, heldout=split.eval)
-        self.eval_workflow, _ = stack.eval_workflows()  # what `areal-mega eval` runs
-        # Resumed: the prompt stream continues where the checkpoint stood, the prompts that were
-        # in flight then (dropped with the episodes) first -- every prompt trained once per epoch.
-        # The staleness counters start afresh at the resumed version: nothing is in flight.
-        self.prompts = PromptStream(split.train)
-        if prompt_state is not None:
-            self.prompts.load_state_dict(prompt_state)
-        generation.start(stack.workflow, self.prompts, cfg.rollout)
+        if self.start_step > 0:  # the servers started from model_path: bring them to the resumed weights
+            self.sync_weights(version=self.start_step)
+        self._catch_stop_signals()
+        if self.generation is not None:
+            self.eval_set = load_items(cfg, self.episodes.tokenizer, heldout=self.prompts.heldout())
+            self.eval_workflow, _ = self.episodes.eval_workflows()  # what `areal-mega eval` runs
+            # Resumed: the prompt stream continues where the checkpoint stood, the prompts that were
+            # in flight then (dropped with the episodes) first -- every prompt trained once per epoch.
+            # The staleness counters start afresh at the resumed version: nothing is in flight.
+            if prompt_state is not None:
+                self.prompts.load_state_dict(prompt_state)
+            self.generation.start(self.episodes.workflow, self.prompts, cfg.rollout)
 
     # ------------------------------------------------------------------ loop pieces
     def next_batch(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -189,30 +158,9 @@ class Trainer:
             f.write(json.dumps(record) + "\n")
 
     def proximal(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """pi_prox (the policy before this update; one extra forward) into ``batch["prox_logprobs"]``.
-        MoE routing replay: the servers' routes in the batch are replayed here (rollout); with
-        "proximal" the routes this forward chose become the batch's, for the training forward.
-        "observe": the servers' routes are measured, never replayed (dropped from the batch after the
-        metrics), plus one more forward replaying them on the same tokens: the mismatch replay
-        would have left (``routing/mismatch_if_replayed_*``), paired with the one trained on.
-        Returns the train/inference mismatch metrics (routing.replay_metrics)."""
-        mode = self.cfg.actor.model.moe_routing_replay
-        server_routes = batch.pop("routed_experts", None) if mode == "observe" else None
-        out = self.actor.forward(batch, self.temperature, with_entropy=False)
-        batch["prox_logprobs"] = out["logprobs"]
-        natural = out.get("routes")
-        if mode == "proximal":
-            batch["routed_experts"] = natural
-        version, layers = self.actor.get_version(), self.actor.model.arch.num_layers
-        if server_routes is None:
-            return replay_metrics(batch, out["logprobs"], natural, version, layers)
-        measured = {**batch, "routed_experts": server_routes}
-        replayed = self.actor.forward(measured, self.temperature, with_entropy=False)["logprobs"]
-        metrics = replay_metrics(measured, out["logprobs"], natural, version, layers)
-        metrics.update({k.replace("routing/mismatch_", "routing/mismatch_if_replayed_"): v
-                        for k, v in replay_metrics(measured, replayed, None, version, layers).items()
-                        if k != "routing/mismatch_tokens"})
-        return metrics
+        """pi_prox into ``batch["prox_logprobs"]`` (the engine's ``proximal_logprobs``: one extra
+        forward, MoE routing replay); returns the train/inference mismatch metrics."""
+        return self.actor.proximal_logprobs(batch, self.temperature)
 
     def ref_and_values(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the advantages and losses need from the extra models, {} when neither is built:
@@ -246,7 +194,7 @@ class Trainer:
         return {f"critic/{k}": v for k, v in stats.items()}
 
     def advantages(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return compute_advantages(batch, self.cfg.algorithm)
+        return self.advantage(batch)
 
     def train_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """The policy's optimizer steps on one rollout batch (``algorithm.num_minibatches`` x
@@ -256,9 +204,9 @@ class Trainer:
                                         num_minibatches=alg.num_minibatches, ppo_epochs=alg.ppo_epochs)
         return stats
 
-    def loss_fn(self, batch: dict[str, torch.Tensor]) -> PPOActorLoss:
+    def loss_fn(self, batch: dict[str, torch.Tensor]) -> PolicyLoss:
         tokens, seqs = global_counts(batch["loss_mask"], batch["cu_seqlens"])
-        return PPOActorLoss(self.cfg.algorithm, total_tokens=tokens, total_seqs=seqs)
+        return self.policy_loss(self.cfg.algorithm, total_tokens=tokens, total_seqs=seqs)
 
     def throughput(self, batch: dict[str, torch.Tensor], metrics: Metrics) -> dict[str, float]:
         now = time.perf_counter()

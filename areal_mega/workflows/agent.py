@@ -54,7 +54,7 @@ from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest, GenerationResult, SamplingParams
 from areal_mega.api.workflow import Trajectory
 from areal_mega.reward import COMPLETION_TOKENS, RewardFn
-from areal_mega.reward.registry import load_callable
+from areal_mega.kinds import resolve
 from areal_mega.rollout.failures import EpisodeFailure, failure_reason, is_context_overflow
 from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, WorkflowConfig, new_group_id, score
 
@@ -336,11 +336,11 @@ class AgentWorkflow(TokenWorkflow):
     OpenAI-compatible endpoint recording into the same client (``agent_http.py``)."""
 
     def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn,
-                 agent: AgentFn | None = None) -> None:
-        super().__init__(cfg, tokenizer, reward_fn)
+                 tools: Any = None, *, agent: AgentFn | None = None) -> None:
+        super().__init__(cfg, tokenizer, reward_fn, tools)
         if not getattr(tokenizer, "chat_template", None) or not hasattr(tokenizer, "apply_chat_template"):
             raise ValueError("kind: workflow 'agent' needs a tokenizer with a chat template")
-        self.agent = agent or load_callable(cfg.agent)
+        self.agent = agent or resolve("agent", cfg.agent)
         self._server: Any = None  # agent_http: the ChatCompletionsServer, started on first use
         if not inspect.iscoroutinefunction(self.agent):
             raise ValueError(f"agent: {cfg.agent!r} must be an async function (client, sample)")

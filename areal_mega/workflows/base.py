@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
 
 from areal_mega.api.io import GenerationResult, SamplingParams
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
 from areal_mega.reward import RewardFn, RewardResult, evaluate, evaluate_steps
-from areal_mega.agent_tools import ToolConfig
+from areal_mega.agent_tools import ToolConfig, ToolRegistry
 from areal_mega.workflows.steps import StepConfig, split_steps
 
 
@@ -28,12 +28,15 @@ class Tokenizer(Protocol):
 
 @dataclass
 class WorkflowConfig:
-    kind: Literal["single_turn", "multi_turn", "tool", "agent"] = "single_turn"
-    """"single_turn": prompt -> group of samples -> reward. "multi_turn": on a wrong answer the
+    kind: str = "single_turn"
+    """A built-in below or "package.module:Name", a ``RolloutWorkflow`` called as
+    ``Name(cfg, tokenizer, reward_fn, tools)`` (its own settings in ``options``). "single_turn": prompt -> group of samples -> reward. "multi_turn": on a wrong answer the
     environment appends ``feedback`` and the model tries again. "tool": the model may call the
     calculator tool (``<calc>expr</calc>``; see ``areal_mega.workflows.tool``). "agent": the
     agent function ``agent`` drives the model through an OpenAI-style client
     (``areal_mega.workflows.agent``)."""
+    options: Any = None
+    """The typed options of a user workflow kind (its ``Options`` dataclass), None for built-ins."""
     group_size: int = 4
     """Samples per prompt (a GRPO group)."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -72,6 +75,8 @@ class WorkflowConfig:
     steps: StepConfig = field(default_factory=StepConfig)
     """How generated tokens are cut into steps (``Trajectory.step_ends``); the reward's
     ``evaluate_steps`` (``reward.step_scoring``) then gives each step its reward."""
+
+    OPEN_KINDS: ClassVar[dict[str, tuple[str, str]]] = {"kind": ("workflow", "options")}
 
     def validate(self) -> None:
         if self.group_size < 1:
@@ -149,14 +154,19 @@ def new_group_id(data: dict[str, Any]) -> str:
 
 
 class TokenWorkflow(RolloutWorkflow):
-    """Set-up shared by the token-level workflows: a validated config, the tokenizer, the reward,
+    """Set-up shared by the token-level workflows (built-in or a user's): a validated config and
+    its options, the tokenizer, the reward, the tools (kind "tool" or a user kind that wants them),
     and the sampling params with the tokenizer's EOS added to the stop tokens."""
 
-    def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn) -> None:
+    def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn,
+                 tools: ToolRegistry | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
+        self.options = cfg.options
+        """The kind's own typed options (its ``Options`` dataclass), None for kinds without."""
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
+        self.tools = tools
         self.sampling = with_eos(cfg.sampling, tokenizer)
         model_len = model_context_len(tokenizer)
         self.max_context_tokens = min(cfg.max_context_tokens, model_len or cfg.max_context_tokens)

@@ -19,8 +19,8 @@ from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilde
 
 
 class MultiTurnWorkflow(TokenWorkflow):
-    def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn) -> None:
-        super().__init__(cfg, tokenizer, reward_fn)
+    def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn, tools: Any = None) -> None:
+        super().__init__(cfg, tokenizer, reward_fn, tools)
         self.feedback_ids = encode(tokenizer, cfg.feedback)
 
     async def _conversation(self, engine: InferenceEngine, data: dict[str, Any], gid: str) -> Trajectory:

@@ -16,7 +16,7 @@ from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.workflow import RolloutWorkflow
 from areal_mega.reward import RewardConfig, RewardFn, build_reward
 from areal_mega.agent_tools import ToolRegistry, build_tools
-from areal_mega.workflows import build_workflow
+from areal_mega.kinds import resolve
 from areal_mega.workflows.base import Tokenizer, WorkflowConfig
 
 __all__ = ["EpisodeStack"]
@@ -30,36 +30,41 @@ class EpisodeStack:
     """Owns worker processes for math / isolated rewards; a judge on the policy's servers
     (``reward.judge.servers: policy``) uses ``policy_engine``."""
     tools: ToolRegistry | None
-    """Workflow kind "tool": one registry (one python-tool sandbox) for every workflow built here."""
+    """A workflow kind that ``uses_tools``: one registry (one python-tool sandbox) for every
+    workflow built here."""
     workflow: RolloutWorkflow
     """The training workflow."""
 
     @classmethod
     def build(cls, model_path: str, workflow: WorkflowConfig, reward: RewardConfig, *,
               policy_engine: InferenceEngine) -> "EpisodeStack":
+        """Tokenizer, reward, tools (for a workflow kind that ``uses_tools``) and workflow of the
+        config, each by its kind (``areal_mega.kinds``)."""
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_path)
+        kind = resolve("workflow", workflow.kind)
         tools = None
-        if workflow.kind == "tool":
+        if getattr(kind, "uses_tools", False):
             tools = build_tools(workflow.tools, timeout_s=workflow.tool_timeout_s,
                                 max_output_chars=workflow.tool_max_output_chars)
         try:
             fn = build_reward(reward, policy_engine=policy_engine, policy_tokenizer=tok)
+            return cls(workflow, tok, fn, tools, kind(workflow, tok, fn, tools))
         except BaseException:
             if tools is not None:
                 tools.close()
             raise
-        return cls(workflow, tok, fn, tools, build_workflow(workflow, tok, fn, tools))
 
     def eval_workflows(self, *, num_samples: int = 0, temperature: float = 1.0
                        ) -> tuple[RolloutWorkflow, RolloutWorkflow | None]:
         """(greedy: one sample at temperature 0, sampled: ``num_samples`` at ``temperature`` for
-        pass@k or None): the training workflow with only group size and temperature changed."""
+        pass@k or None): the training workflow's class with only group size and temperature
+        changed."""
         def variant(group_size: int, temp: float) -> RolloutWorkflow:
             cfg = dataclasses.replace(self.cfg, group_size=group_size,
                                       sampling=dataclasses.replace(self.cfg.sampling, temperature=temp))
-            return build_workflow(cfg, self.tokenizer, self.reward, self.tools)
+            return type(self.workflow)(cfg, self.tokenizer, self.reward, self.tools)
 
         return variant(1, 0.0), (variant(num_samples, temperature) if num_samples else None)
 

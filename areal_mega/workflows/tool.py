@@ -71,9 +71,11 @@ def cut_after_tool_call(tokenizer: Tokenizer, ids: list[int], names: Sequence[st
 
 
 class ToolWorkflow(TokenWorkflow):
+    uses_tools = True  # EpisodeStack builds one registry (workflow.tools) for it and its eval variants
+
     def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn,
                  tools: ToolRegistry | None = None) -> None:
-        super().__init__(cfg, tokenizer, reward_fn)
+        super().__init__(cfg, tokenizer, reward_fn, tools)
         self._own_tools = tools is None
         self.tools = tools if tools is not None else build_tools(
             cfg.tools, timeout_s=cfg.tool_timeout_s, max_output_chars=cfg.tool_max_output_chars)
