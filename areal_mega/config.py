@@ -231,8 +231,10 @@ def yaml_error_line(e: yaml.YAMLError) -> str:
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
-def load_dict(path: str | Path | None = None, overrides: list[str] | None = None) -> tuple[dict, str]:
-    """YAML file (optional) + dotted overrides -> (plain dict, error-message prefix)."""
+def load_dict(path: str | Path | None = None, overrides: list[str] | None = None, *,
+              _seen: tuple = ()) -> tuple[dict, str]:
+    """YAML file (optional) + dotted overrides -> (plain dict, error-message prefix). A file's
+    top-level ``base: other.yaml`` loads that file first and this one's keys over it."""
     data: dict = {}
     where = ""
     if path is not None:
@@ -246,6 +248,11 @@ def load_dict(path: str | Path | None = None, overrides: list[str] | None = None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
         data = loaded or {}
+        if "base" in data:  # this file's keys over another's (relative to this file's folder)
+            base = Path(path).parent / str(data.pop("base"))
+            if any(base.resolve() == Path(p).resolve() for p in (*_seen, path)):
+                raise ConfigError(f"{path}: base: {base} makes a cycle of base files")
+            data = _merge(load_dict(base, _seen=(*_seen, path))[0], data)
     if overrides:
         data = _merge(data, parse_overrides(overrides))
         where = f"{path or 'command line'} (with overrides): "

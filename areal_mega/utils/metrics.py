@@ -21,7 +21,9 @@ class Metrics:
     def __init__(self, log_dir: str | None, *, enabled: bool = True, echo: bool = True,
                  jsonl_path: str | None = None) -> None:
         self._writer = None
-        self._jsonl = open(jsonl_path, "a") if (enabled and jsonl_path) else None
+        # Opened at the first commit: a resumed run first moves the records past its checkpoint out.
+        self._jsonl_path = jsonl_path if enabled else None
+        self._jsonl = None
         self._enabled = enabled
         self._echo = echo
         self._pending: dict[str, float] = {}
@@ -59,6 +61,8 @@ class Metrics:
                     if counts:
                         self._write_histogram(k, counts, step)
                 self._writer.flush()
+            if self._jsonl is None and self._jsonl_path:
+                self._jsonl = open(self._jsonl_path, "a")
             if self._jsonl is not None:
                 self._jsonl.write(json.dumps({"step": step, **row}) + "\n")
                 self._jsonl.flush()
