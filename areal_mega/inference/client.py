@@ -204,7 +204,7 @@ class InferencePool(InferenceEngine):
         self._membership = asyncio.Event()  # pulsed when a server (re)joins the rotation
         self._generate_timeout = aiohttp.ClientTimeout(total=ccfg.request_timeout_s,
                                                        sock_connect=ccfg.connect_timeout_s)
-        # Counters for benchmarks and tests.
+        # Counters that benchmarks and tests read
         self.num_submitted = 0
         self.num_completed = 0
         self.num_interruptions = 0
