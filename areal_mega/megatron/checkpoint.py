@@ -18,8 +18,7 @@ On disk, one directory:
   checkpoint is also a weights checkpoint. The optimizer (when saved) is ``fully_reshardable``.
 * ``areal_mega.json`` (:data:`METADATA_FILE`), the metadata, written LAST (temp file + rename)::
 
-      format            "areal_mega.checkpoint.v2" (FORMAT; v1 = the older weights-only format,
-                        still read)
+      format            "areal_mega.checkpoint.v2" (FORMAT; no other version is read)
       role              "policy" (an LM: exportable to HF) or "critic" (value head, not exportable)
       contents          ["model"] or ["model", "optimizer"]
       model_type, hf_config, dtype, padded_vocab_size, layer_spec   -- rebuild the model
@@ -75,8 +74,6 @@ METADATA_FILE = "areal_mega.json"
 """The metadata file of every areal_mega megatron checkpoint (its presence = complete)."""
 FORMAT = "areal_mega.checkpoint.v2"
 """Format version written by :func:`save_checkpoint`."""
-_FORMAT_V1 = "areal_mega.mcore_weights.v1"  # weights only, no role/contents/train_state: still read
-_LEGACY_TRAINER_FILE = "areal_meta.json"  # the trainer's old second format (no longer read)
 LATEST = "latest"
 """Name of the symlink to the newest checkpoint in a run's checkpoint directory."""
 _STEP_DIR = re.compile(r"^step(\d+)$")
@@ -113,9 +110,6 @@ def read_metadata(path: str | Path, *, role: str | None = None, training: bool =
         raise CheckpointError(f"checkpoint: {path} is not a directory")
     p = path / METADATA_FILE
     if not p.is_file():
-        if (path / _LEGACY_TRAINER_FILE).is_file():
-            raise CheckpointError(f"checkpoint: {path} was written by an older trainer ({_LEGACY_TRAINER_FILE}, "
-                                  f"no {METADATA_FILE}); that format is no longer read")
         if (path / LATEST).exists() or any(_STEP_DIR.match(c.name) for c in path.iterdir()):
             raise CheckpointError(f"checkpoint: {path} is a run's checkpoint directory, not a checkpoint; "
                                   f"pass {path / LATEST} or one of its step directories")
@@ -128,9 +122,7 @@ def read_metadata(path: str | Path, *, role: str | None = None, training: bool =
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint: {p} is not a JSON object")
     fmt = meta.get("format")
-    if fmt == _FORMAT_V1:
-        meta = {"role": "policy", "contents": ["model"], "layer_spec": None, "train_state": None, "extra": {}, **meta}
-    elif fmt != FORMAT:
+    if fmt != FORMAT:
         raise CheckpointError(f"checkpoint: {p} has format {fmt!r}; this version of areal_mega reads {FORMAT!r}")
     if role is not None and meta.get("role") != role:
         raise CheckpointError(f"checkpoint: {path} holds a {meta.get('role')} model, not a {role} one")
