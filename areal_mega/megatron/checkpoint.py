@@ -1,45 +1,13 @@
 """The one checkpoint format of areal_mega: megatron distributed checkpoints plus ONE metadata file.
 
-Every megatron checkpoint this project writes -- the trainer's ``checkpoints/stepNNNNNN`` (actor,
-and its ``critic/``), :meth:`MegatronTrainEngine.save`, ``tools/convert_hf_to_mcore.py`` -- is
-written by :func:`save_checkpoint` and read through :func:`read_metadata`; the conversion tools
-and the trainer's resume read nothing else.
-
     save_checkpoint(model, "ckpt/step_10", step=10, version=10, source_hf_dir=hf_dir)   # weights
     engine.save("ckpt/step_10")                       # + optimizer + LR schedule (same function)
     model = build_model_from_checkpoint("ckpt/step_10", groups)   # another TP/PP is fine
     load_checkpoint(model, "ckpt/step_10")            # weights of either kind
 
-On disk, one directory:
-
-* megatron's ``torch_dist`` files (``*.distcp``, ``common.pt``, ``.metadata``, megatron's own
-  ``metadata.json``): each rank writes its shards, keys are global, so a TP2 checkpoint loads at
-  PP2. Model tensors live under the same keys with or without optimizer state, so a training
-  checkpoint is also a weights checkpoint. The optimizer (when saved) is ``fully_reshardable``.
-* ``areal_mega.json`` (:data:`METADATA_FILE`), the metadata, written LAST (temp file + rename)::
-
-      format            "areal_mega.checkpoint.v2" (FORMAT; no other version is read)
-      role              "policy" (an LM: exportable to HF) or "critic" (value head, not exportable)
-      contents          ["model"] or ["model", "optimizer"]
-      model_type, hf_config, dtype, padded_vocab_size, layer_spec   -- rebuild the model
-      source_hf_dir     the HF directory the weights started from (tokenizer files on export)
-      saved_layout      e.g. "dp=1 pp=1 cp=1 tp=2"
-      step, version     trainer step and policy (engine) version
-      train_state       null, or {"num_steps": optimizer steps, "lr_scheduler": megatron's
-                        OptimizerParamScheduler.state_dict()}  -- with contents "optimizer"
-      extra             the caller's (the trainer: model_path, critic subdirectory)
-
-The trainer's run checkpoint (``areal_mega.trainer.run_state``) adds the rest of the run's
-state into the same staging directory (:func:`staged`), so it is part of the same commit.
-
-A half-written checkpoint is never loaded: :func:`save_checkpoint` (and the trainer's
-``save_run_checkpoint``) write into ``.<name>.partial`` next to the target and rank 0
-renames it into place after a barrier; a directory without ``areal_mega.json`` is incomplete.
-``latest`` is a relative symlink replaced by rename. Resume (:func:`find_resume_checkpoint`)
-takes the newest complete ``stepNNNNNN`` and skips incomplete ones.
-
-Trap (megatron-core 0.16.1): save starts a spawn-context multiprocessing Manager that re-imports
-``__main__``; every script that saves must be guarded by ``if __name__ == "__main__":``.
+Invariant: ``areal_mega.json`` (one writer, one reader) is written LAST, into a staged
+``.<name>.partial`` renamed into place, so a directory without it is incomplete and never loaded.
+Fields, resume, traps: docs/checkpoints.md.
 """
 
 from __future__ import annotations
