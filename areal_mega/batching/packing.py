@@ -6,7 +6,7 @@ padded to the longest), plus per-token [T] and per-sequence [B] fields.
 Invariant: the plan (DP split, then micro-batches under ``max_tokens_per_microbatch``, the same
 count on every DP rank) is a deterministic function of the sequence lengths, so every rank
 computes it without communicating; :func:`scatter_to_batch` restores the batch order.
-Algorithm, fillers, alignment: docs/engine.md#packing.
+Algorithm, fillers, alignment: docs/engine.md ("Packing").
 """
 
 from __future__ import annotations
