@@ -1,8 +1,8 @@
 """Sandboxed execution of untrusted (model-written) Python code.
 
     sandbox = Sandbox(SandboxConfig())                 # refuses if namespaces are unavailable
-    res = await sandbox.run("print(input())", stdin="hi\n")
-    res.reason, res.stdout                              # "ok", "hi\n"
+    res = await sandbox.run("print(input())", stdin="hi\\n")
+    res.reason, res.stdout                              # "ok", "hi\\n"
     sandbox.close()
 
 The code never runs in the trainer's process or as its child, and the verdict is never read
