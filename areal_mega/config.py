@@ -115,10 +115,7 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
 def _build(cls: type[T], data: dict, prefix: str, where: str) -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    moved: dict[str, str] = getattr(cls, "MOVED_KEYS", {})
     for k in data:
-        if k not in fields and k in moved:
-            raise ConfigError(f"{where}{prefix}{k}: this key is gone; {moved[k]}")
         if k not in fields:
             known = ", ".join(sorted(fields))
             raise ConfigError(f"{where}unknown key '{prefix}{k}' (known keys here: {known})")

@@ -70,27 +70,12 @@ def test_metadata_one_file_one_writer_one_reader(tmp_path):
     assert read_metadata(d, role="policy", training=True) == meta
 
 
-def test_v1_weights_only_metadata_is_still_read(tmp_path):
-    d = tmp_path / "v1"
-    d.mkdir()
-    (d / METADATA_FILE).write_text(json.dumps({"format": "areal_mega.mcore_weights.v1", "model_type": "llama",
-                                               "hf_config": {}, "dtype": "float32", "padded_vocab_size": 128,
-                                               "step": 0, "version": 0, "source_hf_dir": None, "saved_layout": ""}))
-    meta = read_metadata(d)
-    assert meta["role"] == "policy" and meta["contents"] == ["model"] and meta["train_state"] is None
-    with pytest.raises(CheckpointError, match="weights only"):
-        read_metadata(d, training=True)
-
-
 def test_metadata_errors_are_one_line_naming_the_path(tmp_path):
     cases = {}
     cases["missing"] = tmp_path / "nope"
     (tmp_path / "file").write_text("x")
     cases["not a directory"] = tmp_path / "file"
     cases["has no areal_mega.json"] = _ckpt(tmp_path / "incomplete", complete=False)
-    legacy = _ckpt(tmp_path / "legacy", complete=False)
-    (legacy / "areal_meta.json").write_text(json.dumps({"step": 1}))
-    cases["older trainer"] = legacy
     bad = _ckpt(tmp_path / "badjson", complete=False)
     (bad / METADATA_FILE).write_text("{half")
     cases["unreadable"] = bad

@@ -394,7 +394,7 @@ def test_mode_values():
 
     for mode in ("reshard", "broadcast", "disk"):
         WeightSyncConfig(mode=mode, disk_dir="d").validate()
-    with pytest.raises(ValueError, match="'distributed' is now 'broadcast'"):
+    with pytest.raises(ValueError, match="mode: 'distributed' is not one of reshard, broadcast, disk"):
         WeightSyncConfig(mode="distributed").validate()
 
 

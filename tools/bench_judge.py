@@ -4,7 +4,7 @@ real SGLang CPU server, N concurrent requests at a time.
     PYTHONPATH=. $L/bin/python tools/bench_judge.py --sglang-python $S/bin/python [--model-path DIR]
         [--num-requests 256] [--max-concurrent 64] [--max-new-tokens 8]
 
-Without --model-path it builds the tests' hand-wired tiny judge (tests/support/models.py
+Without --model-path it builds the hand-wired tiny judge the tests use (areal_mega/demo/models.py
 ``save_verdict_judge``: Qwen2, 1 layer, hidden 128, BPE vocab 512; outputs "Score: N"). Prints
 one JSON line: requests/s over the timed batch (after one warm-up request), outcome counts by
 reason, the mean request latency (slot acquired -> verdict parsed; waiting for one of the
@@ -33,7 +33,7 @@ def measure_judge(sglang_python: str, *, model_path: str = "", num_requests: int
     work = Path(tempfile.mkdtemp(prefix="bench-judge-"))
     model = model_path
     if not model:
-        from tests.support.models import save_verdict_judge
+        from areal_mega.demo.models import save_verdict_judge
 
         model = str(save_verdict_judge(work / "judge"))
     cfg = from_dict(JudgeConfig, {

@@ -262,7 +262,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from areal_mega.megatron.parallel_state import init_process_group_for_script
-    from tests.support.models import save_tiny_model
+    from areal_mega.demo.models import save_tiny_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="also write the JSON lines here")

@@ -1,39 +1,12 @@
 """Sequence packing and token-budget micro-batching (pure logic; no process groups).
 
-A *packed batch* is a dict of flat tensors holding B variable-length sequences back to back,
-never padded to the longest one::
+A *packed batch*: ``input_ids`` [T] and ``cu_seqlens`` [B + 1] (sequences back to back, never
+padded to the longest), plus per-token [T] and per-sequence [B] fields.
 
-    input_ids   [T]      int64, T = sum of the sequence lengths
-    cu_seqlens  [B + 1]  int64 (int32 accepted), cu_seqlens[0] = 0, cu_seqlens[-1] = T
-    <field>     [T]      any per-token field (loss_mask, logprobs, advantages, versions, ...)
-    <field>     [B]      per-sequence fields are allowed too (e.g. rewards); they follow
-                         their sequences into micro-batches
-
-Planning splits the batch in two steps, both deterministic functions of the sequence lengths
-only, so every rank computes the same plan from the same batch without communicating:
-
-1. data-parallel split: sequences are dealt to the ``dp`` ranks, longest first, each to the
-   rank with the fewest tokens so far (LPT), which balances tokens per rank;
-2. micro-batches per rank under a token budget (``max_tokens_per_microbatch``): the count
-   comes from first-fit-decreasing bin packing, the assignment from "worst-fit decreasing"
-   into that many bins (longest first, into the least filled one with room) for balance. Then the micro-batch count is raised to
-   the maximum over DP ranks (megatron's schedules run the same number of micro-batches on
-   every DP rank, or the gradient all-reduce deadlocks) and each rank re-packs into exactly
-   that many (more bins only ever make room, so this terminates at once).
-
-A sequence longer than the budget gets a micro-batch of its own (it is never split: the
-model needs all of a sequence's tokens in one forward). A DP rank that has fewer sequences
-than the common micro-batch count gets *filler* micro-batches: one pad token (id 0, every
-per-token field 0, so a 0 loss mask) that contributes nothing to losses or outputs.
-
-Original order stays recoverable: every :class:`MicroBatch` keeps ``seq_indices`` (positions
-in the input batch); :func:`scatter_to_batch` writes per-micro-batch outputs back to the
-batch's flat layout.
-
-Alignment convention (TrainEngine contract): per-token model outputs are "next-token" aligned:
-``out[i]`` is the log-prob of ``input_ids[i + 1]`` given tokens ``<= i``, and the last token of
-each sequence has 0. Trajectory fields are "this-token" aligned (``logprobs[i]`` is the
-behaviour log-prob *of* token i). :func:`shift_to_next_token` converts the latter to the former.
+Invariant: the plan (DP split, then micro-batches under ``max_tokens_per_microbatch``, the same
+count on every DP rank) is a deterministic function of the sequence lengths, so every rank
+computes it without communicating; :func:`scatter_to_batch` restores the batch order.
+Algorithm, fillers, alignment: docs/engine.md ("Packing").
 """
 
 from __future__ import annotations

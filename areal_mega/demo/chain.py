@@ -2,23 +2,10 @@
 
     python -m areal_mega.demo.chain --out runs/chain   # model/ (tiny Qwen2, character tokenizer), data/
 
-A prompt is a chain of ``num_steps`` single-digit additions / subtractions, ``Q:5+3-4+2=?A:``; the
-completion rewrites it one operation at a time, steps joined by "=", the last step the answer:
-``8-4+2=4+2=6`` (the demo's character tokenizer drops spaces, so "=" is the step delimiter).
-Every true intermediate value lies in [0, 6], so each step is one single-digit operation plus a
-copy of the rest (what the two-layer demo model can learn).
-
-* ``chain_reward`` is both rewards: on a finished completion the outcome (its last step is the
-  true answer), on a step prefix (``reward.step_scoring: prefix``, steps cut after each "=")
-  whether that step is right *given the step before it as written* -- so a chain whose first
-  step is wrong gets step scores 0, 1, 0 (the last step is the answer) and outcome 0: the
-  outcome only says that something went wrong, the steps say where.
-* ``sft.jsonl``: demonstrations where each step's first operation is written one too high with
-  probability ``sft_noise`` (0.6; the error carries into the later steps, which compute from the
-  written value), so the SFT'd model is usually wrong (measured after 250 SFT steps, sampled:
-  22% right steps, 13% right answers -- some by errors that cancel; greedy: 7%).
-
-tools/process_reward_lm.py trains it with outcome rewards only vs outcome + process rewards.
+``Q:5+3-4+2=?A:`` is answered one operation per step, steps joined by "=": ``8-4+2=4+2=6``.
+``chain_reward`` is the outcome on a finished completion and, on a step prefix, whether that
+step is right given the step before it as written. tools/process_reward_lm.py trains it with
+outcome rewards only vs outcome + process rewards; the task and the run: docs/algorithms.md.
 """
 
 from __future__ import annotations

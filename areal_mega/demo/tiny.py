@@ -43,26 +43,16 @@ def build_model(out_dir: Path, *, num_layers: int = 2, hidden: int = 128, vocab_
                 seed: int = 0, family: str = "qwen2") -> None:
     """``family`` "qwen2" (dense, MLP 4h) or "qwen3_moe" (QK-norm, 8 experts of h, top-2
     renormalised; active MLP width 2h, half the dense one): the MoE path end to end."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from areal_mega.demo.models import save_tiny_model
 
     if family not in MODELS:
         raise ValueError(f"--model: {family!r} is not one of {MODELS}")
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 4,
-        num_hidden_layers=num_layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=256,
-        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-    )
-    if family == "qwen3_moe":
-        cfg = Qwen3MoeConfig(**common, moe_intermediate_size=hidden, num_experts=8, num_experts_per_tok=2,
-                             norm_topk_prob=True)
-        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common)).to(torch.bfloat16)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
+    moe = dict(moe_intermediate_size=hidden, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    save_tiny_model(out_dir, family, dtype="bfloat16", seed=seed, vocab_size=vocab_size, hidden_size=hidden,
+                    intermediate_size=hidden * 4, num_hidden_layers=num_layers, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=256,
+                    bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                    **(moe if family == "qwen3_moe" else {}))
 
 
 def exact_answer(prompt: str, completion: str, data: dict) -> float:
@@ -102,6 +92,18 @@ def write_data(out_dir: Path, *, max_operand: int, num_test: int, num_sft: int, 
                 f.write(json.dumps(r) + "\n")
 
 
+def make_tiny(out: Path, *, num_layers: int, hidden: int, family: str, max_operand: int, num_test: int, num_sft: int,
+              sft_noise: float, seed: int) -> tuple[Path, Path]:
+    """``out/model`` (tokenizer + model) and ``out/data`` (train/test/sft jsonl); returns both."""
+    out = Path(out)
+    (out / "model").mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out / "model")
+    build_model(out / "model", num_layers=num_layers, hidden=hidden, seed=seed, family=family)
+    write_data(out / "data", max_operand=max_operand, num_test=num_test, num_sft=num_sft, sft_noise=sft_noise,
+               seed=seed)
+    return out / "model", out / "data"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -114,13 +116,10 @@ def main() -> None:
     ap.add_argument("--sft-noise", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    out = Path(args.out)
-    (out / "model").mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out / "model")
-    build_model(out / "model", num_layers=args.num_layers, hidden=args.hidden, seed=args.seed, family=args.model)
-    write_data(out / "data", max_operand=args.max_operand, num_test=args.num_test, num_sft=args.num_sft,
-               sft_noise=args.sft_noise, seed=args.seed)
-    print(json.dumps({"model": str(out / "model"), "data": str(out / "data")}))
+    model, data = make_tiny(Path(args.out), num_layers=args.num_layers, hidden=args.hidden, family=args.model,
+                            max_operand=args.max_operand, num_test=args.num_test, num_sft=args.num_sft,
+                            sft_noise=args.sft_noise, seed=args.seed)
+    print(json.dumps({"model": str(model), "data": str(data)}))
 
 
 if __name__ == "__main__":

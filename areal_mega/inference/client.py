@@ -1,30 +1,14 @@
 """Async client for a pool of SGLang servers: the ``InferenceEngine`` the rollout side uses.
 
-Dataflow (one asyncio event loop; every rollout coroutine calls ``agenerate``)::
-
     workflows --agenerate(req)--> InferencePool --POST /generate--> server with least in-flight
-        ^                              |   finish_reason "abort" (pause / weight update):
-        |                              |     wait while paused, resubmit prompt + tokens so far
-        |                              |     with max_new_tokens reduced; keep their versions
-        |                              |   connection error / 5xx / timeout: mark server down,
-        |                              |     retry elsewhere from the tokens already returned
+        ^                              |  abort (pause / weight update): wait, resubmit prompt + tokens so far
+        |                              |  connection error / 5xx / timeout: mark down, retry elsewhere
         +------ GenerationResult <-----+
                                    health monitor --> restart (managed) --> resync(server) --> rotation
 
-Invariants:
-* every ``agenerate`` call returns exactly one result (or raises after ``max_retries`` failures);
-  ``output_ids``, ``output_logprobs`` and ``output_versions`` always have equal length;
-* ``output_versions[i]`` is the ``weight_version`` the server reported for token i (SGLang's
-  per-token ``weight_versions`` spans), so a request interrupted by a weight update has mixed
-  versions and never claims a newer policy than the one that sampled a token;
-* a server takes traffic only while ``handle.healthy``; a restarted server becomes healthy only
-  after ``resync`` brought it to the pool's current version.
-
-Every call is built by ``inference.sglang_api`` (the one route table, shared with weight sync);
-capabilities come from its one detection. Weight sync talks to the servers itself (blocking
-``SGLangClient``, from its sender threads, which may live on other learner ranks than the pool);
-the pool only pauses/continues generation around it. The version it reads is the rollout
-service's counter (``PolicyVersion``), moved by the service after each sync.
+Invariants: one result per ``agenerate`` (or a raise after ``max_retries``); ``output_versions[i]``
+is the weight version that sampled token i; a restarted server takes traffic only after
+``resync``. Every call is built by ``inference.sglang_api``. More: docs/inference.md.
 """
 
 from __future__ import annotations
@@ -204,7 +188,7 @@ class InferencePool(InferenceEngine):
         self._membership = asyncio.Event()  # pulsed when a server (re)joins the rotation
         self._generate_timeout = aiohttp.ClientTimeout(total=ccfg.request_timeout_s,
                                                        sock_connect=ccfg.connect_timeout_s)
-        # Counters for benchmarks and tests.
+        # Counters that benchmarks and tests read
         self.num_submitted = 0
         self.num_completed = 0
         self.num_interruptions = 0

@@ -1,27 +1,8 @@
 """The SGLang HTTP API in one place: every route areal_mega calls, its request body, and what a
 server supports. The inference pool (async, ``inference.client.ServerHandle``) and weight sync
 (blocking, :class:`SGLangClient`, from sender threads that also drive collectives) both build
-their calls here, so a change of SGLang's API is one edit.
-
-Bodies follow SGLang 0.5.23's ``io_struct`` (verified on CPU, see docs/inference.md):
-
-    route                              body
-    POST /generate                     input_ids, sampling_params, return_logprob, rid
-    POST /classify                     input_ids -> embedding [num_labels] (servers started --is-embedding:
-                                       sequence-classification / reward models, last-token pooling)
-    POST /pause_generation             mode: "abort" | "retract" | "in_place"
-    POST /continue_generation          {}
-    GET  /health                       -> 200 once serving (runs a one-token generation)
-    GET  /model_info                   -> model_path, weight_version, ...
-    GET  /server_info                  -> version, tp_size, dtype, ...
-    GET  /openapi.json                 -> paths (the authoritative route list)
-    POST /init_weights_update_group    master_address, master_port, rank_offset, world_size, group_name, backend
-    POST /begin_weight_update          {}   (0.5.23+: distributed/tensor updates must sit inside begin/end)
-    POST /update_weights_from_distributed  names, dtypes, shapes, group_name, flush_cache, weight_version, load_format
-    POST /end_weight_update            {}
-    POST /update_weights_from_tensor   serialized_named_tensors (one per TP rank), load_format, flush_cache, weight_version
-    POST /update_weights_from_disk     model_path, weight_version, flush_cache
-    POST /destroy_weights_update_group group_name
+their calls here, so a change of SGLang's API is one edit. Bodies follow SGLang 0.5.23's
+``io_struct``; the route table: docs/inference.md ("The SGLang HTTP API").
 """
 
 from __future__ import annotations

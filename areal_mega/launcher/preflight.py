@@ -1,23 +1,9 @@
 """Checks before anything starts: every setting a run needs that can be wrong, in seconds.
 
-A wrong path, interpreter or function name must fail in the launcher's first seconds with one
-line naming the key, not minutes later as a server's traceback (or twice, after a restart):
-
-* ``model_path`` (and ``inference.server.model_path``): a directory with a readable config.json;
-* the tokenizer's chat template, when the workflow renders chats (``workflow.kind: agent``,
-  ``data.template: chat``);
-* the engine interpreter (``inference.server.python``, or ``--engine-python``) exists, runs and
-  finds ``sglang``; the learner interpreter (the launcher's own, from the learner virtualenv)
-  finds ``torch``, ``megatron.core`` and ``transformers`` (found, not imported: a check costs
-  ~0.1 s);
-* data files (``data.path``, ``eval_data.path``);
-* reward functions (``reward.function``, composite components), the agent (``workflow.agent``)
-  and user tools (``workflow.tools[i].function``) import.
-
-:func:`preflight` returns one line per check for the dry run and raises :class:`PreflightError`
-(a ValueError: the launcher prints it as one line and exits 2) at the first failure. Planning a
-Slurm job away from its cluster (``--dry-run --nodelist ...`` on a laptop) cannot see the
-cluster's files: the file checks then say "not checked here" instead of failing.
+A wrong path, interpreter or function name fails in the launcher's first seconds with one line
+naming the key, not minutes later as a server's traceback. :func:`preflight` returns one line per
+check for the dry run and raises :class:`PreflightError` (a ValueError: the launcher prints it as
+one line and exits 2) at the first failure. What is checked: docs/launch.md ("Before anything starts").
 """
 
 from __future__ import annotations

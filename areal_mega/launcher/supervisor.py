@@ -1,20 +1,11 @@
 """Run a :class:`LaunchPlan`: engines first, learners once engines are up, then watch.
 
-    start engines ──> wait for every address file (or the engine's death) ──> engines.json
-         │                                                                        │
-         │                               start learners (torchrun per node) <─────┘
-         ▼
-    poll every poll_interval_s:
-      a learner node exits != 0  -> print that rank's log tail, stop everything, exit non-zero
-      all learner nodes exit 0   -> stop engines, exit 0
-      an engine exits            -> log it and keep going (the inference pool fails over)
-    SIGUSR1 / SIGTERM (time-limit warning, preemption): create the trainer's stop file, wait up to
-      launch.preempt_grace_s for the learners to checkpoint and exit, stop everything, exit
-      EXIT_REQUEUE (75) -- launch/*.sh requeue the job on it; SIGINT: stop everything at once
+    start engines -> wait for every address file -> engines.json -> start learners (torchrun per node)
+    poll: a learner node fails -> stop everything, exit non-zero; all learners exit 0 -> stop engines, 0;
+          an engine exits -> log it, go on; SIGUSR1 / SIGTERM -> stop file, grace, EXIT_REQUEUE (75)
 
-Where processes run is the :class:`Runner`'s business (srun steps or local process groups);
-this loop is the same for both. Whatever happens -- including SIGTERM from ``scancel`` or
-Ctrl-C -- every started process is stopped through the runner before ``supervise`` returns.
+Whatever happens, every started process is stopped through the :class:`Runner` (srun steps or
+local process groups) before ``supervise`` returns. The full loop: docs/launch.md ("The pieces").
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """The project's core attention for megatron-core's local layer spec (CPU, or GPU without TE).
 
-megatron-core 0.16.1's local ``DotProductAttention`` takes one head size (``kv_channels``), so
-``MLASelfAttention`` -- which hands its core attention ``k_channels`` (q/k head size, nope + rope)
-and ``v_channels`` -- fails at construction (TypeError), and it asserts
-``packed_seq_params is None``. :class:`CoreAttention` is a drop-in replacement, plugged in
-through the layer spec (:func:`with_core_attention`):
-
-* any q/k head size and any v head size (MLA: 192 / 128 on DeepSeek-V3), GQA by repeating K/V;
-* masks: megatron's boolean ``attention_mask`` (True = masked, [b|1, 1, sq, sk]); causal when
-  no mask is given; or packed THD sequences from ``PackedSeqParams`` (``cu_seqlens_q`` /
-  ``cu_seqlens_kv``): a block-diagonal causal mask built by :func:`block_causal_mask`;
-* exact: the same operations in the same order as ``DotProductAttention`` (baddbmm with the
-  softmax scale, megatron's ``FusedScaleMaskSoftmax`` torch path with -10000 fill, fp32 softmax,
-  bmm) -- so where both run, the outputs are bit-identical (tests/test_core_attention.py).
-
-Context parallelism (``context_parallel_size > 1``, the "all_gather" kind): each CP rank holds
-some query rows of every packed sequence (megatron's load-balanced THD split,
-megatron/context_parallel.py); K and V are all-gathered over the CP group
-(:func:`~areal_mega.megatron.context_parallel.all_gather_sequence`: the backward reduce-scatters
-dK / dV) and the mask is computed from *global* token indices (``q_index`` / ``k_index`` in
-:func:`block_causal_mask`, over ``cu_seqlens_q_padded``), so every rank gets exactly the
-per-sequence causal attention of its rows. Pads sit at the end of their sequence: causally no
-real token sees them. Memory: the gathered K/V [cp * t, groups, d] and the scores
-[heads, t, cp * t] per layer (docs/context_parallel.md).
+:class:`CoreAttention` replaces megatron's local ``DotProductAttention`` through the layer spec
+(:func:`with_core_attention`): any q/k and v head sizes (MLA), GQA, boolean or packed-THD causal
+masks (:func:`block_causal_mask`), and under context parallelism K/V all-gathered over the CP
+group with masks on global token indices. Invariant: the same operations in the same order as
+``DotProductAttention``, so where both run the outputs are bit-identical. Why and how:
+docs/engine.md, docs/context_parallel.md.
 """
 
 from __future__ import annotations

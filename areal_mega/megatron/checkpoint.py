@@ -1,46 +1,13 @@
 """The one checkpoint format of areal_mega: megatron distributed checkpoints plus ONE metadata file.
 
-Every megatron checkpoint this project writes -- the trainer's ``checkpoints/stepNNNNNN`` (actor,
-and its ``critic/``), :meth:`MegatronTrainEngine.save`, ``tools/convert_hf_to_mcore.py`` -- is
-written by :func:`save_checkpoint` and read through :func:`read_metadata`; the conversion tools
-and the trainer's resume read nothing else.
-
     save_checkpoint(model, "ckpt/step_10", step=10, version=10, source_hf_dir=hf_dir)   # weights
     engine.save("ckpt/step_10")                       # + optimizer + LR schedule (same function)
     model = build_model_from_checkpoint("ckpt/step_10", groups)   # another TP/PP is fine
     load_checkpoint(model, "ckpt/step_10")            # weights of either kind
 
-On disk, one directory:
-
-* megatron's ``torch_dist`` files (``*.distcp``, ``common.pt``, ``.metadata``, megatron's own
-  ``metadata.json``): each rank writes its shards, keys are global, so a TP2 checkpoint loads at
-  PP2. Model tensors live under the same keys with or without optimizer state, so a training
-  checkpoint is also a weights checkpoint. The optimizer (when saved) is ``fully_reshardable``.
-* ``areal_mega.json`` (:data:`METADATA_FILE`), the metadata, written LAST (temp file + rename)::
-
-      format            "areal_mega.checkpoint.v2" (FORMAT; v1 = the older weights-only format,
-                        still read)
-      role              "policy" (an LM: exportable to HF) or "critic" (value head, not exportable)
-      contents          ["model"] or ["model", "optimizer"]
-      model_type, hf_config, dtype, padded_vocab_size, layer_spec   -- rebuild the model
-      source_hf_dir     the HF directory the weights started from (tokenizer files on export)
-      saved_layout      e.g. "dp=1 pp=1 cp=1 tp=2"
-      step, version     trainer step and policy (engine) version
-      train_state       null, or {"num_steps": optimizer steps, "lr_scheduler": megatron's
-                        OptimizerParamScheduler.state_dict()}  -- with contents "optimizer"
-      extra             the caller's (the trainer: model_path, critic subdirectory)
-
-The trainer's run checkpoint (``areal_mega.trainer.run_state``) adds the rest of the run's
-state into the same staging directory (:func:`staged`), so it is part of the same commit.
-
-A half-written checkpoint is never loaded: :func:`save_checkpoint` (and the trainer's
-``save_run_checkpoint``) write into ``.<name>.partial`` next to the target and rank 0
-renames it into place after a barrier; a directory without ``areal_mega.json`` is incomplete.
-``latest`` is a relative symlink replaced by rename. Resume (:func:`find_resume_checkpoint`)
-takes the newest complete ``stepNNNNNN`` and skips incomplete ones.
-
-Trap (megatron-core 0.16.1): save starts a spawn-context multiprocessing Manager that re-imports
-``__main__``; every script that saves must be guarded by ``if __name__ == "__main__":``.
+Invariant: ``areal_mega.json`` (one writer, one reader) is written LAST, into a staged
+``.<name>.partial`` renamed into place, so a directory without it is incomplete and never loaded.
+Fields, resume, traps: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -75,8 +42,6 @@ METADATA_FILE = "areal_mega.json"
 """The metadata file of every areal_mega megatron checkpoint (its presence = complete)."""
 FORMAT = "areal_mega.checkpoint.v2"
 """Format version written by :func:`save_checkpoint`."""
-_FORMAT_V1 = "areal_mega.mcore_weights.v1"  # weights only, no role/contents/train_state: still read
-_LEGACY_TRAINER_FILE = "areal_meta.json"  # the trainer's old second format (no longer read)
 LATEST = "latest"
 """Name of the symlink to the newest checkpoint in a run's checkpoint directory."""
 _STEP_DIR = re.compile(r"^step(\d+)$")
@@ -113,9 +78,6 @@ def read_metadata(path: str | Path, *, role: str | None = None, training: bool =
         raise CheckpointError(f"checkpoint: {path} is not a directory")
     p = path / METADATA_FILE
     if not p.is_file():
-        if (path / _LEGACY_TRAINER_FILE).is_file():
-            raise CheckpointError(f"checkpoint: {path} was written by an older trainer ({_LEGACY_TRAINER_FILE}, "
-                                  f"no {METADATA_FILE}); that format is no longer read")
         if (path / LATEST).exists() or any(_STEP_DIR.match(c.name) for c in path.iterdir()):
             raise CheckpointError(f"checkpoint: {path} is a run's checkpoint directory, not a checkpoint; "
                                   f"pass {path / LATEST} or one of its step directories")
@@ -128,9 +90,7 @@ def read_metadata(path: str | Path, *, role: str | None = None, training: bool =
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint: {p} is not a JSON object")
     fmt = meta.get("format")
-    if fmt == _FORMAT_V1:
-        meta = {"role": "policy", "contents": ["model"], "layer_spec": None, "train_state": None, "extra": {}, **meta}
-    elif fmt != FORMAT:
+    if fmt != FORMAT:
         raise CheckpointError(f"checkpoint: {p} has format {fmt!r}; this version of areal_mega reads {FORMAT!r}")
     if role is not None and meta.get("role") != role:
         raise CheckpointError(f"checkpoint: {path} holds a {meta.get('role')} model, not a {role} one")

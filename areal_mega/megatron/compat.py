@@ -2,18 +2,9 @@
 device (the CPU-only CUDA shims are :mod:`areal_mega.megatron.cpu_compat`, same rules).
 
 Each workaround is one :class:`Entry` in :data:`ENTRIES`: the symptom, the megatron-core versions
-it applies to (a PEP 440 specifier, checked against the installed version -- a workaround is
-applied only there, never tried and caught) and the test that shows it. The functions below do
-nothing where their entry does not apply. Verified on megatron-core 0.16.1 (the default tier) and
-0.19.2 (``make test-mcore-latest``); each entry's range and how it was found (run without it /
-read upstream's source) is in docs/environments.md#megatron-core-compat-registry. On an upgrade:
-run ``make test-mcore-latest`` with the new pin, then each entry's test with the entry's range
-narrowed to exclude the new version; an entry whose test still passes ends its range there.
-
-Not a workaround, noted for upgrades: the engine saves the optimizer with
-``distrib_optim_sharding_type="fully_reshardable"`` (needed to reshard across layouts anyway);
-megatron's default, ``fully_sharded_model_space``, uses ``flattened_range``, which 0.16.1's
-dist_checkpointing rejects. Entry 2 lives on that fully_reshardable load path.
+it applies to (a PEP 440 specifier; applied only there, never tried and caught) and the test that
+shows it. Ranges, how each was found, the upgrade procedure:
+docs/environments.md#megatron-core-compat-registry.
 """
 
 from __future__ import annotations

@@ -5,18 +5,8 @@
     out = chunk(ids, pos, None, packed_seq_params=packed_seq_params(shard, dev, cp_group))
     lp = gather_tokens(lp_local, shard, cp_group)    # [T] row order, same on every CP rank
 
-The split (every sequence in 2 x cp chunks, rank r holding chunks r and 2cp-1-r) is megatron's
-and transformer-engine's THD split; RoPE follows it inside megatron's attention
-(``_apply_rotary_pos_emb_thd`` with the CP group and ``cu_seqlens_q_padded``). Attention across
-the chunks: transformer-engine's (``cp_comm_type``) with the TE spec; on the local spec the
-project's :class:`~areal_mega.megatron.attention.CoreAttention`, which all-gathers K/V over the
-CP group (:func:`all_gather_sequence`, whose backward reduce-scatters dK/dV to their owners) and
-masks with the GLOBAL token indices of its queries and of the gathered keys.
-
-Downstream of the logits every CP rank gathers the per-token outputs (log-probs, entropy,
-values) back into row order with :func:`gather_tokens` and evaluates the SAME micro-batch loss
-as at CP1; its backward hands each rank the gradient of its own tokens only, and megatron's DDP
-sums the parameter gradients over the data x context group (the engine undoes its averaging).
+Rank r holds chunks r and 2cp-1-r of every sequence (megatron's THD split); every CP rank then
+evaluates the SAME micro-batch loss as at CP1.
 """
 
 from __future__ import annotations

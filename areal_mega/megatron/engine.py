@@ -1,46 +1,13 @@
-"""MegatronTrainEngine: the learner side of areal_mega on megatron-core (TP / PP / VPP / DP).
+"""MegatronTrainEngine: the learner side of areal_mega on megatron-core (TP / PP / VPP / CP / DP).
 
-Dataflow of one ``train_batch`` (every rank calls it with the SAME global batch)::
+    global packed batch ─plan_microbatches (pure; same on all ranks)─► this DP rank's micro-batches
+    ─forward_backward_func (megatron schedule)─► last stage: vocab-parallel logits
+    ─logprobs.py (3 TP all-reduces)─► loss_fn(logprobs, entropy, mb) ─► backward
+    ─finalize_model_grads (DP / tied-embedding all-reduce)─► optimizer.step (LR scheduler)
 
-    global packed batch ──plan_microbatches (pure, identical on all ranks)──► this DP rank's
-    micro-batches (same count on every DP rank) ──forward_backward_func (megatron schedule;
-    PP p2p with variable_seq_lengths; under VPP the interleaved schedule with micro-batches
-    padded to one length, see compat.configure_interleaved_p2p)──► last stage: logits [T_mb, V/tp]
-    ──vocab-parallel log-softmax (3 all-reduces on the TP group)──► loss_fn(logprobs, entropy, mb) ──► backward
-    ──finalize_model_grads (DP all-reduce, tied-embedding all-reduce)──► optimizer.step
-    (Adam, optional distributed optimizer, grad clipping) with LR from OptimizerParamScheduler
-
-Loss normalisation (the invariant that makes results independent of the micro-batch split
-and of the DP size): ``loss_fn`` returns this micro-batch's SHARE of the global objective
-(e.g. sum of its token losses / tokens in the whole global batch -- areal_mega.algo.losses does
-this with ``global_counts``), and the engine SUMS shares over micro-batches and DP ranks.
-megatron's schedule divides each micro-batch loss by ``num_microbatches`` and DDP averages
-gradients over DP ranks, so the engine multiplies each share by ``num_microbatches * dp``
-before backward. Gradients therefore equal d(sum of shares), exactly. Context parallelism
-(docs/context_parallel.md): every CP rank holds 2 of the 2 x cp chunks of each sequence, gathers
-the per-token outputs back (megatron/context_parallel.py) and returns the same share; the
-schedule's x cp and DDP's 1/(dp x cp) cancel, and the parameter gradients sum over the CP ranks.
-
-Attention over packed rows: on CPU (and with the "local" layer spec) a block-diagonal causal
-mask [1, 1, T, T] (areal_mega.megatron.model.packed_causal_mask) -- O(T^2) memory per
-micro-batch, fine for tests, wasteful at scale. ``attention="thd"`` passes megatron's
-PackedSeqParams (qkv_format "thd", cu_seqlens) instead: transformer-engine's variable-length
-kernels on GPU, no mask, no cross-sequence FLOPs. That path needs the TE layer spec and is NOT
-tested here (no GPU, TE does not import on CPU).
-
-Sequence parallelism (``actor.model.sequence_parallel``, on by default at TP > 1): megatron
-splits the token dimension over the TP ranks between the attention/MLP blocks, so every
-micro-batch row must hold a multiple of TP tokens. ``model.run_schedule`` pads each one (one pad
-"sequence" after the real ones, its own block of the mask / its own cu_seqlens entry, so real
-tokens compute exactly what they would unpadded) and the loss sees only the real tokens
-(``compat.pad_microbatch`` / ``compat.trimmed_loss``, shared with the VPP padding). Activation
-recompute (``actor.model.recompute``: none | selective | full) is megatron's own
-(recompute_granularity / method / num_layers); forward-only engines never recompute.
-
-Alignment: outputs are next-token aligned (TrainEngine contract): position i holds
-log p(input_ids[i+1] | tokens <= i) and the last token of every sequence holds 0. Use
-packing.shift_to_next_token to align "this-token" trajectory fields (loss_mask, behaviour
-logprobs) with them before calling train_batch.
+Invariant: ``loss_fn`` returns its micro-batch's SHARE of the global objective and the engine sums
+shares, so gradients do not depend on the micro-batch split, DP or CP size. Outputs are
+next-token aligned. Details (normalisation, attention, SP, recompute): docs/engine.md.
 """
 
 from __future__ import annotations

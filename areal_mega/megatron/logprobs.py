@@ -1,26 +1,9 @@
 """Per-token log-probs and entropy from vocab-parallel logits, without gathering the vocab.
 
-With tensor parallelism the output layer leaves each TP rank with logits for a contiguous
-slice of the vocabulary, ``[vocab_start, vocab_start + V/tp)``. Log-softmax needs three
-cross-rank scalars per token, each one all-reduce over the TP group (gloo supports all three):
-
-    m     = max_v z_v                        (MAX; only a stabiliser, no gradient through it)
-    Z     = sum_v exp(z_v - m)               (SUM)
-    z_y   = z_label - m                      (SUM; only the owning rank contributes)
-    E_s   = sum_v p_v (z_v - m)              (SUM; only when entropy is wanted)
-
-    logp(y) = z_y - log Z,     H = log Z - E_s
-
-The backward needs no communication: the gradient of a loss that every TP rank computes
-identically from the reduced values, w.r.t. this rank's logit shard, is local:
-
-    d logp(y) / d z_j = 1[j == y] - p_j,      d H / d z_j = -p_j (s_j - E_s),  s = z - m
-
-(megatron's ColumnParallelLinear then all-reduces the input gradient). Memory: one fp32
-[N, V/tp] tensor is saved for backward; no [N, V] tensor ever exists. This is the same math as
-megatron's ``vocab_parallel_cross_entropy`` (which computes -logp only, takes its TP group from
-megatron's globals, and overwrites its input in place); ours takes the group explicitly and
-adds the entropy with its exact gradient.
+Each TP rank holds the logits of its vocabulary slice; per token, all-reduces over the TP group of
+the max m, Z = sum exp(z - m) and the label's z_y - m (plus E_s for the entropy) give
+logp(y) = z_y - m - log Z and H = log Z - E_s. The backward needs no communication, and no
+[N, V] tensor ever exists. The math and its gradients: docs/engine.md.
 """
 
 from __future__ import annotations

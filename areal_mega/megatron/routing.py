@@ -6,21 +6,7 @@
     with replay_routes(model, routes.layers):   # the router's top-k is replaced by these experts;
         forward_logits(model, ids, cu)          # the gate values still come from this model's router
 
-Why: the policy that generated a rollout (the SGLang server's weights, kernels) and the learner
-can route a token to different experts -- a discrete jump in the learner's log-prob of that token.
-Replaying the server's routes evaluates (and trains) the learner on the routes that produced the
-data. In training, the engine replays a batch's ``routed_experts`` (batch token order, see
-:class:`BatchReplay`); docs/routing_replay.md has the dataflow and the conventions.
-
-Built on megatron-core 0.16.1's own router replay (``moe_enable_routing_replay``: every router
-gets a ``RouterReplay`` whose action is RECORD / REPLAY_FORWARD / REPLAY_BACKWARD, consulted in
-``topk_routing_with_score_function``). Megatron keeps a process-wide list of them; this module
-addresses only the routers of the model passed in (``chunk.modules()``, in layer order), so a
-reference model or critic in the same process is never touched.
-
-Token order: what the router of each MoE layer sees on this rank -- the packed row in order
-(TP1), or this rank's sequence shard under sequence parallelism. Each layer's indices are
-[tokens, k] int64.
+Only the routers of the model passed in are touched. Why, dataflow, conventions: docs/routing_replay.md.
 """
 
 from __future__ import annotations

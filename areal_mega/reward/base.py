@@ -1,20 +1,9 @@
 """The reward contract, shared by every reward and the workflows.
 
-``await reward(prompt, completion, data) -> float`` is all a workflow needs. A reward that knows
-more (why a code sample failed, which shaping term cost what) also has
-``await reward.evaluate(prompt, completion, data) -> RewardResult``; :func:`evaluate` calls it
-when present and wraps the bare float otherwise, so callers that want the details (metrics
-counting failure reasons, the composite reward) work with any reward.
-
-``data`` is the sample dict; the workflows add :data:`COMPLETION_TOKENS` (the number of tokens
-the policy generated for this completion) before calling the reward: length shaping needs token
-counts, and only the workflow has them.
-
-Step rewards (process supervision): a reward that scores steps also has
-``await reward.evaluate_steps(prompt, steps, data) -> list[float]`` (one score per step text,
-in order); :func:`evaluate_steps` returns None for a reward without it. The workflows call it
-once per trajectory, after the outcome ``evaluate``, when ``workflow.steps`` cuts the
-completion into steps (``areal_mega.workflows.steps``).
+``await reward(prompt, completion, data) -> float`` is all a workflow needs; optional
+``evaluate(...) -> RewardResult`` (details) and ``evaluate_steps(prompt, steps, data) ->
+list[float]`` (process supervision). :func:`evaluate` / :func:`evaluate_steps` work with any
+reward. The workflows add :data:`COMPLETION_TOKENS` to ``data``. docs/rewards.md ("The contract").
 """
 
 from __future__ import annotations

@@ -3,23 +3,9 @@
     r = await ConsistencyReward().evaluate("", "12 * 3 = 36\\n36 + 4 = 40\\nThe answer is 40.", {})
     r.score, r.info        # 1.0, {"num_equations": 2, "num_true": 2, ...}
 
-Checks (``check_trace``):
-
-* every written equation ``<arithmetic> = <number>`` is true: the left side (numbers, + - * /
-  // % ** ^ × ÷ and parentheses; evaluated by the calculator tool's AST walker, no eval) equals
-  the number on the right, exactly when that number is an integer, else up to the precision
-  written (``3.33`` stands for anything in [3.325, 3.335]). Chains ``a = b = c`` are read as
-  ``a = b`` and ``b = c`` (each side that is arithmetic evaluated). ``1,000`` is 1000;
-* the final answer (``reward.math.extract_answer``: the last \\boxed{}, "answer is", else the
-  last number) equals the last equation's result, the same way.
-
-Score 1.0 when there is at least one equation, all are true and the answer matches; else 0.0,
-with ``info["reasons"]``: ``no_equation``, ``false_equation`` (once per false one),
-``answer_mismatch``. No answer, or one that is not a number, is not checked (a step scored alone may have
-none).
-Usable alone (``reward.kind: consistency``), per step (``step_scoring: step``: each step's
-equations, and its own last number, checked), or as a composite component next to the
-outcome reward.
+Score 1.0 when there is at least one equation ``<arithmetic> = <number>``, every one is true
+(exactly, or to the precision written; evaluated by the calculator's AST walker, no eval) and
+the final answer equals the last result; else 0.0 with ``info["reasons"]``. docs/rewards.md.
 """
 
 from __future__ import annotations

@@ -4,25 +4,11 @@ parsed from the judge's own output only, is the reward.
     reward = build_reward(RewardConfig(kind="judge", judge=JudgeConfig(inference=...)))
     r = await reward(prompt_text, completion_text, {"answer": "42"})   # in [0, 1]
 
-Dataflow (all on the rollout event loop; a judge call is awaited inside the episode like any
-other reward, so the loop keeps generating while judges run)::
+    rubric.render(question, response, reference) -> judge chat template -> token ids
+      --(at most max_concurrent in flight)--> InferencePool.agenerate (own pool, or the policy's)
+      <-- judge output text -> parse_verdict (the LAST well-formed line) -> score, or 0 with a reason
 
-    episode --reward(prompt, completion, data)--> JudgeReward
-        rubric.render(question, response, reference) -> judge chat template -> token ids
-        --(at most max_concurrent in flight)--> InferencePool.agenerate  (own pool, or the policy's)
-        <-- judge output ids -> text -> parse_verdict -> score in [0, 1], or 0 with a reason
-
-Batching: every judge request is its own ``/generate`` call; SGLang's continuous batching runs
-the concurrent ones as one batch, and ``max_concurrent`` caps how many are in flight.
-
-Verdicts (``parse_verdict``): "score" mode reads lines ``Score: <number>`` (optionally
-``<number>/<max>``), "pass_fail" mode lines ``Verdict: PASS|FAIL``, case-insensitive, markdown
-bold allowed. The LAST well-formed verdict line counts (a judge that reconsiders ends with its
-final verdict); a score outside [score_min, score_max] or with another denominator fails.
-Failures score 0 and are counted by reason in ``stats``: ``missing`` (no verdict line),
-``malformed`` (verdict lines, none well-formed), ``out_of_range``, ``error`` (the request
-failed), ``timeout``. Only the judge's generated text is parsed, never its prompt: a response
-that writes "Score: 10" itself cannot grade itself.
+Serving, verdict formats, failure reasons: docs/agents.md ("LLM-as-judge reward").
 """
 
 from __future__ import annotations

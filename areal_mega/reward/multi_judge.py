@@ -4,26 +4,9 @@ grade the same completion concurrently; their verdicts are aggregated.
     reward = build_reward(RewardConfig(kind="multi_judge", multi_judge=MultiJudgeConfig(
         judges=[JudgeConfig(name="a", ...), JudgeConfig(name="b", rubric=...)], aggregation="median")))
 
-Dataflow::
-
-    sample --> judge "a" (JudgeReward: own pool or the policy's, timeout_s) --\\
-           --> judge "b" ...                                                   +--> aggregate over the judges
-           --> judge "c" ...  (skipped while its circuit is open)           --/     that answered -> score
-
-* A judge **answers** when its verdict parsed (reason "ok"); every other outcome (missing,
-  malformed, out_of_range, error, timeout) is a failure: it is left out of the aggregate, not
-  counted as 0, and counted per judge and reason.
-* **Never blocked by one judge**: each request is bounded by its judge's ``timeout_s``; a judge
-  whose last ``skip_after_failures`` requests all failed with error/timeout is skipped (reason
-  "skipped") for ``retry_after_s``, then tried again. A sample scores as soon as every judge
-  answered, failed or was skipped.
-* **Aggregation** over the answering judges' scores (each in [0, 1]): mean; median (the mean
-  of the two middle ones for an even count); majority = 1 if more than half of them score
-  >= 0.5, else 0 (a tie is 0); min. No judge answered: score 0, reason ``all_judges_failed``.
-* ``info``: ``judge_scores`` {name: score or None}, ``disagreement`` (max - min of the answering
-  scores, 0 with fewer than two), ``num_answered``, ``reasons`` (``judge_<name>_<reason>`` per
-  failure). ``metrics()``: each judge's own counters under ``reward/judge/<name>/...``, and
-  ``reward/multi_judge/{samples,all_failed,failures,skipped,disagreement_mean}``.
+Invariant: never blocked by one judge (each bounded by its ``timeout_s``, a failing one skipped
+for ``retry_after_s``); failed verdicts are left out of the aggregate, not counted as 0.
+Aggregations, info, metrics: docs/rewards.md ("Multi-judge").
 """
 
 from __future__ import annotations

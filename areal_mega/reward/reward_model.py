@@ -1,22 +1,13 @@
-"""Reward models served by SGLang (``reward.kind: reward_model``): a sequence-classification
-model (``Qwen2ForSequenceClassification``, ``Qwen2ForRewardModel``, ``LlamaForSequenceClassification``
-... with one label) scores prompt + completion; with ``step_scoring: prefix`` it is a process
-reward model scoring each step's prefix.
-
-    reward = build_reward(RewardConfig(kind="reward_model", reward_model=RewardModelConfig(inference=...)))
-    prm = build_reward(RewardConfig(kind="reward_model", step_scoring="prefix", reward_model=...))
-
-Dataflow::
+"""Reward models served by SGLang (``reward.kind: reward_model``): a one-label sequence-classification
+model scores prompt + completion; with ``step_scoring: prefix`` it is a process reward model
+scoring each step's prefix.
 
     (prompt, completion) --template / chat template (learner-side tokenizer)--> token ids
         --(at most max_concurrent in flight, round robin over the servers)--> POST /classify
         <-- embedding[0] = the score head on the last token --> transform (raw | sigmoid) -> score
 
-Servers are SGLang started with ``--is-embedding`` (added to ``inference.server.extra_args``
-when this reward launches them) or running ones at ``inference.addresses``. A request that
-fails or exceeds ``timeout_s`` scores 0, with reason ``rm_error`` / ``rm_timeout`` counted in
-``stats`` (``metrics()``: ``reward/rm_*``); the episode goes on. Prefix scoring sends every
-prefix as its own request; SGLang's radix cache shares the common prefix's KV.
+A failed or timed-out request scores 0 (``rm_error`` / ``rm_timeout``); the episode goes on.
+Servers, the SGLang score-bias defect: docs/rewards.md ("Reward models on SGLang").
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Shaping rewards: answer format, DAPO's soft overlong penalty, weighted composition.
 
     FormatReward(r"\\\\boxed\\{.+?\\}")          1.0 when the completion matches, else 0.0
-    OverlongPenalty(max_tokens=4096, buffer_tokens=512)
+    OverlongPenalty(max_tokens=4096, buffer_tokens=512)      # DAPO eq. 13: 0 down to -1
     CompositeReward([(1.0, "math", math), (0.1, "format", fmt), (1.0, "overlong", pen)])
 
-Overlong penalty (DAPO, arXiv 2503.14476, eq. 13), with L = the completion's generated tokens
-(``data[COMPLETION_TOKENS]``, set by the workflows), L_max = ``max_tokens``, L_cache =
-``buffer_tokens``::
-
-    0                               if L <= L_max - L_cache
-    ((L_max - L_cache) - L) / L_cache   if L_max - L_cache < L <= L_max   (0 down to -1, linear)
-    -1                              if L > L_max
-
-Composite: score = sum_i weight_i * score_i; ``info["components"]`` holds each component's
-score (by name) and ``info[<name>]`` its own info (e.g. the code reward's reasons). Step scores
-(``evaluate_steps``): sum_i weight_i * step_score_i over the components that score steps (the
-others add nothing); None when none does.
+The overlong formula and the composite's info / step scores: docs/rewards.md ("Shaping").
 """
 
 from __future__ import annotations

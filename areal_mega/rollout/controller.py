@@ -1,36 +1,13 @@
 """Asynchronous rollout controller: runs a workflow over a dataset and feeds the trainer.
 
-Dataflow (one asyncio loop: the rollout service's, in its own thread)::
-
-    dataset ──> producer ──admit?──> episode tasks ──> workflow.arun_episode(engine, data)
-                   ^   (StalenessManager +                 │
-                   │    max_concurrent)                    v
-                   │                          accept / reject (filter, None)
-                   │                                       │
+    dataset ──> producer ──admit? (StalenessManager, max_concurrent)──> episode tasks
+        ──> workflow.arun_episode(engine, data) ──> accept / reject (filter, None) ──> ready pool
     trainer: get_batch() <── oldest-admitted first <── ready pool
              set_version(v) after each weight sync (wakes the producer: capacity grows)
 
-Staleness bound, as an invariant: a batch formed at version v contains only trajectories
-whose every generated token has version >= v - max_staleness; ``get_batch`` checks each token
-and raises :class:`StalenessViolation` otherwise. Two rules make it hold (see
-``areal_mega.rollout.staleness`` for the counting argument): admission by the staleness manager,
-and batch formation that takes ready episodes oldest-admitted first and waits while taking
-them would leave older episodes (ready or still running) that no longer fit in the batches
-left before they would become too stale (``_can_form``, which calls the pure
-``staleness.can_form_batch`` that the throughput simulator shares; episodes admitted at version
-<= v - max_staleness are "due": this batch must hold all of them).
-The guarantee assumes the trainer takes ``batch_size`` episodes once per version, which is
-what the RL loop does; other usage is still checked.
-
-Per-token versions come from the engine (``GenerationResult.output_versions``); an
-interrupted request resumed after a weight update carries mixed versions, and the check uses
-the oldest generated token.
-
-Failed episodes are data (``areal_mega.rollout.failures``): an episode that raises is counted by
-reason, its prompt runs again (``max_episode_retries``) or is skipped (``RolloutBatch.skipped``,
-logged by the trainer); the run stops only when ``max_failure_rate`` is exceeded. Prompts waiting
-for a retry, and skipped ones not yet handed out with a batch, count as in flight for a
-checkpoint: a resumed run gives them back, so no prompt is lost.
+Invariant: a batch formed at version v holds only tokens of version >= v - max_staleness;
+``get_batch`` checks every token (:class:`StalenessViolation`). Failed episodes are retried or
+skipped, never lost. Why it holds, failures: docs/rollout.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Episode failures are data: why an episode failed, and when failures are too many to go on.
 
-A multi-day run samples millions of episodes; one that fails (the server refused the request
-with a 4xx, the reward or the agent's own code raised, a request timed out, every server
-failed it) must not end the run. The controller turns each failure into a reason
-(:func:`failure_reason`), counts it (``rollout/failed/<reason>``), runs the prompt again at
-most ``rollout.max_episode_retries`` times, then skips it (logged in ``prompts.jsonl``), and
-stops only when :class:`FailureBudget` says the recent failure rate exceeds
-``rollout.max_failure_rate``.
-
-Reasons (a small fixed set: they are metric names):
-
-* ``context_overflow``: the server refused the prompt as longer than the model's context
-  (workflows that check their budget first end such episodes with their reward rule instead);
-* ``server_4xx``: any other 4xx (bad sampling key, missing API key, ...);
-* ``inference``: the request failed on every server (``client.max_retries``), or none was healthy;
-* ``timeout``: a timeout raised out of the episode;
-* ``reward_exception``: the reward function raised;
-* ``agent_exception``: the agent function (``workflow.agent``) raised, e.g. its own tool;
-* ``error``: anything else the workflow raised.
+:func:`failure_reason` maps an exception to one of a fixed set of reasons (metric names
+``rollout/failed/<reason>``: context_overflow, server_4xx, inference, timeout, reward_exception,
+agent_exception, error); :class:`FailureBudget` stops the run only when the recent failure rate
+exceeds ``rollout.max_failure_rate``. Retries, skips, what each reason means: docs/rollout.md.
 """
 
 from __future__ import annotations

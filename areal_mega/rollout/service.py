@@ -1,25 +1,14 @@
 """The generation side of the trainer (learner rank 0): rollout batches out, weight updates in.
 
     rank 0 main thread (trainer)                service thread (one asyncio loop)
-    ────────────────────────────                ───────────────────────────────────────────────
-    service.next_batch()  ──── aget_batch ───>  RolloutController ── workflow.arun_episode ──> InferencePool ──> SGLang
+    service.next_batch()  ──── aget_batch ───>  RolloutController ── workflow.arun_episode ──> InferencePool
     service.begin_update() ─── pause, targets   (admission by the staleness bound; never waits for training)
     service.end_update(v, synced) ─ version, release parked, resume
     service.evaluate(...) ──── coroutine ────>  evaluate_items: greedy episodes over a held-out set
 
-It owns which servers take part (the pool's rotation plus the servers it parks) and the one
-policy-version counter (:class:`~areal_mega.api.generation.PolicyVersion`) that the staleness
-manager and the pool read. Generation runs continuously in the service thread while the learner
-trains; the trainer only blocks in ``next_batch`` when no admissible batch is ready yet.
-aiohttp sessions are bound to the loop that made them, so the pool and the controller are both
-created in, and only touched from, the service's loop.
-
-Failover and weights: a server that dies drops out of rotation (the pool resubmits its requests
-elsewhere) and out of weight sync (``begin_update``'s targets). When it answers again --
-restarted by the pool, or by whoever runs it -- with weights older than the counter, the pool
-calls the service's resync hook (given at construction), which parks it until a weight sync
-has included it (``end_update``); only then does it take traffic again, so no token is ever
-sampled by weights older than its label.
+Owns the one policy-version counter and which servers take part; a server back with older
+weights is parked until a sync includes it. The pool and the controller live on the service's
+loop only. Details: docs/rollout.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Bounded-staleness admission control (AReaL's rule), as a small thread-safe class.
 
-Let B = batch_size (episodes per training batch), eta = max_staleness, v = the current policy
-version relative to the start of the run, ``accepted`` = episodes finished and kept so far,
-``running`` = episodes in flight. A new episode is admitted only while
+With B = batch_size, eta = max_staleness, v = the current version, a new episode is admitted only while
 
     capacity = min(max_concurrent - running, (eta + v + 1) * B - (accepted + running)) > 0
 
-Why this bounds staleness: an episode admitted at version v is at most the
-((eta + v + 1) * B)-th kept episode, so if the trainer consumes exactly B episodes per
-version, oldest admission first, it lands in a batch trained at version <= v + eta; every
-token it carries was sampled at a version >= v (versions only grow), hence is at most eta
-versions old. With eta = 0 no episode is admitted until the previous batch has been trained
-on: synchronous RL. Rejected episodes (filtered, failed) give their slot back. The controller
-(``areal_mega.rollout.controller``) keeps the "oldest admission first" half of the argument
-(:func:`can_form_batch`, :func:`take_oldest`, pure functions that the throughput simulator
-``areal_mega.simulator`` calls too) and checks the bound on every batch it forms.
+:func:`can_form_batch` / :func:`take_oldest` (pure; the simulator calls them too) are the
+"oldest admission first" half of the bound. The counting argument: docs/rollout.md.
 """
 
 from __future__ import annotations

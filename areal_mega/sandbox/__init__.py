@@ -5,20 +5,8 @@
     res.reason, res.stdout                              # "ok", "hi\\n"
     sandbox.close()
 
-Dataflow::
-
-    trainer (rank 0) --pipe--> sandbox worker (own process, RewardWorkerPool; memory + pids cgroup)
-                                  --> unshare --net --pid --fork --mount --ipc --uts --kill-child
-                                        --> jail.py (PID 1, root, builds the default-deny view, pivots)
-                                              --> the program (sandbox uid, rlimits, seccomp allowlist)
-
-The code never runs in the trainer's process or as its child: a worker process of the sandbox
-pool starts each execution in fresh namespaces (see ``runner.py`` and ``jail.py`` for what each
-layer enforces, ``seccomp.py`` for the filter, and docs/rewards.md for the threat model). The
-verdict (``ExecResult.reason``) is the worker's, from what it observed, never from the program's
-exit code or output. ``mode="rlimits_only_unsafe"`` is the weaker fallback for machines without
-namespaces; it is never chosen silently: with ``mode="namespaces"`` on such a machine, building a
-``Sandbox`` raises ``SandboxUnavailable``.
+The code never runs in the trainer's process or as its child, and the verdict is never read
+from its exit code or output. Layers, threat model, modes: docs/rewards.md ("The code sandbox").
 """
 
 from __future__ import annotations

@@ -2,32 +2,10 @@
 by ``unshare --net --pid --fork --mount --ipc --uts --kill-child``, as root, in the fresh
 namespaces). Not imported by the package: it runs in the sandbox, the runner starts it by path.
 
-It reads its spec (JSON) from the pipe SPEC_FD, then:
-
-0. compiles the code (a SyntaxError is reported as such, nothing runs).
-1. builds a default-deny view on a new root and pivots into it (the host's root is detached:
-   not even ``/proc/1/root`` leads back): a read-only tmpfs root holding only the paths in
-   ``expose`` (the interpreter and its standard library, the directories of the shared libraries it loads,
-   ``/etc/ld.so.cache``, the user's ``extra_paths``; each bound read-only, nosuid, nodev, with
-   the host's symlinks on the way recreated; ``mask`` directories inside them, e.g. the
-   interpreter's site-packages, covered by an empty read-only tmpfs), a ``/dev`` of null, zero, full, random, urandom
-   (no pty master: no pty can be allocated), the namespace's own ``/proc``, and ``/tmp``: a
-   tmpfs with a size and an inode limit, the only writable place (the work dir ``/tmp/work``
-   belongs to the sandbox uid; ``/tmp/main.py`` is the code, read-only).
-2. forks the program: rlimits (CPU, address space, file size, open files, processes, no core
-   files, no message queues), no supplementary groups, the sandbox's own gid/uid (RLIMIT_NPROC
-   counts per uid and does not bind root), no_new_privs, a fresh empty session keyring, an
-   environment of PATH/LANG/HOME/TMPDIR only, cwd /tmp/work, stdin / stdout / stderr inherited
-   from the runner's pipes; then the seccomp filter (``seccomp.py``, compiled by the runner),
-   last; then runs the code in that forked interpreter (``run_program``).
-3. waits for the program's main process; then SIGKILLs everything else left in the namespace
-   (a double-forked daemon was re-parented to us); then writes what it observed -- the exit
-   status or the signal that ended the program, or why the set-up failed -- as one JSON object
-   on STATUS_FD, a pipe only this process holds (the program's exit code and output are never
-   read as a verdict: ``runner.py``). When we exit the kernel kills whatever is left in the PID
-   namespace; when the runner kills unshare, --kill-child SIGKILLs us.
-
-Any failure of the set-up reports ``setup_error`` before the program runs: never a weaker sandbox.
+Compiles the code, builds the default-deny view and pivots into it, forks the program (rlimits,
+sandbox uid, no_new_privs, seccomp last), waits, kills what is left and reports on STATUS_FD.
+Any failure of the set-up reports ``setup_error`` before the program runs: never a weaker
+sandbox. Step by step: docs/rewards.md ("PID 1").
 """
 
 import atexit

@@ -1,35 +1,10 @@
 """Worker side of the sandbox: one execution of untrusted code, from a sandbox worker process.
 
-``execute(spec) -> dict`` runs in a worker of the sandbox pool (``RewardWorkerPool``, its own
-process beside the reward workers, never the trainer) and returns the result as a JSON-able dict
-(``ExecResult`` fields). Modes:
-
-* ``namespaces``: ``unshare --net --pid --fork --mount --ipc --uts --kill-child`` starts
-  ``jail.py`` as PID 1 of fresh namespaces (see its docstring for the default-deny view, the uid
-  switch, the rlimits and the seccomp filter, which this worker compiles once: ``seccomp.py``).
-  The uid is ``uid_base + this worker's pid``: unique among live workers, so RLIMIT_NPROC
-  counts only this execution's processes.
-* ``rlimits_only_unsafe``: a plain subprocess with the same rlimits (no uid switch, no
-  namespaces, no filter), its own session, a scrubbed environment and an empty temp cwd; the
-  tree is stopped with ``procs.stop_tree``. A resource fence only: the code can reach the
-  network, the filesystem and other processes.
-
-In both modes the execution runs in this worker's memory + pids cgroup (``ExecCgroup``) when the
-machine has one, and this worker enforces the wall-clock timeout (SIGKILL of the tree: for
-namespaces --kill-child SIGKILLs PID 1 and the kernel the rest of the namespace) and the output
-cap (the same kill once stdout or stderr passes it).
-
-The verdict is this worker's (``verdict``), from what it observed itself: its own timer and
-output counter, the cgroup's OOM-kill counter, and what PID 1 (namespaces) or ``waitpid``
-(unsafe) reports -- the signal that ended the program, or that it exited 0 / non-zero, or that
-the code did not compile, or that the set-up failed -- on a pipe the program never holds. The
-program's exit code and output never choose a reason: an exit status of 137 is runtime_error,
-not killed; a "MemoryError" line on stderr is runtime_error, not memory.
-
-Reasons (``ExecResult.reason``): ok, timeout (wall clock, or SIGXCPU: the CPU limit), memory
-(the cgroup's OOM killer ended a process of the execution), output_limit, file_size (SIGXFSZ:
-the file-size limit), killed (any other signal), syntax_error (the code does not compile),
-runtime_error (any other non-zero exit), sandbox_error (set-up failed: nothing ran).
+``execute(spec) -> dict`` runs in a worker of the sandbox pool (never the trainer) and returns
+``ExecResult`` fields. Mode ``namespaces`` starts ``jail.py`` as PID 1 of fresh namespaces;
+``rlimits_only_unsafe`` is a plain subprocess with the same rlimits. Invariant: the verdict
+(``ExecResult.reason``) is this worker's, from its own timer, output counter, the cgroup's OOM
+counter and PID 1's status pipe -- never the program's exit code or output. docs/rewards.md.
 """
 
 from __future__ import annotations

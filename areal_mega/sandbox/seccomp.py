@@ -1,20 +1,9 @@
 """The sandbox's seccomp filter: an allowlist of the system calls CPython programs need.
 
-``filter_bpf(allow_memfd) -> bytes`` compiles it with libseccomp (``pyseccomp``: ctypes over the
-system's ``libseccomp.so.2``) in the sandbox worker, once per worker; ``jail.py`` loads the raw
-BPF program with ``prctl(PR_SET_SECCOMP)`` in the program's process just before the code runs,
-so the sandbox side needs no library. Everything not listed fails with EPERM; a foreign
-architecture (i386 ``int 0x80``, x32) kills the process.
-
-Denied on purpose (docs/rewards.md, "The seccomp filter"): keyrings (keyctl, add_key,
-request_key: the keyring is a kernel object no namespace covers), AIO and io_uring (a host-wide
-budget; io_uring bypasses the filter for its own operations), userfaultfd, perf_event_open, bpf,
-ptrace and process_vm_*, the mount family, chroot, pivot_root, unshare / setns and namespace
-flags of clone (new user namespaces), clone3 (its flags live in memory the filter cannot read:
-ENOSYS, so the C library falls back to clone), SysV IPC and POSIX message queues, sockets other
-than AF_UNIX / AF_INET / AF_INET6 (AF_VSOCK is not network-namespaced; netlink, packet),
-``memfd_create`` where no memory cgroup counts its pages, kexec, modules, swap, reboot, clock
-setting, personality, quotactl, name_to_handle_at / open_by_handle_at.
+``filter_bpf(allow_memfd) -> bytes`` compiles it with libseccomp (``pyseccomp``) in the sandbox
+worker, once per worker; ``jail.py`` loads the raw BPF with ``prctl(PR_SET_SECCOMP)`` just before
+the code runs. Everything not listed fails with EPERM; a foreign architecture kills the process.
+What is denied and why: docs/rewards.md ("The seccomp filter").
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """Process trees and ports: the one implementation, used by the inference pool's servers, the
-launchers (local and on Slurm nodes), the benchmarks and the tests.
+launchers (local and on Slurm nodes), the benchmarks and the test suite.
 
-Three lessons are fixed here, once:
-
-* **Stop by recorded ids, never by name.** Every tree is started in a session of its own
-  (``start_new_session=True``), so its process-group id is the leader's pid. But a group is not
-  a tree: torchrun starts every rank in a session of its own, and a daemon can ``setsid``. So
-  :func:`stop_tree` snapshots the leader's group *and* its descendants (from /proc) before
-  signalling, SIGTERMs the group (torchrun forwards it to its ranks and waits for them; SGLang
-  shuts down), waits up to the grace period, then SIGKILLs whatever of that snapshot -- and of
-  the descendants that appeared since -- is still alive.
-* **Die with the parent.** :func:`die_with_parent` puts a small stdlib wrapper in front of a
-  command. The wrapper leads the tree's process group, asks the kernel for SIGUSR2 when its
-  parent dies (``PR_SET_PDEATHSIG``) and becomes a child subreaper (``PR_SET_CHILD_SUBREAPER``:
-  orphaned descendants, torchrun's ranks or a double-forked daemon, are re-parented to it, not
-  to init, so it can always find them). On SIGUSR2 it SIGKILLs its whole tree. So a parent
-  killed with SIGKILL (OOM killer, ``scancel -s KILL``, ``kill -9`` of the launcher) leaves no
-  server holding ports and accelerators and no rank training unsupervised. Why SIGKILL and not
-  SIGTERM: SGLang drains its requests on SIGTERM, which never ends while it is paused with
-  requests held (weight sync, retract / in_place); and with a SIGKILL of SGLang's main process
-  alone its detokenizer was seen to survive. When the wrapped command's main process exits,
-  the wrapper also kills what it left behind and exits with its status.
-* **Zombies are gone.** A zombie holds no port or memory: every liveness check here ignores
-  them (orphaned ones are reaped by init or by the wrapper, not by us).
-
-Linux only (/proc, prctl); elsewhere the wrapper execs the command unchanged.
+Invariants: a tree is stopped by recorded ids, never by name (:func:`stop_tree`: the group and
+its descendants, SIGTERM then SIGKILL); a wrapped tree dies with its parent, even one killed by
+SIGKILL (:func:`die_with_parent`); zombies count as gone. Linux only (/proc, prctl); elsewhere
+the wrapper execs the command unchanged. Why each: docs/launch.md ("Process trees").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 __all__ = ["WeightSyncConfig"]
 
@@ -12,13 +12,6 @@ MiB = 1 << 20
 
 @dataclass
 class WeightSyncConfig:
-    MOVED_KEYS: ClassVar[dict[str, str]] = {
-        "pause_mode": "set inference.client.pause_mode (the one pause mode: the pool pauses the servers "
-                      "around a weight sync)",
-        "pause_servers": "the trainer pauses through its rollout service (scripts: WeightSync(pause_servers=...))",
-    }
-    """Keys that were removed, with where their setting lives now (a one-line error names it)."""
-
     mode: Literal["reshard", "broadcast", "disk"] = "broadcast"
     """"reshard": every learner rank sends what it owns straight to the SGLang ranks that need it,
     each engine rank receiving only its shard in SGLang's own layout (weight_sync/reshard.py;
@@ -63,8 +56,7 @@ class WeightSyncConfig:
 
     def validate(self) -> None:
         if self.mode not in ("reshard", "broadcast", "disk"):
-            hint = " ('distributed' is now 'broadcast')" if self.mode == "distributed" else ""
-            raise ValueError(f"mode: {self.mode!r} is not one of reshard, broadcast, disk{hint}")
+            raise ValueError(f"mode: {self.mode!r} is not one of reshard, broadcast, disk")
         if self.bucket_mib <= 0:
             raise ValueError(f"bucket_mib: must be > 0, got {self.bucket_mib}")
         if self.mode == "disk" and not self.disk_dir:

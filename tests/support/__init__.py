@@ -1,7 +1,7 @@
 """Test support (not part of the package): what more than one test file needs, written once.
 
 * ``tests.support.numerics``: tolerances derived from the dtype and the size of the computation;
-* ``tests.support.models``: the tiny random HF models (and the tiny addition task) tests build;
+* ``tests.support.models``: the tiny models and task tests build (the builders are areal_mega/demo/'s);
 * ``tests.support.launch``: torchrun commands and runs, the SGLang skip guard;
 * ``tests.support.fake_sglang``: a deterministic in-process SGLang stand-in.
 
