@@ -38,6 +38,7 @@ import logging
 
 from areal_mega.models.base import MLAArch, ModelAdapter, ModelArch, YarnArch
 from areal_mega.models.qwen3 import _DENSE, refuse_unknown_keys
+from areal_mega.models.registry import register_family
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ def _mtp_notice(c: dict, model_type: str) -> None:
                        "or synced; see docs/engine.md)", model_type, n)
 
 
+@register_family
 class MixtralAdapter(ModelAdapter):
     """Mixtral (MixtralForCausalLM): Llama attention, every layer MoE (block_sparse_moe, experts
     w1 = gate, w3 = up, w2 = down), softmax top-k renormalised."""
@@ -91,6 +93,7 @@ class MixtralAdapter(ModelAdapter):
                      moe_norm_topk_prob=True)
 
 
+@register_family
 class Qwen2MoeAdapter(ModelAdapter):
     """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention (q/k/v bias), softmax top-k,
     one gated shared expert, optional dense layers."""
@@ -161,6 +164,7 @@ def _sigmoid_routing(c: dict, n_layers: int) -> dict:
                 moe_scaling_factor=scale if scale != 1.0 else None, moe_shared_ffn_hidden_size=shared or None)
 
 
+@register_family
 class DeepseekV3Adapter(ModelAdapter):
     """DeepSeek-V3 / R1 (q_lora_rank set), Moonlight / Kimi-K2 / V2-Lite-like (q_lora_rank null):
     MLA attention, YaRN or plain RoPE on the rope dims (interleaved pairs), dense first layers,
@@ -225,6 +229,7 @@ class DeepseekV3Adapter(ModelAdapter):
         return None
 
 
+@register_family
 class Glm4MoeAdapter(ModelAdapter):
     """GLM-4.5 / 4.6 / 4.5-Air (Glm4MoeForCausalLM): GQA with q/k/v bias (attention_bias) and
     optional per-head q/k norms (use_qk_norm), partial rotary (partial_rotary_factor), dense

@@ -18,6 +18,7 @@ heads, an unknown key) is refused with an error naming it, never silently ignore
 from __future__ import annotations
 
 from areal_mega.models.base import ModelAdapter, ModelArch
+from areal_mega.models.registry import register_family
 
 # Keys that never change the network's function (bookkeeping, generation, HF runtime flags).
 _INERT = {
@@ -67,6 +68,7 @@ def refuse_unknown_keys(c: dict, known: set[str], model_type: str) -> None:
                      "it runs once the adapter in areal_mega/models/ maps it to megatron)")
 
 
+@register_family
 class Qwen3Adapter(ModelAdapter):
     model_type = "qwen3"
     architecture = "Qwen3ForCausalLM"
@@ -79,6 +81,7 @@ class Qwen3Adapter(ModelAdapter):
         return ModelArch(**{**arch.__dict__, "qk_layernorm": True})
 
 
+@register_family
 class Qwen3MoeAdapter(Qwen3Adapter):
     model_type = "qwen3_moe"
     architecture = "Qwen3MoeForCausalLM"
