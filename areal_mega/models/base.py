@@ -37,11 +37,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Literal, Mapping
 
 import torch
 
 from areal_mega.parallel import ParallelLayout
+
+if TYPE_CHECKING:
+    from areal_mega.weight_sync.sglang_layout import EngineRank
 
 Fusion = Literal["none", "qkv", "gate_up", "vocab"]
 LayerSpec = Literal["local", "te"]
@@ -516,6 +519,23 @@ class ModelAdapter:
                 "self_attention.linear_proj.weight": (h, a.num_heads * m.v_head_dim),
             })
         return full.get(leaf, (h,))
+
+    # ---- SGLang's side (the reshard sync; weight_sync/sglang_layout.py) -------------------------
+    sglang_not_synced: ClassVar[str | None] = None
+    """Why a runtime reshard sync of this family is refused although its SGLang layout is planned
+    (something SGLang's loader derives that the receiver does not); None = synced."""
+
+    def sglang_layout(self, b: "EngineRank") -> None:
+        """SGLang 0.5.23's parameters of one engine rank, in load order, through ``b``'s builders:
+        Llama's layout (sglang/srt/models/llama.py; qwen2.py, qwen3.py alike). A family SGLang lays
+        out otherwise overrides this, or sets it to None (mode reshard refused, broadcast serves it)."""
+        if self.arch.is_moe:  # an MoE family that inherited this would silently lose its experts
+            raise ValueError(f"model_type {self.model_type!r}: an MoE family needs its own sglang_layout")
+        b.embedding()
+        for i in range(self.arch.num_layers):
+            b.gqa_attention(f"model.layers.{i}")
+            b.dense_mlp(f"model.layers.{i}")
+        b.final()
 
     def bucket_group(self, hf_name: str) -> str | None:
         """Tensors a server must receive in ONE weight update (the weight-sync planner keeps
