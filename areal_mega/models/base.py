@@ -103,6 +103,9 @@ class ModelArch:
     Qwen2-MoE's mlp_only_layers); megatron's moe_layer_freq list."""
     moe_score_function: str = "softmax"
     """MoE router scores: "softmax" (Qwen/Mixtral) or "sigmoid" (DeepSeek-V3, GLM-4.5)."""
+    moe_router_fp32: bool = False
+    """MoE: HF computes the router logits in fp32 whatever the model's dtype (DeepseekV3TopkRouter,
+    Glm4MoeTopkRouter); megatron's moe_router_dtype "fp32"."""
     moe_expert_bias: bool = False
     """MoE: a per-expert bias added to the scores for the top-k choice only (DeepSeek-V3's
     e_score_correction_bias, aux-loss-free balancing); megatron's router.expert_bias buffer."""

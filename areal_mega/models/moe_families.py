@@ -166,6 +166,7 @@ def _sigmoid_routing(c: dict, n_layers: int) -> dict:
     scale = float(c.get("routed_scaling_factor") or 1.0)
     return dict(num_experts=e, moe_topk=k, moe_ffn_hidden_size=int(c["moe_intermediate_size"]), moe_norm_topk_prob=norm,
                 dense_layers=tuple(range(first)), moe_score_function="sigmoid", moe_expert_bias=True,
+                moe_router_fp32=True,  # DeepseekV3TopkRouter / Glm4MoeTopkRouter: fp32 logits
                 moe_num_groups=groups if groups > 1 else None, moe_group_topk=gtop if groups > 1 else None,
                 moe_scaling_factor=scale if scale != 1.0 else None, moe_shared_ffn_hidden_size=shared or None)
 
