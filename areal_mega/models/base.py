@@ -1,6 +1,6 @@
 """HF <-> megatron-core weight mapping, one adapter per model family, for ANY TP/PP(/VPP) layout.
 
-The same adapter serves three callers, through the same code path:
+The same adapter serves four callers, through the same code path:
 
 * the weight-sync planner -- :meth:`ModelAdapter.plan` is a pure function of the HF config and a
   :class:`~areal_mega.parallel.ParallelLayout` (no process groups, no tensors): for each pipeline
@@ -10,7 +10,9 @@ The same adapter serves three callers, through the same code path:
   every rank of one stage, all-gathers TP shards on the TP group passed in and yields
   ``(hf_name, tensor)`` in exactly the plan's order (optionally only some names, for buckets);
 * model loading and ``tools/convert_hf_to_mcore.py`` -- :meth:`ModelAdapter.load_hf`, which fills
-  the local TP shard of every megatron parameter from HF tensors (validating all shapes first).
+  the local TP shard of every megatron parameter from HF tensors (validating all shapes first);
+* the reshard sync's engine side -- :meth:`ModelAdapter.sglang_layout`: which SGLang parameters
+  the family's server holds (weight_sync/sglang_layout.py's builders), and ``sglang_not_synced``.
 
 Megatron layouts handled here (megatron-core 0.16.1, pinned by the equality tests):
 
@@ -533,7 +535,8 @@ class ModelAdapter:
         Llama's layout (sglang/srt/models/llama.py; qwen2.py, qwen3.py alike). A family SGLang lays
         out otherwise overrides this, or sets it to None (mode reshard refused, broadcast serves it)."""
         if self.arch.is_moe:  # an MoE family that inherited this would silently lose its experts
-            raise ValueError(f"model_type {self.model_type!r}: an MoE family needs its own sglang_layout")
+            raise ValueError(f"model_type {self.model_type!r}: an MoE family needs its own sglang_layout "
+                             "(override it, or set it to None: weight_sync.mode broadcast)")
         b.embedding()
         for i in range(self.arch.num_layers):
             b.gqa_attention(f"model.layers.{i}")
