@@ -137,6 +137,11 @@ def test_families_map_to_megatron_settings():
     assert (kw["moe_router_num_groups"], kw["moe_router_group_topk"], kw["moe_router_topk"]) == (8, 4, 8)
     assert kw["moe_router_topk_scaling_factor"] == 2.5 and kw["moe_shared_expert_intermediate_size"] == 2048
     assert kw["moe_layer_freq"] == [0, 0, 0] + [1] * 58
+    assert kw["moe_router_dtype"] == "fp32"  # the adapter's fact (HF's fp32 router), not megatron/model.py's
+    from tests.test_moe_plan import QWEN3_235B_A22B
+
+    qwen = get_adapter(dict(QWEN3_235B_A22B, num_hidden_layers=2)).arch
+    assert "moe_router_dtype" not in moe_kwargs(qwen, lay, MegatronModelConfig())  # control: the model's dtype
     m = mla_kwargs(ds)
     assert (m["q_lora_rank"], m["kv_lora_rank"], m["qk_head_dim"], m["qk_pos_emb_head_dim"], m["v_head_dim"]) == (
         1536, 512, 128, 64, 128)

@@ -1,9 +1,9 @@
 """PYTHONPATH=. python -m torch.distributed.run --nproc-per-node 4 tools/convert_hf_to_mcore.py --hf-dir HF_DIR --out CKPT_DIR --tp 2 --pp 2
 
-Convert an HF Llama/Qwen2/Qwen3/Qwen3-MoE checkpoint (safetensors) into an areal_mega megatron checkpoint (the
-one format of areal_mega/megatron/checkpoint.py, weights only) written in the given layout (it
-loads in any other layout later). Runs on tp * pp * dp processes (plain ``python`` = one
-process, TP1 x PP1). Everything is validated -- the HF directory, model_type, every tensor's
+Convert an HF checkpoint (safetensors) of any registered family (areal_mega/models/) into an
+areal_mega megatron checkpoint (the one format of areal_mega/megatron/checkpoint.py, weights
+only) written in the given layout (it loads in any other layout later). Runs on tp * pp * dp
+processes (plain ``python`` = one process, TP1 x PP1). Everything is validated -- the HF directory, model_type, every tensor's
 shape, the layout against the model -- before the output directory is created; a bad argument
 prints one line to stderr and exits 2. The output is staged and renamed into place when complete.
 """

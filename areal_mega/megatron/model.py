@@ -276,8 +276,8 @@ def moe_kwargs(arch: ModelArch, lay, cfg: MegatronModelConfig, grouped: bool = F
         "moe_shared_expert_overlap": False,
         "moe_layer_freq": [0 if i in arch.dense_layers else 1 for i in range(arch.num_layers)],
     }
-    if arch.moe_score_function == "sigmoid":
-        families["moe_router_dtype"] = "fp32"  # HF's DeepseekV3TopkRouter: fp32 logits
+    if arch.moe_router_fp32:
+        families["moe_router_dtype"] = "fp32"
     return {
         **families,
         "num_moe_experts": arch.num_experts,

@@ -1,6 +1,6 @@
 """HF <-> megatron-core weight mapping, one adapter per model family, for ANY TP/PP(/VPP) layout.
 
-The same adapter serves three callers, through the same code path:
+The same adapter serves four callers, through the same code path:
 
 * the weight-sync planner -- :meth:`ModelAdapter.plan` is a pure function of the HF config and a
   :class:`~areal_mega.parallel.ParallelLayout` (no process groups, no tensors): for each pipeline
@@ -10,7 +10,9 @@ The same adapter serves three callers, through the same code path:
   every rank of one stage, all-gathers TP shards on the TP group passed in and yields
   ``(hf_name, tensor)`` in exactly the plan's order (optionally only some names, for buckets);
 * model loading and ``tools/convert_hf_to_mcore.py`` -- :meth:`ModelAdapter.load_hf`, which fills
-  the local TP shard of every megatron parameter from HF tensors (validating all shapes first).
+  the local TP shard of every megatron parameter from HF tensors (validating all shapes first);
+* the reshard sync's engine side -- :meth:`ModelAdapter.sglang_layout`: which SGLang parameters
+  the family's server holds (weight_sync/sglang_layout.py's builders), and ``sglang_not_synced``.
 
 Megatron layouts handled here (megatron-core 0.16.1, pinned by the equality tests):
 
@@ -37,11 +39,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Literal, Mapping
 
 import torch
 
 from areal_mega.parallel import ParallelLayout
+
+if TYPE_CHECKING:
+    from areal_mega.weight_sync.sglang_layout import EngineRank
 
 Fusion = Literal["none", "qkv", "gate_up", "vocab"]
 LayerSpec = Literal["local", "te"]
@@ -100,6 +105,9 @@ class ModelArch:
     Qwen2-MoE's mlp_only_layers); megatron's moe_layer_freq list."""
     moe_score_function: str = "softmax"
     """MoE router scores: "softmax" (Qwen/Mixtral) or "sigmoid" (DeepSeek-V3, GLM-4.5)."""
+    moe_router_fp32: bool = False
+    """MoE: HF computes the router logits in fp32 whatever the model's dtype (DeepseekV3TopkRouter,
+    Glm4MoeTopkRouter); megatron's moe_router_dtype "fp32"."""
     moe_expert_bias: bool = False
     """MoE: a per-expert bias added to the scores for the top-k choice only (DeepSeek-V3's
     e_score_correction_bias, aux-loss-free balancing); megatron's router.expert_bias buffer."""
@@ -516,6 +524,24 @@ class ModelAdapter:
                 "self_attention.linear_proj.weight": (h, a.num_heads * m.v_head_dim),
             })
         return full.get(leaf, (h,))
+
+    # ---- SGLang's side (the reshard sync; weight_sync/sglang_layout.py) -------------------------
+    sglang_not_synced: ClassVar[str | None] = None
+    """Why a runtime reshard sync of this family is refused although its SGLang layout is planned
+    (something SGLang's loader derives that the receiver does not); None = synced."""
+
+    def sglang_layout(self, b: "EngineRank") -> None:
+        """SGLang 0.5.23's parameters of one engine rank, in load order, through ``b``'s builders:
+        Llama's layout (sglang/srt/models/llama.py; qwen2.py, qwen3.py alike). A family SGLang lays
+        out otherwise overrides this, or sets it to None (mode reshard refused, broadcast serves it)."""
+        if self.arch.is_moe:  # an MoE family that inherited this would silently lose its experts
+            raise ValueError(f"model_type {self.model_type!r}: an MoE family needs its own sglang_layout "
+                             "(override it, or set it to None: weight_sync.mode broadcast)")
+        b.embedding()
+        for i in range(self.arch.num_layers):
+            b.gqa_attention(f"model.layers.{i}")
+            b.dense_mlp(f"model.layers.{i}")
+        b.final()
 
     def bucket_group(self, hf_name: str) -> str | None:
         """Tensors a server must receive in ONE weight update (the weight-sync planner keeps

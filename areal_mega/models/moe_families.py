@@ -35,9 +35,14 @@ Routing, HF -> megatron-core 0.16.1 (``topk_routing_with_score_function``):
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from areal_mega.models.base import MLAArch, ModelAdapter, ModelArch, YarnArch
 from areal_mega.models.qwen3 import _DENSE, refuse_unknown_keys
+from areal_mega.models.registry import register_family
+
+if TYPE_CHECKING:
+    from areal_mega.weight_sync.sglang_layout import EngineRank
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,7 @@ def _mtp_notice(c: dict, model_type: str) -> None:
                        "or synced; see docs/engine.md)", model_type, n)
 
 
+@register_family
 class MixtralAdapter(ModelAdapter):
     """Mixtral (MixtralForCausalLM): Llama attention, every layer MoE (block_sparse_moe, experts
     w1 = gate, w3 = up, w2 = down), softmax top-k renormalised."""
@@ -74,6 +80,7 @@ class MixtralAdapter(ModelAdapter):
     architecture = "MixtralForCausalLM"
     hf_moe = "block_sparse_moe"
     hf_expert_proj = ("w1", "w3", "w2")
+    sglang_layout = None  # SGLang's mixtral.py layout not written here: mode reshard refused, broadcast serves it
     known_keys = _DENSE | {"num_local_experts", "num_experts_per_tok", "router_jitter_noise"}
 
     def parse_config(self, c: dict) -> ModelArch:
@@ -91,6 +98,7 @@ class MixtralAdapter(ModelAdapter):
                      moe_norm_topk_prob=True)
 
 
+@register_family
 class Qwen2MoeAdapter(ModelAdapter):
     """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention (q/k/v bias), softmax top-k,
     one gated shared expert, optional dense layers."""
@@ -99,6 +107,7 @@ class Qwen2MoeAdapter(ModelAdapter):
     architecture = "Qwen2MoeForCausalLM"
     qkv_bias = True
     hf_shared = "mlp.shared_expert"
+    sglang_layout = None  # SGLang's qwen2_moe.py layout not written here: mode reshard refused, broadcast serves it
     known_keys = _DENSE | {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                            "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size", "qkv_bias"}
 
@@ -157,10 +166,12 @@ def _sigmoid_routing(c: dict, n_layers: int) -> dict:
     scale = float(c.get("routed_scaling_factor") or 1.0)
     return dict(num_experts=e, moe_topk=k, moe_ffn_hidden_size=int(c["moe_intermediate_size"]), moe_norm_topk_prob=norm,
                 dense_layers=tuple(range(first)), moe_score_function="sigmoid", moe_expert_bias=True,
+                moe_router_fp32=True,  # DeepseekV3TopkRouter / Glm4MoeTopkRouter: fp32 logits
                 moe_num_groups=groups if groups > 1 else None, moe_group_topk=gtop if groups > 1 else None,
                 moe_scaling_factor=scale if scale != 1.0 else None, moe_shared_ffn_hidden_size=shared or None)
 
 
+@register_family
 class DeepseekV3Adapter(ModelAdapter):
     """DeepSeek-V3 / R1 (q_lora_rank set), Moonlight / Kimi-K2 / V2-Lite-like (q_lora_rank null):
     MLA attention, YaRN or plain RoPE on the rope dims (interleaved pairs), dense first layers,
@@ -172,6 +183,8 @@ class DeepseekV3Adapter(ModelAdapter):
         "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
         "rope_interleave", "pretraining_tp", "scoring_func", "topk_method", "moe_layer_freq", "ep_size",
         "aux_loss_alpha", "seq_aux"}
+    sglang_not_synced = ("SGLang derives w_kc / w_vc from kv_b_proj in post_load_weights, which the receiver "
+                         "does not run (and SGLang on CPU cannot serve MLA to test it)")
 
     def parse_config(self, c: dict) -> ModelArch:
         refuse_unknown_keys(c, self.known_keys, self.model_type)
@@ -210,6 +223,39 @@ class DeepseekV3Adapter(ModelAdapter):
         return _arch(arch, num_kv_heads=heads, head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla=mla,
                      yarn=yarn, **moe)
 
+    def sglang_layout(self, b: "EngineRank") -> None:
+        """SGLang's deepseek_v2.py: MLA (``fused_qkv_a_proj_with_mqa`` = [q_a_proj; kv_a_proj_with_mqa]
+        replicated, q_b_proj / kv_b_proj column-parallel by heads, o_proj row-parallel), dense first
+        layers, a sigmoid router with an fp32 correction bias, FusedMoE experts, shared experts as
+        a dense MLP (not fused into FusedMoE). SGLang derives w_kc / w_vc from kv_b_proj in
+        post_load_weights (hence ``sglang_not_synced``)."""
+        a = self.arch
+        b.embedding()
+        for i in range(a.num_layers):
+            L, A = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+            b.replicated(f"{L}.input_layernorm.weight", f"{L}.input_layernorm.weight")
+            if a.mla.q_lora_rank:
+                b.replicated(f"{A}.fused_qkv_a_proj_with_mqa.weight", f"{A}.q_a_proj.weight",
+                             f"{A}.kv_a_proj_with_mqa.weight")
+                b.replicated(f"{A}.q_a_layernorm.weight", f"{A}.q_a_layernorm.weight")
+                b.column(f"{A}.q_b_proj.weight", f"{A}.q_b_proj.weight")
+            else:
+                b.column(f"{A}.q_proj.weight", f"{A}.q_proj.weight")
+                b.replicated(f"{A}.kv_a_proj_with_mqa.weight", f"{A}.kv_a_proj_with_mqa.weight")
+            b.replicated(f"{A}.kv_a_layernorm.weight", f"{A}.kv_a_layernorm.weight")
+            b.column(f"{A}.kv_b_proj.weight", f"{A}.kv_b_proj.weight")
+            b.row(f"{A}.o_proj.weight", f"{A}.o_proj.weight")
+            b.replicated(f"{L}.post_attention_layernorm.weight", f"{L}.post_attention_layernorm.weight")
+            if not a.is_moe_layer(i):
+                b.dense_mlp(L)
+                continue
+            b.replicated(f"{L}.mlp.gate.weight", f"{L}.mlp.gate.weight")
+            b.replicated(f"{L}.mlp.gate.e_score_correction_bias", f"{L}.mlp.gate.e_score_correction_bias",
+                         dtype="float32")
+            b.experts(f"{L}.mlp", i)
+            if a.moe_shared_ffn_hidden_size:
+                b.dense_mlp(L, "mlp.shared_experts")
+        b.final()
 
     _FUSED_ON_LOAD = ("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
                       "self_attn.kv_a_proj_with_mqa.weight")
@@ -225,6 +271,7 @@ class DeepseekV3Adapter(ModelAdapter):
         return None
 
 
+@register_family
 class Glm4MoeAdapter(ModelAdapter):
     """GLM-4.5 / 4.6 / 4.5-Air (Glm4MoeForCausalLM): GQA with q/k/v bias (attention_bias) and
     optional per-head q/k norms (use_qk_norm), partial rotary (partial_rotary_factor), dense
@@ -232,6 +279,7 @@ class Glm4MoeAdapter(ModelAdapter):
 
     model_type = "glm4_moe"
     architecture = "Glm4MoeForCausalLM"
+    sglang_layout = None  # SGLang's glm4_moe.py layout not written here: mode reshard refused, broadcast serves it
     known_keys = _DENSE | _SIGMOID_MOE | {"partial_rotary_factor", "use_qk_norm"}
 
     def parse_config(self, c: dict) -> ModelArch:

@@ -4,8 +4,10 @@ the MLP); tied embeddings on the small models. Sliding-window attention is rejec
 from __future__ import annotations
 
 from areal_mega.models.base import ModelAdapter
+from areal_mega.models.registry import register_family
 
 
+@register_family
 class Qwen2Adapter(ModelAdapter):
     model_type = "qwen2"
     architecture = "Qwen2ForCausalLM"

@@ -17,7 +17,13 @@ heads, an unknown key) is refused with an error naming it, never silently ignore
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from areal_mega.models.base import ModelAdapter, ModelArch
+from areal_mega.models.registry import register_family
+
+if TYPE_CHECKING:
+    from areal_mega.weight_sync.sglang_layout import EngineRank
 
 # Keys that never change the network's function (bookkeeping, generation, HF runtime flags).
 _INERT = {
@@ -67,6 +73,7 @@ def refuse_unknown_keys(c: dict, known: set[str], model_type: str) -> None:
                      "it runs once the adapter in areal_mega/models/ maps it to megatron)")
 
 
+@register_family
 class Qwen3Adapter(ModelAdapter):
     model_type = "qwen3"
     architecture = "Qwen3ForCausalLM"
@@ -79,10 +86,21 @@ class Qwen3Adapter(ModelAdapter):
         return ModelArch(**{**arch.__dict__, "qk_layernorm": True})
 
 
+@register_family
 class Qwen3MoeAdapter(Qwen3Adapter):
     model_type = "qwen3_moe"
     architecture = "Qwen3MoeForCausalLM"
     known_keys = _DENSE | _MOE
+
+    def sglang_layout(self, b: "EngineRank") -> None:
+        """SGLang's qwen3_moe.py: every layer a router (ReplicatedLinear ``mlp.gate``) + FusedMoE."""
+        b.embedding()
+        for i in range(self.arch.num_layers):
+            L = f"model.layers.{i}"
+            b.gqa_attention(L)
+            b.replicated(f"{L}.mlp.gate.weight", f"{L}.mlp.gate.weight")
+            b.experts(f"{L}.mlp", i)
+        b.final()
 
     def parse_config(self, c: dict) -> ModelArch:
         experts = c.get("num_experts", c.get("num_local_experts"))

@@ -18,25 +18,23 @@ where inside each parameter (:class:`~areal_mega.models.base.Block`). The reshar
   ``[gate; up]``, ``w2_weight`` ``[E_local, h, f/moe_tp]``): with ``--ep-size ep`` the TP ranks
   form ``moe_tp = tp / ep`` x ``ep`` (moe-TP fastest: ``moe_ep_rank = r // moe_tp``), expert
   ``g`` on EP rank ``g // (E / ep)``.
-* DeepSeek-V3 MLA: ``fused_qkv_a_proj_with_mqa`` = ``[q_a_proj; kv_a_proj_with_mqa]``
-  (replicated), ``q_b_proj`` / ``kv_b_proj`` column-parallel (by heads), ``o_proj`` row-parallel.
-  SGLang derives ``w_kc`` / ``w_vc`` from ``kv_b_proj`` in ``post_load_weights``: a receiver must
-  run it after writing ``kv_b_proj`` (planned here for the byte counts; a runtime sync is
-  refused, ``NOT_SYNCED``).
-
-Exact-key registry by HF ``model_type``; a family without an entry is refused with a one-line
-error (weight_sync.mode broadcast serves it).
+* Which of these a family uses, in which order, is the family's own fact:
+  ``ModelAdapter.sglang_layout(b)`` (areal_mega/models/) calls the builders of :class:`EngineRank`;
+  a family without one (``sglang_layout = None``) is refused with a one-line error (weight_sync.mode
+  broadcast serves it), and one whose sync SGLang would have to finish says why in its
+  ``sglang_not_synced`` (DeepSeek-V3: planned, a runtime sync refused).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 from areal_mega.models.base import Block, ModelAdapter
+from areal_mega.models.registry import FAMILIES
 
-__all__ = ["EngineLayout", "EngineParam", "NOT_SYNCED", "SGLANG_LAYOUTS", "check_supported", "check_syncable", "engine_params", "sglang_vocab_padded"]
+__all__ = ["EngineLayout", "EngineParam", "EngineRank", "check_supported", "check_syncable", "engine_params",
+           "sglang_vocab_padded"]
 
 
 @dataclass(frozen=True)
@@ -81,8 +79,9 @@ def sglang_vocab_padded(vocab: int, tp: int) -> int:
     return -(-vocab // pad) * pad
 
 
-class _Rank:
-    """Builders for one engine rank (``tp``, ``rank``) over an adapter's HF shapes."""
+class EngineRank:
+    """Builders for one engine rank (``tp``, ``rank``) over an adapter's HF shapes: a family's
+    ``ModelAdapter.sglang_layout(b)`` calls them in SGLang's load order; ``b.out`` collects."""
 
     def __init__(self, adapter: ModelAdapter, layout: EngineLayout, rank: int):
         self.a, self.arch, self.tp, self.r = adapter, adapter.arch, layout.tp, rank
@@ -164,124 +163,56 @@ class _Rank:
         self.add(f"{prefix}.experts.w13_weight", w13, (local, 2 * fp, h))
         self.add(f"{prefix}.experts.w2_weight", w2, (local, h, fp))
 
+    # ---- the pieces most families share (Llama's names) ----------------------------------------
+    def embedding(self) -> None:
+        self.vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
 
-def _embed_and_head(b: _Rank) -> None:
-    b.vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
+    def final(self) -> None:
+        """The final norm, and ``lm_head`` unless tied to the embedding (one parameter then)."""
+        self.replicated("model.norm.weight", "model.norm.weight")
+        if not self.arch.tie_word_embeddings:
+            self.vocab("lm_head.weight", "lm_head.weight")
 
+    def gqa_attention(self, L: str) -> None:
+        """Layer ``L``'s two norms and GQA attention: ``qkv_proj`` (+ bias), q/k norms, ``o_proj``."""
+        self.replicated(f"{L}.input_layernorm.weight", f"{L}.input_layernorm.weight")
+        self.qkv(f"{L}.self_attn.qkv_proj.weight", *(f"{L}.self_attn.{p}_proj.weight" for p in "qkv"))
+        if self.arch.qkv_bias:
+            self.qkv(f"{L}.self_attn.qkv_proj.bias", *(f"{L}.self_attn.{p}_proj.bias" for p in "qkv"))
+        if self.arch.qk_layernorm:
+            self.replicated(f"{L}.self_attn.q_norm.weight", f"{L}.self_attn.q_norm.weight")
+            self.replicated(f"{L}.self_attn.k_norm.weight", f"{L}.self_attn.k_norm.weight")
+        self.row(f"{L}.self_attn.o_proj.weight", f"{L}.self_attn.o_proj.weight")
+        self.replicated(f"{L}.post_attention_layernorm.weight", f"{L}.post_attention_layernorm.weight")
 
-def _final(b: _Rank) -> None:
-    b.replicated("model.norm.weight", "model.norm.weight")
-    if not b.arch.tie_word_embeddings:
-        b.vocab("lm_head.weight", "lm_head.weight")
-
-
-def _attention_gqa(b: _Rank, L: str) -> None:
-    b.replicated(f"{L}.input_layernorm.weight", f"{L}.input_layernorm.weight")
-    b.qkv(f"{L}.self_attn.qkv_proj.weight", *(f"{L}.self_attn.{p}_proj.weight" for p in "qkv"))
-    if b.arch.qkv_bias:
-        b.qkv(f"{L}.self_attn.qkv_proj.bias", *(f"{L}.self_attn.{p}_proj.bias" for p in "qkv"))
-    if b.arch.qk_layernorm:
-        b.replicated(f"{L}.self_attn.q_norm.weight", f"{L}.self_attn.q_norm.weight")
-        b.replicated(f"{L}.self_attn.k_norm.weight", f"{L}.self_attn.k_norm.weight")
-    b.row(f"{L}.self_attn.o_proj.weight", f"{L}.self_attn.o_proj.weight")
-    b.replicated(f"{L}.post_attention_layernorm.weight", f"{L}.post_attention_layernorm.weight")
-
-
-def _dense_mlp(b: _Rank, L: str, mlp: str = "mlp") -> None:
-    b.column(f"{L}.{mlp}.gate_up_proj.weight", f"{L}.{mlp}.gate_proj.weight", f"{L}.{mlp}.up_proj.weight")
-    b.row(f"{L}.{mlp}.down_proj.weight", f"{L}.{mlp}.down_proj.weight")
-
-
-def _dense(b: _Rank) -> None:
-    """Llama / Qwen2 / Qwen3 (sglang/srt/models/llama.py, qwen2.py, qwen3.py)."""
-    _embed_and_head(b)
-    for i in range(b.arch.num_layers):
-        L = f"model.layers.{i}"
-        _attention_gqa(b, L)
-        _dense_mlp(b, L)
-    _final(b)
-
-
-def _qwen3_moe(b: _Rank) -> None:
-    """Qwen3-MoE (qwen3_moe.py): every layer a router (ReplicatedLinear ``mlp.gate``) + FusedMoE."""
-    _embed_and_head(b)
-    for i in range(b.arch.num_layers):
-        L = f"model.layers.{i}"
-        _attention_gqa(b, L)
-        b.replicated(f"{L}.mlp.gate.weight", f"{L}.mlp.gate.weight")
-        b.experts(f"{L}.mlp", i)
-    _final(b)
-
-
-def _deepseek_v3(b: _Rank) -> None:
-    """DeepSeek-V3 (deepseek_v2.py): MLA, dense first layers, sigmoid router with an fp32
-    correction bias, FusedMoE experts, shared experts as a dense MLP (not fused into FusedMoE)."""
-    a = b.arch
-    _embed_and_head(b)
-    for i in range(a.num_layers):
-        L, A = f"model.layers.{i}", f"model.layers.{i}.self_attn"
-        b.replicated(f"{L}.input_layernorm.weight", f"{L}.input_layernorm.weight")
-        if a.mla.q_lora_rank:
-            b.replicated(f"{A}.fused_qkv_a_proj_with_mqa.weight", f"{A}.q_a_proj.weight", f"{A}.kv_a_proj_with_mqa.weight")
-            b.replicated(f"{A}.q_a_layernorm.weight", f"{A}.q_a_layernorm.weight")
-            b.column(f"{A}.q_b_proj.weight", f"{A}.q_b_proj.weight")
-        else:
-            b.column(f"{A}.q_proj.weight", f"{A}.q_proj.weight")
-            b.replicated(f"{A}.kv_a_proj_with_mqa.weight", f"{A}.kv_a_proj_with_mqa.weight")
-        b.replicated(f"{A}.kv_a_layernorm.weight", f"{A}.kv_a_layernorm.weight")
-        b.column(f"{A}.kv_b_proj.weight", f"{A}.kv_b_proj.weight")
-        b.row(f"{A}.o_proj.weight", f"{A}.o_proj.weight")
-        b.replicated(f"{L}.post_attention_layernorm.weight", f"{L}.post_attention_layernorm.weight")
-        if not a.is_moe_layer(i):
-            _dense_mlp(b, L)
-            continue
-        b.replicated(f"{L}.mlp.gate.weight", f"{L}.mlp.gate.weight")
-        b.replicated(f"{L}.mlp.gate.e_score_correction_bias", f"{L}.mlp.gate.e_score_correction_bias", dtype="float32")
-        b.experts(f"{L}.mlp", i)
-        if a.moe_shared_ffn_hidden_size:
-            _dense_mlp(b, L, "mlp.shared_experts")
-    _final(b)
-
-
-SGLANG_LAYOUTS: dict[str, Callable[[_Rank], None]] = {
-    "llama": _dense,
-    "qwen2": _dense,
-    "qwen3": _dense,
-    "qwen3_moe": _qwen3_moe,
-    "deepseek_v3": _deepseek_v3,
-}
-"""HF model_type -> SGLang 0.5.23's parameter layout (exact keys)."""
-
-
-NOT_SYNCED = {
-    "deepseek_v3": "SGLang derives w_kc / w_vc from kv_b_proj in post_load_weights, which the receiver "
-                   "does not run (and SGLang on CPU cannot serve MLA to test it)",
-}
-"""Families planned (byte counts, projections) but refused by a runtime reshard sync: the reason."""
+    def dense_mlp(self, L: str, mlp: str = "mlp") -> None:
+        """A SwiGLU MLP: ``gate_up_proj`` [gate_r; up_r] and row-parallel ``down_proj``."""
+        self.column(f"{L}.{mlp}.gate_up_proj.weight", f"{L}.{mlp}.gate_proj.weight", f"{L}.{mlp}.up_proj.weight")
+        self.row(f"{L}.{mlp}.down_proj.weight", f"{L}.{mlp}.down_proj.weight")
 
 
 def check_syncable(adapter: ModelAdapter) -> None:
     """One-line ValueError unless a reshard sync of ``adapter``'s family can run (WeightSync,
-    at construction): planned, and nothing left for SGLang to derive after the receiver wrote."""
+    at construction): planned, and nothing left for SGLang to derive after the receiver wrote
+    (the adapter's ``sglang_not_synced``)."""
     check_supported(adapter)
-    why = NOT_SYNCED.get(adapter.arch.model_type)
+    why = adapter.sglang_not_synced
     if why:
         raise ValueError(f"weight_sync.mode: reshard is planned but not run for model_type "
                          f"{adapter.arch.model_type!r}: {why}; use broadcast")
 
 
 def check_supported(adapter: ModelAdapter) -> None:
-    """One-line ValueError unless SGLang's layout of ``adapter``'s family is known here."""
-    mt = adapter.arch.model_type
-    if mt not in SGLANG_LAYOUTS:
-        raise ValueError(f"weight_sync.mode: reshard has no SGLang layout for model_type {mt!r} "
-                         f"(known: {sorted(SGLANG_LAYOUTS)}); use broadcast")
+    """One-line ValueError unless ``adapter``'s family has an SGLang layout (its ``sglang_layout``)."""
+    if adapter.sglang_layout is None:
+        known = sorted(mt for mt, cls in FAMILIES.items() if cls.sglang_layout is not None)
+        raise ValueError(f"weight_sync.mode: reshard has no SGLang layout for model_type {adapter.arch.model_type!r} "
+                         f"(known: {known}); use broadcast")
 
 
 def engine_params(adapter: ModelAdapter, layout: EngineLayout, rank: int) -> list[EngineParam]:
     """Every parameter SGLang rank ``rank`` of a server with ``layout`` holds, in load order."""
     check_supported(adapter)
-    mt = adapter.arch.model_type
     a = adapter.arch
     if a.num_heads % layout.tp:
         raise ValueError(f"engine layout: num_heads({a.num_heads}) % tp({layout.tp}) != 0")
@@ -292,8 +223,8 @@ def engine_params(adapter: ModelAdapter, layout: EngineLayout, rank: int) -> lis
                          f"({a.moe_ffn_hidden_size}) % (tp/ep)({layout.tp // layout.ep}) != 0")
     if not 0 <= rank < layout.tp:
         raise ValueError(f"engine rank {rank} outside tp({layout.tp})")
-    b = _Rank(adapter, layout, rank)
-    SGLANG_LAYOUTS[mt](b)
+    b = EngineRank(adapter, layout, rank)
+    adapter.sglang_layout(b)
     for p in b.out:  # internal invariant: every block inside its parameter
         for blk in p.blocks:
             local = p.shape[len(blk.local_index):]

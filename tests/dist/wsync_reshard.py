@@ -31,7 +31,6 @@ from areal_mega.megatron.model import MegatronModelConfig, build_model, load_hf_
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel  # noqa: E402
 from areal_mega.parallel import ParallelConfig, ParallelLayout  # noqa: E402
 from areal_mega.weight_sync import PlanMismatchError, WeightSyncConfig, megatron_weight_sync  # noqa: E402
-from areal_mega.weight_sync import sglang_layout  # noqa: E402
 from tests.dist.wsync_tp2pp2 import SEQS, learner_logprobs, server_state  # noqa: E402
 from tests.support.dist import finish  # noqa: E402
 
@@ -77,13 +76,13 @@ def main() -> None:
     cfg = WeightSyncConfig(mode="reshard", backend="gloo", bucket_mib=0.25, master_address="127.0.0.1")
     # 1. a plan whose SGLang layout names a parameter the engine lacks: every engine rank's check
     # refuses it before any weight is sent; the server keeps serving v0.
-    real = sglang_layout.SGLANG_LAYOUTS[model.adapter.arch.model_type]
+    real = model.adapter.sglang_layout
 
     def renamed(b) -> None:
         real(b)
         b.out[-1] = dataclasses.replace(b.out[-1], name=b.out[-1].name + "_renamed")
 
-    sglang_layout.SGLANG_LAYOUTS[model.adapter.arch.model_type] = renamed
+    model.adapter.sglang_layout = renamed  # this adapter only; the family's class keeps the real one
     bad = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
                                servers=[SGLangClient(u, timeout_s=300) for u in urls], pause_mode="retract")
     try:
@@ -92,7 +91,7 @@ def main() -> None:
     except PlanMismatchError as e:
         res["engine_mismatch"] = str(e)
     finally:
-        sglang_layout.SGLANG_LAYOUTS[model.adapter.arch.model_type] = real
+        del model.adapter.sglang_layout
         bad.close()
     if rank == 0:
         res["after_mismatch"] = server_state(urls)
