@@ -51,6 +51,7 @@ BUILTINS: dict[str, dict[str, str]] = {
         "reasoning_gym": "areal_mega.data.dataset:listed_source",
     },
     "agent": {},
+    "model": {},  # by default the family registered for the HF model_type (areal_mega/models/registry.py)
     "tool": {
         "calculator": "areal_mega.agent_tools:builtin_calculator",
         "python": "areal_mega.agent_tools:builtin_python",

@@ -125,3 +125,20 @@ def test_an_unregistered_family_is_refused_in_one_line():
         get_adapter({**tiny_config("llama"), "model_type": LIKE})
     assert str(e.value).startswith(f"model_type: '{LIKE}' is not supported; known model types: ['deepseek_v3'")
     assert "\n" not in str(e.value)
+
+
+def test_a_family_named_in_the_yaml_needs_no_registration():
+    """actor.model.family = "package.module:Adapter" (through the one loader) serves a model whose
+    model_type no registered family has; without it the same config is refused (the control)."""
+    from areal_mega.config import ConfigError
+    from areal_mega.experiment import load_experiment
+    from areal_mega.megatron.model import MegatronModelConfig, model_adapter
+
+    cfg = {**tiny_config("llama", vocab_size=300, tie_word_embeddings=False), "model_type": LIKE}
+    adapter = model_adapter(cfg, MegatronModelConfig(family="tests.test_model_families:TinyLlamaLikeAdapter"))
+    # (pytest imports this file under another module name: compare the class by name)
+    assert type(adapter).__qualname__ == "TinyLlamaLikeAdapter" and adapter.arch.model_type == LIKE and LIKE not in FAMILIES
+    with pytest.raises(ValueError, match=f"model_type: '{LIKE}' is not supported"):
+        model_adapter(cfg, MegatronModelConfig())
+    with pytest.raises(ConfigError, match="actor.model.family: model 'no_pkg:A': cannot import no_pkg"):
+        load_experiment("configs/grpo_tiny.yaml", ["model_path=/m", "actor.model.family=no_pkg:A"])

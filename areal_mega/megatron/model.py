@@ -28,7 +28,8 @@ from areal_mega.batching.packing import ContextShard, context_shard, cp_padded_l
 from areal_mega.megatron.attention import with_core_attention
 from areal_mega.megatron.context_parallel import context_inputs, gather_tokens, packed_seq_params
 from areal_mega.megatron.parallel_state import ModelParallelGroups, tp_all_gather
-from areal_mega.models import get_adapter
+from areal_mega.kinds import resolve
+from areal_mega.models import get_adapter, load_hf_config
 from areal_mega.models.base import ExpertExport, ModelAdapter, ModelArch, StagePlan, padded_vocab_size, torch_dtype
 
 
@@ -36,6 +37,10 @@ from areal_mega.models.base import ExpertExport, ModelAdapter, ModelArch, StageP
 class MegatronModelConfig:
     """How to instantiate the megatron model (the HF config fixes the architecture)."""
 
+    family: str = ""
+    """The model family's adapter (HF <-> megatron mapping, SGLang layout): "" = the one registered
+    for the HF config's ``model_type`` (areal_mega/models/registry.py), or "package.module:Adapter",
+    a ``ModelAdapter`` subclass of your own (docs/layout.md "Adding a model family")."""
     layer_spec: Literal["auto", "local", "te"] = "auto"
     """Transformer layer implementation: "te" = transformer-engine spec, "local" = megatron's
     torch modules (get_gpt_layer_local_spec; the only one that works on CPU), "auto" = "te" when
@@ -97,6 +102,11 @@ class MegatronModelConfig:
     p2p on the TE spec (megatron's default)."""
 
     def validate(self) -> None:
+        if self.family:
+            try:
+                resolve("model", self.family)
+            except ValueError as e:
+                raise ValueError(f"family: {e}") from None
         if self.layer_spec not in ("auto", "local", "te"):
             raise ValueError(f"layer_spec: {self.layer_spec!r} is not one of auto, local, te")
         if self.sequence_parallel not in (True, False, "auto"):
@@ -334,6 +344,15 @@ def check_context_parallel(layout, spec_name: str, attention: str | None = None,
                          "yet (MLA's RoPE under CP is untested); set parallel.context_parallel: 1")
 
 
+def model_adapter(hf_config: Any, cfg: MegatronModelConfig) -> Any:
+    """The adapter of ``cfg.family`` (``areal_mega.kinds``, family "model") over ``hf_config``, else
+    the registry's for its ``model_type``."""
+    if not cfg.family:
+        return get_adapter(hf_config)
+    hf = load_hf_config(hf_config) if isinstance(hf_config, (str, Path)) else hf_config
+    return resolve("model", cfg.family)(hf if isinstance(hf, dict) else hf.to_dict())
+
+
 def build_model(
     hf_config: Any, groups: ModelParallelGroups, cfg: MegatronModelConfig | None = None, *, adapter: ModelAdapter | None = None
 ) -> MegatronModel:
@@ -350,7 +369,7 @@ def build_model(
     cpu_compat.apply()  # idempotent; per thread (see cpu_compat), so call it wherever megatron runs
     cfg = cfg or MegatronModelConfig()
     cfg.validate()
-    adapter = adapter or get_adapter(hf_config)
+    adapter = adapter or model_adapter(hf_config, cfg)
     arch = adapter.arch
     lay = groups.layout
     lay.check_model(arch.num_layers, arch.num_heads, arch.num_kv_heads)
