@@ -13,7 +13,7 @@ import pytest
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationResult, SamplingParams
 from areal_mega.workflows import WorkflowConfig, build_workflow
-from areal_mega.workflows.agent import AgentBudgetExceeded, AgentClient, parse_tool_calls
+from areal_mega.workflows.agent import AgentBudgetExceeded, AgentClient, AgentWorkflow, parse_tool_calls
 from areal_mega.workflows.examples.calculator_agent import calculator_agent
 from tests.support.models import bpe_tokenizer
 
@@ -73,7 +73,7 @@ def test_calculator_agent_episode_is_one_exact_trajectory(tok):
     async def exact(prompt, completion, data):
         return float(completion == data["answer"])
 
-    cfg = WorkflowConfig(kind="agent", agent="areal_mega.workflows.examples.calculator_agent:calculator_agent",
+    cfg = WorkflowConfig(kind="agent", options=AgentWorkflow.Options("areal_mega.workflows.examples.calculator_agent:calculator_agent"),
                          group_size=1, max_turns=4, sampling=SamplingParams(max_new_tokens=64))
     wf = build_workflow(cfg, tok, exact)
     (t,) = asyncio.run(wf.arun_episode(eng, {"id": "c", "question": "What is 12 * (3 + 4)?", "answer": "84"}))
@@ -123,7 +123,7 @@ def test_client_response_shape_and_arguments(tok):
 
 def test_rewritten_history_starts_a_new_trajectory_and_discount(tok):
     """The agent drops the model's first reply from the history: call 2 does not extend call 1's
-    context, so it is a second trajectory; with agent_turn_discount 0.5 the first gets R * 0.5."""
+    context, so it is a second trajectory; with options.turn_discount 0.5 the first gets R * 0.5."""
 
     async def agent(client, sample):
         m = [{"role": "user", "content": "one"}]
@@ -132,8 +132,7 @@ def test_rewritten_history_starts_a_new_trajectory_and_discount(tok):
         return 1.0
 
     eng = ScriptedEngine(tok, lambda n, text: "reply")
-    cfg = WorkflowConfig(kind="agent", agent="x:y", group_size=2, agent_turn_discount=0.5)
-    from areal_mega.workflows.agent import AgentWorkflow
+    cfg = WorkflowConfig(kind="agent", options=AgentWorkflow.Options("x:y", turn_discount=0.5), group_size=2)
 
     wf = AgentWorkflow(cfg, tok, None, agent=agent)
     trajs = asyncio.run(wf.arun_episode(eng, {"id": "h"}))
@@ -142,8 +141,9 @@ def test_rewritten_history_starts_a_new_trajectory_and_discount(tok):
     assert all(_spans(t.loss_mask) == [0, 1] for t in trajs)
     # per_call: every call its own trajectory even when it extends the previous context
     eng = ScriptedEngine(tok, _script)
-    cfg = WorkflowConfig(kind="agent", agent="areal_mega.workflows.examples.calculator_agent:calculator_agent",
-                         group_size=1, agent_trajectories="per_call", agent_turn_discount=0.9)
+    cfg = WorkflowConfig(kind="agent", options=AgentWorkflow.Options(
+        "areal_mega.workflows.examples.calculator_agent:calculator_agent", trajectories="per_call", turn_discount=0.9),
+                         group_size=1)
 
     async def score(prompt, completion, data):
         return 1.0
@@ -154,15 +154,15 @@ def test_rewritten_history_starts_a_new_trajectory_and_discount(tok):
 
 
 def test_agent_workflow_config_errors(tok):
-    with pytest.raises(ValueError, match="agent: kind 'agent' needs 'module:function'"):
+    with pytest.raises(ValueError, match="options.function: kind 'agent' needs 'module:function'"):
         build_workflow(WorkflowConfig(kind="agent"), tok, None)
     with pytest.raises(ValueError, match="must be an async function"):
-        build_workflow(WorkflowConfig(kind="agent", agent="areal_mega.workflows.tool:calculator"), tok, None)
+        build_workflow(WorkflowConfig(kind="agent", options=AgentWorkflow.Options("areal_mega.workflows.tool:calculator")), tok, None)
     assert calculator_agent  # importable by path (the config above names it)
 
 
 def test_http_endpoint_records_like_the_in_process_client(tok):
-    """workflow.agent_http: an agent speaking OpenAI JSON over HTTP to client.base_url (aiohttp here,
+    """workflow.options.http: an agent speaking OpenAI JSON over HTTP to client.base_url (aiohttp here,
     in this process) gets the chat.completion JSON, and its calls become the same exact trajectory;
     a bad request is a 400 with an OpenAI-style error, an unknown episode a 404, the exhausted
     budget a 400 that ends the episode with reward 0."""
@@ -189,8 +189,7 @@ def test_http_endpoint_records_like_the_in_process_client(tok):
         return 1.0
 
     eng = ScriptedEngine(tok, _script)
-    cfg = WorkflowConfig(kind="agent", agent="x:y", group_size=1, max_turns=2, agent_http=True)
-    from areal_mega.workflows.agent import AgentWorkflow
+    cfg = WorkflowConfig(kind="agent", options=AgentWorkflow.Options("x:y", http=True), group_size=1, max_turns=2)
 
     wf = AgentWorkflow(cfg, tok, None, agent=http_agent)
 
@@ -242,7 +241,6 @@ def test_model_context_caps_the_budget_and_failures_carry_reasons(tmp_path):
     from areal_mega.inference.client import InferenceServerError
     from areal_mega.rollout.failures import EpisodeFailure, failure_reason
     from areal_mega.workflows import WorkflowConfig
-    from areal_mega.workflows.agent import AgentWorkflow
 
     tok = bpe_tokenizer(tmp_path / "tok")
     (Path(tok.name_or_path) / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 48}))
@@ -263,7 +261,7 @@ def test_model_context_caps_the_budget_and_failures_carry_reasons(tmp_path):
             raise KeyError("gold")
         return 1.0
 
-    cfg = WorkflowConfig(kind="agent", agent="x:y", group_size=1, max_turns=20, sampling=SamplingParams(max_new_tokens=4))
+    cfg = WorkflowConfig(kind="agent", options=AgentWorkflow.Options("x:y"), group_size=1, max_turns=20, sampling=SamplingParams(max_new_tokens=4))
     wf = AgentWorkflow(cfg, tok, reward, agent=grow)
     assert wf.max_context_tokens == 48  # not workflow.max_context_tokens (4096)
     eng = ScriptedEngine(tok, lambda n, text: "ok")
@@ -278,7 +276,7 @@ def test_model_context_caps_the_budget_and_failures_carry_reasons(tmp_path):
                                            '{"error": "Input length (250 tokens) exceeds the maximum allowed length"}')
             return await super().agenerate(req)
 
-    wf_big = AgentWorkflow(WorkflowConfig(kind="agent", agent="x:y", group_size=1, max_turns=20,
+    wf_big = AgentWorkflow(WorkflowConfig(kind="agent", options=AgentWorkflow.Options("x:y"), group_size=1, max_turns=20,
                                           sampling=SamplingParams(max_new_tokens=4)), tok, reward, agent=grow)
     (t,) = asyncio.run(wf_big.arun_episode(Refusing(tok, lambda n, text: "ok"), {"id": "b"}))
     assert t.info["status"] == "budget" and t.reward == 0.0

@@ -47,6 +47,7 @@ from areal_mega.rollout.config import RolloutConfig
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.workflows import WorkflowConfig, build_workflow
 from areal_mega.workflows.agent import AgentWorkflow
+from areal_mega.workflows.multi_turn import MultiTurnWorkflow
 from areal_mega.workflows.examples.calculator_agent import NUDGE
 from tests.support.launch import SGLANG_PYTHON, needs_sglang
 from tests.support.models import save_bpe_model, save_reward_model, save_verdict_judge
@@ -236,7 +237,7 @@ def test_agent_episode_weight_update_between_calls(h):
         await client.chat.completions.create(model="policy", messages=messages, max_tokens=12)
         return 1.0
 
-    cfg = WorkflowConfig(kind="agent", agent="tests:two_calls", group_size=1, max_turns=2,
+    cfg = WorkflowConfig(kind="agent", options=AgentWorkflow.Options("tests:two_calls"), group_size=1, max_turns=2,
                          sampling=SamplingParams(max_new_tokens=12, temperature=1.0))
     (t,) = h.run(AgentWorkflow(cfg, h.tok, None, agent=two_calls).arun_episode(eng, {"id": "w", "question": "2+3?"}))
     (s1, r1), (s2, r2) = eng.calls
@@ -259,7 +260,7 @@ def test_agent_episode_weight_update_between_calls(h):
 
 
 def test_agent_over_http_endpoint(h):
-    """workflow.agent_http on the real server: an agent posting OpenAI JSON to client.base_url; its
+    """workflow.options.http on the real server: an agent posting OpenAI JSON to client.base_url; its
     two calls (the reply sent back as JSON) form one trajectory of exactly the ids sent and
     generated, generated tokens under the mask with the server's version."""
     import aiohttp
@@ -276,7 +277,7 @@ def test_agent_over_http_endpoint(h):
                     messages += [(await r.json())["choices"][0]["message"], {"role": "user", "content": NUDGE}]
         return 0.5
 
-    cfg = WorkflowConfig(kind="agent", agent="tests:http_agent", group_size=1, max_turns=2, agent_http=True,
+    cfg = WorkflowConfig(kind="agent", options=AgentWorkflow.Options("tests:http_agent", http=True), group_size=1, max_turns=2,
                          sampling=SamplingParams(max_new_tokens=8, temperature=1.0))
     wf = AgentWorkflow(cfg, h.tok, None, agent=http_agent)
 
@@ -337,7 +338,7 @@ def test_calculator_agent_judged_and_one_grpo_step(h):
     eng = Recording(h.pool)
     judge = h.judge
     n0 = int(judge.stats["requests"])
-    cfg = WorkflowConfig(kind="agent", agent="areal_mega.workflows.examples.calculator_agent:calculator_agent",
+    cfg = WorkflowConfig(kind="agent", options=AgentWorkflow.Options("areal_mega.workflows.examples.calculator_agent:calculator_agent"),
                          group_size=4, max_turns=4, sampling=SamplingParams(max_new_tokens=16, temperature=1.0))
     trajs = h.run(build_workflow(cfg, h.tok, judge).arun_episode(eng, {"id": "calc", "question": "What is 6*7?",
                                                                      "answer": "42"}))
@@ -409,8 +410,9 @@ def test_token_workflows_with_bpe_tokenizer(h, kind):
     async def always_wrong(prompt, completion, data):
         return 0.0
 
-    cfg = WorkflowConfig(kind=kind, group_size=2, max_turns=3, feedback="\nNo. Try again.\nAnswer:",
-                         sampling=SamplingParams(max_new_tokens=8, temperature=1.0))
+    feedback = "\nNo. Try again.\nAnswer:"
+    cfg = WorkflowConfig(kind=kind, group_size=2, max_turns=3, sampling=SamplingParams(max_new_tokens=8, temperature=1.0),
+                         options=MultiTurnWorkflow.Options(feedback=feedback) if kind == "multi_turn" else None)
     prompt = h.tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
                                        add_generation_prompt=True)
     v0 = h.pool.get_version()
@@ -418,7 +420,7 @@ def test_token_workflows_with_bpe_tokenizer(h, kind):
     trajs = h.run(build_workflow(cfg, h.tok, always_wrong).arun_episode(eng, {"id": kind, "prompt": prompt}))
     assert h.pool.get_version() == v0 + 1
     p = h.tok.encode(prompt, add_special_tokens=False)
-    fb = h.tok.encode(cfg.feedback, add_special_tokens=False)
+    fb = h.tok.encode(feedback, add_special_tokens=False)
     seen_versions = set()
     for t in trajs:
         assert t.input_ids[: len(p)] == p and t.loss_mask[: len(p)] == [0] * len(p)
@@ -483,7 +485,7 @@ def test_failed_episodes_are_counted_and_skipped_the_run_goes_on(h, tmp_path):
     cfg_json = json.loads((short / "config.json").read_text())
     (short / "config.json").write_text(json.dumps({**cfg_json, "max_position_embeddings": 64}))
     tok64 = AutoTokenizer.from_pretrained(str(short))
-    agent = AgentWorkflow(WorkflowConfig(kind="agent", agent="x:y", group_size=1, max_turns=8,
+    agent = AgentWorkflow(WorkflowConfig(kind="agent", options=AgentWorkflow.Options("x:y"), group_size=1, max_turns=8,
                                          sampling=SamplingParams(max_new_tokens=4)),
                           tok64, _RaisingReward(), agent=_episode_failure_agent)
     assert agent.max_context_tokens == 64  # min(workflow.max_context_tokens 4096, the model's 64)

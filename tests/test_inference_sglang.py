@@ -306,19 +306,20 @@ def test_multi_turn_workflow_on_real_servers(h):
     one aligned token sequence: feedback tokens with loss_mask 0, every generated token with the
     server's version and a behaviour log-prob equal to HF transformers' on the whole sequence."""
     from areal_mega.workflows import WorkflowConfig, build_workflow
+    from areal_mega.workflows.multi_turn import MultiTurnWorkflow
 
     async def always_wrong(prompt, completion, data):
         return 0.0
 
     tok = _ByteTokenizer()
-    cfg = WorkflowConfig(kind="multi_turn", group_size=2, max_turns=3, feedback=" no, again:",
+    cfg = WorkflowConfig(kind="multi_turn", group_size=2, max_turns=3, options=MultiTurnWorkflow.Options(feedback=" no, again:"),
                          sampling=SamplingParams(max_new_tokens=6, temperature=1.0))
     wf = build_workflow(cfg, tok, always_wrong)
     version = h.pool.get_version()
     trajs = h.run(wf.arun_episode(h.pool, {"id": "mt", "prompt": "what is 2+2?"}))
     assert len(trajs) == 2 and all(t.reward == 0.0 for t in trajs)
     model = h.hf_model()
-    prompt, feedback = tok.encode("what is 2+2?"), tok.encode(cfg.feedback)
+    prompt, feedback = tok.encode("what is 2+2?"), tok.encode(cfg.options.feedback)
     for t in trajs:
         ids, mask = t.input_ids, t.loss_mask
         assert ids[: len(prompt)] == prompt and mask[: len(prompt)] == [0] * len(prompt)

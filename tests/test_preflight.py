@@ -52,10 +52,10 @@ BAD = [  # (override, what the one line must say)
     ("eval_data.path={root}/missing.jsonl", "eval_data.path: {root}/missing.jsonl does not exist"),
     ("reward.kind=function reward.function=no_such_pkg.mod:fn", "reward.function: reward 'no_such_pkg.mod:fn': cannot import no_such_pkg.mod"),
     ("reward.kind=function reward.function=raises_on_import:fn", "reward.function: reward 'raises_on_import:fn': importing raises_on_import raised RuntimeError"),
-    ("workflow.kind=agent workflow.agent=areal_mega.workflows.examples.calculator_agent:calculator_agent",
+    ("workflow.kind=agent workflow.options.function=areal_mega.workflows.examples.calculator_agent:calculator_agent",
      "workflow.kind: 'agent' needs a tokenizer with a chat template; {model} has none"),
-    ('workflow.kind=tool workflow.tools=[{{"kind":"function","function":"no_such_pkg:tool"}}]',
-     "workflow.tools[0].function: tool 'no_such_pkg:tool': cannot import no_such_pkg"),
+    ('workflow.kind=tool workflow.options.tools=[{{"kind":"function","function":"no_such_pkg:tool"}}]',
+     "workflow.options.tools[0].function: tool 'no_such_pkg:tool': cannot import no_such_pkg"),
 ]
 
 

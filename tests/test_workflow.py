@@ -17,6 +17,7 @@ from areal_mega.rollout.config import RolloutConfig
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.algo.losses import PPOActorLoss, global_counts
 from areal_mega.workflows import WorkflowConfig, build_workflow, calculator
+from areal_mega.workflows.multi_turn import MultiTurnWorkflow
 from areal_mega.reward import COMPLETION_TOKENS
 from areal_mega.agent_tools import FunctionTool, ToolRegistry, calculator_tool, schema_of
 from areal_mega.workflows.tool import cut_after_tool_call
@@ -106,7 +107,8 @@ def test_single_turn_shaping_sees_token_counts_and_reasons_reach_the_stats():
 
 def test_multi_turn_feedback_masked_and_discounted():
     eng = ScriptedEngine(lambda text, n: "The answer is 4." if "not correct" in text else "The answer is 5.")
-    cfg = WorkflowConfig(kind="multi_turn", group_size=1, max_turns=3, turn_discount=0.5, feedback=" No, not correct. A:")
+    cfg = WorkflowConfig(kind="multi_turn", group_size=1, max_turns=3,
+                         options=MultiTurnWorkflow.Options(turn_discount=0.5, feedback=" No, not correct. A:"))
     (t,) = asyncio.run(build_workflow(cfg, CharTok(), exact_reward).arun_episode(eng, {**SAMPLE, "answer": "4"}))
     a1, fb, a2 = "The answer is 5.", " No, not correct. A:", "The answer is 4."
     tok = CharTok()

@@ -153,10 +153,10 @@ def preflight(exp: Any, *, engine_python: str | None = None, starts_sglang: bool
         if line:
             lines.append(line)
     lines += _rewards("reward", exp.reward)
+    opts = exp.workflow.options
     if exp.workflow.kind == "agent":
-        lines.append(_callable("workflow.agent", "agent", exp.workflow.agent, coroutine=True))
-    if exp.workflow.kind in ("tool", "agent"):
-        for i, t in enumerate(exp.workflow.tools):
-            if t.kind == "function":
-                lines.append(_callable(f"workflow.tools[{i}].function", "tool", t.function))
+        lines.append(_callable("workflow.options.function", "agent", opts.function, coroutine=True))
+    for i, t in enumerate(getattr(opts, "tools", None) or []):
+        if t.kind == "function":
+            lines.append(_callable(f"workflow.options.tools[{i}].function", "tool", t.function))
     return lines

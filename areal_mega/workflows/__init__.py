@@ -3,7 +3,7 @@
     wf = build_workflow(WorkflowConfig(kind="single_turn", group_size=8), tokenizer, reward_fn)
 
 single_turn: one answer per sample; multi_turn: retry with feedback; tool: calls of the tools in
-an ``areal_mega.agent_tools.ToolRegistry`` (built from ``cfg.tools`` unless one is passed: pass one
+an ``areal_mega.agent_tools.ToolRegistry`` (built from ``cfg.options.tools`` unless one is passed: pass one
 registry to several workflows to share its sandbox workers; close it yourself then).
 agent: agent code written against an OpenAI-style client (workflows/agent.py); or a user's
 "package.module:Name" (a ``RolloutWorkflow`` called as ``Name(cfg, tokenizer, reward_fn, tools)``).

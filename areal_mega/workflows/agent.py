@@ -1,41 +1,12 @@
 """Agents written against the OpenAI chat-completions interface, trained as RL episodes.
 
-    async def my_agent(client, sample):            # workflow.agent: "my_pkg.agents:my_agent"
+    async def my_agent(client, sample):            # workflow.options.function: "my_pkg.agents:my_agent"
         r = await client.chat.completions.create(model="policy", messages=[...], tools=[...])
-        msg = r.choices[0].message                 # .content, .tool_calls, r.usage
-        ...
         return "42"                                # final answer (scored by the reward) or a float
 
-Dataflow of one call (``AgentClient``; token ids in, token ids out -- the server never sees text)::
-
-    messages --chat template (learner-side tokenizer, exactly)--> prompt text
-      prompt text extends a recorded context?  yes: ids = that context's ids + tokens of the new text
-                                               no:  ids = tokens of the whole text (a new context)
-      --GenerationRequest(ids)--> InferencePool --> output ids, behaviour log-probs, versions
-      <-- ChatCompletion (content / tool_calls parsed from the output text), call recorded
-
-The token / mask / version contract of the trajectories (``AgentClient.trajectories``):
-
-* A trajectory's ``input_ids`` are exactly the ids the server was sent plus exactly the ids it
-  generated, call after call: the model's previous replies are never re-tokenized. An assistant
-  message this client produced is rendered from the model's own output text (with its special
-  tokens), not from the parsed content/tool_calls, so the next call's prompt text extends the
-  previous context whenever the chat template renders contents verbatim.
-* ``loss_mask`` is 1 exactly on generated tokens; template, user, tool-result and other
-  environment tokens have 0, log-prob 0.0 and version -1.
-* ``logprobs`` / ``versions`` of generated tokens are the server's per-token behaviour log-probs
-  and policy versions (a weight update between two calls, or inside one, shows in them).
-* Calls whose prompt extends a previous call's whole context (prompt + output) are concatenated
-  into one trajectory (``agent_trajectories: concat``). A call that does not (the agent rewrote
-  history, or the template does not render the reply verbatim) starts a new trajectory; so does
-  every call with ``agent_trajectories: per_call``. Every trajectory of the episode gets the
-  episode's reward times ``agent_turn_discount ** k``, k = the number of calls made after the
-  trajectory's last one (1.0: no discount; with one concatenated trajectory k = 0).
-
-Tool calls are parsed Qwen-style: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-in the output text (several allowed); ``content`` is the text before the first call. A call whose
-JSON is malformed is not returned as a tool call (the whole text stays in ``content``) and is
-counted in the record (``num_bad_tool_calls``).
+Token ids in, token ids out: a trajectory's ``input_ids`` are exactly the ids the server was sent
+and generated, never re-tokenized; ``loss_mask`` is 1 exactly on generated tokens. The dataflow
+of a call, the concatenation rule and the tool-call format: docs/agents.md.
 """
 
 from __future__ import annotations
@@ -48,7 +19,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Literal
 
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest, GenerationResult, SamplingParams
@@ -207,7 +178,7 @@ class AgentClient:
         self.model = model
         self.chat = _Chat(self)
         self.base_url: str | None = None
-        """With ``workflow.agent_http``: this episode's OpenAI-compatible endpoint (``/v1``)."""
+        """With ``workflow.options.http``: this episode's OpenAI-compatible endpoint (``/v1``)."""
         self.records: list[CallRecord] = []
         self.budget_exceeded = False
         self._raw: dict[tuple, str] = {}  # (content, tool calls) of our replies -> the model's text
@@ -325,30 +296,56 @@ AgentFn = Callable[[AgentClient, dict[str, Any]], Awaitable[Any]]
 
 
 class AgentWorkflow(TokenWorkflow):
-    """``workflow.kind: agent``: ``group_size`` episodes of the agent function ``workflow.agent``
+    """``workflow.kind: agent``: ``group_size`` episodes of the agent function ``options.function``
     ("module:function", ``async def agent(client, sample)``) per sample, one ``AgentClient`` each.
 
     The agent's return value decides the reward: a number is the reward itself; a string is the
     final answer, scored by the configured reward as ``reward(prompt, answer, sample)``; None
     scores the last reply's content the same way. An episode that exceeds its budget
     (``AgentBudgetExceeded``) gets reward 0. ``prompt`` is the sample's "prompt" (or "question").
-    With ``workflow.agent_http`` each episode's client also has ``base_url``, a local
+    With ``options.http`` each episode's client also has ``base_url``, a local
     OpenAI-compatible endpoint recording into the same client (``agent_http.py``)."""
+
+    @dataclass
+    class Options:
+        function: str = ""
+        """"module:function", an ``async def agent(client, sample)`` returning the reward (a number)
+        or the final answer (a string, scored by the configured reward)."""
+        trajectories: Literal["concat", "per_call"] = "concat"
+        """"concat" joins calls whose prompt extends the previous call's whole context into one
+        trajectory (others start a new one); "per_call": one trajectory per model call."""
+        http: bool = False
+        """Also serve each episode's client as a local OpenAI-compatible HTTP endpoint
+        (``client.base_url``, for agent code that needs a URL)."""
+        turn_discount: float = 1.0
+        """A trajectory's reward is the episode's times this ** (calls made after its last call);
+        1.0 = no discount."""
+
+        def validate(self) -> None:
+            if ":" not in self.function:
+                raise ValueError(f"function: kind 'agent' needs 'module:function', got {self.function!r}")
+            if not 0 < self.turn_discount <= 1:
+                raise ValueError(f"turn_discount: must be in (0, 1], got {self.turn_discount}")
 
     def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn,
                  tools: Any = None, *, agent: AgentFn | None = None) -> None:
         super().__init__(cfg, tokenizer, reward_fn, tools)
         if not getattr(tokenizer, "chat_template", None) or not hasattr(tokenizer, "apply_chat_template"):
             raise ValueError("kind: workflow 'agent' needs a tokenizer with a chat template")
-        self.agent = agent or resolve("agent", cfg.agent)
-        self._server: Any = None  # agent_http: the ChatCompletionsServer, started on first use
+        if agent is None:
+            try:
+                self.options.validate()
+            except ValueError as e:
+                raise ValueError(f"options.{e}") from None
+        self.agent = agent or resolve("agent", self.options.function)
+        self._server: Any = None  # options.http: the ChatCompletionsServer, started on first use
         if not inspect.iscoroutinefunction(self.agent):
-            raise ValueError(f"agent: {cfg.agent!r} must be an async function (client, sample)")
+            raise ValueError(f"agent: {self.options.function!r} must be an async function (client, sample)")
 
     async def client(self, engine: InferenceEngine) -> AgentClient:
         client = AgentClient(engine, self.tokenizer, self.sampling, max_calls=self.cfg.max_turns,
                              max_context_tokens=self.max_context_tokens)
-        if self.cfg.agent_http:
+        if self.options.http:
             if self._server is None:  # on the rollout loop, at first use
                 from areal_mega.workflows.agent_http import ChatCompletionsServer
 
@@ -359,7 +356,7 @@ class AgentWorkflow(TokenWorkflow):
         return client
 
     async def aclose(self) -> None:
-        """Stop the HTTP endpoint (``agent_http``), if it was started."""
+        """Stop the HTTP endpoint (``options.http``), if it was started."""
         if self._server is not None:
             server, self._server = self._server, None
             await server.close()
@@ -394,12 +391,12 @@ class AgentWorkflow(TokenWorkflow):
             reward, reward_info = scored.score, scored.info
         else:
             answer, reward, reward_info = None, float(result), {}
-        concat = self.cfg.agent_trajectories == "concat"
+        concat = self.options.trajectories == "concat"
         builders = client.trajectory_builders(concat=concat)
         # Steps of each trajectory: its calls' outputs ("turns") or their regex cuts.
         await asyncio.gather(*[self.score_steps(b, prompt, scored_data) for b in builders[0]])
         return client.trajectories(reward, gid, concat=concat, builders=builders,
-                                   turn_discount=self.cfg.agent_turn_discount,
+                                   turn_discount=self.options.turn_discount,
                                    info={"answer": answer, "status": status, "episode_reward": reward,
                                          "reward_info": reward_info})
 

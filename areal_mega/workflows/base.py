@@ -12,7 +12,7 @@ import numpy as np
 from areal_mega.api.io import GenerationResult, SamplingParams
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
 from areal_mega.reward import RewardFn, RewardResult, evaluate, evaluate_steps
-from areal_mega.agent_tools import ToolConfig, ToolRegistry
+from areal_mega.agent_tools import ToolRegistry
 from areal_mega.workflows.steps import StepConfig, split_steps
 
 
@@ -36,7 +36,7 @@ class WorkflowConfig:
     agent function ``agent`` drives the model through an OpenAI-style client
     (``areal_mega.workflows.agent``)."""
     options: Any = None
-    """The typed options of a user workflow kind (its ``Options`` dataclass), None for built-ins."""
+    """The kind's own settings (its ``Options`` dataclass: multi_turn, tool, agent, or a user kind's)."""
     group_size: int = 4
     """Samples per prompt (a GRPO group)."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -44,34 +44,11 @@ class WorkflowConfig:
     max_turns: int = 3
     """multi_turn: attempts per sample; tool: generation calls per sample (tool calls + 1);
     agent: model calls per episode (one more ends the episode with reward 0)."""
-    turn_discount: float = 0.9
-    """multi_turn: a correct answer at attempt k (0-based) earns reward * turn_discount**k."""
-    feedback: str = "\nThat is not correct. Try again.\nAnswer:"
-    """multi_turn: text appended after a wrong answer (loss_mask 0)."""
     max_context_tokens: int = 4096
     """multi_turn / tool: stop when another turn could exceed this many tokens in total; agent:
     a call whose prompt + max_tokens exceeds it ends the episode with reward 0. The budget used is
     this or the model's own context length (config.json ``max_position_embeddings``), whichever
     is smaller."""
-    agent: str = ""
-    """agent: "module:function", an ``async def agent(client, sample)`` returning the reward (a
-    number) or the final answer (a string, scored by the configured reward)."""
-    agent_trajectories: Literal["concat", "per_call"] = "concat"
-    """agent: "concat" joins calls whose prompt extends the previous call's whole context into one
-    trajectory (others start a new one); "per_call": one trajectory per model call."""
-    agent_http: bool = False
-    """agent: also serve each episode's client as a local OpenAI-compatible HTTP endpoint
-    (``client.base_url``, for agent code that needs a URL)."""
-    agent_turn_discount: float = 1.0
-    """agent: a trajectory's reward is the episode's times this ** (calls made after its last
-    call); 1.0 = no discount."""
-    tools: list[ToolConfig] = field(default_factory=lambda: [ToolConfig(kind="calculator", name="calc")])
-    """tool: the tools the model may call, by name (``areal_mega.agent_tools``: calculator, python in
-    the sandbox, user tools by "module:function")."""
-    tool_timeout_s: float = 30.0
-    """tool: a tool call that takes longer returns "error: ... timed out" to the model."""
-    tool_max_output_chars: int = 4000
-    """tool: longer tool outputs are cut (the model sees "...(truncated)")."""
     steps: StepConfig = field(default_factory=StepConfig)
     """How generated tokens are cut into steps (``Trajectory.step_ends``); the reward's
     ``evaluate_steps`` (``reward.step_scoring``) then gives each step its reward."""
@@ -83,27 +60,6 @@ class WorkflowConfig:
             raise ValueError(f"group_size: must be >= 1, got {self.group_size}")
         if self.max_turns < 1:
             raise ValueError(f"max_turns: must be >= 1, got {self.max_turns}")
-        if not 0 < self.turn_discount <= 1:
-            raise ValueError(f"turn_discount: must be in (0, 1], got {self.turn_discount}")
-        if not 0 < self.agent_turn_discount <= 1:
-            raise ValueError(f"agent_turn_discount: must be in (0, 1], got {self.agent_turn_discount}")
-        if self.kind == "agent" and ":" not in self.agent:
-            raise ValueError(f"agent: kind 'agent' needs 'module:function', got {self.agent!r}")
-        if self.agent_trajectories not in ("concat", "per_call"):
-            raise ValueError(f"agent_trajectories: must be 'concat' or 'per_call', got {self.agent_trajectories!r}")
-        if self.kind == "tool" and not self.tools:
-            raise ValueError("tools: kind 'tool' needs at least one tool")
-        names = [t.tool_name() for t in self.tools]
-        if len(set(names)) != len(names):
-            raise ValueError(f"tools: tool names must be unique, got {names}")
-        for i, t in enumerate(self.tools):
-            try:
-                t.validate()
-            except ValueError as e:
-                raise ValueError(f"tools[{i}].{e}") from None
-        if self.tool_timeout_s <= 0 or self.tool_max_output_chars < 1:
-            raise ValueError(f"tool_timeout_s / tool_max_output_chars: must be > 0, got {self.tool_timeout_s}, "
-                             f"{self.tool_max_output_chars}")
         self.sampling.validate()
         try:
             self.steps.validate()
@@ -162,8 +118,10 @@ class TokenWorkflow(RolloutWorkflow):
                  tools: ToolRegistry | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.options = cfg.options
-        """The kind's own typed options (its ``Options`` dataclass), None for kinds without."""
+        opts_cls = getattr(type(self), "Options", None)
+        self.options = cfg.options if cfg.options is not None or opts_cls is None else opts_cls()
+        """The kind's own typed options (its ``Options`` dataclass; its defaults when the config,
+        built in Python, has none), None for kinds without."""
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.tools = tools

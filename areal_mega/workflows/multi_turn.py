@@ -3,12 +3,13 @@ tries again, up to ``max_turns`` attempts. Each of the G samples is one whole co
 
     [prompt]0 [attempt 1]1 [feedback]0 [attempt 2]1 ...      (loss_mask per span)
 
-reward = r(last attempt) * turn_discount ** (attempts - 1): later success is worth less.
+reward = r(last attempt) * options.turn_discount ** (attempts - 1): later success is worth less.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from areal_mega.api.engine import InferenceEngine
@@ -19,9 +20,20 @@ from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilde
 
 
 class MultiTurnWorkflow(TokenWorkflow):
+    @dataclass
+    class Options:
+        feedback: str = "\nThat is not correct. Try again.\nAnswer:"
+        """Text appended after a wrong answer (loss_mask 0)."""
+        turn_discount: float = 0.9
+        """A correct answer at attempt k (0-based) earns reward * turn_discount**k."""
+
+        def validate(self) -> None:
+            if not 0 < self.turn_discount <= 1:
+                raise ValueError(f"turn_discount: must be in (0, 1], got {self.turn_discount}")
+
     def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn, tools: Any = None) -> None:
         super().__init__(cfg, tokenizer, reward_fn, tools)
-        self.feedback_ids = encode(tokenizer, cfg.feedback)
+        self.feedback_ids = encode(tokenizer, self.options.feedback)
 
     async def _conversation(self, engine: InferenceEngine, data: dict[str, Any], gid: str) -> Trajectory:
         b = TrajectoryBuilder(encode(self.tokenizer, data["prompt"]))
@@ -40,7 +52,7 @@ class MultiTurnWorkflow(TokenWorkflow):
             if reward > 0:
                 break
         await self.score_steps(b, data["prompt"], {**data, COMPLETION_TOKENS: sum(b.loss_mask)})
-        return b.build(reward * self.cfg.turn_discount ** (turns - 1), gid,
+        return b.build(reward * self.options.turn_discount ** (turns - 1), gid,
                        {"num_turns": turns, "completions": texts, "reward_info": info})
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> list[Trajectory]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.workflow import RolloutWorkflow
 from areal_mega.reward import RewardConfig, RewardFn, build_reward
-from areal_mega.agent_tools import ToolRegistry, build_tools
+from areal_mega.agent_tools import ToolRegistry
 from areal_mega.kinds import resolve
 from areal_mega.workflows.base import Tokenizer, WorkflowConfig
 
@@ -45,9 +45,8 @@ class EpisodeStack:
         tok = AutoTokenizer.from_pretrained(model_path)
         kind = resolve("workflow", workflow.kind)
         tools = None
-        if getattr(kind, "uses_tools", False):
-            tools = build_tools(workflow.tools, timeout_s=workflow.tool_timeout_s,
-                                max_output_chars=workflow.tool_max_output_chars)
+        if getattr(kind, "uses_tools", False):  # its options say which (ToolWorkflow.Options.build)
+            tools = (workflow.options or kind.Options()).build()
         try:
             fn = build_reward(reward, policy_engine=policy_engine, policy_tokenizer=tok)
             return cls(workflow, tok, fn, tools, kind(workflow, tok, fn, tools))

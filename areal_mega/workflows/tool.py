@@ -10,7 +10,7 @@ Call syntax (what the prompt should teach the model), for a tool named NAME::
 ARGUMENT is a JSON object of the tool's parameters (``<search>{"query": "x", "k": 3}</search>``)
 or plain text, which becomes the tool's first required parameter
 (``<calc>12 * (3 + 4)</calc>``, ``<python>print(2 ** 10)</python>``). The default registry has
-the calculator named ``calc``; configure others with ``WorkflowConfig.tools``.
+the calculator named ``calc``; configure others with ``workflow.options.tools``.
 
 Generation is cut right after the first complete call (tokens sampled past it are dropped:
 the kept prefix is exactly what the policy sampled, so it stays on-policy), the tool output is
@@ -22,13 +22,14 @@ and, as ``data[COMPLETION_TOKENS]``, the number of tokens the model generated.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest
 from areal_mega.api.workflow import Trajectory
 from areal_mega.reward import COMPLETION_TOKENS, RewardFn
-from areal_mega.agent_tools import ToolRegistry, build_tools
+from areal_mega.agent_tools import ToolConfig, ToolRegistry, build_tools
 from areal_mega.agent_tools.calculator import calculator
 from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id, score
 
@@ -71,14 +72,41 @@ def cut_after_tool_call(tokenizer: Tokenizer, ids: list[int], names: Sequence[st
 
 
 class ToolWorkflow(TokenWorkflow):
-    uses_tools = True  # EpisodeStack builds one registry (workflow.tools) for it and its eval variants
+    uses_tools = True  # EpisodeStack builds one registry (options.tools) for it and its eval variants
+
+    @dataclass
+    class Options:
+        tools: list[ToolConfig] = field(default_factory=lambda: [ToolConfig(kind="calculator", name="calc")])
+        """The tools the model may call, by name (``areal_mega.agent_tools``: calculator, python in the
+        sandbox, user tools)."""
+        timeout_s: float = 30.0
+        """A tool call that takes longer returns "error: ... timed out" to the model."""
+        max_output_chars: int = 4000
+        """Longer tool outputs are cut (the model sees "...(truncated)")."""
+
+        def validate(self) -> None:
+            if not self.tools:
+                raise ValueError("tools: kind 'tool' needs at least one tool")
+            names = [t.tool_name() for t in self.tools]
+            if len(set(names)) != len(names):
+                raise ValueError(f"tools: tool names must be unique, got {names}")
+            for i, t in enumerate(self.tools):
+                try:
+                    t.validate()
+                except ValueError as e:
+                    raise ValueError(f"tools[{i}].{e}") from None
+            if self.timeout_s <= 0 or self.max_output_chars < 1:
+                raise ValueError(f"timeout_s / max_output_chars: must be > 0, got {self.timeout_s}, "
+                                 f"{self.max_output_chars}")
+
+        def build(self) -> ToolRegistry:
+            return build_tools(self.tools, timeout_s=self.timeout_s, max_output_chars=self.max_output_chars)
 
     def __init__(self, cfg: WorkflowConfig, tokenizer: Tokenizer, reward_fn: RewardFn,
                  tools: ToolRegistry | None = None) -> None:
         super().__init__(cfg, tokenizer, reward_fn, tools)
         self._own_tools = tools is None
-        self.tools = tools if tools is not None else build_tools(
-            cfg.tools, timeout_s=cfg.tool_timeout_s, max_output_chars=cfg.tool_max_output_chars)
+        self.tools = tools if tools is not None else self.options.build()
 
     async def _sample(self, engine: InferenceEngine, data: dict[str, Any], gid: str) -> Trajectory:
         prompt_ids = encode(self.tokenizer, data["prompt"])
