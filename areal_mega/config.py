@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeVar, Union
 import yaml
 
 from areal_mega.errors import UserError
-from areal_mega.kinds import KindError, options_type, resolve
+from areal_mega.kinds import OPTIONS_OF, KindError, options_type, resolve
 
 __all__ = [
     "ConfigError", "T", "dump_yaml", "from_dict", "load_config", "load_dict", "parse_overrides", "to_dict",
@@ -209,6 +209,11 @@ def _merge(base: dict, extra: dict) -> dict:
             out[k] = _merge(out[k], v)
         else:
             out[k] = v
+    for kind_key, options_key in OPTIONS_OF.items():  # another kind: the old kind's options do not apply
+        if kind_key in extra and extra[kind_key] != base.get(kind_key, extra[kind_key]):
+            out.pop(options_key, None)
+            if options_key in extra:
+                out[options_key] = extra[options_key]
     return out
 
 

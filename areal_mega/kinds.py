@@ -14,7 +14,7 @@ import dataclasses
 import importlib
 from typing import Any
 
-__all__ = ["BUILTINS", "KindError", "describe", "options_type", "resolve"]
+__all__ = ["BUILTINS", "OPTIONS_OF", "KindError", "describe", "fill_default_options", "options_type", "resolve"]
 
 BUILTINS: dict[str, dict[str, str]] = {
     "workflow": {
@@ -68,6 +68,11 @@ BUILTINS: dict[str, dict[str, str]] = {
 any ``package.module:Name`` works without an entry here."""
 
 
+OPTIONS_OF: dict[str, str] = {"kind": "options", "adv_estimator": "adv_options", "policy_loss": "loss_options"}
+"""The options key of each kind key (every section's ``OPEN_KINDS`` follows it): a YAML layer or
+an override that changes a kind drops the options the lower layer gave the old one."""
+
+
 class KindError(ValueError):
     """A kind that names no built-in and does not import; the message is one line."""
 
@@ -105,3 +110,13 @@ def options_type(obj: Any) -> type | None:
     if opts is not None and not (isinstance(opts, type) and dataclasses.is_dataclass(opts)):
         raise KindError(f"{getattr(obj, '__qualname__', obj)}.Options must be a dataclass")
     return opts
+
+
+def fill_default_options(section: Any) -> None:
+    """A config section built in Python without options gets its kinds' defaults (the YAML path
+    builds them in config.py): called from ``__post_init__`` of every section with ``OPEN_KINDS``."""
+    for kind_key, (family, options_key) in type(section).OPEN_KINDS.items():
+        if getattr(section, options_key) is None:
+            opts = options_type(resolve(family, getattr(section, kind_key)))
+            if opts is not None:
+                setattr(section, options_key, opts())

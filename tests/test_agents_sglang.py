@@ -114,7 +114,7 @@ class Harness:
             "servers": "own", "inference": {"server": server_cfg(judge_dir, work / "judge-logs")},
             "sampling": {"max_new_tokens": 6, "temperature": 1.0}, "max_concurrent": 8})
         # The judge spawns its server now (it starts beside the policy's); its pool opens on first use.
-        self.judge = build_reward(RewardConfig(kind="judge", judge=self.judge_cfg))
+        self.judge = build_reward(RewardConfig(kind="judge", options=self.judge_cfg))
         self.judge.keep_records = True
         # A second judge server (same hand-wired model) for the multi-judge test, which kills it:
         # no restart, and a short timeout so that requests to it fail within seconds.
@@ -122,10 +122,10 @@ class Harness:
             "name": "b", "servers": "own", "timeout_s": 20,
             "inference": {"server": server_cfg(judge_dir, work / "judge-b-logs"), "client": {"restart_dead_servers": False}},
             "sampling": {"max_new_tokens": 6, "temperature": 1.0}, "max_concurrent": 8})
-        self.judge_b = build_reward(RewardConfig(kind="judge", judge=judge_b_cfg))
+        self.judge_b = build_reward(RewardConfig(kind="judge", options=judge_b_cfg))
         # An outcome reward model (sequence classification) on a server of its own (--is-embedding).
         self.rm_dir = save_reward_model(work / "rm")
-        self.rm = build_reward(RewardConfig(kind="reward_model", reward_model=from_dict(RewardModelConfig, {
+        self.rm = build_reward(RewardConfig(kind="reward_model", options=from_dict(RewardModelConfig, {
             "inference": {"server": {**server_cfg(self.rm_dir, work / "rm-logs"), "startup_timeout_s": 900}},
             "timeout_s": 120})))
         cfg = from_dict(InferenceConfig, {"server": server_cfg(self.dirs["a"], work / "logs"),

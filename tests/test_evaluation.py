@@ -104,7 +104,7 @@ def test_eval_command_on_a_real_server_equals_hf_greedy(tmp_path: Path) -> None:
         env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=900, log_dir=str(tmp_path / "logs"))))
     try:
         common = ["--config", "configs/grpo_tiny.yaml", "--no-progress", f"eval_data.path={data_dir / 'test.jsonl'}",
-                  "reward.function=tests.support.models:first_char_even", "reward.isolate=false",
+                  "reward.options.function=tests.support.models:first_char_even", "reward.options.isolate=false",
                   f"inference.addresses=[\"{servers[0].address}\"]"]
 
         def run(model: Path, out: Path, *extra: str) -> dict:

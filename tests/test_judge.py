@@ -136,23 +136,23 @@ def test_judge_failed_request_scores_zero():
 def test_judge_config_errors_name_the_key(tmp_path):
     from areal_mega.config import ConfigError, from_dict
 
-    with pytest.raises(ConfigError, match=r"exp.yaml: judge\.rubric: must contain"):
-        from_dict(RewardConfig, {"judge": {"rubric": "no placeholder"}}, "exp.yaml: ")
-    with pytest.raises(ConfigError, match=r"judge\.score_max"):
-        from_dict(RewardConfig, {"judge": {"score_min": 5, "score_max": 5}})
-    with pytest.raises(ConfigError, match=r"judge\.rubric_path: no such file"):
-        from_dict(RewardConfig, {"kind": "judge", "judge": {"servers": "policy", "rubric_path": str(tmp_path / "x")}})
-    with pytest.raises(ConfigError, match=r"judge\.inference: servers 'own' needs"):
+    with pytest.raises(ConfigError, match=r"exp.yaml: options\.rubric: must contain"):
+        from_dict(RewardConfig, {"kind": "judge", "options": {"rubric": "no placeholder"}}, "exp.yaml: ")
+    with pytest.raises(ConfigError, match=r"options\.score_max"):
+        from_dict(RewardConfig, {"kind": "judge", "options": {"score_min": 5, "score_max": 5}})
+    with pytest.raises(ConfigError, match=r"options\.rubric_path: no such file"):
+        from_dict(RewardConfig, {"kind": "judge", "options": {"servers": "policy", "rubric_path": str(tmp_path / "x")}})
+    with pytest.raises(ConfigError, match=r"options\.inference: servers 'own' needs"):
         from_dict(RewardConfig, {"kind": "judge"})
-    with pytest.raises(ConfigError, match=r"judge\.inference\.server\.model_path"):
-        from_dict(RewardConfig, {"kind": "judge", "judge": {"inference": {"num_servers": 1}}})
-    assert from_dict(RewardConfig, {"kind": "math"}).judge.inference is None  # an unused judge checks nothing
+    with pytest.raises(ConfigError, match=r"options\.inference\.server\.model_path"):
+        from_dict(RewardConfig, {"kind": "judge", "options": {"inference": {"num_servers": 1}}})
+    assert from_dict(RewardConfig, {"kind": "math"}).options.num_workers == 2  # another kind has no judge to check
     with pytest.raises(ValueError, match="'policy' needs the policy's inference pool"):
-        build_reward(RewardConfig(kind="judge", judge=JudgeConfig(servers="policy")), policy_tokenizer=WordTok())
+        build_reward(RewardConfig(kind="judge", options=JudgeConfig(servers="policy")), policy_tokenizer=WordTok())
     path = tmp_path / "rubric.txt"
     path.write_text("Grade {response} vs {reference}. Verdict: PASS or FAIL")
     cfg = JudgeConfig(servers="policy", rubric_path=str(path), verdict="pass_fail", chat_template=False)
     eng = JudgeEngine(lambda p: "Verdict: PASS" if "vs 7" in p else "Verdict: FAIL")
-    judge = build_reward(RewardConfig(kind="judge", judge=cfg), policy_engine=eng, policy_tokenizer=WordTok())
+    judge = build_reward(RewardConfig(kind="judge", options=cfg), policy_engine=eng, policy_tokenizer=WordTok())
     assert asyncio.run(judge("q", "seven", {"answer": "7"})) == 1.0
     assert eng.prompts[-1] == "Grade seven vs 7. Verdict: PASS or FAIL"  # no chat template: the rubric alone

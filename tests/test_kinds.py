@@ -74,6 +74,9 @@ def test_user_options_are_typed_and_checked_like_builtin_sections(user_module):
         assert msg in str(e.value) and "grpo_tiny.yaml" in str(e.value) and "\n" not in str(e.value), str(e.value)
     with pytest.raises(ConfigError, match=r"reward.options: reward 'my_components:Plain' takes no options"):
         load_experiment(TINY, ["model_path=/m", f"reward.kind={user_module}:Plain", "reward.options.bonus=1"])
+    # the file's reward is kind "function" with its options: another kind on the command line drops them
+    assert load_experiment(TINY, ["model_path=/m", "reward.kind=consistency"]).reward.options is None
+    assert load_experiment(TINY, ["model_path=/m", "reward.options.isolate=true"]).reward.options.isolate  # same kind: merged
     with pytest.raises(ConfigError, match=r"reward.kind: 'mth' is not one of the reward kinds"):
         load_experiment(TINY, ["model_path=/m", "reward.kind=mth"])
 
@@ -107,6 +110,9 @@ def test_no_closed_kind_list_is_left():
     assert set(found) >= {("WorkflowConfig", "kind"), ("RewardConfig", "kind"), ("AlgorithmConfig", "adv_estimator"),
                           ("AlgorithmConfig", "policy_loss"), ("DatasetConfig", "kind"), ("ToolConfig", "kind")}, found
     assert all(tp is str for tp in found.values()), found  # a Literal here would be a closed list again
+    for root in roots:  # the merge rule's table (a changed kind drops its old options) covers every section
+        for c, f, _ in _kind_fields(root):
+            assert kinds.OPTIONS_OF[f] == c.OPEN_KINDS[f][1], (c, f)
     families = {fam for root in roots for c, _, _ in _kind_fields(root) for fam, _ in c.OPEN_KINDS.values()}
     assert families <= set(kinds.BUILTINS)
     src = "\n".join(p.read_text() for p in (REPO / "areal_mega").rglob("*.py"))

@@ -50,8 +50,8 @@ BAD = [  # (override, what the one line must say)
     ("inference.server.python=" + sys.executable, "inference.server.python: interpreter " + sys.executable + " cannot import sglang"),
     ("data.path={root}/missing.jsonl", "data.path: {root}/missing.jsonl does not exist"),
     ("eval_data.path={root}/missing.jsonl", "eval_data.path: {root}/missing.jsonl does not exist"),
-    ("reward.kind=function reward.function=no_such_pkg.mod:fn", "reward.function: reward 'no_such_pkg.mod:fn': cannot import no_such_pkg.mod"),
-    ("reward.kind=function reward.function=raises_on_import:fn", "reward.function: reward 'raises_on_import:fn': importing raises_on_import raised RuntimeError"),
+    ("reward.kind=function reward.options.function=no_such_pkg.mod:fn", "reward.options.function: reward 'no_such_pkg.mod:fn': cannot import no_such_pkg.mod"),
+    ("reward.kind=function reward.options.function=raises_on_import:fn", "reward.options.function: reward 'raises_on_import:fn': importing raises_on_import raised RuntimeError"),
     ("workflow.kind=agent workflow.options.function=areal_mega.workflows.examples.calculator_agent:calculator_agent",
      "workflow.kind: 'agent' needs a tokenizer with a chat template; {model} has none"),
     ('workflow.kind=tool workflow.options.tools=[{{"kind":"function","function":"no_such_pkg:tool"}}]',
@@ -83,7 +83,7 @@ def test_dry_run_reports_the_checks(task, capsys):
     assert rc == 0, out
     for line in (f"preflight: ok model_path: {model} (qwen2, max_position_embeddings 256)",
                  f"preflight: ok inference.server.python: {SGLANG_PYTHON} (finds sglang)",
-                 "preflight: ok reward.function: areal_mega.demo.tiny:exact_answer (imports)",
+                 "preflight: ok reward.options.function: areal_mega.demo.tiny:exact_answer (imports)",
                  f"preflight: ok learner interpreter: {sys.executable}",
                  f"preflight: ok data.path: {data / 'train.jsonl'}", f"preflight: ok eval_data.path: {data / 'test.jsonl'}"):
         assert line in out, out

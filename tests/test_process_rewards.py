@@ -269,7 +269,7 @@ def test_batch_places_step_rewards_on_step_ends():
 
 # --------------------------------------------------------------------------- steps in the workflows
 from areal_mega.api.io import SamplingParams  # noqa: E402
-from areal_mega.reward import RewardConfig, build_reward  # noqa: E402
+from areal_mega.reward import CompositeOptions, FunctionOptions, RewardConfig, build_reward  # noqa: E402
 from areal_mega.reward.consistency import check_trace, equations  # noqa: E402
 from areal_mega.workflows import WorkflowConfig, build_workflow  # noqa: E402
 from areal_mega.workflows.steps import StepConfig, split_steps  # noqa: E402
@@ -308,9 +308,9 @@ TRACE_OK, TRACE_BAD = "2+3=5\n5*4=20\nThe answer is 20.", "2+3=6\n6*4=24\nThe an
 
 def test_single_turn_steps_scored_by_consistency():
     eng = ScriptedEngine(lambda text, n: TRACE_OK if n % 2 == 0 else TRACE_BAD)
-    reward = build_reward(RewardConfig(kind="composite", components=[
-        RewardConfig(kind="function", function="tests.test_process_rewards:answer_20", isolate=False),
-        RewardConfig(kind="consistency", step_scoring="step", weight=0.5)]))
+    reward = build_reward(RewardConfig(kind="composite", options=CompositeOptions([
+        RewardConfig(kind="function", options=FunctionOptions(function="tests.test_process_rewards:answer_20", isolate=False)),
+        RewardConfig(kind="consistency", step_scoring="step", weight=0.5)])))
     wf = build_workflow(WorkflowConfig(group_size=2, sampling=SamplingParams(max_new_tokens=64),
                                        steps=StepConfig(split="regex")), CharTok(), reward)
     good, bad = asyncio.run(wf.arun_episode(eng, {"id": "s", "prompt": "Q:", "answer": "20"}))
@@ -442,14 +442,14 @@ def test_multi_judge_all_failed_and_config_errors():
     mj = MultiJudgeReward([("x", bad), ("y", _judge(lambda p: "Score: eleven"))], "median")
     r = asyncio.run(mj.evaluate("q", "r", {}))
     assert r.score == 0.0 and "all_judges_failed" in r.info["reasons"]
-    with pytest.raises(ValueError, match="multi_judge.judges: multi_judge needs at least 2"):
+    with pytest.raises(ValueError, match="options.judges: multi_judge needs at least 2"):
         RewardConfig(kind="multi_judge").validate()
-    with pytest.raises(ValueError, match="multi_judge.aggregation"):
-        RewardConfig(kind="multi_judge", multi_judge=MultiJudgeConfig(aggregation="vote")).validate()
+    with pytest.raises(ValueError, match="options.aggregation"):
+        RewardConfig(kind="multi_judge", options=MultiJudgeConfig(aggregation="vote")).validate()
     two = [JudgeConfig(servers="policy", name="j"), JudgeConfig(servers="policy", name="j")]
     with pytest.raises(ValueError, match="names must be unique"):
-        RewardConfig(kind="multi_judge", multi_judge=MultiJudgeConfig(judges=two)).validate()
-    RewardConfig().validate()  # an unused multi_judge section is not checked for judges
+        RewardConfig(kind="multi_judge", options=MultiJudgeConfig(judges=two)).validate()
+    RewardConfig().validate()  # another kind has no judges to check
 
 
 def test_experiment_refuses_unusable_process_configs():

@@ -11,7 +11,8 @@ import textwrap
 import pytest
 
 from areal_mega.config import ConfigError, from_dict
-from areal_mega.reward import COMPLETION_TOKENS, RewardConfig, RewardWorkerPool, build_reward, evaluate
+from areal_mega.reward import (COMPLETION_TOKENS, FormatOptions, FunctionOptions, RewardConfig, RewardWorkerPool, build_reward,
+                               evaluate)
 from areal_mega.reward.math import MathReward, extract_answer
 from areal_mega.reward.shaping import overlong_penalty
 
@@ -85,12 +86,12 @@ def test_pool_timeout_crash_error_score_default(helper_module):
 
 def test_user_function_registry(helper_module):
     m = helper_module
-    fn = build_reward(RewardConfig(kind="function", function=f"{m}:alength", isolate=False))
+    fn = build_reward(RewardConfig(kind="function", options=FunctionOptions(function=f"{m}:alength", isolate=False)))
     assert asyncio.run(fn("p", "hello", {})) == 5.0
     with pytest.raises(ValueError, match="no callable 'nope'"):
-        build_reward(RewardConfig(kind="function", function=f"{m}:nope"))
+        build_reward(RewardConfig(kind="function", options=FunctionOptions(function=f"{m}:nope")))
     with pytest.raises(ConfigError, match="function"):
-        from_dict(RewardConfig, {"kind": "function", "function": "no_colon"})
+        from_dict(RewardConfig, {"kind": "function", "options": {"function": "no_colon"}})
 
 
 def test_sandbox_refuses_without_namespaces(monkeypatch):
@@ -101,8 +102,8 @@ def test_sandbox_refuses_without_namespaces(monkeypatch):
     monkeypatch.setattr(sandbox, "namespaces_unavailable", lambda: "needs root")
     with pytest.raises(sandbox.SandboxUnavailable, match=r"sandbox.mode: 'namespaces' is unavailable .*needs root.*rlimits_only_unsafe"):
         build_reward(RewardConfig(kind="code"))
-    with pytest.raises(ConfigError, match="reward.sandbox.mode"):
-        from_dict(RewardConfig, {"kind": "code", "sandbox": {"mode": "bwrap"}}, prefix="reward.")
+    with pytest.raises(ConfigError, match="reward.options.mode"):
+        from_dict(RewardConfig, {"kind": "code", "options": {"mode": "bwrap"}}, prefix="reward.")
 
 
 def test_sandbox_verdict_is_the_runners():
@@ -136,20 +137,20 @@ def test_overlong_penalty_hand_computed(n, expected):
 def test_format_reward():
     fmt = build_reward(RewardConfig(kind="format"))  # default: a non-empty \boxed{...}
     assert [asyncio.run(fmt("q", c, {})) for c in ("so \\boxed{42}.", "42", "\\boxed{}")] == [1.0, 0.0, 0.0]
-    custom = build_reward(RewardConfig(kind="format", format_regex=r"^<think>.*</think>\s*Answer: \d+$"))
+    custom = build_reward(RewardConfig(kind="format", options=FormatOptions(r"^<think>.*</think>\s*Answer: \d+$")))
     assert asyncio.run(custom("q", "<think>a\nb</think> Answer: 7", {})) == 1.0
     assert asyncio.run(custom("q", "Answer: 7", {})) == 0.0
-    with pytest.raises(ConfigError, match=r"reward.format_regex: '\(' is not a valid regex"):
-        from_dict(RewardConfig, {"kind": "format", "format_regex": "("}, prefix="reward.")
+    with pytest.raises(ConfigError, match=r"reward.options.regex: '\(' is not a valid regex"):
+        from_dict(RewardConfig, {"kind": "format", "options": {"regex": "("}}, prefix="reward.")
 
 
 def test_composite_reward_weights_and_info(helper_module):
     m = helper_module
-    cfg = from_dict(RewardConfig, {"kind": "composite", "components": [
-        {"kind": "function", "function": f"{m}:length", "isolate": False},
+    cfg = from_dict(RewardConfig, {"kind": "composite", "options": {"components": [
+        {"kind": "function", "options": {"function": f"{m}:length", "isolate": False}},
         {"kind": "format", "weight": 0.5},
-        {"kind": "overlong", "weight": 2.0, "overlong_max_tokens": 20, "overlong_buffer_tokens": 5},
-    ]}, prefix="reward.")
+        {"kind": "overlong", "weight": 2.0, "options": {"max_tokens": 20, "buffer_tokens": 5}},
+    ]}}, prefix="reward.")
     fn = build_reward(cfg)
     # "\boxed{7}" has 9 characters: 9 (length) + 0.5 * 1 (format) + 2 * (15 - 18) / 5 (overlong) = 8.3
     r = asyncio.run(evaluate(fn, "q", "\\boxed{7}", {COMPLETION_TOKENS: 18}))
@@ -166,15 +167,15 @@ def test_composite_reward_weights_and_info(helper_module):
 
 
 @pytest.mark.parametrize("components,match", [
-    ([], "reward.components: kind 'composite' needs at least one component"),
-    ([{"kind": "overlong", "overlong_max_tokens": 4, "overlong_buffer_tokens": 5}], r"reward.components\[0\].overlong_buffer_tokens"),
-    ([{"kind": "composite", "components": [{"kind": "format"}]}], r"reward.components\[0\].kind: a composite cannot contain"),
-    ([{"kind": "format"}, {"kind": "format", "format_regex": "x"}], None),
+    ([], "reward.options.components: kind 'composite' needs at least one component"),
+    ([{"kind": "overlong", "options": {"max_tokens": 4, "buffer_tokens": 5}}], r"reward.options.components\[0\].options.buffer_tokens"),
+    ([{"kind": "composite", "options": {"components": [{"kind": "format"}]}}], r"reward.options.components\[0\].kind: a composite cannot contain"),
+    ([{"kind": "format"}, {"kind": "format", "options": {"regex": "x"}}], None),
 ])
 def test_composite_config_refusals(components, match):
     if match is None:  # repeated kinds get positional names
-        cfg = from_dict(RewardConfig, {"kind": "composite", "components": components}, prefix="reward.")
-        assert cfg.component_names() == ["format0", "format1"]
+        cfg = from_dict(RewardConfig, {"kind": "composite", "options": {"components": components}}, prefix="reward.")
+        assert cfg.options.names() == ["format0", "format1"]
         return
     with pytest.raises(ConfigError, match=match):
-        from_dict(RewardConfig, {"kind": "composite", "components": components}, prefix="reward.")
+        from_dict(RewardConfig, {"kind": "composite", "options": {"components": components}}, prefix="reward.")

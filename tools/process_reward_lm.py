@@ -112,7 +112,7 @@ def main() -> int:
             t1 = time.time()
             run_rl("configs/grpo_tiny.yaml", model_dir=sft / "hf", task=task, out=out, steps=args.rl_steps,
                    learner_python=args.learner_python, sglang_python=args.sglang_python, env=env,
-                   extra=["reward.function=areal_mega.demo.chain:chain_reward", "workflow.sampling.max_new_tokens=16",
+                   extra=["reward.options.function=areal_mega.demo.chain:chain_reward", "workflow.sampling.max_new_tokens=16",
                           f"seed={seed}", f"inference.server.random_seed={seed}", f"trainer.eval_every={args.eval_every}",
                           *ARMS[arm]])
             rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Protocol, Sequence, runtime_checkable
 
 from areal_mega.agent_tools.calculator import calculator
-from areal_mega.kinds import resolve
+from areal_mega.kinds import fill_default_options, resolve
 from areal_mega.sandbox import Sandbox, SandboxConfig
 
 
@@ -152,6 +152,9 @@ class ToolConfig:
     """kind "python": the sandbox the code runs in."""
 
     OPEN_KINDS: ClassVar[dict[str, tuple[str, str]]] = {"kind": ("tool", "options")}
+
+    def __post_init__(self) -> None:
+        fill_default_options(self)
 
     def tool_name(self) -> str:
         """The name the tool will have (before importing a user tool object, which may name itself)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from areal_mega.kinds import resolve
+from areal_mega.kinds import fill_default_options, resolve
 
 __all__ = ["AlgorithmConfig"]
 
@@ -142,6 +142,9 @@ class AlgorithmConfig:
     OPEN_KINDS: ClassVar[dict[str, tuple[str, str]]] = {"adv_estimator": ("advantage", "adv_options"),
                                                          "policy_loss": ("policy_loss", "loss_options")}
     """Fields naming an open kind -> (its family in ``areal_mega.kinds``, the field of its options)."""
+
+    def __post_init__(self) -> None:
+        fill_default_options(self)
 
     @property
     def estimator(self) -> Any:

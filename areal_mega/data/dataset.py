@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Literal
 
-from areal_mega.kinds import resolve
+from areal_mega.kinds import fill_default_options, resolve
 
 __all__ = ["DatasetConfig", "DatasetSplit", "build_prompt_source", "listed_source", "PromptDataset", "PromptStream", "format_prompt", "load_dataset"]
 
@@ -59,6 +59,9 @@ class DatasetConfig:
     over a small space do: two-term two-digit sums repeat within a few thousand samples)."""
 
     OPEN_KINDS: ClassVar[dict[str, tuple[str, str]]] = {"kind": ("prompt_source", "options")}
+
+    def __post_init__(self) -> None:
+        fill_default_options(self)
 
     def validate(self) -> None:
         if self.kind in ("jsonl", "parquet") and not self.path:

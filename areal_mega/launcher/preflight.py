@@ -113,9 +113,9 @@ def _callable(key: str, family: str, path: str, *, coroutine: bool = False) -> s
 def _rewards(key: str, cfg: Any) -> list[str]:
     out = []
     if cfg.kind == "function":
-        out.append(_callable(f"{key}.function", "reward", cfg.function))
-    for i, c in enumerate(cfg.components or []):
-        out += _rewards(f"{key}.components[{i}]", c)
+        out.append(_callable(f"{key}.options.function", "reward", cfg.options.function))
+    for i, c in enumerate(getattr(cfg.options, "components", ())):
+        out += _rewards(f"{key}.options.components[{i}]", c)
     return out
 
 

@@ -59,8 +59,8 @@ FAILURE_REASONS = ("missing", "malformed", "out_of_range", "error", "timeout")
 
 @dataclass
 class JudgeConfig:
-    """The judge of ``reward.kind: judge`` (nested under ``reward.judge``), or one of
-    ``reward.multi_judge.judges``."""
+    """The options of ``reward.kind: judge`` (``reward.options``), or one of a multi_judge's
+    ``judges``."""
 
     name: str = ""
     """In a multi_judge: this judge's name in the info / metrics (default ``judge<i>``)."""

@@ -25,7 +25,7 @@ from areal_mega.reward.judge import JudgeConfig, Verdict
 
 @dataclass
 class MultiJudgeConfig:
-    """``reward.multi_judge``: the judges and how their verdicts combine."""
+    """The options of ``reward.kind: multi_judge``: the judges and how their verdicts combine."""
 
     judges: list[JudgeConfig] = field(default_factory=list)
     """Two or more judges (each a full ``JudgeConfig``: its servers, rubric, verdict format,

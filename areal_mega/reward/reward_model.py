@@ -27,7 +27,7 @@ from areal_mega.reward.base import RewardResult
 
 @dataclass
 class RewardModelConfig:
-    """``reward.reward_model``: the reward model's servers and how a sample becomes its input."""
+    """The options of ``reward.kind: reward_model``: the RM's servers and how a sample becomes its input."""
 
     inference: InferenceConfig | None = None
     """The RM's servers: launch settings (``server.model_path`` = the RM's HF directory) or

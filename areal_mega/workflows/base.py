@@ -11,6 +11,7 @@ import numpy as np
 
 from areal_mega.api.io import GenerationResult, SamplingParams
 from areal_mega.api.workflow import RolloutWorkflow, Trajectory
+from areal_mega.kinds import fill_default_options
 from areal_mega.reward import RewardFn, RewardResult, evaluate, evaluate_steps
 from areal_mega.agent_tools import ToolRegistry
 from areal_mega.workflows.steps import StepConfig, split_steps
@@ -54,6 +55,9 @@ class WorkflowConfig:
     ``evaluate_steps`` (``reward.step_scoring``) then gives each step its reward."""
 
     OPEN_KINDS: ClassVar[dict[str, tuple[str, str]]] = {"kind": ("workflow", "options")}
+
+    def __post_init__(self) -> None:
+        fill_default_options(self)
 
     def validate(self) -> None:
         if self.group_size < 1:
@@ -118,10 +122,8 @@ class TokenWorkflow(RolloutWorkflow):
                  tools: ToolRegistry | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
-        opts_cls = getattr(type(self), "Options", None)
-        self.options = cfg.options if cfg.options is not None or opts_cls is None else opts_cls()
-        """The kind's own typed options (its ``Options`` dataclass; its defaults when the config,
-        built in Python, has none), None for kinds without."""
+        self.options = cfg.options
+        """The kind's own typed options (its ``Options`` dataclass), None for kinds without."""
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.tools = tools

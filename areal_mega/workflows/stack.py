@@ -28,7 +28,7 @@ class EpisodeStack:
     tokenizer: Tokenizer
     reward: RewardFn
     """Owns worker processes for math / isolated rewards; a judge on the policy's servers
-    (``reward.judge.servers: policy``) uses ``policy_engine``."""
+    (``reward.options.servers: policy``) uses ``policy_engine``."""
     tools: ToolRegistry | None
     """A workflow kind that ``uses_tools``: one registry (one python-tool sandbox) for every
     workflow built here."""
