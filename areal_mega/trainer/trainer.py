@@ -34,6 +34,7 @@ from areal_mega.utils.stats import reduce_stats
 from areal_mega.weight_sync.sync import SyncStats, WeightSync, WeightSyncError
 from areal_mega.workflows.stack import EpisodeStack
 
+
 def train_on_minibatches(actor: TrainEngine, batch: dict[str, torch.Tensor],
                          make_loss: Callable[[dict[str, torch.Tensor]], Any], temperature: float, *,
                          num_minibatches: int = 1, ppo_epochs: int = 1) -> tuple[dict[str, float], list[dict[str, float]]]:
