@@ -118,7 +118,7 @@ class Trainer:
         # each sync's targets come from it.
         ws = megatron_weight_sync(cfg.weight_sync, adapter=actor.model.adapter, chunks=actor.model.chunks,
                                   groups=groups, world_group=ctrl, dtype=wire, pause_mode=cfg.inference.client.pause_mode,
-                                  pause_servers=False, api_key=cfg.inference.resolved_api_key())
+                                  api_key=cfg.inference.resolved_api_key())
         if rank0:
             out.mkdir(parents=True, exist_ok=True)
             # Records past the checkpoint (a killed run's last steps) are redone: move them out.

@@ -15,7 +15,8 @@ class WeightSyncConfig:
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         "pause_mode": "set inference.client.pause_mode (the one pause mode: the pool pauses the servers "
                       "around a weight sync)",
-        "pause_servers": "the trainer pauses through its rollout service (scripts: WeightSync(pause_servers=...))",
+        "pause_servers": "the trainer pauses through its rollout service (scripts pause the servers around "
+                         "a sync themselves)",
     }
     """Keys that were removed, with where their setting lives now (a one-line error names it)."""
 

@@ -128,9 +128,9 @@ class WeightSync:
 
     ``servers`` are the first targets; the trainer gives none and names each sync's targets with
     ``set_targets`` (from the rollout service's ``begin_update``). ``pause_mode`` is the servers'
-    pause mode (``inference.client.pause_mode``: in_place keeps the KV cache, so no flush);
-    ``pause_servers``: pause and continue them around a sync here (False: the caller does,
-    the trainer through its rollout service).
+    pause mode (``inference.client.pause_mode``: in_place keeps the KV cache, so no flush).
+    Pausing is the caller's: the trainer pauses through its rollout service, scripts pause the
+    servers themselves around ``sync``.
     """
 
     def __init__(
@@ -146,7 +146,6 @@ class WeightSync:
         expected_fn: ExpectedFn | None = None,
         hf_config: dict | None = None,
         pause_mode: str = "retract",
-        pause_servers: bool = True,
         api_key: str | None = None,
         reshard: ReshardSource | None = None,
         bucket_group: Callable[[str], str | None] | None = None,
@@ -163,7 +162,6 @@ class WeightSync:
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause_mode: {pause_mode!r} is not one of abort, retract, in_place")
         self.pause_mode = pause_mode
-        self.pause_servers = pause_servers
         self._api_key = api_key
         if cfg.check_model and expected_fn is None:
             raise ValueError("check_model: needs expected_fn (the adapter's metadata for an HF config)")
@@ -316,12 +314,6 @@ class WeightSync:
             self._on_rank0(self._end_and_continue)
             phases["resume"] = time.perf_counter() - t
         except Exception as e:
-            if isinstance(e, PlanMismatchError) and self.rank == 0 and self.pause_servers:
-                try:  # nothing was sent: the servers keep serving their weights
-                    send_all(self.servers, api.end_weight_update())
-                    send_all(self.servers, api.continue_generation())
-                except Exception:  # noqa: BLE001 - best effort, the mismatch is the error
-                    pass
             # A server that died mid-sync leaves the others with an open update session, which
             # would refuse the retry's /begin_weight_update: close those sessions, best effort.
             if self.rank == 0 and self._session and self.mode in ("broadcast", "reshard"):
@@ -369,16 +361,12 @@ class WeightSync:
             raise PlanMismatchError(message) if mismatch else WeightSyncError(message)
 
     def _pause_and_begin(self) -> None:
-        if self.pause_servers:
-            send_all(self.servers, api.pause_generation(self.pause_mode))
         if self._session and self.mode in ("broadcast", "reshard"):
             send_all(self.servers, api.begin_weight_update())
 
     def _end_and_continue(self) -> None:
         if self._session and self.mode in ("broadcast", "reshard"):
             send_all(self.servers, api.end_weight_update())
-        if self.pause_servers:
-            send_all(self.servers, api.continue_generation())
 
     def _stage_tensors(self) -> Iterator[tuple[Any, list[torch.Tensor]]]:
         """(bucket, tensors) for this rank's stage, pulling the export lazily bucket by bucket
@@ -531,7 +519,6 @@ def megatron_weight_sync(
     world_group: Any = None,
     dtype: str | None = None,
     pause_mode: str = "retract",
-    pause_servers: bool = True,
     api_key: str | None = None,
 ) -> WeightSync:
     """A :class:`WeightSync` for a megatron model built with ``adapter`` (areal_mega.models).
@@ -540,7 +527,7 @@ def megatron_weight_sync(
     the gather). The plan is the adapter's pure per-stage metadata; every tensor travels in
     ``dtype`` (default: the HF checkpoint's dtype), since megatron keeps some parameters (norms)
     in fp32 inside a bf16 model. Servers are checked against ``get_adapter(server config).plan``
-    at TP1 x PP1. ``pause_mode`` / ``pause_servers`` / ``api_key``: as for :class:`WeightSync`.
+    at TP1 x PP1. ``pause_mode`` / ``api_key``: as for :class:`WeightSync`.
     """
     from areal_mega.megatron.model import expert_export
     from areal_mega.models import get_adapter
@@ -570,7 +557,6 @@ def megatron_weight_sync(
         expected_fn=expected,
         hf_config=adapter.hf_config,
         pause_mode=pause_mode,
-        pause_servers=pause_servers,
         api_key=api_key,
         bucket_group=adapter.bucket_group,
     )
