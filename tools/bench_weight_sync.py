@@ -26,7 +26,7 @@ Weight-sync transport efficiency on this machine, three ways (one JSON line per 
   --mode broadcast (no --sglang-python)   the broadcast sender path into stand-in receivers
       (below; the smoke test in tests/test_tools.py runs this one).
 
-Stand-in receivers (the original bench): the real sender path (WeightSync: plan, HTTP
+Stand-in receivers (the original bench): the real sender path (BroadcastSync: plan, HTTP
 announce per bucket, flattened-bucket broadcast over a gloo group, pause/begin/end/continue,
 version bump) versus a single flat gloo broadcast of the same number of bytes, measured in the
 same run, between the same processes, over the same group. Prints ONE JSON line:
@@ -75,7 +75,7 @@ import torch.multiprocessing as mp
 from areal_mega.models import get_adapter
 from areal_mega.parallel import ParallelLayout
 from areal_mega.inference.sglang_api import Call, SGLangClient
-from areal_mega.weight_sync import WeightSync, WeightSyncConfig
+from areal_mega.weight_sync import BroadcastSync, LearnerSide, WeightSyncConfig, plan_weight_sync
 from areal_mega.utils.procs import free_port
 from areal_mega.weight_sync.transport import join_update_group
 
@@ -510,10 +510,10 @@ def main() -> None:
         weights = {t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in stage.tensors}
         servers = [SGLangClient(f"127.0.0.1:{p}", timeout_s=600) for p in ports]
         cfg = WeightSyncConfig(backend="gloo", bucket_mib=args.bucket_mib, master_address="127.0.0.1", check_model=False)
-        ws = WeightSync(
-            cfg, layout=layout, rank=0, world_group=dist.group.WORLD, stage_metadata=[stage.tensors],
-            export=lambda: iter(weights.items()), servers=servers,
-        )  # fmt: skip
+        learner = LearnerSide(layout=layout, rank=0, group=dist.group.WORLD,
+                              plan=plan_weight_sync([stage.tensors], layout, cfg.bucket_bytes),
+                              export=lambda: iter(weights.items()))
+        ws = BroadcastSync(cfg, learner, servers=servers)
         warm = paused_sync(ws, 1)
 
         sender = ws._sender

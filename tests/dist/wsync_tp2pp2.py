@@ -21,6 +21,7 @@ Steps (rank 0 queries the servers between steps and writes everything to --out):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -159,15 +160,15 @@ def main() -> None:
     # 1b. a mismatch once connected: the check then runs beside the opening of the update session
     # (sync.py), which the failed sync must close -- the servers, continued by servers_paused,
     # must serve untouched (the state read below would hang otherwise).
-    right = ws.expected_fn
-    ws.expected_fn = lambda hf: right(dict(hf, vocab_size=640))
+    right = ws.learner
+    ws.learner = dataclasses.replace(right, expected_fn=lambda hf: right.expected_fn(dict(hf, vocab_size=640)))
     try:
         with servers_paused(servers):
             ws.sync(7)
         res["connected_mismatch_error"] = None
     except PlanMismatchError as e:
         res["connected_mismatch_error"] = str(e)
-    ws.expected_fn = right
+    ws.learner = right
     if rank == 0:
         res["after_connected_mismatch"] = server_state(urls)
     log("connected mismatch checked")
