@@ -149,6 +149,15 @@ def server_expected_specs(server: SGLangClient, expected_fn: ExpectedFn) -> tupl
     return specs, f"server {server.url} (model {model_path}, dtype {dtype})"
 
 
+def _error(fn: Callable[[], Any]) -> str | None:
+    """``fn()``'s exception as one line (for ``_agree`` to share with every rank), None if it returned."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - shared with every rank by the caller
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 class WeightSync(ABC):
     """What the trainer holds: pushes the learner's weights into a set of SGLang servers. Every
     method is collective over all learner ranks (the same arguments on every rank). The servers
@@ -239,16 +248,7 @@ class TransportBase(WeightSync):
             r, m = failed[0]
             raise WeightSyncError(f"weight sync failed (rank {r}): {m}")
 
-    def _on_rank0(self, fn: Callable[[], Any]) -> None:
-        err = None
-        if self.rank == 0:
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - shared with all ranks by _agree
-                err = f"{type(e).__name__}: {e}"
-        self._agree(err)
-
-    def _from_rank0(self, fn: Callable[[], Any]) -> Any:
+    def _on_rank0(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` run on rank 0 (its HTTP), its value on every rank; its error raised on every rank."""
         box: list[Any] = [None]
         if self.rank == 0:
@@ -266,12 +266,6 @@ class TransportBase(WeightSync):
         """Rank 0: every server's capabilities, asked afresh (a restarted server may run another SGLang)."""
         return [s.capabilities(refresh=True) for s in self.servers]
 
-    def check_servers(self) -> None:
-        """Rank 0: the plan against every server's model. Raises PlanMismatchError on mismatch."""
-        for s in self.servers:
-            expected, where = server_expected_specs(s, self.learner.expected_fn)
-            check_plan_against(self.plan, expected, where)
-
     def _check(self, also: Callable[[], Any] | None = None) -> None:
         """The plan against every server's model (rank 0's HTTP); every rank raises the same
         error (PlanMismatchError on a mismatch). ``also``: a call rank 0 makes at the same time,
@@ -281,7 +275,8 @@ class TransportBase(WeightSync):
             with ThreadPoolExecutor(max_workers=1) as ex:
                 fut = ex.submit(also) if also is not None else None
                 try:
-                    self.check_servers()
+                    for server in self.servers:
+                        check_plan_against(self.plan, *server_expected_specs(server, self.learner.expected_fn))
                 except PlanMismatchError as e:
                     err = (True, str(e))
                 except Exception as e:  # noqa: BLE001
@@ -404,32 +399,23 @@ class BroadcastSync(TransportBase):
         self._sender: BroadcastSender | None = None
 
     def _connect(self) -> None:
-        caps = self._from_rank0(self._capabilities)
+        caps = self._on_rank0(self._capabilities)
         self._session = all(c.weight_update_session for c in caps)
         self._connect_senders([c.tp_size for c in caps])
 
     def _connect_senders(self, tps: Sequence[int]) -> None:
         """Each stage's sender joins its own group, one stage at a time (servers join groups in
         call order)."""
+        def join(stage: Any) -> None:
+            port = self.cfg.master_port_base + stage.stage if self.cfg.master_port_base else free_port("")
+            self._sender = BroadcastSender(
+                self.servers, tps, group_name=f"{self.cfg.group_name_prefix}_s{stage.stage}", backend=self.cfg.backend,
+                address=self.cfg.master_address or host_address(), port=port, timeout_s=self.cfg.group_timeout_s,
+                load_format=self.cfg.load_format)
+            self._sender.connect()
+
         for stage in self.plan.stages:
-            err = None
-            if self.stage_plan is stage:
-                try:
-                    port = self.cfg.master_port_base + stage.stage if self.cfg.master_port_base else free_port("")
-                    self._sender = BroadcastSender(
-                        self.servers,
-                        tps,
-                        group_name=f"{self.cfg.group_name_prefix}_s{stage.stage}",
-                        backend=self.cfg.backend,
-                        address=self.cfg.master_address or host_address(),
-                        port=port,
-                        timeout_s=self.cfg.group_timeout_s,
-                        load_format=self.cfg.load_format,
-                    )
-                    self._sender.connect()
-                except Exception as e:  # noqa: BLE001 - shared by _agree
-                    err = f"{type(e).__name__}: {e}"
-            self._agree(err)
+            self._agree(_error(lambda: join(stage)) if self.stage_plan is stage else None)
 
     def _send(self, version: int) -> None:
         last = self.plan.stages[-1].buckets[-1]
@@ -492,7 +478,7 @@ class ReshardSync(BroadcastSync):
                 return caps, 0
             return caps, self.cfg.master_port_base or free_port("")
 
-        caps, port = self._from_rank0(rank0)
+        caps, port = self._on_rank0(rank0)
         self._session = all(c.weight_update_session for c in caps)
         self.mode = "reshard" if port else "broadcast"  # what this connection runs
         if not port:
@@ -514,19 +500,9 @@ class ReshardSync(BroadcastSync):
         reshard group, then every engine rank checks the plan's parameters against its own."""
         if self._reshard is None or self._joined:
             return False
-        err = None
-        try:
-            self._reshard.connect()
-        except Exception as e:  # noqa: BLE001 - shared by _agree
-            err = f"{type(e).__name__}: {e}"
-        self._agree(err)
-        err = None
-        try:
-            self._reshard.check()
-        except Exception as e:  # noqa: BLE001
-            err = f"{type(e).__name__}: {e}"
+        self._agree(_error(self._reshard.connect))
         msgs: list[Any] = [None] * self.layout.world_size
-        dist.all_gather_object(msgs, err, group=self._ctrl)
+        dist.all_gather_object(msgs, _error(self._reshard.check), group=self._ctrl)
         if msgs[0]:
             raise PlanMismatchError(f"weight sync refused before sending anything: {msgs[0]}")
         self._joined = True
@@ -535,12 +511,7 @@ class ReshardSync(BroadcastSync):
     def _send(self, version: int) -> None:
         if self._reshard is None:
             return super()._send(version)
-        err = None
-        try:
-            self._reshard.send(version, flush_cache=self.flush_cache)
-        except Exception as e:  # noqa: BLE001 - shared by _agree
-            err = f"{type(e).__name__}: {e}"
-        self._agree(err)
+        self._agree(_error(lambda: self._reshard.send(version, flush_cache=self.flush_cache)))
 
     def _sent(self) -> tuple[int, int, dict[str, int]]:
         if self._reshard is None:
@@ -571,19 +542,16 @@ class DiskSync(TransportBase):
         from safetensors.torch import save_file
 
         out = Path(self.cfg.disk_dir) / f"v{version}"
-        err = None
-        if self.exports:
-            try:
+        def write() -> None:
+            if self.stage_plan is not None:
+                out.mkdir(parents=True, exist_ok=True)
+            for bucket, tensors in self._stage_tensors():
                 if self.stage_plan is not None:
-                    out.mkdir(parents=True, exist_ok=True)
-                for bucket, tensors in self._stage_tensors():
-                    if self.stage_plan is not None:
-                        tmp = out / f".s{bucket.stage:02d}-b{bucket.index:04d}.tmp"
-                        save_file({n: t.detach().contiguous().cpu() for n, t in zip(bucket.names, tensors)}, str(tmp))
-                        os.replace(tmp, out / f"model-s{bucket.stage:02d}-b{bucket.index:04d}.safetensors")
-            except Exception as e:  # noqa: BLE001
-                err = f"{type(e).__name__}: {e}"
-        self._agree(err)
+                    tmp = out / f".s{bucket.stage:02d}-b{bucket.index:04d}.tmp"
+                    save_file({n: t.detach().contiguous().cpu() for n, t in zip(bucket.names, tensors)}, str(tmp))
+                    os.replace(tmp, out / f"model-s{bucket.stage:02d}-b{bucket.index:04d}.safetensors")
+
+        self._agree(_error(write) if self.exports else None)
 
         def load() -> None:
             # A standard sharded HF checkpoint: the index maps every tensor to its bucket file.
