@@ -40,7 +40,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -192,8 +192,9 @@ class TransportBase(WeightSync):
     their KV cache, which then is not flushed. ``api_key``: for clients made by ``set_targets``.
     """
 
-    mode: ClassVar[str]
-    """The ``weight_sync.mode`` this class implements (SyncStats.mode: the one that ran)."""
+    mode: str
+    """The ``weight_sync.mode`` this class implements; SyncStats.mode: the one that ran (ReshardSync
+    sets it per connection)."""
 
     def __init__(self, cfg: WeightSyncConfig, learner: LearnerSide, *, servers: Sequence[SGLangClient] = (),
                  pause_mode: str = "retract", api_key: str | None = None) -> None:
