@@ -26,7 +26,7 @@ Weight-sync transport efficiency on this machine, three ways (one JSON line per 
   --mode broadcast (no --sglang-python)   the broadcast sender path into stand-in receivers
       (below; the smoke test in tests/test_tools.py runs this one).
 
-Stand-in receivers (the original bench): the real sender path (WeightSync: plan, HTTP
+Stand-in receivers (the original bench): the real sender path (BroadcastSync: plan, HTTP
 announce per bucket, flattened-bucket broadcast over a gloo group, pause/begin/end/continue,
 version bump) versus a single flat gloo broadcast of the same number of bytes, measured in the
 same run, between the same processes, over the same group. Prints ONE JSON line:
@@ -75,7 +75,7 @@ import torch.multiprocessing as mp
 from areal_mega.models import get_adapter
 from areal_mega.parallel import ParallelLayout
 from areal_mega.inference.sglang_api import Call, SGLangClient
-from areal_mega.weight_sync import WeightSync, WeightSyncConfig
+from areal_mega.weight_sync import BroadcastSync, LearnerSide, WeightSyncConfig, plan_weight_sync
 from areal_mega.utils.procs import free_port
 from areal_mega.weight_sync.transport import join_update_group
 
@@ -322,13 +322,13 @@ def worker(args) -> None:
                                     servers=[TimedClient(u, timeout_s=600) for u in urls], pause_mode="retract")
 
     ws = make(args.mode, "bench")
-    ws.sync(1)  # warm-up: connect, first-touch of the buffers
+    paused_sync(ws, 1)  # warm-up: connect, first-touch of the buffers
     assert ws.mode == args.mode, f"ran {ws.mode}, asked for {args.mode}"
     # The raw reference runs through a reshard group (the receiver's receive-only op): the same
     # ranks and the same bytes as the mode under test.
     raw_ws = ws if args.mode == "reshard" else make("reshard", "bench_raw")
     if raw_ws is not ws:
-        raw_ws.sync(1)
+        paused_sync(raw_ws, 1)
     rt = raw_ws._reshard
     if args.mode == "reshard":
         transfers = [(m.src, m.server, m.engine_rank, m.nbytes) for m in rt.plan.messages]
@@ -366,7 +366,7 @@ def worker(args) -> None:
     for i in range(args.repeats):
         dist.barrier()
         timing[0] = calls
-        syncs.append(ws.sync(2 + i))
+        syncs.append(paused_sync(ws, 2 + i))
         timing[0] = None
         engine.append(list(ws._reshard.last_statuses) if args.mode == "reshard" else [])
         if args.mode == "reshard" and rank == 0:
@@ -413,6 +413,26 @@ def worker(args) -> None:
     destroy_model_parallel(groups)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def paused_sync(ws, version: int):
+    """One sync with generation paused around it (rank 0 pauses and continues the servers, as the
+    trainer's rollout service does; a sync never pauses by itself). Its seconds include the pause
+    and the continue: the "one whole sync" this bench reports."""
+    from areal_mega.inference import sglang_api
+    from areal_mega.weight_sync.transport import send_all
+
+    rank0 = dist.get_rank() == 0
+    t0 = time.perf_counter()
+    if rank0:
+        send_all(ws.servers, sglang_api.pause_generation("retract"))
+    try:
+        stats = ws.sync(version)
+    finally:
+        if rank0:
+            send_all(ws.servers, sglang_api.continue_generation())
+    stats.seconds = time.perf_counter() - t0
+    return stats
 
 
 def api_begin():
@@ -490,11 +510,11 @@ def main() -> None:
         weights = {t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in stage.tensors}
         servers = [SGLangClient(f"127.0.0.1:{p}", timeout_s=600) for p in ports]
         cfg = WeightSyncConfig(backend="gloo", bucket_mib=args.bucket_mib, master_address="127.0.0.1", check_model=False)
-        ws = WeightSync(
-            cfg, layout=layout, rank=0, world_group=dist.group.WORLD, stage_metadata=[stage.tensors],
-            export=lambda: iter(weights.items()), servers=servers,
-        )  # fmt: skip
-        warm = ws.sync(1)
+        learner = LearnerSide(layout=layout, rank=0, group=dist.group.WORLD,
+                              plan=plan_weight_sync([stage.tensors], layout, cfg.bucket_bytes),
+                              export=lambda: iter(weights.items()))
+        ws = BroadcastSync(cfg, learner, servers=servers)
+        warm = paused_sync(ws, 1)
 
         sender = ws._sender
         nbytes = ws.plan.nbytes
@@ -515,7 +535,7 @@ def main() -> None:
         # +-30% with background load, and the best time is the one least disturbed by it.
         runs, raws, wires = [], [], []
         for i in range(args.repeats):
-            runs.append(ws.sync(2 + i))
+            runs.append(paused_sync(ws, 2 + i))
             raws.append(raw(False))
             wires.append(raw(True))
         assert all(s.weight_version() == str(1 + args.repeats) for s in servers)

@@ -2,12 +2,17 @@
 
 from areal_mega.weight_sync.config import WeightSyncConfig
 from areal_mega.weight_sync.planner import PlanMismatchError, SyncPlan, TensorSpec, check_plan_against, plan_weight_sync
-from areal_mega.weight_sync.sync import ReshardSource, SyncStats, WeightSync, megatron_weight_sync
+from areal_mega.weight_sync.sync import (BroadcastSync, DiskSync, LearnerSide, ReshardSource, ReshardSync, SyncStats,
+                                         WeightSync, megatron_weight_sync)
 from areal_mega.weight_sync.transport import WeightSyncError
 
 __all__ = [
+    "BroadcastSync",
+    "DiskSync",
+    "LearnerSide",
     "PlanMismatchError",
     "ReshardSource",
+    "ReshardSync",
     "SyncPlan",
     "SyncStats",
     "TensorSpec",

@@ -1,16 +1,22 @@
-"""Weight sync as the trainer uses it: ``WeightSync(...).sync(version)`` on every learner rank.
+"""Weight sync as the trainer uses it: a :class:`WeightSync` from ``megatron_weight_sync(cfg, ...)``,
+then ``set_targets(urls)`` / ``sync(version)`` / ``close()`` on every learner rank.
 
-Who does what (one sync, all learner ranks call ``sync`` collectively)::
+One class per transport (``weight_sync.mode``, chosen once by ``megatron_weight_sync``):
+:class:`BroadcastSync` (full HF tensors, one sender per stage), :class:`ReshardSync` (every rank
+sends SGLang's own shards; a server without the receiver gets a broadcast instead) and
+:class:`DiskSync` (safetensors + /update_weights_from_disk). :class:`TransportBase` holds what they
+share. A sync never pauses generation: the caller does (the trainer through its rollout service).
+One broadcast sync, all learner ranks calling ``sync`` collectively::
 
     rank 0 (stage-0 sender)        stage-s sender (tp=0,cp=0,dp=0)     its TP peers (dp=0,cp=0)
     check plan vs servers' models
     ---------------------- agree (all ranks; a mismatch raises here, nothing sent) -----------
-    pause servers, begin session
+    begin update session
     ---------------------- agree ---------------------------------------------------------------
     for each stage s in order:      export(): gather TP shards   <->  export(): gather (collective)
                                     per bucket: HTTP + broadcast
     ---------------------- agree after each stage (turns) --------------------------------------
-    end session, continue servers
+    end update session
     ---------------------- agree: every rank returns or raises the same error -------------------
 
 Why stages take turns instead of broadcasting concurrently: every server handles weight-update
@@ -30,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +84,31 @@ class ReshardSource:
     dtype: str
 
 
+@dataclass(frozen=True)
+class LearnerSide:
+    """What a transport reads from the learner: built once per rank by ``megatron_weight_sync``
+    (identical on every rank but ``rank``, ``export`` and ``reshard.local``)."""
+
+    layout: ParallelLayout
+    """The learner's parallel layout."""
+    rank: int
+    """This rank in ``layout`` (= its rank in ``group``)."""
+    group: Any
+    """All learner ranks; control messages (tiny python objects) go over gloo: a gloo group over
+    the same ranks is created when this one is not gloo (so the constructor is collective)."""
+    plan: SyncPlan
+    """Full HF tensors per pipeline stage, bucketed (planner.plan_weight_sync): what broadcast and
+    disk send, and what every mode checks against the servers' models."""
+    export: ExportFn
+    """This rank's stage export (called on exporting ranks only: layout.exports)."""
+    expected_fn: ExpectedFn | None = None
+    """A server's HF config -> the tensors it expects; needed when ``check_model``."""
+    hf_config: dict | None = None
+    """config.json written next to a disk sync's files (None: copied from the first server's)."""
+    reshard: ReshardSource | None = None
+    """The adapter and local tensors the reshard transport plans and sends from."""
+
+
 @dataclass
 class SyncStats:
     version: int
@@ -117,74 +149,95 @@ def server_expected_specs(server: SGLangClient, expected_fn: ExpectedFn) -> tupl
     return specs, f"server {server.url} (model {model_path}, dtype {dtype})"
 
 
-class WeightSync:
-    """Pushes the learner's weights into the SGLang servers. Owns its learner<->server groups.
+def _error(fn: Callable[[], Any]) -> str | None:
+    """``fn()``'s exception as one line (for ``_agree`` to share with every rank), None if it returned."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - shared with every rank by the caller
+        return f"{type(e).__name__}: {e}"
+    return None
 
-    Construct on every learner rank (collective: it creates a gloo control group over
-    ``world_group`` when that group is not gloo). ``stage_metadata`` is the adapter's pure
-    per-stage metadata (identical on all ranks); ``export`` is the adapter's runtime gather for
-    THIS rank's stage (called only on dp=0, cp=0 ranks); ``expected_fn`` maps a server's HF config
-    to the tensors it expects (used when ``cfg.check_model``).
+
+class WeightSync(ABC):
+    """What the trainer holds: pushes the learner's weights into a set of SGLang servers. Every
+    method is collective over all learner ranks (the same arguments on every rank). The servers
+    are paused (or not) by the caller."""
+
+    @property
+    @abstractmethod
+    def server_urls(self) -> list[str]:
+        """The current targets."""
+
+    @abstractmethod
+    def set_targets(self, urls: Sequence[str]) -> None:
+        """Push to the servers at ``urls`` from now on."""
+
+    @abstractmethod
+    def sync(self, version: int) -> SyncStats:
+        """Push the current weights as policy ``version``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Destroy this rank's learner<->server groups; the next ``sync`` connects afresh."""
+
+
+class TransportBase(WeightSync):
+    """What the transports share: agreement across learner ranks, the plan check against the
+    servers' models, the targets, and one sync's frame (check, connect, begin session, send, end
+    session; a failure closes the sessions). A transport implements ``_connect`` and ``_send``.
 
     ``servers`` are the first targets; the trainer gives none and names each sync's targets with
-    ``set_targets`` (from the rollout service's ``begin_update``). ``pause_mode`` is the servers'
-    pause mode (``inference.client.pause_mode``: in_place keeps the KV cache, so no flush);
-    ``pause_servers``: pause and continue them around a sync here (False: the caller does,
-    the trainer through its rollout service).
+    ``set_targets`` (from the rollout service's ``begin_update``). ``pause_mode`` is the mode the
+    caller pauses the servers in (``inference.client.pause_mode``): in_place holds requests with
+    their KV cache, which then is not flushed. ``api_key``: for clients made by ``set_targets``.
     """
 
-    def __init__(
-        self,
-        cfg: WeightSyncConfig,
-        *,
-        layout: ParallelLayout,
-        rank: int,
-        world_group: Any,
-        stage_metadata: Sequence[Sequence[Any]],
-        export: ExportFn,
-        servers: Sequence[SGLangClient],
-        expected_fn: ExpectedFn | None = None,
-        hf_config: dict | None = None,
-        pause_mode: str = "retract",
-        pause_servers: bool = True,
-        api_key: str | None = None,
-        reshard: ReshardSource | None = None,
-        bucket_group: Callable[[str], str | None] | None = None,
-    ) -> None:
+    mode: str
+    """The ``weight_sync.mode`` this class implements; SyncStats.mode: the one that ran (ReshardSync
+    sets it per connection)."""
+
+    def __init__(self, cfg: WeightSyncConfig, learner: LearnerSide, *, servers: Sequence[SGLangClient] = (),
+                 pause_mode: str = "retract", api_key: str | None = None) -> None:
         cfg.validate()
-        if cfg.mode == "reshard" and reshard is None:
-            raise ValueError("mode: reshard needs the learner's adapter and local tensors (megatron_weight_sync)")
-        if cfg.mode == "reshard":
-            check_syncable(reshard.adapter)  # refused at construction, not at the first sync
-        self.reshard = reshard
-        self.mode = cfg.mode  # what runs: reshard falls back to broadcast when a server has no receiver
-        self._reshard: ReshardTransport | None = None
-        self._joined = False
+        if cfg.mode != self.mode:
+            raise ValueError(f"mode: {cfg.mode!r} is configured, {type(self).__name__} is the {self.mode!r} transport")
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause_mode: {pause_mode!r} is not one of abort, retract, in_place")
-        self.pause_mode = pause_mode
-        self.pause_servers = pause_servers
-        self._api_key = api_key
-        if cfg.check_model and expected_fn is None:
+        if cfg.check_model and learner.expected_fn is None:
             raise ValueError("check_model: needs expected_fn (the adapter's metadata for an HF config)")
-        self.cfg = cfg
-        self.layout = layout
-        self.rank = rank
-        self.plan: SyncPlan = plan_weight_sync(stage_metadata, layout, cfg.bucket_bytes, bucket_group)
-        self.export = export
+        self.cfg, self.learner, self.plan = cfg, learner, learner.plan
+        self.layout, self.rank = learner.layout, learner.rank
+        self.flush_cache = pause_mode != "in_place"  # the radix cache cannot be flushed under held requests
         self.servers = list(servers)
-        self.expected_fn = expected_fn
-        self.hf_config = hf_config
-        coords = layout.coords(rank)
-        self.stage = coords.pp
-        self.exports = layout.exports(rank)  # dense dp=0/cp=0 replica, plus MoE expert owners
-        self.stage_plan: SenderPlan | None = self.plan.stage_of_rank(rank)
-        # Control messages are tiny python objects: keep them on gloo even when the world is NCCL.
-        self._ctrl = world_group if dist.get_backend(world_group) == "gloo" else dist.new_group(backend="gloo")
-        self._world = world_group
-        self._sender: BroadcastSender | None = None
+        self._api_key = api_key
+        self.stage = self.layout.coords(self.rank).pp
+        self.exports = self.layout.exports(self.rank)  # dense dp=0/cp=0 replica, plus MoE expert owners
+        self.stage_plan: SenderPlan | None = self.plan.stage_of_rank(self.rank)
+        group = learner.group
+        self._ctrl = group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
         self._connected = False
-        self._session = False
+        self._session = False  # the servers want weight updates inside begin/end_weight_update
+
+    # -- what a transport implements ------------------------------------------------------------
+    @abstractmethod
+    def _connect(self) -> None:
+        """Collective: set up the learner<->server groups for the current targets."""
+
+    @abstractmethod
+    def _send(self, version: int) -> None:
+        """Collective: send the weights as ``version`` (inside the update session, if any)."""
+
+    def _join(self) -> bool:
+        """Collective, inside the update session, before ``_send``: a late part of connecting
+        (True when it did something: timed as connect)."""
+        return False
+
+    def _sent(self) -> tuple[int, int, dict[str, int]]:
+        """(bytes, buckets or messages, bytes per "<server url>/<tp rank>") of one sync."""
+        return self.plan.nbytes, self.plan.num_buckets, {}
+
+    def _disconnect(self) -> None:
+        """This rank's side of ``close``."""
 
     # -- control plane --------------------------------------------------------------------------
     def _agree(self, error: str | None) -> None:
@@ -196,154 +249,23 @@ class WeightSync:
             r, m = failed[0]
             raise WeightSyncError(f"weight sync failed (rank {r}): {m}")
 
-    def _on_rank0(self, fn: Callable[[], Any]) -> None:
-        err = None
-        if self.rank == 0:
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - shared with all ranks by _agree
-                err = f"{type(e).__name__}: {e}"
-        self._agree(err)
-
-    def check_servers(self) -> None:
-        """Rank 0: the plan against every server's model. Raises PlanMismatchError on mismatch."""
-        for s in self.servers:
-            expected, where = server_expected_specs(s, self.expected_fn)
-            check_plan_against(self.plan, expected, where)
-
-    def _connect(self) -> None:
-        """Learn the servers' TP sizes (rank 0), then each stage's sender joins its own group,
-        one stage at a time (servers join groups in call order)."""
+    def _on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run on rank 0 (its HTTP), its value on every rank; its error raised on every rank."""
         box: list[Any] = [None]
         if self.rank == 0:
             try:
-                caps = [s.capabilities(refresh=True) for s in self.servers]
-                tps = [c.tp_size for c in caps]
-                eps = [c.ep_size for c in caps]
-                session = all(c.weight_update_session for c in caps)
-                mode = self.cfg.mode
-                if mode == "reshard":
-                    missing = [s.url for s, c in zip(self.servers, caps) if not has_receiver(c)]
-                    if missing:
-                        print(f"weight_sync.mode reshard: {missing[0]} has no reshard receiver (--custom-weight-loader "
-                              f"{RECEIVER}); broadcasting instead", flush=True)
-                        mode = "broadcast"
-                port = (self.cfg.master_port_base or free_port("")) if mode == "reshard" else 0
-                box[0] = (tps, eps, session, mode, port, None)
+                box[0] = (fn(), None)
             except Exception as e:  # noqa: BLE001 - shared below
-                box[0] = (None, None, None, None, None, f"{type(e).__name__}: {e}")
+                box[0] = (None, f"{type(e).__name__}: {e}")
         dist.broadcast_object_list(box, group_src=0, group=self._ctrl)
-        tps, eps, self._session, self.mode, port, err = box[0]
+        value, err = box[0]
         if err:
             raise WeightSyncError(f"weight sync failed (rank 0): {err}")
-        if self.mode == "reshard":
-            # Every rank builds the same plan from metadata; the group is joined inside the
-            # first update session (the receiver runs as an update_weights_from_tensor loader).
-            plan = plan_reshard(self.reshard.adapter, self.layout, [EngineLayout(t, e) for t, e in zip(tps, eps)],
-                                dtype=self.reshard.dtype, bucket_bytes=self.cfg.bucket_bytes,
-                                backend=resolve_backend(self.cfg.backend))
-            self._reshard = ReshardTransport(
-                plan=plan, rank=self.rank, servers=self.servers, local=self.reshard.local, backend=self.cfg.backend,
-                address=self.cfg.master_address or host_address(), port=port,
-                group_name=f"{self.cfg.group_name_prefix}_reshard", timeout_s=self.cfg.group_timeout_s)
-            self._joined = False
-            self._connected = True
-            return
-        if self.mode != "broadcast":
-            self._connected = True
-            return
-        for stage in self.plan.stages:
-            err = None
-            if self.stage_plan is stage:
-                try:
-                    port = self.cfg.master_port_base + stage.stage if self.cfg.master_port_base else free_port("")
-                    self._sender = BroadcastSender(
-                        self.servers,
-                        tps,
-                        group_name=f"{self.cfg.group_name_prefix}_s{stage.stage}",
-                        backend=self.cfg.backend,
-                        address=self.cfg.master_address or host_address(),
-                        port=port,
-                        timeout_s=self.cfg.group_timeout_s,
-                        load_format=self.cfg.load_format,
-                    )
-                    self._sender.connect()
-                except Exception as e:  # noqa: BLE001 - shared by _agree
-                    err = f"{type(e).__name__}: {e}"
-            self._agree(err)
-        self._connected = True
+        return value
 
-    # -- one sync -------------------------------------------------------------------------------
-    def sync(self, version: int) -> SyncStats:
-        """Push the current weights as policy ``version``. Collective over all learner ranks.
-
-        On a plan/model mismatch nothing is sent and the servers keep serving (PlanMismatchError
-        on every rank). On a failure after sending started, the servers stay paused with partly
-        updated weights and WeightSyncError is raised: call ``sync`` again to resend everything.
-        """
-        t0 = time.perf_counter()
-        phases: dict[str, float] = {}
-        # Once connected, the check's /model_info and the pause are independent calls: rank 0
-        # makes them at once (a mismatch then resumes the servers below; nothing was sent).
-        overlap = self.cfg.check_model and self._connected
-        if self.cfg.check_model and not overlap:
-            self._check()
-            phases["check"] = time.perf_counter() - t0
-        if not self._connected:
-            t = time.perf_counter()
-            self._connect()
-            phases["connect"] = time.perf_counter() - t
-        try:
-            t = time.perf_counter()
-            if overlap:
-                self._check(also=self._pause_and_begin)
-            else:
-                self._on_rank0(self._pause_and_begin)
-            phases["check+pause" if overlap else "pause"] = time.perf_counter() - t
-            if self.mode == "reshard" and not self._joined:
-                t = time.perf_counter()
-                self._join_reshard()
-                phases["connect"] = phases.get("connect", 0.0) + time.perf_counter() - t
-            t = time.perf_counter()
-            if self.mode == "reshard":
-                self._send_reshard(version)
-            elif self.mode == "broadcast":
-                self._send_stages(version)
-            else:
-                self._disk_sync(version)
-            phases["send"] = time.perf_counter() - t
-            t = time.perf_counter()
-            self._on_rank0(self._end_and_continue)
-            phases["resume"] = time.perf_counter() - t
-        except Exception as e:
-            if isinstance(e, PlanMismatchError) and self.rank == 0 and self.pause_servers:
-                try:  # nothing was sent: the servers keep serving their weights
-                    send_all(self.servers, api.end_weight_update())
-                    send_all(self.servers, api.continue_generation())
-                except Exception:  # noqa: BLE001 - best effort, the mismatch is the error
-                    pass
-            # A server that died mid-sync leaves the others with an open update session, which
-            # would refuse the retry's /begin_weight_update: close those sessions, best effort.
-            if self.rank == 0 and self._session and self.mode in ("broadcast", "reshard"):
-                for server in self.servers:
-                    try:
-                        server.send(api.end_weight_update())
-                    except Exception:  # noqa: BLE001 - the dead one, or no session open
-                        pass
-            raise
-        per_engine: dict[str, int] = {}
-        if self.mode == "reshard":
-            plan = self._reshard.plan
-            per_engine = {f"{self.servers[i].url}/{r}": b for (i, r), b in plan.bytes_per_engine_rank().items()}
-        return SyncStats(
-            version=version,
-            bytes=self._reshard.plan.nbytes if self.mode == "reshard" else self.plan.nbytes,
-            seconds=time.perf_counter() - t0,
-            num_buckets=len(self._reshard.plan.messages) if self.mode == "reshard" else self.plan.num_buckets,
-            phase_s=phases,
-            mode=self.mode,
-            bytes_per_engine_rank=per_engine,
-        )
+    def _capabilities(self) -> list[api.ServerCapabilities]:
+        """Rank 0: every server's capabilities, asked afresh (a restarted server may run another SGLang)."""
+        return [s.capabilities(refresh=True) for s in self.servers]
 
     def _check(self, also: Callable[[], Any] | None = None) -> None:
         """The plan against every server's model (rank 0's HTTP); every rank raises the same
@@ -354,7 +276,8 @@ class WeightSync:
             with ThreadPoolExecutor(max_workers=1) as ex:
                 fut = ex.submit(also) if also is not None else None
                 try:
-                    self.check_servers()
+                    for server in self.servers:
+                        check_plan_against(self.plan, *server_expected_specs(server, self.learner.expected_fn))
                 except PlanMismatchError as e:
                     err = (True, str(e))
                 except Exception as e:  # noqa: BLE001
@@ -368,23 +291,70 @@ class WeightSync:
             mismatch, message = msgs[0]
             raise PlanMismatchError(message) if mismatch else WeightSyncError(message)
 
-    def _pause_and_begin(self) -> None:
-        if self.pause_servers:
-            send_all(self.servers, api.pause_generation(self.pause_mode))
-        if self._session and self.mode in ("broadcast", "reshard"):
+    def _begin(self) -> None:
+        if self._session:
             send_all(self.servers, api.begin_weight_update())
 
-    def _end_and_continue(self) -> None:
-        if self._session and self.mode in ("broadcast", "reshard"):
+    def _end(self) -> None:
+        if self._session:
             send_all(self.servers, api.end_weight_update())
-        if self.pause_servers:
-            send_all(self.servers, api.continue_generation())
+
+    # -- one sync -------------------------------------------------------------------------------
+    def sync(self, version: int) -> SyncStats:
+        """Push the current weights as policy ``version``. Collective over all learner ranks.
+
+        On a plan/model mismatch nothing is sent and the servers keep their weights
+        (PlanMismatchError on every rank). On a failure after sending started, the servers hold
+        partly updated weights and WeightSyncError is raised: call ``sync`` again to resend everything.
+        """
+        t0 = time.perf_counter()
+        phases: dict[str, float] = {}
+        # Once connected, the check's /model_info and the session's begin are independent calls:
+        # rank 0 makes them at once (a mismatch then closes the session below; nothing was sent).
+        overlap = self.cfg.check_model and self._connected
+        if self.cfg.check_model and not overlap:
+            self._check()
+            phases["check"] = time.perf_counter() - t0
+        if not self._connected:
+            t = time.perf_counter()
+            self._connect()
+            self._connected = True
+            phases["connect"] = time.perf_counter() - t
+        try:
+            t = time.perf_counter()
+            if overlap:
+                self._check(also=self._begin)
+            else:
+                self._on_rank0(self._begin)
+            phases["check+begin" if overlap else "begin"] = time.perf_counter() - t
+            t = time.perf_counter()
+            if self._join():
+                phases["connect"] = phases.get("connect", 0.0) + time.perf_counter() - t
+            t = time.perf_counter()
+            self._send(version)
+            phases["send"] = time.perf_counter() - t
+            t = time.perf_counter()
+            self._on_rank0(self._end)
+            phases["end"] = time.perf_counter() - t
+        except Exception:
+            # A server that died mid-sync leaves the others with an open update session, which
+            # would refuse the retry's /begin_weight_update: close those sessions, best effort.
+            if self.rank == 0 and self._session:
+                for server in self.servers:
+                    try:
+                        server.send(api.end_weight_update())
+                    except Exception:  # noqa: BLE001 - the dead one, or no session open
+                        pass
+            raise
+        nbytes, num_buckets, per_engine = self._sent()
+        return SyncStats(version=version, bytes=nbytes, seconds=time.perf_counter() - t0, num_buckets=num_buckets,
+                         phase_s=phases, mode=self.mode, bytes_per_engine_rank=per_engine)
 
     def _stage_tensors(self) -> Iterator[tuple[Any, list[torch.Tensor]]]:
         """(bucket, tensors) for this rank's stage, pulling the export lazily bucket by bucket
         (peak extra memory: one bucket). Runs on every exporting rank of the stage."""
         stage = self.plan.stages[self.stage]
-        it = iter(self.export())
+        it = iter(self.learner.export())
         for bucket in stage.buckets:
             names, tensors = [], []
             for _ in bucket.tensors:
@@ -396,103 +366,7 @@ class WeightSync:
             yield bucket, tensors
         assert next(it, None) is None, f"stage {self.stage} exported more tensors than planned"
 
-    def _send_stages(self, version: int) -> None:
-        last = self.plan.stages[-1].buckets[-1]
-        # Flushing the radix cache is refused while requests are held with their KV (in_place).
-        flush = self.pause_mode != "in_place"
-        for stage in self.plan.stages:
-            err = None
-            if self.exports and self.stage == stage.stage:
-                pending = None  # wait() of the bucket in flight; the next one is packed meanwhile
-                for bucket, tensors in self._stage_tensors():
-                    if self.stage_plan is None or err is not None:
-                        continue  # TP peer, or keep draining so the peers' gathers stay matched
-                    try:
-                        payload = self._sender.pack(tensors)
-                        del tensors
-                        if pending is not None:
-                            pending, wait = None, pending
-                            wait()
-                        is_last = bucket is last
-                        pending = self._sender.start_bucket(
-                            bucket, payload, weight_version=str(version) if is_last else None, flush_cache=flush and is_last
-                        )
-                    except Exception as e:  # noqa: BLE001 - shared by _agree
-                        err = f"{type(e).__name__}: {e}"
-                if pending is not None:
-                    try:
-                        pending()
-                    except Exception as e:  # noqa: BLE001
-                        err = err or f"{type(e).__name__}: {e}"
-                if self._sender is not None:
-                    self._sender.release_buffers()
-            self._agree(err)
-
-    def _join_reshard(self) -> None:
-        """Inside the first update session: all learner ranks and every engine rank join the
-        reshard group, then every engine rank checks the plan's parameters against its own."""
-        err = None
-        try:
-            self._reshard.connect()
-        except Exception as e:  # noqa: BLE001 - shared by _agree
-            err = f"{type(e).__name__}: {e}"
-        self._agree(err)
-        err = None
-        try:
-            self._reshard.check()
-        except Exception as e:  # noqa: BLE001
-            err = f"{type(e).__name__}: {e}"
-        msgs: list[Any] = [None] * self.layout.world_size
-        dist.all_gather_object(msgs, err, group=self._ctrl)
-        if msgs[0]:
-            raise PlanMismatchError(f"weight sync refused before sending anything: {msgs[0]}")
-        self._joined = True
-
-    def _send_reshard(self, version: int) -> None:
-        err = None
-        try:
-            self._reshard.send(version, flush_cache=self.pause_mode != "in_place")
-        except Exception as e:  # noqa: BLE001 - shared by _agree
-            err = f"{type(e).__name__}: {e}"
-        self._agree(err)
-
-    def _disk_sync(self, version: int) -> None:
-        """Each stage's sender writes its buckets as safetensors files into a fresh directory,
-        rank 0 adds config.json and tells every server to load the directory."""
-        from safetensors.torch import save_file
-
-        out = Path(self.cfg.disk_dir) / f"v{version}"
-        err = None
-        if self.exports:
-            try:
-                if self.stage_plan is not None:
-                    out.mkdir(parents=True, exist_ok=True)
-                for bucket, tensors in self._stage_tensors():
-                    if self.stage_plan is not None:
-                        tmp = out / f".s{bucket.stage:02d}-b{bucket.index:04d}.tmp"
-                        save_file({n: t.detach().contiguous().cpu() for n, t in zip(bucket.names, tensors)}, str(tmp))
-                        os.replace(tmp, out / f"model-s{bucket.stage:02d}-b{bucket.index:04d}.safetensors")
-            except Exception as e:  # noqa: BLE001
-                err = f"{type(e).__name__}: {e}"
-        self._agree(err)
-
-        def load() -> None:
-            # A standard sharded HF checkpoint: the index maps every tensor to its bucket file.
-            weight_map = {
-                n: f"model-s{b.stage:02d}-b{b.index:04d}.safetensors" for st in self.plan.stages for b in st.buckets for n in b.names
-            }
-            index = {"metadata": {"total_size": self.plan.nbytes}, "weight_map": weight_map}
-            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-            if self.hf_config is not None:
-                (out / "config.json").write_text(json.dumps(self.hf_config, indent=2))
-            else:  # the servers' own config (same model by the check above)
-                src = Path(self.servers[0].model_info()["model_path"]) / "config.json"
-                (out / "config.json").write_text(src.read_text())
-            send_all(self.servers, api.update_weights_from_disk(str(out), version,
-                                                                flush_cache=self.pause_mode != "in_place"))
-
-        self._on_rank0(load)
-
+    # -- targets --------------------------------------------------------------------------------
     @property
     def server_urls(self) -> list[str]:
         return [s.url for s in self.servers]
@@ -510,15 +384,195 @@ class WeightSync:
                         for u in urls]
 
     def close(self) -> None:
-        """Destroy this rank's learner<->server group (call on every rank)."""
+        """Destroy this rank's learner<->server groups (call on every rank)."""
+        self._disconnect()
+        self._connected = False
+
+
+class BroadcastSync(TransportBase):
+    """mode broadcast: each stage's sender broadcasts its full HF tensors, bucket by bucket, to
+    every TP rank of every server (transport.BroadcastSender); the stages take turns."""
+
+    mode = "broadcast"
+
+    def __init__(self, cfg: WeightSyncConfig, learner: LearnerSide, **kw: Any) -> None:
+        super().__init__(cfg, learner, **kw)
+        self._sender: BroadcastSender | None = None
+
+    def _connect(self) -> None:
+        caps = self._on_rank0(self._capabilities)
+        self._session = all(c.weight_update_session for c in caps)
+        self._connect_senders([c.tp_size for c in caps])
+
+    def _connect_senders(self, tps: Sequence[int]) -> None:
+        """Each stage's sender joins its own group, one stage at a time (servers join groups in
+        call order)."""
+        def join(stage: Any) -> None:
+            port = self.cfg.master_port_base + stage.stage if self.cfg.master_port_base else free_port("")
+            self._sender = BroadcastSender(
+                self.servers, tps, group_name=f"{self.cfg.group_name_prefix}_s{stage.stage}", backend=self.cfg.backend,
+                address=self.cfg.master_address or host_address(), port=port, timeout_s=self.cfg.group_timeout_s,
+                load_format=self.cfg.load_format)
+            self._sender.connect()
+
+        for stage in self.plan.stages:
+            self._agree(_error(lambda: join(stage)) if self.stage_plan is stage else None)
+
+    def _send(self, version: int) -> None:
+        last = self.plan.stages[-1].buckets[-1]
+        for stage in self.plan.stages:
+            err = None
+            if self.exports and self.stage == stage.stage:
+                pending = None  # wait() of the bucket in flight; the next one is packed meanwhile
+                for bucket, tensors in self._stage_tensors():
+                    if self.stage_plan is None or err is not None:
+                        continue  # TP peer, or keep draining so the peers' gathers stay matched
+                    try:
+                        payload = self._sender.pack(tensors)
+                        del tensors
+                        if pending is not None:
+                            pending, wait = None, pending
+                            wait()
+                        is_last = bucket is last
+                        pending = self._sender.start_bucket(bucket, payload, weight_version=str(version) if is_last else None,
+                                                            flush_cache=self.flush_cache and is_last)
+                    except Exception as e:  # noqa: BLE001 - shared by _agree
+                        err = f"{type(e).__name__}: {e}"
+                if pending is not None:
+                    try:
+                        pending()
+                    except Exception as e:  # noqa: BLE001
+                        err = err or f"{type(e).__name__}: {e}"
+                if self._sender is not None:
+                    self._sender.release_buffers()
+            self._agree(err)
+
+    def _disconnect(self) -> None:
         if self._sender is not None:
             self._sender.close()
             self._sender = None
+
+
+class ReshardSync(BroadcastSync):
+    """mode reshard: every learner rank sends what it owns straight to the engine ranks that need
+    it, in SGLang's own layout (reshard.py plans, reshard_transport.py sends). When a target lacks
+    the receiver, that connection broadcasts instead (one printed line; SyncStats.mode says which
+    ran), until the targets change."""
+
+    mode = "reshard"
+
+    def __init__(self, cfg: WeightSyncConfig, learner: LearnerSide, **kw: Any) -> None:
+        if learner.reshard is None:
+            raise ValueError("mode: reshard needs the learner's adapter and local tensors (megatron_weight_sync)")
+        check_syncable(learner.reshard.adapter)  # refused at construction, not at the first sync
+        super().__init__(cfg, learner, **kw)
+        self._reshard: ReshardTransport | None = None  # None while broadcasting instead
+        self._joined = False
+
+    def _connect(self) -> None:
+        def rank0() -> tuple[list, int]:
+            caps = self._capabilities()
+            missing = [s.url for s, c in zip(self.servers, caps) if not has_receiver(c)]
+            if missing:
+                print(f"weight_sync.mode reshard: {missing[0]} has no reshard receiver (--custom-weight-loader "
+                      f"{RECEIVER}); broadcasting instead", flush=True)
+                return caps, 0
+            return caps, self.cfg.master_port_base or free_port("")
+
+        caps, port = self._on_rank0(rank0)
+        self._session = all(c.weight_update_session for c in caps)
+        self.mode = "reshard" if port else "broadcast"  # what this connection runs
+        if not port:
+            self._connect_senders([c.tp_size for c in caps])
+            return
+        # Every rank builds the same plan from metadata; the group is joined inside the first
+        # update session (the receiver runs as an update_weights_from_tensor loader): _join.
+        src = self.learner.reshard
+        plan = plan_reshard(src.adapter, self.layout, [EngineLayout(c.tp_size, c.ep_size) for c in caps],
+                            dtype=src.dtype, bucket_bytes=self.cfg.bucket_bytes, backend=resolve_backend(self.cfg.backend))
+        self._reshard = ReshardTransport(
+            plan=plan, rank=self.rank, servers=self.servers, local=src.local, backend=self.cfg.backend,
+            address=self.cfg.master_address or host_address(), port=port,
+            group_name=f"{self.cfg.group_name_prefix}_reshard", timeout_s=self.cfg.group_timeout_s)
+        self._joined = False
+
+    def _join(self) -> bool:
+        """Inside the first update session: all learner ranks and every engine rank join the
+        reshard group, then every engine rank checks the plan's parameters against its own."""
+        if self._reshard is None or self._joined:
+            return False
+        self._agree(_error(self._reshard.connect))
+        msgs: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(msgs, _error(self._reshard.check), group=self._ctrl)
+        if msgs[0]:
+            raise PlanMismatchError(f"weight sync refused before sending anything: {msgs[0]}")
+        self._joined = True
+        return True
+
+    def _send(self, version: int) -> None:
+        if self._reshard is None:
+            return super()._send(version)
+        self._agree(_error(lambda: self._reshard.send(version, flush_cache=self.flush_cache)))
+
+    def _sent(self) -> tuple[int, int, dict[str, int]]:
+        if self._reshard is None:
+            return super()._sent()
+        plan = self._reshard.plan
+        per_engine = {f"{self.servers[i].url}/{r}": b for (i, r), b in plan.bytes_per_engine_rank().items()}
+        return plan.nbytes, len(plan.messages), per_engine
+
+    def _disconnect(self) -> None:
+        super()._disconnect()
         if self._reshard is not None:
             self._reshard.close(session=self._session)
             self._reshard = None
         self._joined = False
-        self._connected = False
+
+
+class DiskSync(TransportBase):
+    """mode disk: each stage's sender writes its buckets as safetensors files into a fresh
+    directory under ``disk_dir``; rank 0 adds the index and config.json and tells every server
+    to load the directory (for clusters where learners and servers cannot share a group)."""
+
+    mode = "disk"
+
+    def _connect(self) -> None:
+        pass  # no group: the servers read a shared directory
+
+    def _send(self, version: int) -> None:
+        from safetensors.torch import save_file
+
+        out = Path(self.cfg.disk_dir) / f"v{version}"
+        def write() -> None:
+            if self.stage_plan is not None:
+                out.mkdir(parents=True, exist_ok=True)
+            for bucket, tensors in self._stage_tensors():
+                if self.stage_plan is not None:
+                    tmp = out / f".s{bucket.stage:02d}-b{bucket.index:04d}.tmp"
+                    save_file({n: t.detach().contiguous().cpu() for n, t in zip(bucket.names, tensors)}, str(tmp))
+                    os.replace(tmp, out / f"model-s{bucket.stage:02d}-b{bucket.index:04d}.safetensors")
+
+        self._agree(_error(write) if self.exports else None)
+
+        def load() -> None:
+            # A standard sharded HF checkpoint: the index maps every tensor to its bucket file.
+            weight_map = {
+                n: f"model-s{b.stage:02d}-b{b.index:04d}.safetensors" for st in self.plan.stages for b in st.buckets for n in b.names
+            }
+            index = {"metadata": {"total_size": self.plan.nbytes}, "weight_map": weight_map}
+            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+            if self.learner.hf_config is not None:
+                (out / "config.json").write_text(json.dumps(self.learner.hf_config, indent=2))
+            else:  # the servers' own config (same model by the check above)
+                src = Path(self.servers[0].model_info()["model_path"]) / "config.json"
+                (out / "config.json").write_text(src.read_text())
+            send_all(self.servers, api.update_weights_from_disk(str(out), version, flush_cache=self.flush_cache))
+
+        self._on_rank0(load)
+
+
+TRANSPORTS: dict[str, type[TransportBase]] = {c.mode: c for c in (BroadcastSync, ReshardSync, DiskSync)}
+"""weight_sync.mode -> its transport (the one place the mode is dispatched on)."""
 
 
 def megatron_weight_sync(
@@ -531,20 +585,22 @@ def megatron_weight_sync(
     world_group: Any = None,
     dtype: str | None = None,
     pause_mode: str = "retract",
-    pause_servers: bool = True,
     api_key: str | None = None,
 ) -> WeightSync:
-    """A :class:`WeightSync` for a megatron model built with ``adapter`` (areal_mega.models).
+    """The transport ``cfg.mode`` names, for a megatron model built with ``adapter`` (areal_mega.models).
 
     ``chunks`` are this rank's model chunks, ``groups`` its ModelParallelGroups (TP group used by
     the gather). The plan is the adapter's pure per-stage metadata; every tensor travels in
     ``dtype`` (default: the HF checkpoint's dtype), since megatron keeps some parameters (norms)
     in fp32 inside a bf16 model. Servers are checked against ``get_adapter(server config).plan``
-    at TP1 x PP1. ``pause_mode`` / ``pause_servers`` / ``api_key``: as for :class:`WeightSync`.
+    at TP1 x PP1. ``world_group``: all learner ranks (default: the world). ``servers`` /
+    ``pause_mode`` / ``api_key``: as for :class:`TransportBase`.
     """
     from areal_mega.megatron.model import expert_export
     from areal_mega.models import get_adapter
+    from areal_mega.models.base import named_tensors
 
+    cfg.validate()  # a bad mode: its one-line error, before the lookup
     layout: ParallelLayout = groups.layout
     dtype = dtype_name(dtype or adapter.arch.dtype)
     wire = getattr(torch, dtype)
@@ -554,23 +610,15 @@ def megatron_weight_sync(
     def expected(hf_config: dict) -> Sequence[Any]:
         return get_adapter(hf_config).plan(ParallelLayout(world_size=1), dtype=dtype)[0].tensors
 
-    from areal_mega.models.base import named_tensors
-
-    reshard = ReshardSource(adapter=adapter, local=lambda: [named_tensors(c) for c in chunks], dtype=dtype)
-    return WeightSync(
-        cfg,
-        reshard=reshard,
+    learner = LearnerSide(
         layout=layout,
         rank=groups.rank,
-        world_group=world_group if world_group is not None else dist.group.WORLD,
-        stage_metadata=[sp.tensors for sp in stage_plans],
+        group=world_group if world_group is not None else dist.group.WORLD,
+        plan=plan_weight_sync([sp.tensors for sp in stage_plans], layout, cfg.bucket_bytes, adapter.bucket_group),
         export=lambda: ((n, None if t is None else t.to(wire))
                         for n, t in adapter.export_hf(chunks, mine, groups.tp, experts=expert_export(adapter, groups))),
-        servers=servers,
         expected_fn=expected,
         hf_config=adapter.hf_config,
-        pause_mode=pause_mode,
-        pause_servers=pause_servers,
-        api_key=api_key,
-        bucket_group=adapter.bucket_group,
+        reshard=ReshardSource(adapter=adapter, local=lambda: [named_tensors(c) for c in chunks], dtype=dtype),
     )
+    return TRANSPORTS[cfg.mode](cfg, learner, servers=servers, pause_mode=pause_mode, api_key=api_key)

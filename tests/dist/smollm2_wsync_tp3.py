@@ -26,6 +26,7 @@ from areal_mega.megatron.parallel_state import destroy_model_parallel, init_mode
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from areal_mega.weight_sync import WeightSyncConfig, megatron_weight_sync
 from tests.dist.smollm2_layouts import real_text
+from tests.support.dist import servers_paused
 
 
 def server_logprobs(url: str, ids: list[int]) -> dict:
@@ -62,7 +63,8 @@ def main() -> None:
         ws = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
                                   servers=[SGLangClient(url, timeout_s=300)], dtype=dtype,
                                   pause_mode="retract")
-        st = ws.sync(1)
+        with servers_paused(ws.servers):
+            st = ws.sync(1)
         res["sync"][dtype] = {"bytes": st.bytes, "seconds": st.seconds}
         ws.close()
     logits = forward_logits(model, torch.tensor(ids), torch.tensor([0, len(ids)]))

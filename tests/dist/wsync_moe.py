@@ -32,7 +32,7 @@ from areal_mega.parallel import ParallelConfig, ParallelLayout  # noqa: E402
 from areal_mega.weight_sync import WeightSyncConfig, megatron_weight_sync  # noqa: E402
 from areal_mega.megatron.hf_export import save_hf_checkpoint  # noqa: E402
 from tests.dist.wsync_tp2pp2 import learner_logprobs, perturb, server_state  # noqa: E402
-from tests.support.dist import finish  # noqa: E402
+from tests.support.dist import finish, servers_paused  # noqa: E402
 
 # Greedy prompts (vocab 512) and how many tokens each continues.
 PROMPTS = [[5, 17, 99, 3], [101, 102, 103], [7, 400, 1, 2, 3], [250, 8, 77, 41, 300]]
@@ -79,7 +79,8 @@ def main() -> None:
     ws = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
                               servers=[SGLangClient(u, timeout_s=120) for u in urls], pause_mode="retract")
     res["plan"] = ws.plan.summary()
-    stats = ws.sync(1)
+    with servers_paused(ws.servers):
+        stats = ws.sync(1)
     res["sync1"] = {"bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.num_buckets}
     lp1 = learner_logprobs(model)  # forward on both ranks (the experts' all-to-all needs both)
     if rank == 0:

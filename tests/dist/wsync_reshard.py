@@ -32,7 +32,7 @@ from areal_mega.megatron.parallel_state import destroy_model_parallel, init_mode
 from areal_mega.parallel import ParallelConfig, ParallelLayout  # noqa: E402
 from areal_mega.weight_sync import PlanMismatchError, WeightSyncConfig, megatron_weight_sync  # noqa: E402
 from tests.dist.wsync_tp2pp2 import SEQS, learner_logprobs, server_state  # noqa: E402
-from tests.support.dist import finish  # noqa: E402
+from tests.support.dist import finish, servers_paused  # noqa: E402
 
 LAYOUTS = {"tp2pp2": ParallelConfig(tensor_parallel=2, pipeline_parallel=2), "ep2": ParallelConfig(expert_parallel=2)}
 
@@ -86,7 +86,8 @@ def main() -> None:
     bad = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
                                servers=[SGLangClient(u, timeout_s=300) for u in urls], pause_mode="retract")
     try:
-        bad.sync(1)
+        with servers_paused(bad.servers):
+            bad.sync(1)
         res["engine_mismatch"] = None
     except PlanMismatchError as e:
         res["engine_mismatch"] = str(e)
@@ -97,7 +98,8 @@ def main() -> None:
         res["after_mismatch"] = server_state(urls)
     ws = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
                               servers=[SGLangClient(u, timeout_s=300) for u in urls], pause_mode="retract")
-    stats = ws.sync(1)
+    with servers_paused(ws.servers):
+        stats = ws.sync(1)
     plan = ws._reshard.plan if ws._reshard is not None else None
     res["sync1"] = {"mode": stats.mode, "bytes": stats.bytes, "seconds": stats.seconds, "phases": stats.phase_s,
                     "bytes_per_engine_rank": stats.bytes_per_engine_rank,
@@ -121,7 +123,8 @@ def main() -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, lp2)
     lp2 = next(x for x in gathered if x is not None)
-    stats2 = ws.sync(2)
+    with servers_paused(ws.servers):
+        stats2 = ws.sync(2)
     res["sync2"] = {"mode": stats2.mode, "seconds": stats2.seconds, "phases": stats2.phase_s}
     if rank == 0:
         res["v2"] = server_state(urls)
@@ -130,7 +133,8 @@ def main() -> None:
     # 3. a server that does not report the receiver: the sync falls back to broadcast (one line).
     nr = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
                               servers=[NoReceiver(u, timeout_s=300) for u in urls], pause_mode="retract")
-    stats3 = nr.sync(3)
+    with servers_paused(nr.servers):
+        stats3 = nr.sync(3)
     res["fallback"] = {"mode": stats3.mode}
     if rank == 0:
         res["v3"] = server_state(urls)

@@ -21,6 +21,7 @@ Steps (rank 0 queries the servers between steps and writes everything to --out):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -38,7 +39,7 @@ from areal_mega.models import load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from areal_mega.inference.sglang_api import SGLangClient
 from areal_mega.weight_sync import PlanMismatchError, WeightSyncConfig, megatron_weight_sync
-from tests.support.dist import finish
+from tests.support.dist import finish, servers_paused
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import convert_mcore_to_hf  # noqa: E402  (a script in tools/, not a package)
@@ -133,7 +134,8 @@ def main() -> None:
     ws_bad = megatron_weight_sync(cfg, adapter=bad.adapter, chunks=bad.chunks, groups=groups, servers=servers,
                                   pause_mode="retract")
     try:
-        ws_bad.sync(1)
+        with servers_paused(servers):
+            ws_bad.sync(1)
         res["mismatch_error"] = None
     except PlanMismatchError as e:
         res["mismatch_error"] = str(e)
@@ -146,7 +148,8 @@ def main() -> None:
     ws = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups, servers=servers,
                               pause_mode="retract")
     res["plan"] = ws.plan.summary()
-    stats = ws.sync(1)
+    with servers_paused(servers):
+        stats = ws.sync(1)
     res["sync1"] = {"bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.num_buckets, "phases": stats.phase_s}
     log("sync 1 done")
     lp1 = learner_logprobs(model)
@@ -154,16 +157,18 @@ def main() -> None:
         res["v1"] = server_state(urls)
 
     log("server state v1 read")
-    # 1b. a mismatch once connected: the check then runs beside the pause (sync.py), so the
-    # paused servers must be resumed untouched -- the state read below would hang otherwise.
-    right = ws.expected_fn
-    ws.expected_fn = lambda hf: right(dict(hf, vocab_size=640))
+    # 1b. a mismatch once connected: the check then runs beside the opening of the update session
+    # (sync.py), which the failed sync must close -- the servers, continued by servers_paused,
+    # must serve untouched (the state read below would hang otherwise).
+    right = ws.learner
+    ws.learner = dataclasses.replace(right, expected_fn=lambda hf: right.expected_fn(dict(hf, vocab_size=640)))
     try:
-        ws.sync(7)
+        with servers_paused(servers):
+            ws.sync(7)
         res["connected_mismatch_error"] = None
     except PlanMismatchError as e:
         res["connected_mismatch_error"] = str(e)
-    ws.expected_fn = right
+    ws.learner = right
     if rank == 0:
         res["after_connected_mismatch"] = server_state(urls)
     log("connected mismatch checked")
@@ -172,7 +177,8 @@ def main() -> None:
     dcfg = WeightSyncConfig(mode="disk", disk_dir=os.path.join(args.work_dir, "disk"))
     ws_disk = megatron_weight_sync(dcfg, adapter=model.adapter, chunks=model.chunks, groups=groups, servers=servers,
                                    pause_mode="abort")
-    stats2 = ws_disk.sync(2)
+    with servers_paused(servers, "abort"):
+        stats2 = ws_disk.sync(2)
     res["sync2"] = {"bytes": stats2.bytes, "seconds": stats2.seconds}
     log("disk sync done")
     lp2 = learner_logprobs(model)
@@ -209,12 +215,14 @@ def main() -> None:
     wsv = megatron_weight_sync(cfg, adapter=vmodel.adapter, chunks=vmodel.chunks, groups=vgroups, servers=servers,
                                pause_mode="retract")
     res["plan_vpp"] = wsv.plan.summary()
-    wsv.sync(3)
+    with servers_paused(servers):
+        wsv.sync(3)
     lp3 = learner_logprobs(vmodel)
     if rank == 0:
         res["v3"] = server_state(urls)
     load_checkpoint(vmodel, ckpt)
-    wsv.sync(4)
+    with servers_paused(servers):
+        wsv.sync(4)
     if rank == 0:
         res["v4"] = server_state(urls)
     got = [None] * dist.get_world_size()

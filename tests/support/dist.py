@@ -4,6 +4,7 @@ end of a run (rank 0 writes the results the pytest side reads; everybody leaves 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -52,3 +53,21 @@ def last_stage_value(out):
     """The value the last pipeline stage holds (other ranks pass None), on every rank."""
     return [o for o in gather(out) if o is not None][0]
 
+
+
+@contextmanager
+def servers_paused(servers, mode: str = "retract"):
+    """Generation paused on ``servers`` (SGLangClients; rank 0 sends) for the block and continued
+    after it, also when it raises: what the trainer's rollout service does around a weight sync
+    (a sync never pauses by itself)."""
+    from areal_mega.inference import sglang_api as api
+
+    if dist.get_rank() == 0:
+        for s in servers:
+            s.send(api.pause_generation(mode))
+    try:
+        yield
+    finally:
+        if dist.get_rank() == 0:
+            for s in servers:
+                s.send(api.continue_generation())
