@@ -43,7 +43,7 @@ class ExperimentConfig:
     same layout and ``actor.model`` settings, no optimizer) serves as the KL reference."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The PPO critic (trunk from ``model_path`` + value head, its own optimizer); built only
-    when ``algorithm.adv_estimator`` is "gae"."""
+    when ``algorithm.needs_critic`` (an estimator that reads values, e.g. "gae")."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     """SGLang servers (launched by the pool, or at ``inference.addresses``) and the client."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)

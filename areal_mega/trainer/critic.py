@@ -27,7 +27,7 @@ from areal_mega.megatron.model import build_model, load_hf_weights
 
 @dataclass
 class CriticConfig(MegatronEngineConfig):
-    """The PPO critic's engine (built only when ``algorithm.adv_estimator`` is "gae"). Same keys
+    """The PPO critic's engine (built only when ``algorithm.needs_critic``, e.g. "gae"). Same keys
     as ``actor`` (``critic.model``, ``critic.optimizer``, ``critic.max_tokens_per_microbatch``,
     ...); the trunk starts from the experiment's ``model_path`` in the actor's layout."""
 
