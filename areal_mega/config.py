@@ -121,7 +121,7 @@ def _build(cls: type[T], data: dict, prefix: str, where: str) -> T:
             raise ConfigError(f"{where}unknown key '{prefix}{k}' (known keys here: {known})")
     kwargs = {k: _coerce(v, hints[k], prefix + k, where) for k, v in data.items()}
     for kind_key, (family, options_key) in getattr(cls, "OPEN_KINDS", {}).items():
-        kwargs[options_key] = _open_kind_options(cls, fields, kwargs, kind_key, family, options_key, prefix, where)
+        kwargs[options_key] = _open_kind_options(fields, kwargs, kind_key, family, options_key, prefix, where)
     try:
         obj = cls(**kwargs)
     except TypeError as e:  # a required field without a default is missing
@@ -129,8 +129,8 @@ def _build(cls: type[T], data: dict, prefix: str, where: str) -> T:
     return obj
 
 
-def _open_kind_options(cls: type, fields: dict, kwargs: dict, kind_key: str, family: str, options_key: str,
-                       prefix: str, where: str) -> Any:
+def _open_kind_options(fields: dict, kwargs: dict, kind_key: str, family: str, options_key: str, prefix: str,
+                       where: str) -> Any:
     """The typed options of the kind ``kwargs[kind_key]`` names (``areal_mega.kinds``): its
     ``Options`` dataclass built from the section's ``options_key`` with the usual checks."""
     kind = kwargs.get(kind_key, fields[kind_key].default)

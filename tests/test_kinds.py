@@ -126,3 +126,19 @@ def test_cli_reports_a_bad_kind_in_one_line(capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert "algorithm.adv_estimator: advantage 'no_pkg:Est': cannot import no_pkg" in err
+
+
+def test_a_yaml_names_its_base_file(tmp_path):
+    """``base:`` loads another file first (relative to this one) and this file's keys over it; a
+    changed kind drops the base's options of the old kind; a cycle of bases is one line."""
+    from areal_mega.config import load_dict
+
+    (tmp_path / "a.yaml").write_text("seed: 3\nreward: {kind: function, options: {function: 'm:f'}}\noutput_dir: a\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nseed: 4\nreward: {kind: math}\n")
+    data, _ = load_dict(tmp_path / "b.yaml")
+    assert data == {"seed": 4, "output_dir": "a", "reward": {"kind": "math"}}
+    assert load_dict(tmp_path / "b.yaml", ["seed=5"])[0]["seed"] == 5  # the command line over both
+    (tmp_path / "c.yaml").write_text("base: d.yaml\n")
+    (tmp_path / "d.yaml").write_text("base: c.yaml\n")
+    with pytest.raises(ConfigError, match="makes a cycle of base files"):
+        load_dict(tmp_path / "c.yaml")
