@@ -46,6 +46,10 @@ class ExperimentConfig:
     when ``algorithm.needs_critic`` (an estimator that reads values, e.g. "gae")."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     """SGLang servers (launched by the pool, or at ``inference.addresses``) and the client."""
+    servers: dict[str, InferenceConfig] = field(default_factory=dict)
+    """Other server pools, each defined once by name (judges, reward models); a judge's or a
+    reward model's ``inference: <name>`` refers to one (each user still starts its own servers
+    from a definition with launch settings; with ``addresses`` they share running ones)."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How new weights reach the servers after each step."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -70,6 +74,7 @@ class ExperimentConfig:
         # unless the file says otherwise.
         if self.model_path and not self.inference.server.model_path:
             self.inference.server.model_path = self.model_path
+        _link_pools(self.reward, self.servers)
 
     def validate(self) -> None:
         if not self.model_path:
@@ -99,6 +104,21 @@ class ExperimentConfig:
         if self.actor.model.moe_routing_replay == "proximal" and not self.algorithm.decoupled:
             raise ValueError("actor.model.moe_routing_replay: 'proximal' replays the proximal forward's routes, "
                              "which only algorithm.decoupled computes; set algorithm.decoupled: true or use 'rollout'")
+
+
+def _link_pools(node: object, servers: dict[str, InferenceConfig]) -> None:
+    """Every ``inference: <name>`` under ``node`` becomes the pool ``servers[name]`` (an unknown
+    name stays, for the owner's check to name it)."""
+    if isinstance(node, list):
+        for item in node:
+            _link_pools(item, servers)
+    elif dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            if f.name == "inference" and isinstance(value, str) and value in servers:
+                setattr(node, f.name, servers[value])
+            else:
+                _link_pools(value, servers)
 
 
 def experiment_from_dict(data: dict, where: str = "", *, whole: bool = True) -> ExperimentConfig:

@@ -156,3 +156,19 @@ def test_judge_config_errors_name_the_key(tmp_path):
     judge = build_reward(RewardConfig(kind="judge", options=cfg), policy_engine=eng, policy_tokenizer=WordTok())
     assert asyncio.run(judge("q", "seven", {"answer": "7"})) == 1.0
     assert eng.prompts[-1] == "Grade seven vs 7. Verdict: PASS or FAIL"  # no chat template: the rubric alone
+
+
+def test_a_server_pool_is_defined_once_and_referenced_by_name():
+    """``servers.<name>`` once; judges (and reward models) say ``inference: <name>``: every judge
+    gets that one definition. An unknown name is one line naming the key (the control)."""
+    from areal_mega.config import ConfigError
+    from areal_mega.experiment import load_experiment
+
+    judges = "[{name: a, inference: pool, tokenizer_path: /t}, {name: b, inference: pool, tokenizer_path: /t}]"
+    cfg = load_experiment("configs/grpo_tiny.yaml", ["model_path=/m", "servers={pool: {addresses: ['127.0.0.1:1']}}",
+                                                     f"reward={{kind: multi_judge, options: {{judges: {judges}}}}}"])
+    a, b = cfg.reward.options.judges
+    assert a.inference is b.inference is cfg.servers["pool"] and a.inference.addresses == ["127.0.0.1:1"]
+    with pytest.raises(ConfigError) as e:
+        load_experiment("configs/grpo_tiny.yaml", ["model_path=/m", "reward={kind: reward_model, options: {inference: rm}}"])
+    assert str(e.value).endswith("reward.options.inference: 'rm' names no pool of the experiment's servers section")

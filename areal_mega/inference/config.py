@@ -186,3 +186,10 @@ class InferenceConfig:
             raise ValueError("api_key: must not start with '-' (SGLang would read it as an option)")
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("api_key_file: set either api_key or api_key_file, not both")
+
+
+def check_pool_named(inference: object) -> None:
+    """A pool given by name that the experiment's ``servers`` did not resolve (ExperimentConfig
+    replaces known names by their definitions): the one-line error."""
+    if isinstance(inference, str):
+        raise ValueError(f"inference: {inference!r} names no pool of the experiment's servers section")

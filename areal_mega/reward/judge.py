@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.io import GenerationRequest, SamplingParams
-from areal_mega.inference.config import InferenceConfig
+from areal_mega.inference.config import InferenceConfig, check_pool_named
 
 DEFAULT_RUBRIC = """You are grading a response to a question. Compare it with the reference answer.
 
@@ -69,9 +69,10 @@ class JudgeConfig:
     """"own": the judge runs on a pool of its own, ``inference`` (servers it launches, or
     existing ones at ``inference.addresses``); "policy": on the policy's inference servers
     (the judge is then the policy model, sharing its capacity and weight updates)."""
-    inference: InferenceConfig | None = None
+    inference: InferenceConfig | str | None = None
     """servers "own" (required there): the judge's pool, in the same form as the top-level
-    ``inference`` (launch settings, or ``addresses`` of running servers)."""
+    ``inference`` (launch settings, or ``addresses`` of running servers), or the name of one
+    defined once under the experiment's ``servers``."""
     tokenizer_path: str = ""
     """HF directory of the judge's tokenizer (chat template applied learner-side, token ids
     sent); empty: ``inference.server.model_path`` for "own", the policy's tokenizer for "policy"."""
@@ -122,6 +123,7 @@ class JudgeConfig:
         if self.rubric_path and not Path(self.rubric_path).is_file():
             raise ValueError(f"rubric_path: no such file {self.rubric_path!r}")
         if self.servers == "own":
+            check_pool_named(self.inference)
             if self.inference is None:
                 raise ValueError("inference: servers 'own' needs the judge's inference section "
                                  "(server launch settings or addresses), or use servers: policy")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from areal_mega.inference import sglang_api
-from areal_mega.inference.config import InferenceConfig
+from areal_mega.inference.config import InferenceConfig, check_pool_named
 from areal_mega.reward.base import RewardResult
 
 
@@ -29,9 +29,10 @@ from areal_mega.reward.base import RewardResult
 class RewardModelConfig:
     """The options of ``reward.kind: reward_model``: the RM's servers and how a sample becomes its input."""
 
-    inference: InferenceConfig | None = None
+    inference: InferenceConfig | str | None = None
     """The RM's servers: launch settings (``server.model_path`` = the RM's HF directory) or
-    ``addresses`` of servers already started with ``--is-embedding``."""
+    ``addresses`` of servers already started with ``--is-embedding``; or the name of a pool
+    defined once under the experiment's ``servers``."""
     tokenizer_path: str = ""
     """HF directory of the RM's tokenizer; empty: ``inference.server.model_path``."""
     chat_template: bool = False
@@ -56,6 +57,7 @@ class RewardModelConfig:
 
     def check_ready(self) -> None:
         self.validate()
+        check_pool_named(self.inference)
         if self.inference is None:
             raise ValueError("inference: kind 'reward_model' needs the RM's servers (launch settings or addresses)")
         try:
