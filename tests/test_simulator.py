@@ -818,3 +818,40 @@ def test_validate_fits_no_sync_cost_to_noise(tmp_path):
     settings = _validation_runs(tmp_path / "d", 2, sync_noise=0.001, eta1_sync=[0.04, 0.04])  # the control
     assert validate(tmp_path / "d", settings, ["sync", "eta1"], warmup_steps=2)["calibration"][
         "sync_s_per_inflight_request_identified"]
+
+
+def test_validate_ranking_ties_from_tolerance_and_noise():
+    """validate's ranking step alone: predictions tie within PLAN_TOLERANCE (2%), measurements
+    within twice the standard error of their difference; the planner's pick is the smallest
+    bound near the best prediction."""
+    from areal_mega.simulator.calibrate import RunSetting, _Ranking
+
+    def pred(p, m, se):
+        return {"predicted": p, "measured": m, "measured_facts": {"rel_se": se, "rel_se_rounds": None}}
+    preds = {"a": pred(1.00, 1.00, 0.01), "b": pred(1.015, 1.05, 0.01), "c": pred(1.10, 1.20, 0.0)}
+    by_name = {n: RunSetting(n, eta, 4, 8, 8) for n, eta in (("a", 0), ("b", 1), ("c", 2))}
+    rk = _Ranking(preds, by_name)
+    assert rk.order("b", "a", "predicted") == 0  # 1.5% apart: within the tolerance
+    assert rk.order("b", "a", "measured") == 1  # 5% apart, tie width 2 * hypot(0.0105, 0.01) = 2.9%
+    assert rk.order("c", "b", "predicted") == 1 and rk.rank("measured", ["a", "b", "c"]) == ["c", "b", "a"]
+    assert not rk.same_order(["a", "b"]) and not rk.consistent(["a", "b"])
+    assert rk.consistent(["b", "c"]) and rk.same_order(["b", "c"])
+    assert rk.choice(["a", "b", "c"]) == {"planner": "c", "measured_best": "c", "right": True}
+    assert rk.choice(["a", "b"]) == {"planner": "a", "measured_best": "b", "right": False}
+
+
+def test_validate_runs_pool_rounds_and_their_standard_error():
+    from areal_mega.simulator.calibrate import RunSetting, _check_calibration_runs, _Runs
+
+    def steps(xs):
+        return [{"perf/step_s": 1.0, "time/rollout_s": 0.5, "time/weight_sync_s": x} for x in xs]
+    runs = _Runs(rows={"s": steps([9, 1.0, 1.2, 9])}, per_round={"s": [steps([1.0]), steps([1.2])]}, rounds=2, warmup=1)
+    assert [r["time/weight_sync_s"] for r in runs.timed("s")] == [1.0, 1.2]
+    mean, se = runs.mean_se([RunSetting("s", 0, 4, 8, 8)], lambda t: sum(r["time/weight_sync_s"] for r in t) / len(t))
+    assert mean == pytest.approx(1.1) and se == pytest.approx(0.1)
+    sync, b8 = RunSetting("sync", 0, 4, 8, 8), RunSetting("eta1_b8", 1, 8, 8, 8)
+    _check_calibration_runs({"sync": sync, "eta1_b8": b8}, ["sync"])
+    with pytest.raises(SimulationError, match="--calibrate-on: .'nope'. not among"):
+        _check_calibration_runs({"sync": sync}, ["nope"])
+    with pytest.raises(SimulationError, match="eta1_b8 .batch 8"):
+        _check_calibration_runs({"sync": sync, "eta1_b8": b8}, ["sync", "eta1_b8"])
