@@ -10,6 +10,7 @@ import dataclasses
 import json
 import random
 import sys
+from collections import Counter
 
 import pytest
 
@@ -240,9 +241,12 @@ def test_token_versions_split_at_weight_updates():
     s.marks_p, s.marks_v = [0.0, 30.0, 45.0], [0, 1, 2]
     r = _req(None, 50)
     r.p_start = 10.0
-    assert Simulation.token_versions(s, r) == {0: 20, 1: 15, 2: 15}
+    got = Counter({0: 1})
+    Simulation.token_versions(s, r, got)  # added to what the episode has
+    assert got == {0: 21, 1: 15, 2: 15}
     r.p_start = 50.0  # after the last update: all the newest version
-    assert Simulation.token_versions(s, r) == {2: 50}
+    Simulation.token_versions(s, r, got := Counter())
+    assert got == {2: 50}
 
 
 def test_core_shares_the_learner_cpu_equally():

@@ -296,10 +296,13 @@ class Simulation:
         if s.heap and not s.paused:
             n = len(s.heap)
             dt = s.stall + max(0.0, (s.heap[0][0] - s.P) * (n + self.half) / self.peak)
-            self.push(self.now + dt, K_SERVER, (s, s.epoch))
+            self.tick += 1
+            heapq.heappush(self.events, (self.now + dt, self.tick, K_SERVER, (s, s.epoch)))
 
     def fill(self, s: _Server) -> None:
         """Queued requests start while KV capacity and max_running allow."""
+        if not s.queue:
+            return
         cap, mr = self.dec.kv_capacity_tokens, self.dec.max_running
         while s.queue:
             r = s.queue[0]
@@ -346,9 +349,9 @@ class Simulation:
             self.try_train()
 
     @staticmethod
-    def token_versions(s: _Server, r: _Req) -> Counter[int]:
-        """``r``'s tokens per weight version: the marks of P inside [p_start, p_start + length)."""
-        out: Counter[int] = Counter()
+    def token_versions(s: _Server, r: _Req, out: Counter[int]) -> None:
+        """Add ``r``'s tokens per weight version to ``out``: the marks of P inside
+        [p_start, p_start + length)."""
         lo, hi = r.p_start, r.p_start + r.length
         i = bisect.bisect_right(s.marks_p, lo + _EPS) - 1
         done = 0
@@ -361,14 +364,13 @@ class Simulation:
             i += 1
             if i >= len(s.marks_p):
                 break
-        return out
 
     def finish_request(self, s: _Server, r: _Req) -> bool:
         """The server is done with ``r``; True when it was its episode's last (and counted now:
         with client work it is counted once the learner's core has processed it)."""
         s.kv -= r.footprint
         self.load[s.idx] -= 1
-        r.episode.versions.update(self.token_versions(s, r))
+        self.token_versions(s, r, r.episode.versions)
         if self.client_s > 0:
             self.core.advance(self.now)
             self.core.queue.append(r)
@@ -442,7 +444,7 @@ class Simulation:
             for _ in range(cfg.group_size):
                 length = self.draw()
                 r = _Req(ep, length, self.prompt + length)
-                i = min(range(len(load)), key=load.__getitem__)
+                i = load.index(min(load))  # the first of the least loaded
                 load[i] += 1
                 r.server = i
                 reqs.append(r)
