@@ -596,3 +596,89 @@ def test_plan_engines_register_the_reshard_receiver_when_installed(tmp_path):
     for python, expect in ((with_rcv, True), (tmp_path / "without" / "bin" / "python", False)):
         plan = plan_70b([f"inference.server.python={python}"])
         assert all(("--custom-weight-loader" in e.argv) == expect for e in plan.engines)
+
+
+# ---- build_plan's parts, each on its own -----------------------------------------------------------
+
+
+def _exp(overrides=(), config=CONFIG_70B):
+    return load_launch(config, list(overrides))[0]
+
+
+def test_place_cluster_round_robin_and_idle_nodes():
+    from areal_mega.launcher.plan import place_cluster
+
+    nodes = place_cluster(alloc(16, 8), _exp(), 4)
+    assert nodes.learner_nodes == ("n1", "n2", "n3", "n4") and nodes.master_addr == "10.0.0.1"
+    assert len(nodes.engine_slots) == 12 and nodes.engine_slots[0] == ("n5", "10.0.0.5", 0)
+    assert nodes.engine_slots[-1] == ("n16", "10.0.0.16", 0) and nodes.notes == ()
+    # TP4: two servers a node; the 13th goes back to the first engine node as its second (k = 1)
+    two = place_cluster(alloc(16, 8), _exp(["inference.server.tp_size=4", "launch.engine.num_engines=13"]), 4)
+    assert two.engine_slots[12] == ("n5", "10.0.0.5", 1) and two.notes == ()
+    few = place_cluster(alloc(16, 8), _exp(["launch.engine.num_engines=5"]), 4)
+    assert few.notes == ("7 allocated node(s) left idle",)
+    with pytest.raises(ValueError, match=r"launch.engine.num_engines: 13 > 12 engine nodes x 1 per node"):
+        place_cluster(alloc(16, 8), _exp(["launch.engine.num_engines=13"]), 4)
+    with pytest.raises(ValueError, match=r"learner.num_nodes\(4\) \+ engine.num_nodes\(13\) > 16"):
+        place_cluster(alloc(16, 8), _exp(["launch.engine.num_nodes=13"]), 4)
+    with pytest.raises(ValueError, match="inference.server.tp_size: 8 > 4 GPUs per node"):
+        place_cluster(alloc(16, 4), _exp(), 4)
+
+
+def test_place_local_and_ports():
+    from areal_mega.launcher.plan import engine_ports, place_local
+
+    local = Allocation(job_id="local", nodes=("localhost",), addresses=("127.0.0.1",), gpus_per_node=8, local=True)
+    exp = _exp(["inference.server.tp_size=2", "inference.server.port=30000", "launch.engine.num_engines=2"])
+    nodes = place_local(local, exp, world=4)
+    assert nodes.engine_slots == (("localhost", "127.0.0.1", 0), ("localhost", "127.0.0.1", 1))
+    assert nodes.learner_nodes == ("localhost",) and nodes.master_addr == "127.0.0.1"
+    assert engine_ports(local, exp, nodes.engine_slots) == [30000, 30001]
+    cluster = (("n2", "10.0.0.2", 0), ("n3", "10.0.0.3", 0), ("n2", "10.0.0.2", 1))
+    assert engine_ports(alloc(3, 8), exp, cluster) == [30000, 30000, 30001]  # P + k per node
+    with pytest.raises(ValueError, match=r"learners \(6 GPUs\) \+ engines \(2 x TP2\) > 8 local GPUs"):
+        place_local(local, exp, world=6)
+
+
+def test_cpus_per_step_splits_shared_nodes():
+    from areal_mega.launcher.plan import _Nodes, cpus_per_step
+
+    nodes = _Nodes(("n1",), (("n2", "a", 0), ("n2", "a", 1), ("n3", "b", 0)), "x")
+    assert cpus_per_step(alloc(3, 8, 64), nodes) == {"n1": None, "n2": 32, "n3": None}
+    assert cpus_per_step(alloc(3, 8, None), nodes) == {"n1": None, "n2": None, "n3": None}  # CPUs unknown
+
+
+def test_learner_and_engine_procs_alone():
+    from areal_mega.launcher.plan import _Nodes, engine_procs, learner_procs
+
+    exp = _exp(["inference.server.port=30000"])
+    nodes = _Nodes(("n1", "n2"), (("n3", "10.0.0.3", 0),), "10.0.0.1")
+    base = {"python": "PY", "config": "c.yaml", "run_dir": "/r", "job_id": "42", "engines_file": "/r/e.json",
+            "engine_addresses": "[10.0.0.3:30000]", "num_engines": 1, "stop_file": "/r/STOP",
+            "engine_python": "EPY"}
+    from pathlib import Path
+
+    ls = learner_procs(exp, alloc(3, 8), nodes, nproc=8, world=16, env={"A": "1"}, base=base, raw={}, overrides=[],
+                       python="PY", run_dir=Path("/r"))
+    assert [(p.node, p.node_rank, p.nproc, p.num_gpus) for p in ls] == [("n1", 0, 8, 8), ("n2", 1, 8, 8)]
+    assert ls[1].argv[:12] == ("PY", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
+                               "--nproc-per-node", "8", "--master-addr", "10.0.0.1", "--master-port")
+    es = engine_procs(exp, alloc(3, 8), nodes, [30000], env={"A": "1"}, base=base, raw={}, overrides=[], python="PY",
+                      engine_python="EPY", run_dir=Path("/r"), sglang_secret="/r/s.yaml", first_gpu=0)
+    (e,) = es
+    assert (e.node, e.url, e.num_gpus, e.address_file) == ("n3", "http://10.0.0.3:30000", 8, "/r/engines/engine0.json")
+    assert "EPY" in e.argv and e.env["A"] == "1"
+
+
+def test_memory_verdict_alone():
+    from areal_mega.launcher.plan import memory_verdict
+
+    exp = _exp()
+    layout = ParallelLayout.build(exp.parallel, 32)  # TP8 x PP4 on 4 nodes: the numbers above
+    lm, em, notes = memory_verdict(exp, layout, 8, engines=True)
+    assert lm.fits and em.fits and notes == []
+    assert lm.total / 2**30 == pytest.approx(47.2, abs=0.05) and em.total / 2**30 == pytest.approx(54.6, abs=0.05)
+    assert memory_verdict(exp, layout, 8, engines=False)[1] is None
+    tp1 = _exp(["parallel.tensor_parallel=1"])
+    lm1, _, notes1 = memory_verdict(tp1, ParallelLayout.build(tp1.parallel, 32), 8, engines=True)
+    assert not lm1.fits and lm1.total / 2**30 == pytest.approx(157.4, abs=0.05)
