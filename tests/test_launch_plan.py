@@ -15,7 +15,7 @@ from areal_mega.config import ConfigError
 from areal_mega.launcher.cli import load_launch, load_launch_config, run
 from areal_mega.launcher.config import LaunchConfig
 from areal_mega.simulator.memory import (
-    GIB, LOGPROB_BYTES_PER_TOKEN, LearnerSettings, ModelShape, count_params, estimate_engine, estimate_learner,
+    GIB, LOGPROB_BYTES_PER_TOKEN, LearnerSettings, count_params, estimate_engine, estimate_learner,
     layer_bytes_per_token, stage_activations, stage_state, total_params,
 )
 from areal_mega.launcher.plan import Allocation, build_plan, render
@@ -28,7 +28,7 @@ CONFIG_70B = "configs/grpo_llama70b.yaml"
 # Expected GiB figures are written to two decimals: exact integer byte counts, rounded by hand.
 GIB_2DP = printed_tol(2)
 # The model through the trainer's own adapter, from the config.json the YAML carries inline.
-LLAMA3_70B = ModelShape.from_arch(get_adapter(yaml.safe_load(open(CONFIG_70B))["launch"]["model_config"]).arch)
+LLAMA3_70B = get_adapter(yaml.safe_load(open(CONFIG_70B))["launch"]["model_config"]).arch
 # What configs/grpo_llama70b.yaml sets: bf16, TE spec (GPU), THD attention, SP, full recompute.
 S70 = LearnerSettings(dtype="bfloat16", layer_spec="te", attention="thd", sequence_parallel=True,
                       recompute="full", recompute_method="uniform", recompute_num_layers=1,
@@ -54,7 +54,7 @@ def test_llama3_70b_parameter_count_by_hand():
     # norms 2*8192. Embedding and output 128256*8192 each, final norm 8192.
     layer = 150_994_944 + 704_643_072 + 16_384
     assert total_params(LLAMA3_70B) == 80 * layer + 2 * 128_256 * 8192 + 8192 == 70_553_706_496
-    assert (LLAMA3_70B.d, LLAMA3_70B.dtype) == (128, "bfloat16")
+    assert (LLAMA3_70B.head_dim, LLAMA3_70B.dtype) == (128, "bfloat16")
 
 
 def test_parameter_count_matches_transformers():
@@ -63,12 +63,12 @@ def test_parameter_count_matches_transformers():
 
     llama = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=96, num_attention_heads=8,
                  num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
-    shape = ModelShape.from_arch(get_adapter(tiny_config("llama", **llama)).arch)  # the trainer's parse, no other
+    shape = get_adapter(tiny_config("llama", **llama)).arch  # the trainer's parse, no other
     assert total_params(shape) == count_params("llama", **llama)
     qwen2 = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=100, tie_word_embeddings=True)
-    shape = ModelShape.from_arch(get_adapter(tiny_config("qwen2", **qwen2)).arch)
-    assert shape.attention_bias and shape.tie_word_embeddings
+    shape = get_adapter(tiny_config("qwen2", **qwen2)).arch
+    assert shape.qkv_bias and shape.tie_word_embeddings
     assert total_params(shape) == count_params("qwen2", **qwen2)
 
 
@@ -248,7 +248,7 @@ def test_local_and_cpu_plans(tmp_path):
     # The Qwen2 shape checked against transformers above; worst = stage 0 (2 micro-batches in
     # flight): 1 layer (q,k,v,o + biases + MLP = 30,848 over TP2, norms 128) + embedding 6400 / 2.
     # vocab 100 is padded to 128 like the engine pads it (lcm(128, tp)).
-    assert count_params(ModelShape.from_arch(get_adapter(hf).arch)).layer_sharded == 30_848
+    assert count_params(get_adapter(hf).arch).layer_sharded == 30_848
     assert (plan.learner_memory.stage, plan.learner_memory.params) == (0, 30_848 // 2 + 128 + 128 * 64 // 2)
     assert "a.b=1" in plan.learners[0].argv
     # inference.server.port 0: free local ports.
@@ -485,7 +485,7 @@ def test_plan_qwen3_30b_a3b_moe_fits_80gb():
     plan = build_plan(cfg, alloc(8, 8), raw=raw, config_path=CONFIG_30B_A3B, overrides=rest, python="PY")
     assert str(plan.layout) == "dp=4 pp=2 cp=1 tp=2 ep=8 etp=1 (world_size=16)"
     assert plan.learner_nodes == ("n1", "n2") and len(plan.engines) == 6 and plan.fits
-    m = ModelShape.from_arch(get_adapter(raw["launch"]["model_config"]).arch)
+    m = get_adapter(raw["launch"]["model_config"]).arch
     assert count_params(m).total(48) == 30_532_122_624 and count_params(m).active(48) == 3_353_032_704
     h, layers, v = 2048, 24, 151936  # the last stage: 24 layers + final norm + output layer
     attn = h * 4096 * 2 + 2 * h * 512  # q, o + k, v
@@ -528,7 +528,7 @@ def test_plan_deepseek_v3_671b_learners_fit_80gb_engines_named():
     assert str(plan.layout) == "dp=32 pp=1 cp=1 tp=8 ep=256 etp=1 (world_size=256)"
     assert len(plan.learner_nodes) == 32 and len(plan.engines) == 32
     hf = raw["launch"]["model_config"]
-    m = ModelShape.from_arch(get_adapter(hf).arch)
+    m = get_adapter(hf).arch
     h, a, L, dense, v = 7168, 128, 61, 3, 129280
     mla_sharded = 1536 * a * 192 + 512 * a * (128 + 128) + a * 128 * h  # q_b, kv_b, o (TP8)
     mla_replicated = h * 1536 + h * (512 + 64) + 1536 + 512 + 2 * h  # q_a, kv_a (TE: duplicated), latent + layer norms

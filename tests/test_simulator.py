@@ -381,12 +381,12 @@ def test_planner_70b_respects_memory_plan_and_recommends():
     from areal_mega.launcher.cli import build_plan_report, load_launch
     from areal_mega.parallel import ParallelConfig, ParallelLayout
     from areal_mega.simulator.costs import WorkloadModel
-    from areal_mega.simulator.memory import model_shape
+    from areal_mega.simulator.memory import model_arch
     from areal_mega.simulator.planner import learner_memory, recommendation
 
     rep = build_plan_report(CONFIG_70B, 8, staleness=(0, 2), workload=WorkloadModel(sim_steps=3))
     exp, _, _ = load_launch(CONFIG_70B, [])
-    m = model_shape(exp)
+    m = model_arch(exp)
     assert [s.learner_nodes for s in rep.splits] == list(range(1, 8))
     assert rep.splits[0].reason.startswith("no learner layout fits")  # 8 GPUs cannot hold a 70B learner
     for s in rep.feasible():
@@ -409,10 +409,10 @@ def test_planner_prices_the_configured_weight_sync_mode():
     copies) -- checked split by split on the 70B config; the two differ on every split (control)."""
     from areal_mega.launcher.cli import build_plan_report, load_launch
     from areal_mega.simulator.costs import WorkloadModel
-    from areal_mega.simulator.memory import model_shape, total_params
+    from areal_mega.simulator.memory import model_arch, total_params
 
     exp, _, _ = load_launch(CONFIG_70B, [])
-    two_p, t = 2 * total_params(model_shape(exp)), exp.inference.server.tp_size
+    two_p, t = 2 * total_params(model_arch(exp)), exp.inference.server.tp_size
     reps = {mode: build_plan_report(CONFIG_70B, 12, [f"weight_sync.mode={mode}"], staleness=(2,),
                                     workload=WorkloadModel(sim_steps=3)) for mode in ("broadcast", "reshard")}
     cost = reps["broadcast"].cost

@@ -23,19 +23,22 @@ import shlex
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_mega.experiment import ExperimentConfig, experiment_from_dict
 from areal_mega.inference.server import build_launch_command, wants_reshard_receiver
 from areal_mega.launcher.config import LaunchConfig
 from areal_mega.parallel import ParallelLayout
 from areal_mega.simulator.memory import (
-    GIB, EngineMemory, LearnerMemory, LearnerSettings, ModelShape, estimate_engine, estimate_learner, learner_settings,
-    model_shape,
+    GIB, EngineMemory, LearnerMemory, LearnerSettings, estimate_engine, estimate_learner, learner_settings,
+    model_arch,
 )
 from areal_mega.simulator.planner import choose_learner_nodes
 from areal_mega.utils import secrets
 from areal_mega.utils.procs import service_ports
+
+if TYPE_CHECKING:
+    from areal_mega.models.base import ModelArch
 
 __all__ = [
     "Allocation", "LaunchPlan", "PLACEHOLDERS", "ProcSpec", "REPO_ROOT", "build_plan", "learner_node_count",
@@ -213,7 +216,7 @@ def render(template: list[str], values: dict[str, Any], raw: dict, overrides: li
     return out
 
 
-def _what_would_fit(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, gib: float, *,
+def _what_would_fit(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, gib: float, *,
                     reference: bool, critic: LearnerSettings | None) -> str | None:
     """A hint for a plan that does not fit: the first of the config's own switches (SP,
     recompute, THD attention) that would make it fit -- priced, not applied."""
@@ -423,7 +426,7 @@ def memory_verdict(exp: ExperimentConfig, layout: ParallelLayout, gpus: int, *, 
     ec, tp = cfg.engine, srv.tp_size
     notes: list[str] = []
     try:
-        m = model_shape(exp)
+        m = model_arch(exp)
     except ValueError as e:
         if gpus:  # GPU plans are refused without an estimate
             raise
