@@ -682,3 +682,33 @@ def test_memory_verdict_alone():
     tp1 = _exp(["parallel.tensor_parallel=1"])
     lm1, _, notes1 = memory_verdict(tp1, ParallelLayout.build(tp1.parallel, 32), 8, engines=True)
     assert not lm1.fits and lm1.total / 2**30 == pytest.approx(157.4, abs=0.05)
+
+
+def test_dry_run_sensitivity_table_only_when_asked(capsys, monkeypatch):
+    """The dry run's throughput plan re-plans per assumed cost figure (~15 sweeps, a minute on
+    the 70B job) only with --sensitivity; the flag reaches the planner, its absence too."""
+    import areal_mega.launcher.cli as cli
+
+    seen = []
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.setattr(cli, "_print_throughput_plan", lambda *a, **k: seen.append(k["sensitivity"]))
+    argv = ["slurm", "--config", CONFIG_70B, "--dry-run", "--nodelist", "gpu[001-016]", "--gpus-per-node", "8",
+            "launch.learner.num_nodes=8"]
+    assert cli.main(argv) == 0
+    assert cli.main(argv + ["--sensitivity"]) == 0
+    assert seen == [False, True]
+
+
+def test_throughput_plan_passes_the_sensitivity_flag(capsys, monkeypatch):
+    import areal_mega.launcher.cli as cli
+
+    asked = []
+
+    def fake(*a, **k):
+        asked.append(k["with_sensitivity"])
+        raise ValueError("not planned by this test")
+    monkeypatch.setattr(cli, "build_plan_report", fake)
+    cli._print_throughput_plan(CONFIG_70B, [], 16, 8)
+    cli._print_throughput_plan(CONFIG_70B, [], 16, 8, sensitivity=True)
+    assert asked == [False, True]
+    assert capsys.readouterr().out.startswith("planner: skipped (ValueError: not planned by this test)")
