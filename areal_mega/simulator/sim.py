@@ -199,7 +199,7 @@ class _Core:
 
     def next_due(self) -> float | None:
         """Seconds until the job or the head request is done (None: the core is idle); starts
-        the head request's work when it has none left."""
+        the head request's work when it has none left, and a new epoch (older core events go stale)."""
         self.epoch += 1
         if self.queue and self.client <= 0:
             self.client = self.client_s
