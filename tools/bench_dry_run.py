@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             if rc != 0:
                 print(out.stderr[-2000:], file=sys.stderr)
     print(json.dumps({
-        "command": " ".join(cmd[1:-1]), "repo": str(repo), "commit": _commit(repo), "rc": rc,
+        "command": " ".join(c for c in cmd[1:] if not c.startswith("launch.run_dir=")), "repo": str(repo), "commit": _commit(repo), "rc": rc,
         "wall_s_min": round(min(walls), 2), "wall_s_median": round(statistics.median(walls), 2),
         "cpu_s_min": round(min(cpus), 2), "cpu_s_median": round(statistics.median(cpus), 2),
         "repeat": args.repeat, "recommended": recommended, "loadavg_1m": round(os.getloadavg()[0], 2),
