@@ -712,3 +712,23 @@ def test_throughput_plan_passes_the_sensitivity_flag(capsys, monkeypatch):
     cli._print_throughput_plan(CONFIG_70B, [], 16, 8, sensitivity=True)
     assert asked == [False, True]
     assert capsys.readouterr().out.startswith("planner: skipped (ValueError: not planned by this test)")
+
+
+@pytest.mark.slow  # two fresh interpreters (the tool times a dry run in a subprocess)
+def test_bench_dry_run_smoke():
+    """tools/bench_dry_run.py on the tiny config (CPU nodes: no throughput plan, ~2 s): one JSON
+    line with the dry run's exit code and times; a config that does not load exits 1 (control)."""
+    import subprocess
+
+    from tests.support.launch import REPO
+
+    def bench(config):
+        out = subprocess.run([sys.executable, "tools/bench_dry_run.py", "--config", config, "--nodes", "2",
+                              "--gpus-per-node", "0"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        return out.returncode, json.loads(out.stdout.strip().splitlines()[-1])
+    rc, res = bench("configs/grpo_tiny.yaml")
+    assert rc == 0 and res["rc"] == 0 and res["recommended"] is None and res["repeat"] == 1
+    assert res["cpu_s_min"] > 0 and res["wall_s_min"] >= res["wall_s_median"] - 1e-9
+    assert res["command"].endswith("--dry-run --nodelist n[1-2] --gpus-per-node 0")
+    rc, res = bench("configs/does_not_exist.yaml")
+    assert rc == 1 and res["rc"] == 2
