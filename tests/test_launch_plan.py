@@ -15,7 +15,7 @@ from areal_mega.config import ConfigError
 from areal_mega.launcher.cli import load_launch, load_launch_config, run
 from areal_mega.launcher.config import LaunchConfig
 from areal_mega.simulator.memory import (
-    GIB, LOGPROB_BYTES_PER_TOKEN, LearnerSettings, ModelShape, count_params, estimate_engine, estimate_learner,
+    GIB, LOGPROB_BYTES_PER_TOKEN, LearnerSettings, count_params, estimate_engine, estimate_learner,
     layer_bytes_per_token, stage_activations, stage_state, total_params,
 )
 from areal_mega.launcher.plan import Allocation, build_plan, render
@@ -28,7 +28,7 @@ CONFIG_70B = "configs/grpo_llama70b.yaml"
 # Expected GiB figures are written to two decimals: exact integer byte counts, rounded by hand.
 GIB_2DP = printed_tol(2)
 # The model through the trainer's own adapter, from the config.json the YAML carries inline.
-LLAMA3_70B = ModelShape.from_arch(get_adapter(yaml.safe_load(open(CONFIG_70B))["launch"]["model_config"]).arch)
+LLAMA3_70B = get_adapter(yaml.safe_load(open(CONFIG_70B))["launch"]["model_config"]).arch
 # What configs/grpo_llama70b.yaml sets: bf16, TE spec (GPU), THD attention, SP, full recompute.
 S70 = LearnerSettings(dtype="bfloat16", layer_spec="te", attention="thd", sequence_parallel=True,
                       recompute="full", recompute_method="uniform", recompute_num_layers=1,
@@ -54,7 +54,7 @@ def test_llama3_70b_parameter_count_by_hand():
     # norms 2*8192. Embedding and output 128256*8192 each, final norm 8192.
     layer = 150_994_944 + 704_643_072 + 16_384
     assert total_params(LLAMA3_70B) == 80 * layer + 2 * 128_256 * 8192 + 8192 == 70_553_706_496
-    assert (LLAMA3_70B.d, LLAMA3_70B.dtype) == (128, "bfloat16")
+    assert (LLAMA3_70B.head_dim, LLAMA3_70B.dtype) == (128, "bfloat16")
 
 
 def test_parameter_count_matches_transformers():
@@ -63,12 +63,12 @@ def test_parameter_count_matches_transformers():
 
     llama = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=96, num_attention_heads=8,
                  num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
-    shape = ModelShape.from_arch(get_adapter(tiny_config("llama", **llama)).arch)  # the trainer's parse, no other
+    shape = get_adapter(tiny_config("llama", **llama)).arch  # the trainer's parse, no other
     assert total_params(shape) == count_params("llama", **llama)
     qwen2 = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=100, tie_word_embeddings=True)
-    shape = ModelShape.from_arch(get_adapter(tiny_config("qwen2", **qwen2)).arch)
-    assert shape.attention_bias and shape.tie_word_embeddings
+    shape = get_adapter(tiny_config("qwen2", **qwen2)).arch
+    assert shape.qkv_bias and shape.tie_word_embeddings
     assert total_params(shape) == count_params("qwen2", **qwen2)
 
 
@@ -248,7 +248,7 @@ def test_local_and_cpu_plans(tmp_path):
     # The Qwen2 shape checked against transformers above; worst = stage 0 (2 micro-batches in
     # flight): 1 layer (q,k,v,o + biases + MLP = 30,848 over TP2, norms 128) + embedding 6400 / 2.
     # vocab 100 is padded to 128 like the engine pads it (lcm(128, tp)).
-    assert count_params(ModelShape.from_arch(get_adapter(hf).arch)).layer_sharded == 30_848
+    assert count_params(get_adapter(hf).arch).layer_sharded == 30_848
     assert (plan.learner_memory.stage, plan.learner_memory.params) == (0, 30_848 // 2 + 128 + 128 * 64 // 2)
     assert "a.b=1" in plan.learners[0].argv
     # inference.server.port 0: free local ports.
@@ -485,7 +485,7 @@ def test_plan_qwen3_30b_a3b_moe_fits_80gb():
     plan = build_plan(cfg, alloc(8, 8), raw=raw, config_path=CONFIG_30B_A3B, overrides=rest, python="PY")
     assert str(plan.layout) == "dp=4 pp=2 cp=1 tp=2 ep=8 etp=1 (world_size=16)"
     assert plan.learner_nodes == ("n1", "n2") and len(plan.engines) == 6 and plan.fits
-    m = ModelShape.from_arch(get_adapter(raw["launch"]["model_config"]).arch)
+    m = get_adapter(raw["launch"]["model_config"]).arch
     assert count_params(m).total(48) == 30_532_122_624 and count_params(m).active(48) == 3_353_032_704
     h, layers, v = 2048, 24, 151936  # the last stage: 24 layers + final norm + output layer
     attn = h * 4096 * 2 + 2 * h * 512  # q, o + k, v
@@ -528,7 +528,7 @@ def test_plan_deepseek_v3_671b_learners_fit_80gb_engines_named():
     assert str(plan.layout) == "dp=32 pp=1 cp=1 tp=8 ep=256 etp=1 (world_size=256)"
     assert len(plan.learner_nodes) == 32 and len(plan.engines) == 32
     hf = raw["launch"]["model_config"]
-    m = ModelShape.from_arch(get_adapter(hf).arch)
+    m = get_adapter(hf).arch
     h, a, L, dense, v = 7168, 128, 61, 3, 129280
     mla_sharded = 1536 * a * 192 + 512 * a * (128 + 128) + a * 128 * h  # q_b, kv_b, o (TP8)
     mla_replicated = h * 1536 + h * (512 + 64) + 1536 + 512 + 2 * h  # q_a, kv_a (TE: duplicated), latent + layer norms
@@ -596,3 +596,139 @@ def test_plan_engines_register_the_reshard_receiver_when_installed(tmp_path):
     for python, expect in ((with_rcv, True), (tmp_path / "without" / "bin" / "python", False)):
         plan = plan_70b([f"inference.server.python={python}"])
         assert all(("--custom-weight-loader" in e.argv) == expect for e in plan.engines)
+
+
+# ---- build_plan's parts, each on its own -----------------------------------------------------------
+
+
+def _exp(overrides=(), config=CONFIG_70B):
+    return load_launch(config, list(overrides))[0]
+
+
+def test_place_cluster_round_robin_and_idle_nodes():
+    from areal_mega.launcher.plan import place_cluster
+
+    nodes = place_cluster(alloc(16, 8), _exp(), 4)
+    assert nodes.learner_nodes == ("n1", "n2", "n3", "n4") and nodes.master_addr == "10.0.0.1"
+    assert len(nodes.engine_slots) == 12 and nodes.engine_slots[0] == ("n5", "10.0.0.5", 0)
+    assert nodes.engine_slots[-1] == ("n16", "10.0.0.16", 0) and nodes.notes == ()
+    # TP4: two servers a node; the 13th goes back to the first engine node as its second (k = 1)
+    two = place_cluster(alloc(16, 8), _exp(["inference.server.tp_size=4", "launch.engine.num_engines=13"]), 4)
+    assert two.engine_slots[12] == ("n5", "10.0.0.5", 1) and two.notes == ()
+    few = place_cluster(alloc(16, 8), _exp(["launch.engine.num_engines=5"]), 4)
+    assert few.notes == ("7 allocated node(s) left idle",)
+    with pytest.raises(ValueError, match=r"launch.engine.num_engines: 13 > 12 engine nodes x 1 per node"):
+        place_cluster(alloc(16, 8), _exp(["launch.engine.num_engines=13"]), 4)
+    with pytest.raises(ValueError, match=r"learner.num_nodes\(4\) \+ engine.num_nodes\(13\) > 16"):
+        place_cluster(alloc(16, 8), _exp(["launch.engine.num_nodes=13"]), 4)
+    with pytest.raises(ValueError, match="inference.server.tp_size: 8 > 4 GPUs per node"):
+        place_cluster(alloc(16, 4), _exp(), 4)
+
+
+def test_place_local_and_ports():
+    from areal_mega.launcher.plan import engine_ports, place_local
+
+    local = Allocation(job_id="local", nodes=("localhost",), addresses=("127.0.0.1",), gpus_per_node=8, local=True)
+    exp = _exp(["inference.server.tp_size=2", "inference.server.port=30000", "launch.engine.num_engines=2"])
+    nodes = place_local(local, exp, world=4)
+    assert nodes.engine_slots == (("localhost", "127.0.0.1", 0), ("localhost", "127.0.0.1", 1))
+    assert nodes.learner_nodes == ("localhost",) and nodes.master_addr == "127.0.0.1"
+    assert engine_ports(local, exp, nodes.engine_slots) == [30000, 30001]
+    cluster = (("n2", "10.0.0.2", 0), ("n3", "10.0.0.3", 0), ("n2", "10.0.0.2", 1))
+    assert engine_ports(alloc(3, 8), exp, cluster) == [30000, 30000, 30001]  # P + k per node
+    with pytest.raises(ValueError, match=r"learners \(6 GPUs\) \+ engines \(2 x TP2\) > 8 local GPUs"):
+        place_local(local, exp, world=6)
+
+
+def test_cpus_per_step_splits_shared_nodes():
+    from areal_mega.launcher.plan import _Nodes, cpus_per_step
+
+    nodes = _Nodes(("n1",), (("n2", "a", 0), ("n2", "a", 1), ("n3", "b", 0)), "x")
+    assert cpus_per_step(alloc(3, 8, 64), nodes) == {"n1": None, "n2": 32, "n3": None}
+    assert cpus_per_step(alloc(3, 8, None), nodes) == {"n1": None, "n2": None, "n3": None}  # CPUs unknown
+
+
+def test_learner_and_engine_procs_alone():
+    from areal_mega.launcher.plan import _Nodes, engine_procs, learner_procs
+
+    exp = _exp(["inference.server.port=30000"])
+    nodes = _Nodes(("n1", "n2"), (("n3", "10.0.0.3", 0),), "10.0.0.1")
+    base = {"python": "PY", "config": "c.yaml", "run_dir": "/r", "job_id": "42", "engines_file": "/r/e.json",
+            "engine_addresses": "[10.0.0.3:30000]", "num_engines": 1, "stop_file": "/r/STOP",
+            "engine_python": "EPY"}
+    from pathlib import Path
+
+    ls = learner_procs(exp, alloc(3, 8), nodes, nproc=8, world=16, env={"A": "1"}, base=base, raw={}, overrides=[],
+                       python="PY", run_dir=Path("/r"))
+    assert [(p.node, p.node_rank, p.nproc, p.num_gpus) for p in ls] == [("n1", 0, 8, 8), ("n2", 1, 8, 8)]
+    assert ls[1].argv[:12] == ("PY", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
+                               "--nproc-per-node", "8", "--master-addr", "10.0.0.1", "--master-port")
+    es = engine_procs(exp, alloc(3, 8), nodes, [30000], env={"A": "1"}, base=base, raw={}, overrides=[], python="PY",
+                      engine_python="EPY", run_dir=Path("/r"), sglang_secret="/r/s.yaml", first_gpu=0)
+    (e,) = es
+    assert (e.node, e.url, e.num_gpus, e.address_file) == ("n3", "http://10.0.0.3:30000", 8, "/r/engines/engine0.json")
+    assert "EPY" in e.argv and e.env["A"] == "1"
+
+
+def test_memory_verdict_alone():
+    from areal_mega.launcher.plan import memory_verdict
+
+    exp = _exp()
+    layout = ParallelLayout.build(exp.parallel, 32)  # TP8 x PP4 on 4 nodes: the numbers above
+    lm, em, notes = memory_verdict(exp, layout, 8, engines=True)
+    assert lm.fits and em.fits and notes == []
+    assert lm.total / 2**30 == pytest.approx(47.2, abs=0.05) and em.total / 2**30 == pytest.approx(54.6, abs=0.05)
+    assert memory_verdict(exp, layout, 8, engines=False)[1] is None
+    tp1 = _exp(["parallel.tensor_parallel=1"])
+    lm1, _, notes1 = memory_verdict(tp1, ParallelLayout.build(tp1.parallel, 32), 8, engines=True)
+    assert not lm1.fits and lm1.total / 2**30 == pytest.approx(157.4, abs=0.05)
+
+
+def test_dry_run_sensitivity_table_only_when_asked(capsys, monkeypatch):
+    """The dry run's throughput plan re-plans per assumed cost figure (~15 sweeps, a minute on
+    the 70B job) only with --sensitivity; the flag reaches the planner, its absence too."""
+    import areal_mega.launcher.cli as cli
+
+    seen = []
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.setattr(cli, "_print_throughput_plan", lambda *a, **k: seen.append(k["sensitivity"]))
+    argv = ["slurm", "--config", CONFIG_70B, "--dry-run", "--nodelist", "gpu[001-016]", "--gpus-per-node", "8",
+            "launch.learner.num_nodes=8"]
+    assert cli.main(argv) == 0
+    assert cli.main(argv + ["--sensitivity"]) == 0
+    assert seen == [False, True]
+
+
+def test_throughput_plan_passes_the_sensitivity_flag(capsys, monkeypatch):
+    import areal_mega.launcher.cli as cli
+
+    asked = []
+
+    def fake(*a, **k):
+        asked.append(k["with_sensitivity"])
+        raise ValueError("not planned by this test")
+    monkeypatch.setattr(cli, "build_plan_report", fake)
+    cli._print_throughput_plan(CONFIG_70B, [], 16, 8)
+    cli._print_throughput_plan(CONFIG_70B, [], 16, 8, sensitivity=True)
+    assert asked == [False, True]
+    assert capsys.readouterr().out.startswith("planner: skipped (ValueError: not planned by this test)")
+
+
+@pytest.mark.slow  # two fresh interpreters (the tool times a dry run in a subprocess)
+def test_bench_dry_run_smoke():
+    """tools/bench_dry_run.py on the tiny config (CPU nodes: no throughput plan, ~2 s): one JSON
+    line with the dry run's exit code and times; a config that does not load exits 1 (control)."""
+    import subprocess
+
+    from tests.support.launch import REPO
+
+    def bench(config):
+        out = subprocess.run([sys.executable, "tools/bench_dry_run.py", "--config", config, "--nodes", "2",
+                              "--gpus-per-node", "0"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        return out.returncode, json.loads(out.stdout.strip().splitlines()[-1])
+    rc, res = bench("configs/grpo_tiny.yaml")
+    assert rc == 0 and res["rc"] == 0 and res["recommended"] is None and res["repeat"] == 1
+    assert res["cpu_s_min"] > 0 and res["wall_s_min"] >= res["wall_s_median"] - 1e-9
+    assert res["command"].endswith("--dry-run --nodelist n[1-2] --gpus-per-node 0")
+    rc, res = bench("configs/does_not_exist.yaml")
+    assert rc == 1 and res["rc"] == 2

@@ -176,23 +176,23 @@ def test_memory_estimate_counts_each_family_as_transformers_does(family, kw):
     their gate, dense layers, routers) = the transformers model's own parameters (the expert bias
     is a buffer in both). The state bytes per GPU are checked against the engine's real tensors
     by tools/check_memory_model.py (tests/test_launch_plan.py)."""
-    from areal_mega.simulator.memory import ModelShape, total_params
+    from areal_mega.simulator.memory import total_params
     from tests.support.models import count_params, tiny_config
 
     shape = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=100)
     cfg = tiny_config(family, **{**shape, **kw})
-    assert total_params(ModelShape.from_arch(get_adapter(cfg).arch)) == count_params(family, **{**shape, **kw})
+    assert total_params(get_adapter(cfg).arch) == count_params(family, **{**shape, **kw})
 
 
 def test_memory_estimate_of_the_published_shapes():
     """DeepSeek-V3-671B and GLM-4.5-Air in the estimator: the hand totals minus the expert-bias
     buffers (not parameters: no gradient, no optimizer state); 37B active parameters for V3."""
-    from areal_mega.simulator.memory import ModelShape, count_params, total_params
+    from areal_mega.simulator.memory import count_params, total_params
 
     for hf, hand in ((_ds(), deepseek_hand_count), (dict(GLM45_AIR, num_nextn_predict_layers=0), glm_hand_count)):
-        m = ModelShape.from_arch(get_adapter(hf).arch)
+        m = get_adapter(hf).arch
         moe_layers = hf["num_hidden_layers"] - hf["first_k_dense_replace"]
         assert total_params(m) == hand(hf)[1] - moe_layers * hf["n_routed_experts"]
-    m = ModelShape.from_arch(get_adapter(_ds()).arch)
+    m = get_adapter(_ds()).arch
     assert int(count_params(m).active(61, 3) / 1e9) == 37  # the model card: "37B activated" (37.55B)

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import random
 import sys
+from collections import Counter
 
 import pytest
 
@@ -163,6 +164,147 @@ def test_no_torch_import():
     assert out.stdout.strip() == "False"
 
 
+# ---- the simulation's parts, one at a time --------------------------------------------------------
+
+
+def _req(sim, length, footprint=None, server=0):
+    from areal_mega.simulator.sim import _Episode, _Req
+
+    r = _Req(_Episode(0, 0, 1), length, length if footprint is None else footprint)
+    r.server = server
+    return r
+
+
+def test_server_advance_prefill_then_fluid_decoding():
+    from areal_mega.simulator.sim import Simulation
+
+    sim = Simulation(_det(peak=1000.0, half=8.0))
+    s = sim.servers[0]
+    for r in (_req(sim, 500), _req(sim, 700)):
+        s.queue.append(r)
+    sim.fill(s)
+    assert len(s.heap) == 2 and s.kv == 1200
+    s.stall = 0.25  # prefill owed: nothing decodes for 0.25 s
+    sim.advance(s, 1.0)
+    assert s.stall == 0.0 and s.busy == pytest.approx(1.0)
+    assert s.P == pytest.approx(0.75 * 1000.0 / (2 + 8.0))  # 75 tokens per request
+    assert s.util == pytest.approx(0.75 * 2 / 10)
+    s.paused = True
+    sim.advance(s, 3.0)
+    assert s.P == pytest.approx(75.0) and s.paused_t == pytest.approx(2.0)  # paused: no progress
+
+
+def test_server_fill_respects_kv_capacity_and_max_running():
+    from areal_mega.simulator.sim import Simulation
+
+    cfg = _det()
+    cfg.decode.kv_capacity_tokens = 250
+    sim = Simulation(cfg)
+    s = sim.servers[0]
+    s.queue.extend(_req(sim, 100) for _ in range(4))
+    sim.fill(s)
+    assert (len(s.heap), len(s.queue), s.kv) == (2, 2, 200)
+    big = Simulation(cfg).servers[0]
+    big.queue.append(_req(sim, 1000))  # an oversized request runs alone rather than never
+    Simulation(cfg).fill(big)
+    assert len(big.heap) == 1
+    cfg.decode.kv_capacity_tokens, cfg.decode.max_running = 0, 3
+    sim = Simulation(cfg)
+    s = sim.servers[0]
+    s.queue.extend(_req(sim, 100) for _ in range(5))
+    sim.fill(s)
+    assert (len(s.heap), len(s.queue)) == (3, 2)
+
+
+def test_reschedule_pushes_the_next_finish():
+    from areal_mega.simulator.sim import K_SERVER, Simulation
+
+    sim = Simulation(_det(peak=1000.0, half=8.0))
+    s = sim.servers[0]
+    s.queue.extend([_req(sim, 100), _req(sim, 300)])
+    sim.fill(s)
+    s.stall = 0.5
+    sim.now = 2.0
+    sim.reschedule(s)
+    t, _, kind, (srv, epoch) = sim.events[-1]
+    assert kind == K_SERVER and srv is s and epoch == s.epoch == 1
+    assert t == pytest.approx(2.0 + 0.5 + 100 * (2 + 8.0) / 1000.0)
+    s.paused = True
+    sim.reschedule(s)
+    assert len(sim.events) == 1 and s.epoch == 2  # paused: nothing pushed, the old event goes stale
+
+
+def test_token_versions_split_at_weight_updates():
+    from areal_mega.simulator.sim import Simulation, _Server
+
+    s = _Server(0)
+    s.marks_p, s.marks_v = [0.0, 30.0, 45.0], [0, 1, 2]
+    r = _req(None, 50)
+    r.p_start = 10.0
+    got = Counter({0: 1})
+    Simulation.token_versions(s, r, got)  # added to what the episode has
+    assert got == {0: 21, 1: 15, 2: 15}
+    r.p_start = 50.0  # after the last update: all the newest version
+    Simulation.token_versions(s, r, got := Counter())
+    assert got == {2: 50}
+
+
+def test_core_shares_the_learner_cpu_equally():
+    from areal_mega.simulator.sim import _Core
+
+    core = _Core(client_s=0.2)
+    assert core.rates() == (0.0, 0.0) and core.next_due() is None
+    core.job, core.train = "train", 1.0
+    assert core.next_due() == pytest.approx(1.0)
+    core.queue.append(object())
+    assert core.next_due() == pytest.approx(0.4)  # the client's 0.2 s at half the core
+    assert core.rates() == (0.5, 0.5) and core.client == pytest.approx(0.2)
+    core.advance(0.4)
+    assert core.client == pytest.approx(0.0) and core.train == pytest.approx(0.8)
+
+
+def test_account_counts_a_batch_and_flags_an_over_stale_episode():
+    from areal_mega.simulator.sim import Simulation, _Episode
+
+    sim = Simulation(_det(eta=1, G=2))
+    sim.sm.set_version(1)
+    sim.sm.set_version(2)
+    ok, old = _Episode(0, 1, 2), _Episode(1, 0, 2)
+    ok.versions.update({1: 30, 2: 10})
+    old.versions.update({0: 5})
+    ok.gen_tokens, ok.tokens, old.gen_tokens, old.tokens = 40, 60, 5, 25
+    assert sim.account([ok], timed=True) == 60
+    assert sim.violations == 0
+    assert dict(sim.token_hist) == {1: 30, 0: 10} and dict(sim.ep_hist) == {1: 1}
+    assert (sim.samples_timed, sim.tokens_timed) == (2, 40)
+    assert sim.account([old], timed=False) == 25
+    assert sim.violations == 1  # admitted at 0, trained at 2 > max_staleness 1
+    assert sim.samples_timed == 2  # untimed: counted in the bound check only
+    assert [e.min_token_version for e in sim.trained] == [1, 0]
+
+
+def test_sync_done_marks_new_weights_and_resumes():
+    from areal_mega.simulator.sim import Simulation
+
+    sim = Simulation(_det(steps=3, warm=1))
+    s = sim.servers[0]
+    s.P, s.paused = 40.0, True
+    sim.paused = True
+    sim.now = 1.5
+    assert sim.on_sync_done() is False
+    assert s.marks_p == [0.0, 40.0] and s.marks_v == [0, 1] and not s.paused
+    assert sim.sm.version == 1 and sim.step_end == [1.5] and "start" in sim.snap
+    sim.on_sync_done()  # at once, no progress since: the last mark takes the new version
+    assert s.marks_p == [0.0, 40.0] and s.marks_v == [0, 2]
+
+
+def test_simulation_object_runs_as_simulate():
+    from areal_mega.simulator.sim import Simulation
+
+    a, b = Simulation(_det(2)).run(), simulate(_det(2))
+    assert a.summary() == b.summary() and a.step_end_s == b.step_end_s
+
+
 # ---- calibration ---------------------------------------------------------------------------------
 
 
@@ -239,12 +381,12 @@ def test_planner_70b_respects_memory_plan_and_recommends():
     from areal_mega.launcher.cli import build_plan_report, load_launch
     from areal_mega.parallel import ParallelConfig, ParallelLayout
     from areal_mega.simulator.costs import WorkloadModel
-    from areal_mega.simulator.memory import model_shape
+    from areal_mega.simulator.memory import model_arch
     from areal_mega.simulator.planner import learner_memory, recommendation
 
     rep = build_plan_report(CONFIG_70B, 8, staleness=(0, 2), workload=WorkloadModel(sim_steps=3))
     exp, _, _ = load_launch(CONFIG_70B, [])
-    m = model_shape(exp)
+    m = model_arch(exp)
     assert [s.learner_nodes for s in rep.splits] == list(range(1, 8))
     assert rep.splits[0].reason.startswith("no learner layout fits")  # 8 GPUs cannot hold a 70B learner
     for s in rep.feasible():
@@ -267,10 +409,10 @@ def test_planner_prices_the_configured_weight_sync_mode():
     copies) -- checked split by split on the 70B config; the two differ on every split (control)."""
     from areal_mega.launcher.cli import build_plan_report, load_launch
     from areal_mega.simulator.costs import WorkloadModel
-    from areal_mega.simulator.memory import model_shape, total_params
+    from areal_mega.simulator.memory import model_arch, total_params
 
     exp, _, _ = load_launch(CONFIG_70B, [])
-    two_p, t = 2 * total_params(model_shape(exp)), exp.inference.server.tp_size
+    two_p, t = 2 * total_params(model_arch(exp)), exp.inference.server.tp_size
     reps = {mode: build_plan_report(CONFIG_70B, 12, [f"weight_sync.mode={mode}"], staleness=(2,),
                                     workload=WorkloadModel(sim_steps=3)) for mode in ("broadcast", "reshard")}
     cost = reps["broadcast"].cost
@@ -680,3 +822,40 @@ def test_validate_fits_no_sync_cost_to_noise(tmp_path):
     settings = _validation_runs(tmp_path / "d", 2, sync_noise=0.001, eta1_sync=[0.04, 0.04])  # the control
     assert validate(tmp_path / "d", settings, ["sync", "eta1"], warmup_steps=2)["calibration"][
         "sync_s_per_inflight_request_identified"]
+
+
+def test_validate_ranking_ties_from_tolerance_and_noise():
+    """validate's ranking step alone: predictions tie within PLAN_TOLERANCE (2%), measurements
+    within twice the standard error of their difference; the planner's pick is the smallest
+    bound near the best prediction."""
+    from areal_mega.simulator.calibrate import RunSetting, _Ranking
+
+    def pred(p, m, se):
+        return {"predicted": p, "measured": m, "measured_facts": {"rel_se": se, "rel_se_rounds": None}}
+    preds = {"a": pred(1.00, 1.00, 0.01), "b": pred(1.015, 1.05, 0.01), "c": pred(1.10, 1.20, 0.0)}
+    by_name = {n: RunSetting(n, eta, 4, 8, 8) for n, eta in (("a", 0), ("b", 1), ("c", 2))}
+    rk = _Ranking(preds, by_name)
+    assert rk.order("b", "a", "predicted") == 0  # 1.5% apart: within the tolerance
+    assert rk.order("b", "a", "measured") == 1  # 5% apart, tie width 2 * hypot(0.0105, 0.01) = 2.9%
+    assert rk.order("c", "b", "predicted") == 1 and rk.rank("measured", ["a", "b", "c"]) == ["c", "b", "a"]
+    assert not rk.same_order(["a", "b"]) and not rk.consistent(["a", "b"])
+    assert rk.consistent(["b", "c"]) and rk.same_order(["b", "c"])
+    assert rk.choice(["a", "b", "c"]) == {"planner": "c", "measured_best": "c", "right": True}
+    assert rk.choice(["a", "b"]) == {"planner": "a", "measured_best": "b", "right": False}
+
+
+def test_validate_runs_pool_rounds_and_their_standard_error():
+    from areal_mega.simulator.calibrate import RunSetting, _check_calibration_runs, _Runs
+
+    def steps(xs):
+        return [{"perf/step_s": 1.0, "time/rollout_s": 0.5, "time/weight_sync_s": x} for x in xs]
+    runs = _Runs(rows={"s": steps([9, 1.0, 1.2, 9])}, per_round={"s": [steps([1.0]), steps([1.2])]}, rounds=2, warmup=1)
+    assert [r["time/weight_sync_s"] for r in runs.timed("s")] == [1.0, 1.2]
+    mean, se = runs.mean_se([RunSetting("s", 0, 4, 8, 8)], lambda t: sum(r["time/weight_sync_s"] for r in t) / len(t))
+    assert mean == pytest.approx(1.1) and se == pytest.approx(0.1)
+    sync, b8 = RunSetting("sync", 0, 4, 8, 8), RunSetting("eta1_b8", 1, 8, 8, 8)
+    _check_calibration_runs({"sync": sync, "eta1_b8": b8}, ["sync"])
+    with pytest.raises(SimulationError, match="--calibrate-on: .'nope'. not among"):
+        _check_calibration_runs({"sync": sync}, ["nope"])
+    with pytest.raises(SimulationError, match="eta1_b8 .batch 8"):
+        _check_calibration_runs({"sync": sync, "eta1_b8": b8}, ["sync", "eta1_b8"])

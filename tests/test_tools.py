@@ -19,6 +19,7 @@ from tests.support.launch import REPO, SGLANG_PYTHON, child_env, needs_sglang, r
 # tools/<script> -> the test that runs it ("file::test").
 SMOKE = {
     "bench_async.py": "test_tools.py::test_bench_simulator_runs_bench_async",
+    "bench_dry_run.py": "test_launch_plan.py::test_bench_dry_run_smoke",
     "bench_judge.py": "test_tools.py::test_bench_judge",
     "bench_packing.py": "test_packing.py::test_bench_packing_meets_target",
     "bench_rewards.py": "test_tools.py::test_bench_rewards",

@@ -26,7 +26,7 @@ from areal_mega.models import get_adapter
 from areal_mega.models.base import ModelAdapter, named_tensors  # noqa: F401 (named_tensors: the sender's view)
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from areal_mega.simulator.costs import sync_bytes
-from areal_mega.simulator.memory import ModelShape, total_params
+from areal_mega.simulator.memory import total_params
 from areal_mega.weight_sync.reshard import ReshardPlan, plan_reshard, wire_messages
 from areal_mega.weight_sync.sglang_layout import EngineLayout, engine_params, sglang_vocab_padded
 from areal_mega.weight_sync.transport import pack_message
@@ -303,7 +303,7 @@ def _big(hf: dict, pcfg: ParallelConfig, world: int, engines: list[EngineLayout]
     # it sweeps many layouts); measured against this plan: 70B -3.5% (the learner ranks' uneven
     # split), 235B -0.3%, V3 -2.0% (SGLang's replicated MLA down projections).
     busiest = max(max(plan.bytes_per_engine_rank().values()), max(plan.bytes_per_learner_rank().values()))
-    params = total_params(ModelShape.from_arch(adapter.arch))  # the planner's own count
+    params = total_params(adapter.arch)  # the planner's own count
     est = sync_bytes(mode="reshard", params=params, engine_tp=engines[0].tp,
                      num_servers=len(engines), world=world)
     assert abs(est / busiest - 1) <= 0.04, (est, busiest)

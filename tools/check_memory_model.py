@@ -180,7 +180,7 @@ def _optimizer_tensors(optimizer):
 def measure(name, tp, pp, sp, recompute, method, num_layers, cp, hf_dir, ep=1) -> dict:
     import torch.distributed as dist
 
-    from areal_mega.simulator.memory import ModelShape, settings_from_engine_config, stage_activations, stage_state
+    from areal_mega.simulator.memory import settings_from_engine_config, stage_activations, stage_state
     from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
     from areal_mega.megatron.model import MegatronModelConfig
     from areal_mega.batching.packing import pack_sequences
@@ -226,7 +226,7 @@ def measure(name, tp, pp, sp, recompute, method, num_layers, cp, hf_dir, ep=1) -
     dist.all_reduce(opt_sum, group=groups.dp_cp)
     measured[2] = opt_sum / (layout.dp * layout.cp)
 
-    shape = ModelShape.from_arch(get_adapter(hf).arch)
+    shape = get_adapter(hf).arch
     st = settings_from_engine_config(cfg, "bfloat16", tp, on_gpu=False, reserved_gib=0.0)
     st = type(st)(**{**st.__dict__, "num_microbatches": 1})
     k = groups.coords.pp

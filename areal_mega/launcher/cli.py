@@ -67,8 +67,10 @@ def load_launch_config(path: str, overrides: list[str]) -> tuple[LaunchConfig, d
 
 def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
         engine_python: str | None = None, nodelist: str | None = None,
-        gpus_per_node: int | None = None) -> int:
-    """Plan, check memory, then (unless ``dry_run``) supervise; returns the exit code."""
+        gpus_per_node: int | None = None, sensitivity: bool = False) -> int:
+    """Plan, check memory, then (unless ``dry_run``) supervise; returns the exit code.
+    ``sensitivity``: the dry run's throughput plan adds the sensitivity table (one re-plan per
+    assumed cost figure: about a minute on the 70B job, hence asked for)."""
     try:
         exp, raw, passthrough = load_launch(config, overrides)
         cfg = exp.launch
@@ -106,7 +108,8 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
         return EXIT_DOES_NOT_FIT
     if dry_run:
         if plan.checks_gpu_memory and not alloc.local and len(alloc.nodes) >= 2:
-            _print_throughput_plan(config, overrides, len(alloc.nodes), alloc.gpus_per_node, out=plan.run_dir / "plan")
+            _print_throughput_plan(config, overrides, len(alloc.nodes), alloc.gpus_per_node, out=plan.run_dir / "plan",
+                                   sensitivity=sensitivity)
         print("dry run: nothing started", flush=True)
         return 0
     if plan.secrets_dir is not None:
@@ -127,13 +130,12 @@ def _runs_the_trainer(cfg: LaunchConfig) -> bool:
 
 
 def _print_throughput_plan(config: str, overrides: list[str], nodes: int, gpus_per_node: int,
-                           out: Path | None = None) -> None:
+                           out: Path | None = None, sensitivity: bool = False) -> None:
     """The throughput planner's recommendation for this allocation (``areal-mega plan``, see
     docs/simulator.md), with its plan.json and plot written to ``out``; advisory: whatever goes
-    wrong there is one line, never a failed dry run."""
+    wrong there is one line, never a failed dry run. ``sensitivity``: add the sensitivity table."""
     try:
-        # the sensitivity table (one re-plan per assumed cost figure) only where plan.json goes
-        rep = build_plan_report(config, nodes, overrides, gpus_per_node=gpus_per_node, with_sensitivity=out is not None)
+        rep = build_plan_report(config, nodes, overrides, gpus_per_node=gpus_per_node, with_sensitivity=sensitivity)
         lines = recommendation(rep)
         if out is not None:
             lines.append("planner: " + write_plan(rep, out))
@@ -155,10 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodelist", help="slurm mode: plan for these nodes instead of SLURM_JOB_NODELIST")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: launch.gpus_per_node, then "
                    "SLURM_GPUS_ON_NODE; local: 0)")
+    p.add_argument("--sensitivity", action="store_true", help="dry run: add the throughput plan's sensitivity "
+                   "table (each assumed cost figure x0.5 and x2; about a minute on the 70B job)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = p.parse_intermixed_args(argv)
     return run(args.mode, args.config, args.overrides, dry_run=args.dry_run, engine_python=args.engine_python,
-               nodelist=args.nodelist, gpus_per_node=args.gpus_per_node)
+               nodelist=args.nodelist, gpus_per_node=args.gpus_per_node, sensitivity=args.sensitivity)
 
 
 # ---------------------------------------------------------------- areal-mega plan

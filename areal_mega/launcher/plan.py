@@ -23,19 +23,22 @@ import shlex
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_mega.experiment import ExperimentConfig, experiment_from_dict
 from areal_mega.inference.server import build_launch_command, wants_reshard_receiver
 from areal_mega.launcher.config import LaunchConfig
 from areal_mega.parallel import ParallelLayout
 from areal_mega.simulator.memory import (
-    GIB, EngineMemory, LearnerMemory, LearnerSettings, ModelShape, estimate_engine, estimate_learner, learner_settings,
-    model_shape,
+    GIB, EngineMemory, LearnerMemory, LearnerSettings, estimate_engine, estimate_learner, learner_settings,
+    model_arch,
 )
 from areal_mega.simulator.planner import choose_learner_nodes
 from areal_mega.utils import secrets
 from areal_mega.utils.procs import service_ports
+
+if TYPE_CHECKING:
+    from areal_mega.models.base import ModelArch
 
 __all__ = [
     "Allocation", "LaunchPlan", "PLACEHOLDERS", "ProcSpec", "REPO_ROOT", "build_plan", "learner_node_count",
@@ -213,7 +216,7 @@ def render(template: list[str], values: dict[str, Any], raw: dict, overrides: li
     return out
 
 
-def _what_would_fit(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, gib: float, *,
+def _what_would_fit(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, gib: float, *,
                     reference: bool, critic: LearnerSettings | None) -> str | None:
     """A hint for a plan that does not fit: the first of the config's own switches (SP,
     recompute, THD attention) that would make it fit -- priced, not applied."""
@@ -282,122 +285,84 @@ def _learner_world(exp: ExperimentConfig, gpus: int, num_nodes: int) -> tuple[in
     return nproc, nproc * num_nodes
 
 
-def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: str,
-               overrides: list[str], python: str = sys.executable, engine_python: str | None = None,
-               exp: ExperimentConfig | None = None) -> LaunchPlan:
-    """Place learners and engines on ``alloc`` (raises ValueError naming the key on a bad fit).
+@dataclass(frozen=True)
+class _Nodes:
+    """Which node runs what: the learner nodes, one (node, address, k-th on its node) slot per
+    engine, the rendezvous address, and notes (idle nodes)."""
 
-    ``exp``: the typed experiment the launcher built once (every section the plan reads comes
-    from it; ``cfg`` is its ``launch`` section); None = the sections of ``raw`` (callers that hold
-    only a dict). ``raw`` itself only fills ``{cfg:key}`` placeholders."""
-    exp = dataclasses.replace(exp if exp is not None else experiment_from_dict(raw, whole=False), launch=cfg)
-    lc, ec = cfg.learner, cfg.engine
+    learner_nodes: tuple[str, ...]
+    engine_slots: tuple[tuple[str, str, int], ...]
+    master_addr: str
+    notes: tuple[str, ...] = ()
+
+
+def place_local(alloc: Allocation, exp: ExperimentConfig, world: int) -> _Nodes:
+    """One machine: learners and engines on it, engines after the learners' GPUs."""
+    ec, tp, gpus = exp.launch.engine, exp.inference.server.tp_size, alloc.gpus_per_node
+    per_node = max(1, gpus // tp) if gpus else 1
+    num_engines = ec.num_engines if ec.num_engines is not None else (ec.num_nodes or 1) * per_node
+    if gpus and world + num_engines * tp > gpus:
+        raise ValueError(f"launch: learners ({world} GPUs) + engines ({num_engines} x TP{tp}) > {gpus} local GPUs")
+    slots = tuple((alloc.nodes[0], alloc.addresses[0], i) for i in range(num_engines))
+    return _Nodes((alloc.nodes[0],), slots, alloc.addresses[0])
+
+
+def place_cluster(alloc: Allocation, exp: ExperimentConfig, n_learn: int) -> _Nodes:
+    """Learners on the first ``n_learn`` nodes, engines round-robin over the next ones (the
+    k-th server of a node gets port P + k)."""
+    ec, tp, gpus = exp.launch.engine, exp.inference.server.tp_size, alloc.gpus_per_node
+    n_eng = ec.num_nodes if ec.num_nodes is not None else len(alloc.nodes) - n_learn
+    if n_learn + n_eng > len(alloc.nodes) or n_eng < 0:
+        raise ValueError(f"launch.engine.num_nodes: learner.num_nodes({n_learn}) + engine.num_nodes({n_eng}) "
+                         f"> {len(alloc.nodes)} allocated nodes")
+    engine_nodes = alloc.nodes[n_learn:n_learn + n_eng]
+    if gpus and tp > gpus:
+        raise ValueError(f"inference.server.tp_size: {tp} > {gpus} GPUs per node (a server never spans nodes)")
+    per_node = gpus // tp if gpus else 1
+    capacity = per_node * n_eng
+    num_engines = ec.num_engines if ec.num_engines is not None else capacity
+    if num_engines > capacity:
+        raise ValueError(f"launch.engine.num_engines: {num_engines} > {n_eng} engine nodes x {per_node} per node")
+    slots = tuple((engine_nodes[i % n_eng], alloc.addresses[n_learn + i % n_eng], i // n_eng)
+                  for i in range(num_engines))
+    idle = len(alloc.nodes) - n_learn - len({n for n, _, _ in slots})
+    return _Nodes(alloc.nodes[:n_learn], slots, alloc.addresses[0],
+                  (f"{idle} allocated node(s) left idle",) if idle else ())
+
+
+def engine_ports(alloc: Allocation, exp: ExperimentConfig, slots: tuple[tuple[str, str, int], ...]) -> list[int]:
+    """inference.server.port (or launch.engine.default_port) + k per node; free ports locally
+    when the port is 0."""
     srv = exp.inference.server
-    tp = srv.tp_size
-    gpus = alloc.gpus_per_node
-    job = alloc.job_id
-    run_dir = Path(cfg.run_dir.replace("{job_id}", job))
-    logs = run_dir / "logs"
-    engines_file = run_dir / "engines.json"
-    # The servers' API key: the YAML's own key file, or one written for this launch (the YAML's
-    # inline key, else a random one) -- every launch protects its servers, and the key never
-    # reaches a command line or a log (utils.secrets).
-    inf = exp.inference
-    secrets_dir = None if inf.api_key_file else run_dir / "secrets"
-    key_file = inf.api_key_file or str(secrets_dir / secrets.KEY_FILE)
-    sglang_secret = str(secrets_dir / secrets.SGLANG_CONFIG) if secrets_dir else None
-    if secrets_dir is not None:  # learners read the key from the file, never from the YAML
-        overrides = [*overrides, f"inference.api_key_file={key_file}", "inference.api_key=null"]
-    # Checkpoint-and-stop on SIGUSR1/SIGTERM goes through the trainer's stop file.
-    stop_file = Path(exp.trainer.stop_file or run_dir / "STOP")
-    overrides = [*overrides, f"trainer.stop_file={stop_file}"]
-    n_learn, split_note = learner_node_count(exp, alloc)
-    nproc, world = _learner_world(exp, gpus, n_learn)
-    layout = ParallelLayout.build(exp.parallel, world)
-    notes: list[str] = [split_note] if split_note else []
-
-    # Nodes per role.
-    if alloc.local:
-        learner_nodes = (alloc.nodes[0],)
-        engine_nodes = (alloc.nodes[0],)
-        master_addr = alloc.addresses[0]
-        per_node = max(1, gpus // tp) if gpus else 1
-        num_engines = ec.num_engines if ec.num_engines is not None else (ec.num_nodes or 1) * per_node
-        engine_slots = [(alloc.nodes[0], alloc.addresses[0], i) for i in range(num_engines)]
-        if gpus and world + num_engines * tp > gpus:
-            raise ValueError(
-                f"launch: learners ({world} GPUs) + engines ({num_engines} x TP{tp}) "
-                f"> {gpus} local GPUs"
-            )
-    else:
-        n_eng = ec.num_nodes if ec.num_nodes is not None else len(alloc.nodes) - n_learn
-        if n_learn + n_eng > len(alloc.nodes) or n_eng < 0:
-            raise ValueError(
-                f"launch.engine.num_nodes: learner.num_nodes({n_learn}) + engine.num_nodes({n_eng}) "
-                f"> {len(alloc.nodes)} allocated nodes"
-            )
-        learner_nodes = alloc.nodes[:n_learn]
-        engine_nodes = alloc.nodes[n_learn:n_learn + n_eng]
-        master_addr = alloc.addresses[0]
-        if gpus:
-            if tp > gpus:
-                raise ValueError(
-                    f"inference.server.tp_size: {tp} > {gpus} GPUs per node "
-                    "(a server never spans nodes)"
-                )
-            per_node = gpus // tp
-        else:
-            per_node = 1
-        capacity = per_node * n_eng
-        num_engines = ec.num_engines if ec.num_engines is not None else capacity
-        if num_engines > capacity:
-            raise ValueError(
-                f"launch.engine.num_engines: {num_engines} > {n_eng} engine nodes x {per_node} per node"
-            )
-        # Round-robin over nodes: the k-th server of a node gets port P + k.
-        engine_slots = []
-        for i in range(num_engines):
-            node_idx, k = i % n_eng, i // n_eng
-            engine_slots.append((engine_nodes[node_idx], alloc.addresses[n_learn + node_idx], k))
-        idle = len(alloc.nodes) - n_learn - len({n for n, _, _ in engine_slots})
-        if idle:
-            notes.append(f"{idle} allocated node(s) left idle")
-
-    env = {**cfg.env, **cfg.nccl_env}
-    # The package is used from the source tree: make `-m areal_mega...` importable on every node.
-    env["PYTHONPATH"] = str(REPO_ROOT)
-    engine_python = engine_python or srv.python
     if alloc.local and not srv.port:
-        ports = service_ports(len(engine_slots))
-    else:
-        first = srv.port or ec.default_port
-        ports = [first + (i if alloc.local else k) for i, (_, _, k) in enumerate(engine_slots)]
-    addresses = [f"{addr}:{port}" for (_, addr, _), port in zip(engine_slots, ports)]
-    base = {"python": python, "engine_python": engine_python, "config": config_path,
-            "run_dir": str(run_dir), "job_id": job, "engines_file": str(engines_file),
-            "engine_addresses": "[" + ",".join(addresses) + "]", "num_engines": num_engines,
-            "stop_file": str(stop_file)}
+        return service_ports(len(slots))
+    first = srv.port or exp.launch.engine.default_port
+    return [first + (i if alloc.local else k) for i, (_, _, k) in enumerate(slots)]
 
-    # Steps sharing a node split its CPUs (srun --exact), else one step takes the whole node.
+
+def cpus_per_step(alloc: Allocation, nodes: _Nodes) -> dict[str, int | None]:
+    """CPUs each node's steps ask for: steps sharing a node split its CPUs (srun --exact), else
+    one step takes the whole node (None)."""
     steps_on: dict[str, int] = {}
-    for node, _, _ in engine_slots:
+    for node in [n for n, _, _ in nodes.engine_slots] + list(nodes.learner_nodes):
         steps_on[node] = steps_on.get(node, 0) + 1
-    for node in learner_nodes:
-        steps_on[node] = steps_on.get(node, 0) + 1
+    return {node: None if alloc.local or not alloc.cpus_per_node or k < 2 else max(1, alloc.cpus_per_node // k)
+            for node, k in steps_on.items()}
 
-    def cpus_for(node: str) -> int | None:
-        if alloc.local or not alloc.cpus_per_node or steps_on.get(node, 1) < 2:
-            return None
-        return max(1, alloc.cpus_per_node // steps_on[node])
 
+def engine_procs(exp: ExperimentConfig, alloc: Allocation, nodes: _Nodes, ports: list[int], *, env: dict[str, str],
+                 base: dict, raw: dict, overrides: list[str], python: str, engine_python: str, run_dir: Path,
+                 sglang_secret: str, first_gpu: int) -> tuple[ProcSpec, ...]:
+    """One engine_proc-wrapped server per slot: SGLang's own command, or launch.engine.command."""
+    ec, srv = exp.launch.engine, exp.inference.server
+    tp, gpus = srv.tp_size, alloc.gpus_per_node
+    cpus = cpus_per_step(alloc, nodes)
     engines = []
-    next_gpu = world if alloc.local else 0
-    for i, (node, addr, k) in enumerate(engine_slots):
+    next_gpu = first_gpu
+    for i, (node, addr, k) in enumerate(nodes.engine_slots):
         port = ports[i]
         if ec.command is None:
             seed = None if srv.random_seed is None else srv.random_seed + i
-            if sglang_secret is None:  # the user's own key file: SGLang reads a YAML next to it
-                sglang_secret = str(Path(key_file).with_name(secrets.SGLANG_CONFIG))
             engine_srv = replace(srv, host=addr, python=engine_python)
             cmd = build_launch_command(engine_srv, port, random_seed=seed, secret_config=sglang_secret,
                                        capture_routes=exp.actor.model.captures_server_routes,
@@ -417,19 +382,28 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
             next_gpu += tp
         engines.append(ProcSpec(
             name=f"engine{i}", role="engine", node=node, argv=tuple(argv), env=engine_env,
-            num_gpus=tp if gpus else 0, log_path=str(logs / f"engine{i}.log"),
-            cpus=cpus_for(node), gpu_ids=gpu_ids, address_file=str(addr_file),
+            num_gpus=tp if gpus else 0, log_path=str(run_dir / "logs" / f"engine{i}.log"),
+            cpus=cpus[node], gpu_ids=gpu_ids, address_file=str(addr_file),
             url=f"http://{addr}:{port}",
         ))
+    return tuple(engines)
 
-    learners = []
+
+def learner_procs(exp: ExperimentConfig, alloc: Allocation, nodes: _Nodes, *, nproc: int, world: int,
+                  env: dict[str, str], base: dict, raw: dict, overrides: list[str], python: str,
+                  run_dir: Path) -> tuple[ProcSpec, ...]:
+    """One torchrun per learner node (static rendezvous at the first node)."""
+    lc, gpus = exp.launch.learner, alloc.gpus_per_node
+    cpus = cpus_per_step(alloc, nodes)
+    logs = run_dir / "logs"
     cmd = render(lc.command, base, raw, overrides, "launch.learner.command")
-    n_nodes = len(learner_nodes)
+    n_nodes = len(nodes.learner_nodes)
     local_nproc = world if alloc.local else nproc
-    for r, node in enumerate(learner_nodes):
+    learners = []
+    for r, node in enumerate(nodes.learner_nodes):
         name = f"learner{r}"
         argv = [python, "-m", "torch.distributed.run", "--nnodes", str(n_nodes), "--node-rank", str(r),
-                "--nproc-per-node", str(local_nproc), "--master-addr", master_addr,
+                "--nproc-per-node", str(local_nproc), "--master-addr", nodes.master_addr,
                 "--master-port", str(lc.master_port),
                 # Per-rank logs (<dir>/<run>/attempt_0/<local_rank>/std{out,err}.log) let the
                 # launcher print the failed rank's own tail; --tee keeps them in the node log too.
@@ -437,27 +411,34 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
         learners.append(ProcSpec(
             name=name, role="learner", node=node, argv=tuple(argv), env=env,
             num_gpus=local_nproc if gpus else 0, log_path=str(logs / f"{name}.log"),
-            cpus=cpus_for(node), gpu_ids=tuple(range(world)) if (alloc.local and gpus) else None,
+            cpus=cpus[node], gpu_ids=tuple(range(world)) if (alloc.local and gpus) else None,
             node_rank=r, nproc=local_nproc,
         ))
+    return tuple(learners)
 
+
+def memory_verdict(exp: ExperimentConfig, layout: ParallelLayout, gpus: int, *, engines: bool
+                   ) -> tuple[LearnerMemory | None, EngineMemory | None, list[str]]:
+    """The per-GPU estimates (learner; engine when there are engines) and notes: a hint for a
+    learner plan that does not fit, an engine wider than a node; on CPU nodes a model that cannot
+    be estimated is a note, not an error."""
+    cfg, srv = exp.launch, exp.inference.server
+    ec, tp = cfg.engine, srv.tp_size
+    notes: list[str] = []
     try:
-        m = model_shape(exp)
+        m = model_arch(exp)
     except ValueError as e:
         if gpus:  # GPU plans are refused without an estimate
             raise
-        m = None  # CPU nodes (tests, demos): the estimate is informational only
-        notes.append(f"memory not estimated: {e}")
-    learner_mem = None
-    if m is not None:
-        settings, critic, reference = learner_settings(exp, m, layout, on_gpu=gpus > 0)
-        learner_mem = estimate_learner(m, settings, layout, cfg.gpu_memory_gib, reference=reference, critic=critic)
-    if gpus and learner_mem is not None and not learner_mem.fits:
+        return None, None, [f"memory not estimated: {e}"]  # CPU nodes (tests, demos): informational only
+    settings, critic, reference = learner_settings(exp, m, layout, on_gpu=gpus > 0)
+    learner_mem = estimate_learner(m, settings, layout, cfg.gpu_memory_gib, reference=reference, critic=critic)
+    if gpus and not learner_mem.fits:
         hint = _what_would_fit(m, settings, layout, cfg.gpu_memory_gib, reference=reference, critic=critic)
         if hint:
             notes.append(f"the learner plan does not fit as configured; it {hint}")
     engine_mem = None
-    if engines and m is not None:
+    if engines:
         engine_mem = estimate_engine(
             m, tp=tp, max_total_tokens=srv.max_total_tokens,
             mem_fraction_static=srv.mem_fraction_static or ec.default_mem_fraction_static,
@@ -466,10 +447,61 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
             notes.append(f"one server's weights ({engine_mem.weights * tp / GIB:.0f} GiB) exceed a node's "
                          f"{gpus} GPUs at inference.server.tp_size={tp}; servers spanning nodes (SGLang "
                          "--nnodes) are not implemented by the launcher")
+    return learner_mem, engine_mem, notes
+
+
+def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: str,
+               overrides: list[str], python: str = sys.executable, engine_python: str | None = None,
+               exp: ExperimentConfig | None = None) -> LaunchPlan:
+    """Place learners and engines on ``alloc`` (raises ValueError naming the key on a bad fit).
+
+    ``exp``: the typed experiment the launcher built once (every section the plan reads comes
+    from it; ``cfg`` is its ``launch`` section); None = the sections of ``raw`` (callers that hold
+    only a dict). ``raw`` itself only fills ``{cfg:key}`` placeholders."""
+    exp = dataclasses.replace(exp if exp is not None else experiment_from_dict(raw, whole=False), launch=cfg)
+    srv, gpus, job = exp.inference.server, alloc.gpus_per_node, alloc.job_id
+    run_dir = Path(cfg.run_dir.replace("{job_id}", job))
+    engines_file = run_dir / "engines.json"
+    # The servers' API key: the YAML's own key file, or one written for this launch (the YAML's
+    # inline key, else a random one) -- every launch protects its servers, and the key never
+    # reaches a command line or a log (utils.secrets).
+    inf = exp.inference
+    secrets_dir = None if inf.api_key_file else run_dir / "secrets"
+    key_file = inf.api_key_file or str(secrets_dir / secrets.KEY_FILE)
+    # the user's own key file: SGLang reads a YAML next to it
+    sglang_secret = str(secrets_dir / secrets.SGLANG_CONFIG) if secrets_dir else \
+        str(Path(key_file).with_name(secrets.SGLANG_CONFIG))
+    if secrets_dir is not None:  # learners read the key from the file, never from the YAML
+        overrides = [*overrides, f"inference.api_key_file={key_file}", "inference.api_key=null"]
+    # Checkpoint-and-stop on SIGUSR1/SIGTERM goes through the trainer's stop file.
+    stop_file = Path(exp.trainer.stop_file or run_dir / "STOP")
+    overrides = [*overrides, f"trainer.stop_file={stop_file}"]
+    n_learn, split_note = learner_node_count(exp, alloc)
+    nproc, world = _learner_world(exp, gpus, n_learn)
+    layout = ParallelLayout.build(exp.parallel, world)
+    nodes = place_local(alloc, exp, world) if alloc.local else place_cluster(alloc, exp, n_learn)
+
+    env = {**cfg.env, **cfg.nccl_env}
+    # The package is used from the source tree: make `-m areal_mega...` importable on every node.
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    engine_python = engine_python or srv.python
+    ports = engine_ports(alloc, exp, nodes.engine_slots)
+    addresses = [f"{addr}:{port}" for (_, addr, _), port in zip(nodes.engine_slots, ports)]
+    base = {"python": python, "engine_python": engine_python, "config": config_path,
+            "run_dir": str(run_dir), "job_id": job, "engines_file": str(engines_file),
+            "engine_addresses": "[" + ",".join(addresses) + "]", "num_engines": len(nodes.engine_slots),
+            "stop_file": str(stop_file)}
+    engines = engine_procs(exp, alloc, nodes, ports, env=env, base=base, raw=raw, overrides=overrides, python=python,
+                           engine_python=engine_python, run_dir=run_dir, sglang_secret=sglang_secret,
+                           first_gpu=world if alloc.local else 0)
+    learners = learner_procs(exp, alloc, nodes, nproc=nproc, world=world, env=env, base=base, raw=raw,
+                             overrides=overrides, python=python, run_dir=run_dir)
+    learner_mem, engine_mem, mem_notes = memory_verdict(exp, layout, gpus, engines=bool(engines))
+    notes = ([split_note] if split_note else []) + list(nodes.notes) + mem_notes
     return LaunchPlan(
-        job_id=job, run_dir=run_dir, allocation=alloc, layout=layout, learner_nodes=learner_nodes,
-        engine_nodes=tuple(dict.fromkeys(n for n, _, _ in engine_slots)),
-        master_addr=f"{master_addr}:{lc.master_port}", engines=tuple(engines), learners=tuple(learners),
+        job_id=job, run_dir=run_dir, allocation=alloc, layout=layout, learner_nodes=nodes.learner_nodes,
+        engine_nodes=tuple(dict.fromkeys(n for n, _, _ in nodes.engine_slots)),
+        master_addr=f"{nodes.master_addr}:{cfg.learner.master_port}", engines=engines, learners=learners,
         engines_file=engines_file, env=env, learner_memory=learner_mem, engine_memory=engine_mem,
         checks_gpu_memory=gpus > 0, notes=tuple(notes), secrets_dir=secrets_dir, api_key=inf.api_key,
         stop_file=stop_file, preempt_grace_s=cfg.preempt_grace_s,

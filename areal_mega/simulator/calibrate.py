@@ -307,6 +307,289 @@ def run_facts(rows: list[dict], warmup: int, setting: RunSetting) -> dict:
     }
 
 
+def _check_calibration_runs(by_name: dict[str, RunSetting], calibrate_on: list[str]) -> None:
+    """The calibration runs exist, and each async one has a synchronous run of its workload."""
+    missing = [c for c in calibrate_on if c not in by_name]
+    if missing or not calibrate_on:
+        raise SimulationError(f"--calibrate-on: {missing or calibrate_on} not among the settings {list(by_name)}")
+    work_of = lambda s: (s.batch_size, s.group_size, s.max_new_tokens)  # noqa: E731
+    sync_work = {work_of(by_name[c]) for c in calibrate_on if by_name[c].max_staleness == 0}
+    for c in calibrate_on:  # the overlap's costs are what the async run adds to the learner curve at its tokens
+        if sync_work and by_name[c].max_staleness > 0 and work_of(by_name[c]) not in sync_work:
+            raise SimulationError(f"--calibrate-on: {c} (batch {by_name[c].batch_size}, {by_name[c].max_new_tokens} new "
+                                  "tokens) has no synchronous calibration run of its workload, which the learner's step "
+                                  "at its tokens comes from")
+
+
+@dataclass
+class _Runs:
+    """The measured runs of every setting: all rounds' timed steps pooled (``rows``: warm-up of
+    the first round, the timed steps, the last round's final step) and each round's own."""
+
+    rows: dict[str, list[dict]]
+    per_round: dict[str, list[list[dict]]]
+    rounds: int
+    warmup: int
+
+    @classmethod
+    def load(cls, work: Path, settings: list[RunSetting], rounds: int, warmup: int) -> "_Runs":
+        rows: dict[str, list[dict]] = {}
+        per_round: dict[str, list[list[dict]]] = {}
+        for s in settings:
+            runs = [load_rows(work / f"{s.name}{r}" / "metrics.jsonl") for r in range(rounds)]
+            mid = [row for run in runs for row in run[warmup:-1]]  # pooled timed steps, one trim
+            rows[s.name] = runs[0][:warmup] + mid + runs[-1][-1:]
+            per_round[s.name] = [timed(run, warmup) for run in runs]
+        return cls(rows, per_round, rounds, warmup)
+
+    def timed(self, name: str) -> list[dict]:
+        return timed(self.rows[name], self.warmup)
+
+    def mean_se(self, runs: list[RunSetting], value: Callable[[list[dict]], float]) -> tuple[float, float]:
+        """``value`` over these settings' timed steps, and its standard error: the larger of the
+        steps' and, with >= 2 rounds, the rounds' (runs minutes apart differ more than one run's
+        steps do: the machine's speed drifts)."""
+        steps = [value([r]) for s in runs for r in self.timed(s.name)]
+        means = [value(t) for s in runs for t in self.per_round[s.name]]
+        return statistics.fmean(steps), max(_se(steps), _se(means) if self.rounds > 1 else 0.0)
+
+    def facts(self, settings: list[RunSetting]) -> dict[str, dict]:
+        """run_facts per setting, with each round's samples/s and their relative standard error."""
+        facts = {s.name: run_facts(self.rows[s.name], self.warmup, s) for s in settings}
+        for name, timed_runs in self.per_round.items():
+            # with >= 2 rounds the standard error of the mean also comes from the rounds (mean_se)
+            xs = [run_stats(t).samples_per_s for t in timed_runs]
+            facts[name]["samples_per_s_rounds"] = [round(x, 4) for x in xs]
+            facts[name]["rel_se_rounds"] = round(_se(xs) / statistics.fmean(xs), 4) if len(xs) > 1 else None
+        return facts
+
+
+class _Calibration:
+    """The models :func:`validate` fits, one step per method, in the order ``fit`` runs them
+    (docstring of :func:`validate`)."""
+
+    def __init__(self, runs: _Runs, facts: dict[str, dict], cal: list[RunSetting], fit) -> None:
+        self.runs, self.facts, self.cal = runs, facts, cal
+        self.calibrate_on = {s.name for s in cal}
+        self.sync_cal = [s for s in cal if s.max_staleness == 0] or cal
+        self.async_cal = [s for s in cal if s.max_staleness > 0]
+        prompts = [fit_lengths(runs.rows[s.name], s.max_new_tokens).prompt_tokens for s in cal]
+        from areal_mega.simulator.sweep import fit_learner_curve
+
+        # the learner's step through the synchronous runs (one point per batch size): on this CPU
+        # host it is not affine in the tokens, so a least-squares line misses both ends
+        self.learner = fit_learner_curve([(statistics.fmean(float(r.get("train/num_tokens", 0.0))
+                                                            for r in runs.timed(s.name)),
+                                           facts[s.name]["learner_s"]) for s in self.sync_cal])
+        self.prompt = int(round(statistics.fmean(prompts)))
+        self.swept = fit.decode_model(prompt_tokens=self.prompt)
+        self.decode = self.swept
+        # Two decode speeds, each from the runs of its regime: generation measured alone (the
+        # synchronous runs: the learner waits) ran 1.3-1.5x slower than generation overlapping
+        # training (the asynchronous run's own in-flight time) on this machine, which one scale
+        # cannot reproduce (docs/simulator.md, "Out-of-sample validation").
+        self.decode_overlap: DecodeModel | None = None
+        self.sync = SyncModel(latency_s=statistics.fmean(facts[s.name]["weight_sync_s"] for s in self.sync_cal))
+        self.client_s, self.speed, self.speed_overlap = 0.0, 1.0, None
+        self.k_identified = True
+        self.gen_target = statistics.fmean(facts[s.name]["rollout_wait_s"] for s in self.sync_cal)
+        a = self.async_cal
+        self.learner_target = statistics.fmean(facts[s.name]["learner_s"] for s in a) if a else 0.0
+        self.sync_target = statistics.fmean(facts[s.name]["weight_sync_s"] for s in a) if a else 0.0
+
+    @property
+    def host(self) -> HostModel:
+        return HostModel(client_s_per_request=self.client_s)
+
+    def scaled(self, k: float) -> DecodeModel:
+        """The sweep's decode model at ``k`` times its times (its shape kept: half_batch, the
+        per-request share): the machine's speed during the runs, not during the sweep."""
+        sw = self.swept
+        return dataclasses.replace(sw, peak_tokens_per_s=sw.peak_tokens_per_s / k,
+                                   request_server_s=sw.request_server_s * k, request_latency_s=sw.request_latency_s * k)
+
+    def lengths_of(self, s: RunSetting) -> LengthModel:
+        # the length each run generates is the workload's (a measured run's own, else the cap: the
+        # tiny model rarely stops early); the planner sees the same via workload.lengths_from
+        ln = fit_lengths(self.runs.rows[s.name], s.max_new_tokens) if s.name in self.calibrate_on else None
+        mean = ln.samples and statistics.fmean(ln.samples) if ln else s.max_new_tokens
+        return LengthModel(kind="constant", mean_tokens=max(1.0, mean), max_tokens=s.max_new_tokens,
+                           prompt_tokens=self.prompt)
+
+    def cfg_for(self, s: RunSetting, host: HostModel) -> SimConfig:
+        d = self.decode if s.max_staleness == 0 or self.decode_overlap is None else self.decode_overlap
+        return _sim_for(s, steps=len(self.runs.timed(s.name)), warmup=self.runs.warmup, lengths=self.lengths_of(s),
+                        decode=d, learner=self.learner, sync=self.sync, host=host)
+
+    def simulate_mean(self, runs: list[RunSetting], metric: str) -> float:
+        return statistics.fmean(getattr(simulate(self.cfg_for(s, self.host)), metric) for s in runs)
+
+    def fit_scale(self, runs: list[RunSetting], metric: str, target: float, attr: str) -> float:
+        """The decode time scale k (the sweep's shape at k times its times) at which the simulated
+        ``metric`` of ``runs`` matches ``target`` (their mean); installs that model as ``attr``."""
+        def value(logk: float) -> float:
+            setattr(self, attr, self.scaled(math.exp(logk)))
+            return self.simulate_mean(runs, metric)
+        k = math.exp(_bisect(value, math.log(1e-3), math.log(1e3), target))
+        setattr(self, attr, self.scaled(k))
+        return k
+
+    def fit_speed(self) -> None:
+        """The synchronous calibration runs' generation (fitted last: the synchronous run is
+        reproduced whatever the other fits found)."""
+        self.speed = self.fit_scale(self.sync_cal, "gen_wait_s", self.gen_target, "decode")
+
+    def fit_client_work(self) -> None:
+        """Client work per request: what stretches the async runs' learner step, alternated with
+        the synchronous speed to the fixed point (the sync run's generation holds client work
+        too); bounded by the synchronous run, whose generation time holds a batch's client work."""
+        cap = 0.9 * self.gen_target / max(s.batch_size * s.group_size for s in self.sync_cal)
+
+        def train_s(c: float) -> float:
+            self_c, self.client_s = self.client_s, c
+            try:
+                return self.simulate_mean(self.async_cal, "train_s")
+            finally:
+                self.client_s = self_c
+        for _ in range(8):
+            prev = self.client_s
+            self.client_s = _bisect(train_s, 0.0, cap, self.learner_target)
+            self.fit_speed()
+            if abs(self.client_s - prev) <= 1e-3 * max(self.client_s, 1e-9):
+                break
+
+    def fit_overlap_speed(self) -> None:
+        """The asynchronous calibration runs' in-flight time (rollout/gen_inflight_s, pauses
+        included), with the client work fixed -- alternating it with this one as well has a second
+        fixed point (slower decode, less client work) that misses the async run's throughput;
+        skipped when not logged."""
+        inflight = [self.facts[s.name]["inflight_s"] for s in self.async_cal]
+        if None not in inflight:
+            self.speed_overlap = self.fit_scale(self.async_cal, "gen_inflight_s", statistics.fmean(inflight),
+                                                "decode_overlap")
+
+    def fit_sync_cost(self) -> None:
+        """The sync's cost per in-flight request. Identified only when requests are in flight at the
+        simulated syncs and the async runs' sync is slower than the synchronous runs' by more than
+        twice the standard error of the difference: a cost fitted to noise would rank the bounds
+        by that noise."""
+        def sync_s(k: float) -> float:
+            self.sync = dataclasses.replace(self.sync, per_inflight_request_s=k)
+            return self.simulate_mean(self.async_cal, "weight_sync_s")
+        probe = [simulate(self.cfg_for(s, self.host)) for s in self.async_cal]
+        sync_s_of = lambda steps: statistics.fmean(r["time/weight_sync_s"] for r in steps)  # noqa: E731
+        (a_mean, a_se), (s_mean, s_se) = self.runs.mean_se(self.async_cal, sync_s_of), \
+            self.runs.mean_se(self.sync_cal, sync_s_of)
+        self.k_identified = any(r.inflight_at_sync > 0 for r in probe) and a_mean - s_mean > 2.0 * math.hypot(a_se, s_se)
+        k = _bisect(sync_s, 0.0, 1.0, self.sync_target) if self.k_identified else 0.0
+        self.sync = dataclasses.replace(self.sync, per_inflight_request_s=k)
+
+    def fit(self) -> "_Calibration":
+        self.fit_speed()
+        if self.async_cal:
+            self.fit_client_work()
+            self.fit_overlap_speed()
+            self.fit_sync_cost()
+        return self
+
+    def predict(self, s: RunSetting) -> dict:
+        """One setting's prediction, with and without the overlap's costs, against its measurement."""
+        res = simulate(self.cfg_for(s, self.host))
+        base = simulate(dataclasses.replace(self.cfg_for(s, HostModel()), sync=SyncModel(latency_s=self.sync.latency_s)))
+        m = self.facts[s.name]["samples_per_s"]
+        return {"setting": dataclasses.asdict(s), "calibration_run": s.name in self.calibrate_on,
+                "predicted": round(res.samples_per_s, 4), "measured": m,
+                "rel_error": round(abs(res.samples_per_s - m) / m, 4),
+                "predicted_without_overlap_costs": round(base.samples_per_s, 4),
+                "rel_error_without_overlap_costs": round(abs(base.samples_per_s - m) / m, 4),
+                "predicted_learner_s": round(res.train_s, 4), "predicted_weight_sync_s": round(res.weight_sync_s, 4),
+                "predicted_inflight_at_sync": round(res.inflight_at_sync, 2),
+                "predicted_staleness_mean": round(res.staleness_mean, 4),
+                "measured_facts": self.facts[s.name]}
+
+    def summary(self, fit) -> dict:
+        r4 = lambda x: round(x, 4)  # noqa: E731
+        return {"decode_sweep": {k: v for k, v in fit.summary().items() if k != "points"},
+                "decode_sweep_points": len(fit.points), "decode_sweep_rms_rel_error": fit.rms_rel_error,
+                "learner": dataclasses.asdict(self.learner), "weight_sync_s": r4(self.sync.latency_s),
+                "client_s_per_request": float(f"{self.client_s:.6g}"), "prompt_tokens": self.prompt,
+                "sync_s_per_inflight_request": float(f"{self.sync.per_inflight_request_s:.6g}"),
+                "sync_s_per_inflight_request_identified": self.k_identified,
+                "decode_time_scale_vs_sweep": round(self.speed, 4),
+                "decode_time_scale_vs_sweep_overlapped": None if self.speed_overlap is None
+                else round(self.speed_overlap, 4)}
+
+
+class _Ranking:
+    """Predicted against measured order of the settings, ties from the planner's tolerance
+    (predictions) and the measurement's noise (measurements)."""
+
+    def __init__(self, preds: dict[str, dict], by_name: dict[str, RunSetting]) -> None:
+        self.preds, self.by_name = preds, by_name
+
+    def rank(self, key: str, names: list[str]) -> list[str]:
+        return sorted(names, key=lambda n: -self.preds[n][key])
+
+    def rel_se(self, name: str) -> float:
+        """A setting's measured samples/s, relative standard error: the larger of the steps'
+        (within its runs) and the rounds' (between them; None with one round)."""
+        f = self.preds[name]["measured_facts"]
+        return max(f["rel_se"] or 0.0, f.get("rel_se_rounds") or 0.0)
+
+    def order(self, a: str, b: str, key: str) -> int:
+        """-1, 0, 1: a below, tied with, above b. Predictions tie within the planner's own
+        tolerance (PLAN_TOLERANCE); measurements within twice the standard error of their
+        difference (rel_se), as no ranking finer than the noise is measurable."""
+        x, y = self.preds[a][key], self.preds[b][key]
+        if key == "predicted":
+            tie = PLAN_TOLERANCE * max(x, y)
+        else:
+            tie = 2.0 * math.hypot(self.rel_se(a) * x, self.rel_se(b) * y)
+        return 0 if abs(x - y) <= tie else (1 if x > y else -1)
+
+    def same_order(self, names: list[str]) -> bool:
+        return all(self.order(a, b, "predicted") == self.order(a, b, "measured")
+                   for i, a in enumerate(names) for b in names[i + 1:])
+
+    def consistent(self, names: list[str]) -> bool:
+        """No pair the measurement resolves is predicted otherwise (measured ties allow any order)."""
+        return all(self.order(a, b, "predicted") == m for i, a in enumerate(names) for b in names[i + 1:]
+                   if (m := self.order(a, b, "measured")) != 0)
+
+    def choice(self, names: list[str]) -> dict:
+        """The bound the planner would recommend among ``names`` (its rule: the smallest
+        max_staleness within PLAN_TOLERANCE of the best prediction) against the measured best:
+        right when its measured throughput is not below the best's (order(), with the noise)."""
+        if not names:
+            return {}
+        preds = self.preds
+        top = max(preds[n]["predicted"] for n in names)
+        pick = min((n for n in names if near_best(preds[n]["predicted"], top)),
+                   key=lambda n: self.by_name[n].max_staleness)
+        best = max(names, key=lambda n: preds[n]["measured"])
+        return {"planner": pick, "measured_best": best, "right": self.order(pick, best, "measured") >= 0}
+
+    def report(self, eta_runs: list[str]) -> dict:
+        """The whole ranking, and the staleness ranking among ``eta_runs``."""
+        names = list(self.preds)
+        return {
+            "ranking_predicted": self.rank("predicted", names), "ranking_measured": self.rank("measured", names),
+            # equal: every pair in the same order, ties included (order()); *_strict: sorted lists equal
+            "ranking_equal": self.same_order(names),
+            "ranking_equal_strict": self.rank("predicted", names) == self.rank("measured", names),
+            "ranking_consistent": self.consistent(names),
+            "staleness_ranking_predicted": self.rank("predicted", eta_runs),
+            "staleness_ranking_measured": self.rank("measured", eta_runs),
+            "staleness_ranking_equal": self.same_order(eta_runs),
+            "staleness_ranking_equal_strict": self.rank("predicted", eta_runs) == self.rank("measured", eta_runs),
+            "staleness_ranking_consistent": self.consistent(eta_runs),
+            "staleness_pairs": {f"{a}|{b}": {"predicted": self.order(a, b, "predicted"),
+                                             "measured": self.order(a, b, "measured")}
+                                for i, a in enumerate(eta_runs) for b in eta_runs[i + 1:]},
+            "staleness_choice": self.choice(eta_runs),
+        }
+
+
 def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *, warmup_steps: int) -> dict:
     """Calibrate on the runs named ``calibrate_on`` (+ the decode sweep), predict every other run.
 
@@ -324,209 +607,18 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
     from areal_mega.simulator.sweep import DecodeFit
 
     by_name = {s.name: s for s in settings}
-    missing = [c for c in calibrate_on if c not in by_name]
-    if missing or not calibrate_on:
-        raise SimulationError(f"--calibrate-on: {missing or calibrate_on} not among the settings {list(by_name)}")
-    work_of = lambda s: (s.batch_size, s.group_size, s.max_new_tokens)  # noqa: E731
-    sync_work = {work_of(by_name[c]) for c in calibrate_on if by_name[c].max_staleness == 0}
-    for c in calibrate_on:  # the overlap's costs are what the async run adds to the learner curve at its tokens
-        if sync_work and by_name[c].max_staleness > 0 and work_of(by_name[c]) not in sync_work:
-            raise SimulationError(f"--calibrate-on: {c} (batch {by_name[c].batch_size}, {by_name[c].max_new_tokens} new "
-                                  "tokens) has no synchronous calibration run of its workload, which the learner's step "
-                                  "at its tokens comes from")
+    _check_calibration_runs(by_name, calibrate_on)
     try:
         meta = json.loads((work / "validate_runs.json").read_text())
     except (OSError, ValueError) as e:
         raise SimulationError(f"validate: no measurement in {work} ({e}); run without --reuse") from None
     fit = DecodeFit.load(work / "decode_sweep.json")
-    rounds = int(meta.get("rounds", 1))
-    rows: dict[str, list[dict]] = {}
-    per_round: dict[str, list[list[dict]]] = {}  # each round's timed steps
-    for s in settings:
-        runs = [load_rows(work / f"{s.name}{r}" / "metrics.jsonl") for r in range(rounds)]
-        mid = [row for run in runs for row in run[warmup_steps:-1]]  # pooled timed steps, one trim
-        rows[s.name] = runs[0][:warmup_steps] + mid + runs[-1][-1:]
-        per_round[s.name] = [timed(run, warmup_steps) for run in runs]
-
-    def mean_se(runs: list[RunSetting], value: Callable[[list[dict]], float]) -> tuple[float, float]:
-        """``value`` over these settings' timed steps, and its standard error: the larger of the
-        steps' and, with >= 2 rounds, the rounds' (runs minutes apart differ more than one run's
-        steps do: the machine's speed drifts)."""
-        steps = [value([r]) for s in runs for r in timed(rows[s.name], warmup_steps)]
-        means = [value(t) for s in runs for t in per_round[s.name]]
-        return statistics.fmean(steps), max(_se(steps), _se(means) if rounds > 1 else 0.0)
-    facts = {s.name: run_facts(rows[s.name], warmup_steps, s) for s in settings}
-    for name, timed_runs in per_round.items():
-        # with >= 2 rounds the standard error of the mean also comes from the rounds (mean_se)
-        xs = [run_stats(t).samples_per_s for t in timed_runs]
-        facts[name]["samples_per_s_rounds"] = [round(x, 4) for x in xs]
-        facts[name]["rel_se_rounds"] = round(_se(xs) / statistics.fmean(xs), 4) if len(xs) > 1 else None
+    runs = _Runs.load(work, settings, int(meta.get("rounds", 1)), warmup_steps)
+    facts = runs.facts(settings)
     cal = [by_name[c] for c in calibrate_on]
-    sync_cal = [s for s in cal if s.max_staleness == 0] or cal
-    prompts = []
-    for s in cal:
-        prompts.append(fit_lengths(rows[s.name], s.max_new_tokens).prompt_tokens)
-    from areal_mega.simulator.sweep import fit_learner_curve
-
-    # the learner's step through the synchronous runs (one point per batch size): on this CPU host
-    # it is not affine in the tokens, so a least-squares line misses both ends
-    learner = fit_learner_curve([(statistics.fmean(float(r.get("train/num_tokens", 0.0)) for r in timed(rows[s.name], warmup_steps)),
-                                  facts[s.name]["learner_s"]) for s in sync_cal])
-    prompt = int(round(statistics.fmean(prompts)))
-    swept = fit.decode_model(prompt_tokens=prompt)
-
-    def scaled(k: float) -> DecodeModel:
-        """The sweep's decode model at ``k`` times its times (its shape kept: half_batch, the
-        per-request share): the machine's speed during the runs, not during the sweep."""
-        return dataclasses.replace(swept, peak_tokens_per_s=swept.peak_tokens_per_s / k,
-                                   request_server_s=swept.request_server_s * k, request_latency_s=swept.request_latency_s * k)
-    decode = swept
-    sync = SyncModel(latency_s=statistics.fmean(facts[s.name]["weight_sync_s"] for s in sync_cal))
-
-    def lengths_of(s: RunSetting) -> LengthModel:
-        # the length each run generates is the workload's (a measured run's own, else the cap: the
-        # tiny model rarely stops early); the planner sees the same via workload.lengths_from
-        ln = fit_lengths(rows[s.name], s.max_new_tokens) if s.name in calibrate_on else None
-        mean = ln.samples and statistics.fmean(ln.samples) if ln else s.max_new_tokens
-        return LengthModel(kind="constant", mean_tokens=max(1.0, mean), max_tokens=s.max_new_tokens,
-                           prompt_tokens=prompt)
-
-    # Two decode speeds, each from the runs of its regime: generation measured alone (the
-    # synchronous runs: the learner waits) ran 1.3-1.5x slower than generation overlapping
-    # training (the asynchronous run's own in-flight time) on this machine, which one scale cannot
-    # reproduce (docs/simulator.md, "Out-of-sample validation").
-    decode_overlap: DecodeModel | None = None
-
-    def cfg_for(s: RunSetting, host: HostModel) -> SimConfig:
-        d = decode if s.max_staleness == 0 or decode_overlap is None else decode_overlap
-        return _sim_for(s, steps=len(timed(rows[s.name], warmup_steps)), warmup=warmup_steps, lengths=lengths_of(s),
-                        decode=d, learner=learner, sync=sync, host=host)
-
-    async_cal = [s for s in cal if s.max_staleness > 0]
-    client_s, speed, speed_overlap = 0.0, 1.0, None
-    gen_target = statistics.fmean(facts[s.name]["rollout_wait_s"] for s in sync_cal)
-    learner_target = statistics.fmean(facts[s.name]["learner_s"] for s in async_cal) if async_cal else 0.0
-    sync_target = statistics.fmean(facts[s.name]["weight_sync_s"] for s in async_cal) if async_cal else 0.0
-    def set_decode(m: DecodeModel) -> None:
-        nonlocal decode
-        decode = m
-
-    def set_overlap(m: DecodeModel) -> None:
-        nonlocal decode_overlap
-        decode_overlap = m
-
-    def fit_scale(runs: list[RunSetting], metric: str, target: float, assign: Callable[[DecodeModel], None]) -> float:
-        """The decode time scale k (the sweep's shape at k times its times) at which the simulated
-        ``metric`` of ``runs`` matches ``target`` (their mean); ``assign`` installs the model."""
-        def value(logk: float) -> float:
-            assign(scaled(math.exp(logk)))
-            return statistics.fmean(getattr(simulate(cfg_for(s, HostModel(client_s_per_request=client_s))), metric)
-                                    for s in runs)
-        k = math.exp(_bisect(value, math.log(1e-3), math.log(1e3), target))
-        assign(scaled(k))
-        return k
-
-    def fit_speed() -> float:
-        """The synchronous calibration runs' generation (fitted last: the synchronous run is
-        reproduced whatever the other fits found)."""
-        return fit_scale(sync_cal, "gen_wait_s", gen_target, set_decode)
-
-    speed = fit_speed()
-    k_identified = True
-    if async_cal:
-        # client work: what stretches the async run's learner step; bounded by the synchronous run,
-        # whose generation time contains all of a batch's client work (done while the learner waits)
-        cap = 0.9 * gen_target / max(s.batch_size * s.group_size for s in sync_cal)
-
-        def train_s(c: float) -> float:
-            res = [simulate(cfg_for(s, HostModel(client_s_per_request=c))) for s in async_cal]
-            return statistics.fmean(r.train_s for r in res)
-        inflight = [facts[s.name]["inflight_s"] for s in async_cal]
-        inflight_target = statistics.fmean(inflight) if None not in inflight else None
-
-        def fit_overlap() -> float | None:
-            """The asynchronous calibration runs' in-flight time (rollout/gen_inflight_s, pauses
-            included); None when not logged."""
-            return None if inflight_target is None else fit_scale(async_cal, "gen_inflight_s", inflight_target, set_overlap)
-
-        for _ in range(8):  # alternate to the fixed point: the sync run's generation holds client work too
-            prev = client_s
-            client_s = _bisect(train_s, 0.0, cap, learner_target)
-            speed = fit_speed()
-            if abs(client_s - prev) <= 1e-3 * max(client_s, 1e-9):
-                break
-        # last, with the client work fixed: alternating it with this one as well has a second
-        # fixed point (slower decode, less client work) that misses the async run's throughput
-        speed_overlap = fit_overlap()
-
-        def sync_s(k: float) -> float:
-            nonlocal sync
-            sync = dataclasses.replace(sync, per_inflight_request_s=k)
-            res = [simulate(cfg_for(s, HostModel(client_s_per_request=client_s))) for s in async_cal]
-            return statistics.fmean(r.weight_sync_s for r in res)
-        probe = [simulate(cfg_for(s, HostModel(client_s_per_request=client_s))) for s in async_cal]
-        # Identified only when requests are in flight at the simulated syncs and the async runs'
-        # sync is slower than the synchronous runs' by more than twice the standard error of the
-        # difference: a cost fitted to noise would rank the bounds by that noise.
-        sync_s_of = lambda steps: statistics.fmean(r["time/weight_sync_s"] for r in steps)  # noqa: E731
-        (a_mean, a_se), (s_mean, s_se) = mean_se(async_cal, sync_s_of), mean_se(sync_cal, sync_s_of)
-        k_identified = any(r.inflight_at_sync > 0 for r in probe) and a_mean - s_mean > 2.0 * math.hypot(a_se, s_se)
-        k = _bisect(sync_s, 0.0, 1.0, sync_target) if k_identified else 0.0
-        sync = dataclasses.replace(sync, per_inflight_request_s=k)
-    host = HostModel(client_s_per_request=client_s)
-    preds = {}
-    for s in settings:
-        res = simulate(cfg_for(s, host))
-        base = simulate(dataclasses.replace(cfg_for(s, HostModel()), sync=SyncModel(latency_s=sync.latency_s)))
-        m = facts[s.name]["samples_per_s"]
-        preds[s.name] = {"setting": dataclasses.asdict(s), "calibration_run": s.name in calibrate_on,
-                         "predicted": round(res.samples_per_s, 4), "measured": m,
-                         "rel_error": round(abs(res.samples_per_s - m) / m, 4),
-                         "predicted_without_overlap_costs": round(base.samples_per_s, 4),
-                         "rel_error_without_overlap_costs": round(abs(base.samples_per_s - m) / m, 4),
-                         "predicted_learner_s": round(res.train_s, 4), "predicted_weight_sync_s": round(res.weight_sync_s, 4),
-                         "predicted_inflight_at_sync": round(res.inflight_at_sync, 2),
-                         "predicted_staleness_mean": round(res.staleness_mean, 4),
-                         "measured_facts": facts[s.name]}
+    model = _Calibration(runs, facts, cal, fit).fit()
+    preds = {s.name: model.predict(s) for s in settings}
     out_of_sample = [n for n in preds if not preds[n]["calibration_run"]]
-    rank = lambda key, names: sorted(names, key=lambda n: -preds[n][key])  # noqa: E731
-
-    def rel_se(name: str) -> float:
-        """A setting's measured samples/s, relative standard error: the larger of the steps'
-        (within its runs) and the rounds' (between them; None with one round)."""
-        f = preds[name]["measured_facts"]
-        return max(f["rel_se"] or 0.0, f.get("rel_se_rounds") or 0.0)
-
-    def order(a: str, b: str, key: str) -> int:
-        """-1, 0, 1: a below, tied with, above b. Predictions tie within the planner's own
-        tolerance (PLAN_TOLERANCE); measurements within twice the standard error of their
-        difference (rel_se), as no ranking finer than the noise is measurable."""
-        x, y = preds[a][key], preds[b][key]
-        if key == "predicted":
-            tie = PLAN_TOLERANCE * max(x, y)
-        else:
-            tie = 2.0 * math.hypot(rel_se(a) * x, rel_se(b) * y)
-        return 0 if abs(x - y) <= tie else (1 if x > y else -1)
-
-    def same_order(names: list[str]) -> bool:
-        return all(order(a, b, "predicted") == order(a, b, "measured") for i, a in enumerate(names) for b in names[i + 1:])
-
-    def consistent(names: list[str]) -> bool:
-        """No pair the measurement resolves is predicted otherwise (measured ties allow any order)."""
-        return all(order(a, b, "predicted") == m for i, a in enumerate(names) for b in names[i + 1:]
-                   if (m := order(a, b, "measured")) != 0)
-
-    def choice(names: list[str]) -> dict:
-        """The bound the planner would recommend among ``names`` (its rule: the smallest
-        max_staleness within PLAN_TOLERANCE of the best prediction) against the measured best:
-        right when its measured throughput is not below the best's (order(), with the noise)."""
-        if not names:
-            return {}
-        top = max(preds[n]["predicted"] for n in names)
-        pick = min((n for n in names if near_best(preds[n]["predicted"], top)), key=lambda n: by_name[n].max_staleness)
-        best = max(names, key=lambda n: preds[n]["measured"])
-        return {"planner": pick, "measured_best": best, "right": order(pick, best, "measured") >= 0}
-
     # the staleness ranking: runs that differ from the calibration's workload only in max_staleness
     ref = cal[0]
     eta_runs = [s.name for s in settings if (s.batch_size, s.group_size, s.max_new_tokens)
@@ -538,26 +630,8 @@ def validate(work: Path, settings: list[RunSetting], calibrate_on: list[str], *,
         "worst_rel_error": r4(max((preds[n]["rel_error"] for n in out_of_sample), default=0.0)),
         "worst_rel_error_without_overlap_costs": r4(max((preds[n]["rel_error_without_overlap_costs"] for n in out_of_sample),
                                                   default=0.0)),
-        "ranking_predicted": rank("predicted", list(preds)), "ranking_measured": rank("measured", list(preds)),
-        # equal: every pair in the same order, ties included (order()); *_strict: sorted lists equal
-        "ranking_equal": same_order(list(preds)),
-        "ranking_equal_strict": rank("predicted", list(preds)) == rank("measured", list(preds)),
-        "ranking_consistent": consistent(list(preds)),
-        "staleness_ranking_predicted": rank("predicted", eta_runs), "staleness_ranking_measured": rank("measured", eta_runs),
-        "staleness_ranking_equal": same_order(eta_runs),
-        "staleness_ranking_equal_strict": rank("predicted", eta_runs) == rank("measured", eta_runs),
-        "staleness_ranking_consistent": consistent(eta_runs),
-        "staleness_pairs": {f"{a}|{b}": {"predicted": order(a, b, "predicted"), "measured": order(a, b, "measured")}
-                            for i, a in enumerate(eta_runs) for b in eta_runs[i + 1:]},
-        "staleness_choice": choice(eta_runs),
+        **_Ranking(preds, by_name).report(eta_runs),
         "calibrated_on": calibrate_on,
-        "calibration": {"decode_sweep": {k: v for k, v in fit.summary().items() if k != "points"},
-                        "decode_sweep_points": len(fit.points), "decode_sweep_rms_rel_error": fit.rms_rel_error,
-                        "learner": dataclasses.asdict(learner), "weight_sync_s": r4(sync.latency_s),
-                        "client_s_per_request": float(f"{client_s:.6g}"), "prompt_tokens": prompt,
-                        "sync_s_per_inflight_request": float(f"{sync.per_inflight_request_s:.6g}"),
-                        "sync_s_per_inflight_request_identified": k_identified,
-                        "decode_time_scale_vs_sweep": round(speed, 4),
-                        "decode_time_scale_vs_sweep_overlapped": None if speed_overlap is None else round(speed_overlap, 4)},
+        "calibration": model.summary(fit),
         "loadavg": meta.get("loadavg"),
     }

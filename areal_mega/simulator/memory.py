@@ -1,6 +1,6 @@
 """Per-GPU memory estimates for learners (megatron) and engines (SGLang), in bytes.
 
-Closed formulas of the model shape (:class:`ModelShape`, from the model adapter's parse), the
+Closed formulas of the model (the adapter's :class:`~areal_mega.models.ModelArch`, as ``build_model`` reads it), the
 layout and :class:`LearnerSettings` (the trainer's own config fields), so the launcher prices
 what the trainer builds and refuses a plan before any node is touched. The formulas, term by
 term, and their check against the engine's real tensors (tools/check_memory_model.py) are in
@@ -19,12 +19,13 @@ from areal_mega.parallel import ParallelLayout
 
 if TYPE_CHECKING:
     from areal_mega.experiment import ExperimentConfig
+    from areal_mega.models.base import ModelArch
 
 __all__ = [
     "DTYPE_BYTES", "EngineMemory", "GIB", "LOGPROB_BYTES_PER_TOKEN", "LearnerMemory", "LearnerSettings",
-    "ModelShape", "ParamCount", "StageState", "activation_bytes_per_token", "count_params", "estimate_engine",
+    "ParamCount", "StageState", "activation_bytes_per_token", "count_params", "estimate_engine",
     "estimate_learner", "in_flight", "layer_bytes_per_token", "learner_settings", "microbatch_activation_bytes",
-    "model_shape", "selective_layer_bytes_per_token", "settings_from_engine_config", "stage_activations",
+    "model_arch", "selective_layer_bytes_per_token", "settings_from_engine_config", "stage_activations",
     "stage_layer_ids", "stage_state", "total_params"
 ]
 
@@ -35,94 +36,9 @@ LOGPROB_BYTES_PER_TOKEN = 26
 (4 + 4), int64 target index (8), two bool masks (1 + 1), int64 labels (8) -- counted on CPU."""
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """Transformer shape for the memory estimate, named as in a HF ``config.json`` (Llama/Qwen2).
-
-    Never parsed from a config here: :meth:`from_arch` takes the model adapter's
-    :class:`~areal_mega.models.ModelArch` (``areal_mega.models.get_adapter(hf_config).arch``), the
-    parse ``build_model`` uses, so the plan and the trainer see the same model."""
-
-    num_hidden_layers: int
-    """Decoder layers (L)."""
-    hidden_size: int
-    """Model width (h)."""
-    intermediate_size: int
-    """MLP inner width (f); the MLP is gated (SwiGLU: gate, up, down = 3*h*f weights)."""
-    num_attention_heads: int
-    """Query heads (a)."""
-    num_key_value_heads: int
-    """KV heads (g, GQA groups); equal to num_attention_heads for MHA."""
-    vocab_size: int
-    """Vocabulary (V); input embedding V*h, output layer V*h unless tied."""
-    head_dim: int | None = None
-    """Per-head width (d); None = hidden_size // num_attention_heads."""
-    tie_word_embeddings: bool = False
-    """Output layer shares the input embedding (one V*h matrix; under PP the last stage keeps a copy)."""
-    attention_bias: bool = False
-    """Biases on the q/k/v projections (Qwen2: true; Llama: false)."""
-    dtype: str = "bfloat16"
-    """The checkpoint's storage dtype (what the engine trains in when actor.model.dtype is null)."""
-    num_experts: int = 0
-    """MoE: routed experts per MoE layer; 0 = dense MLP."""
-    moe_intermediate_size: int = 0
-    """MoE: each expert's inner width (f_e); an expert is a gated MLP of 3*h*f_e weights."""
-    num_experts_per_tok: int = 0
-    """MoE: experts each token is routed to (k): activations scale with k*f_e, not E*f_e."""
-    qk_layernorm: bool = False
-    """Per-head q/k RMSNorms (Qwen3): 2*d replicated weights per layer."""
-    dense_layers: tuple[int, ...] = ()
-    """MoE: global ids of the layers with a dense MLP of intermediate_size (DeepSeek's
-    first_k_dense_replace, Qwen2-MoE's mlp_only_layers); the others are MoE layers."""
-    moe_shared_intermediate_size: int = 0
-    """MoE: the shared expert(s)' total inner width (every token; a gated MLP, TP-sharded); 0 = none."""
-    moe_shared_expert_gate: bool = False
-    """MoE: the shared expert's sigmoid gate (Qwen2-MoE): h replicated weights per MoE layer."""
-    kv_lora_rank: int = 0
-    """Multi-latent attention (DeepSeek-V3): the KV latent's rank; 0 = standard GQA attention."""
-    q_lora_rank: int = 0
-    """MLA: the query bottleneck's rank; 0 = a full q projection (Moonlight, V2-Lite)."""
-    qk_nope_head_dim: int = 0
-    """MLA: per-head q/k dims without RoPE."""
-    qk_rope_head_dim: int = 0
-    """MLA: per-head q/k dims with RoPE (the key's shared by all heads)."""
-    v_head_dim: int = 0
-    """MLA: per-head value dims."""
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    def num_dense_in(self, layers) -> int:
-        """How many of the global layer ids ``layers`` are a MoE model's dense layers (0 for a dense model)."""
-        return sum(1 for i in layers if self.is_moe and i in self.dense_layers)
-
-    @classmethod
-    def from_arch(cls, arch) -> "ModelShape":
-        """The shape of a :class:`~areal_mega.models.ModelArch` (the adapter's parse), every field
-        the memory terms read (MLA dims, shared experts, dense layers included)."""
-        mla = getattr(arch, "mla", None)
-        mla_kw = {} if mla is None else dict(
-            kv_lora_rank=mla.kv_lora_rank, q_lora_rank=mla.q_lora_rank or 0, qk_nope_head_dim=mla.qk_nope_head_dim,
-            qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim)
-        return cls(num_hidden_layers=arch.num_layers, hidden_size=arch.hidden_size,
-                   intermediate_size=arch.ffn_hidden_size, num_attention_heads=arch.num_heads,
-                   num_key_value_heads=arch.num_kv_heads, vocab_size=arch.vocab_size, head_dim=arch.head_dim,
-                   tie_word_embeddings=arch.tie_word_embeddings, attention_bias=arch.qkv_bias, dtype=arch.dtype,
-                   num_experts=arch.num_experts or 0, moe_intermediate_size=arch.moe_ffn_hidden_size or 0,
-                   num_experts_per_tok=arch.moe_topk, qk_layernorm=arch.qk_layernorm,
-                   dense_layers=tuple(arch.dense_layers) if arch.num_experts else (),
-                   moe_shared_intermediate_size=arch.moe_shared_ffn_hidden_size or 0,
-                   moe_shared_expert_gate=bool(arch.moe_shared_expert_gate), **mla_kw)
-
-    @property
-    def d(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
-
+def _num_dense_in(m: ModelArch, layers) -> int:
+    """How many of the global layer ids ``layers`` are a MoE model's dense layers (0 for a dense model)."""
+    return sum(1 for i in layers if m.num_experts and i in m.dense_layers)
 
 
 @dataclass(frozen=True)
@@ -168,48 +84,50 @@ class ParamCount:
         return self.total(num_layers, num_dense) - (num_layers - num_dense) * (self.layer_expert - self.layer_active_expert)
 
 
-def _attention_params(m: ModelShape, spec: str) -> tuple[int, int, int]:
+def _attention_params(m: ModelArch, spec: str) -> tuple[int, int, int]:
     """(TP-sharded, replicated norms, replicated weights) of one layer's attention and its two norms."""
-    h, a = m.hidden_size, m.num_attention_heads
+    h, a = m.hidden_size, m.num_heads
     norms = 2 * h
-    if not m.is_mla:
-        d = m.d
-        qd, kvd = a * d, m.num_key_value_heads * d
-        attn = h * qd + 2 * h * kvd + qd * h + ((qd + 2 * kvd) if m.attention_bias else 0)
+    if m.mla is None:
+        d = m.head_dim
+        qd, kvd = a * d, m.num_kv_heads * d
+        attn = h * qd + 2 * h * kvd + qd * h + ((qd + 2 * kvd) if m.qkv_bias else 0)
         return attn, norms + (2 * d if m.qk_layernorm else 0), 0
     # MLA (megatron MLASelfAttention): q down/up (or one q projection), kv down/up, the latent
     # norms; the down projections are column-parallel on the local spec, duplicated with TE.
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    down = h * (m.kv_lora_rank + m.qk_rope_head_dim) + (h * m.q_lora_rank if m.q_lora_rank else 0)
-    up = m.kv_lora_rank * a * (m.qk_nope_head_dim + m.v_head_dim) + (m.q_lora_rank * a * qk if m.q_lora_rank else h * a * qk)
-    sharded = up + a * m.v_head_dim * h
-    norms += m.kv_lora_rank + m.q_lora_rank
+    ml = m.mla
+    ql = ml.q_lora_rank or 0
+    qk = ml.qk_nope_head_dim + ml.qk_rope_head_dim
+    down = h * (ml.kv_lora_rank + ml.qk_rope_head_dim) + (h * ql if ql else 0)
+    up = ml.kv_lora_rank * a * (ml.qk_nope_head_dim + ml.v_head_dim) + (ql * a * qk if ql else h * a * qk)
+    sharded = up + a * ml.v_head_dim * h
+    norms += ml.kv_lora_rank + ql
     return (sharded + down, norms, 0) if spec == "local" else (sharded, norms, down)
 
 
-def count_params(m: ModelShape, vocab: int | None = None, spec: str = "te") -> ParamCount:
+def count_params(m: ModelArch, vocab: int | None = None, spec: str = "te") -> ParamCount:
     """``vocab``: the (padded) vocabulary to count; default the model's own. ``spec``: the layer
     spec ("local" / "te": only where MLA's down projections live differs)."""
-    h, f = m.hidden_size, m.intermediate_size
+    h, f = m.hidden_size, m.ffn_hidden_size
     attn, norms, rep = _attention_params(m, spec)
     emb = (vocab or m.vocab_size) * h
     mlp = 3 * h * f
-    if m.is_moe:
-        expert = 3 * h * m.moe_intermediate_size
-        shared = 3 * h * m.moe_shared_intermediate_size
+    if m.num_experts:
+        expert = 3 * h * m.moe_ffn_hidden_size
+        shared = 3 * h * (m.moe_shared_ffn_hidden_size or 0)
         gate = h if m.moe_shared_expert_gate else 0
         return ParamCount(layer_sharded=attn + shared, layer_replicated=norms,
                           layer_replicated_weights=rep + m.num_experts * h + gate,
                           embedding=emb, output=0 if m.tie_word_embeddings else emb, final_norm=h,
-                          layer_expert=m.num_experts * expert, layer_active_expert=m.num_experts_per_tok * expert,
+                          layer_expert=m.num_experts * expert, layer_active_expert=m.moe_topk * expert,
                           dense_layer_sharded=attn + mlp, dense_layer_replicated=norms,
                           dense_layer_replicated_weights=rep)
     return ParamCount(layer_sharded=attn + mlp, layer_replicated=norms, layer_replicated_weights=rep, embedding=emb,
                       output=0 if m.tie_word_embeddings else emb, final_norm=h)
 
 
-def total_params(m: ModelShape) -> int:
-    return count_params(m).total(m.num_hidden_layers, m.num_dense_in(range(m.num_hidden_layers)))
+def total_params(m: ModelArch) -> int:
+    return count_params(m).total(m.num_layers, _num_dense_in(m, range(m.num_layers)))
 
 
 @dataclass(frozen=True)
@@ -271,7 +189,7 @@ def settings_from_engine_config(engine_cfg, arch_dtype: str, tp: int, *, on_gpu:
     )
 
 
-def learner_settings(exp: "ExperimentConfig", m: ModelShape, layout: ParallelLayout, *,
+def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayout, *,
                      on_gpu: bool) -> tuple[LearnerSettings, LearnerSettings | None, bool]:
     """(actor settings, critic settings or None, KL reference?) from the trainer's own typed
     sections -- ``actor``, ``critic``, ``algorithm`` -- resolved as the trainer resolves them
@@ -281,7 +199,6 @@ def learner_settings(exp: "ExperimentConfig", m: ModelShape, layout: ParallelLay
     res = exp.launch.learner.reserved_gib
     s = settings_from_engine_config(exp.actor, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res, vpp=layout.vpp)
     # what cp > 1 cannot run is refused here as at start-up
-    # (ModelShape refuses multi-latent attention itself)
     check_context_parallel(layout, s.layer_spec, s.attention, cp_comm_type=exp.actor.model.cp_comm_type,
                            vpp=layout.vpp)
     critic = None
@@ -291,7 +208,7 @@ def learner_settings(exp: "ExperimentConfig", m: ModelShape, layout: ParallelLay
     return s, critic, exp.algorithm.kl_coef > 0
 
 
-def model_shape(exp: "ExperimentConfig") -> ModelShape:
+def model_arch(exp: "ExperimentConfig") -> ModelArch:
     """The model as the trainer's adapter parses it: ``<model_path>/config.json``, or
     ``launch.model_config`` (the same JSON inline) where model_path is not readable here."""
     from areal_mega.models import get_adapter  # torch: only when a plan is priced
@@ -310,7 +227,7 @@ def model_shape(exp: "ExperimentConfig") -> ModelShape:
         raise ValueError(f"launch.model_config: not set and {where}; set launch.model_config to the model's "
                          "config.json content to plan without the weights")
     try:
-        return ModelShape.from_arch(get_adapter(hf_config).arch)
+        return get_adapter(hf_config).arch
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"model config ({'model_path' if path and Path(path).is_dir() else 'launch.model_config'}): {e}") from None
 
@@ -377,11 +294,11 @@ def _norm_bytes(s: LearnerSettings) -> int:
     return 4 if s.layer_spec == "local" else s.b
 
 
-def _attention_mask_terms(m: ModelShape, s: LearnerSettings, t: int, cp: int = 1) -> tuple[float, float]:
+def _attention_mask_terms(m: ModelArch, s: LearnerSettings, t: int, cp: int = 1) -> tuple[float, float]:
     """(bytes per (this rank's) token kept by a layer's core attention, bytes per token of its
     rematerialisation under selective recompute). ``cp`` > 1: every rank attends over all T
     tokens of the row with T / cp queries (docs/context_parallel.md)."""
-    a, g, d, T, b = m.num_attention_heads, m.num_key_value_heads, m.d, s.micro_batch_tokens, s.b
+    a, g, d, T, b = m.num_heads, m.num_kv_heads, m.head_dim, s.micro_batch_tokens, s.b
     probs = 4 + (b if s.dtype != "float32" else 0)  # fp32 softmax (+ its cast to the compute dtype)
     if s.attention == "thd":
         # fused varlen kernel: rotated q and k, the qkv buffer (v is a view of it), softmax lse
@@ -402,26 +319,26 @@ def _attention_mask_terms(m: ModelShape, s: LearnerSettings, t: int, cp: int = 1
     return inner, inner
 
 
-def _active_mlp_width(m: ModelShape, dense: bool = False) -> int:
+def _active_mlp_width(m: ModelArch, dense: bool = False) -> int:
     """f of the activation terms: the MLP width a token passes through (MoE: k * f_e plus the
     shared experts'; a MoE model's dense layer: f)."""
-    if not m.is_moe or dense:
-        return m.intermediate_size
-    return m.num_experts_per_tok * m.moe_intermediate_size + m.moe_shared_intermediate_size
+    if not m.num_experts or dense:
+        return m.ffn_hidden_size
+    return m.moe_topk * m.moe_ffn_hidden_size + (m.moe_shared_ffn_hidden_size or 0)
 
 
-def _dispatch_bytes_per_token(m: ModelShape, s: LearnerSettings, dense: bool = False) -> float:
+def _dispatch_bytes_per_token(m: ModelArch, s: LearnerSettings, dense: bool = False) -> float:
     """MoE router fp32 logits + probabilities, and the permuted token copies (to and from the
     experts, k each); 0 for dense models and layers."""
-    if not m.is_moe or dense:
+    if not m.num_experts or dense:
         return 0.0
-    return 8 * m.num_experts + 2 * m.num_experts_per_tok * s.b * m.hidden_size
+    return 8 * m.num_experts + 2 * m.moe_topk * s.b * m.hidden_size
 
 
-def layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int, cp: int = 1, dense: bool = False) -> float:
+def layer_bytes_per_token(m: ModelArch, s: LearnerSettings, t: int, cp: int = 1, dense: bool = False) -> float:
     """Bytes one layer keeps per micro-batch token (of this rank: T / cp of them) for backward
     without recompute (``dense``: a MoE model's dense layer)."""
-    h, f, d, a, b = m.hidden_size, _active_mlp_width(m, dense), m.d, m.num_attention_heads, s.b
+    h, f, d, a, b = m.hidden_size, _active_mlp_width(m, dense), m.head_dim, m.num_heads, s.b
     sig = t if s.sequence_parallel else 1
     rope = 4 * b * d
     attn, _ = _attention_mask_terms(m, s, t, cp)
@@ -434,17 +351,17 @@ def layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int, cp: int = 1
     return norms_linears + rope + attn + b * a * d / t + mlp + _dispatch_bytes_per_token(m, s, dense)
 
 
-def selective_layer_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int, cp: int = 1,
+def selective_layer_bytes_per_token(m: ModelArch, s: LearnerSettings, t: int, cp: int = 1,
                                     dense: bool = False) -> float:
     """A layer under selective (core attention) recompute: the attention internals are dropped;
     its checkpoint keeps rotated q (a heads), k (g heads) and the qkv buffer (v is a view)."""
-    b, a, g, d = s.b, m.num_attention_heads, m.num_key_value_heads, m.d
+    b, a, g, d = s.b, m.num_heads, m.num_kv_heads, m.head_dim
     attn, _ = _attention_mask_terms(m, s, t, cp)
     kept = b * (a + g) * d / t + b * (a + 2 * g) * d / t
     return layer_bytes_per_token(m, s, t, cp, dense) - attn + kept
 
 
-def activation_bytes_per_token(m: ModelShape, s: LearnerSettings, tp: int, cp: int = 1) -> float:
+def activation_bytes_per_token(m: ModelArch, s: LearnerSettings, tp: int, cp: int = 1) -> float:
     """Bytes one layer keeps per micro-batch token (of this rank) for backward under
     ``s.recompute`` (the per-layer term of the module docstring; "full" = the kept input of a
     1-layer unit)."""
@@ -455,7 +372,7 @@ def activation_bytes_per_token(m: ModelShape, s: LearnerSettings, tp: int, cp: i
     return layer_bytes_per_token(m, s, tp, cp)
 
 
-def _mlp_half_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int, dense: bool = False) -> float:
+def _mlp_half_bytes_per_token(m: ModelArch, s: LearnerSettings, t: int, dense: bool = False) -> float:
     """What a layer's MLP half keeps (pre-MLP norm, fc1 input, MLP internals): freed by the time
     backward reaches that layer's attention."""
     h, f, b = m.hidden_size, _active_mlp_width(m, dense), s.b
@@ -465,7 +382,7 @@ def _mlp_half_bytes_per_token(m: ModelShape, s: LearnerSettings, t: int, dense: 
     return (8 * h + 4) / sig + b * h / sig + 5 * b * f / t + _dispatch_bytes_per_token(m, s, dense)
 
 
-def _chunk_bytes(m: ModelShape, s: LearnerSettings, t: int, layers: int, cp: int = 1,
+def _chunk_bytes(m: ModelArch, s: LearnerSettings, t: int, layers: int, cp: int = 1,
                  dense: int = 0) -> tuple[float, float]:
     """(bytes one pipeline chunk of ``layers`` layers (``dense`` of them a MoE model's dense
     layers, first) keeps for one micro-batch after its forward, its peak during the backward's
@@ -486,7 +403,7 @@ def _chunk_bytes(m: ModelShape, s: LearnerSettings, t: int, layers: int, cp: int
         inner = _attention_mask_terms(m, s, t, cp)[1] * T
         return kept, kept - min(_mlp_half_bytes_per_token(m, s, t, f) for f in flags) * T + inner
     unit_input = s.b * m.hidden_size / sig * T
-    freqs = 4 * m.d * T  # fp32 RoPE freqs, an argument of every checkpoint (one storage)
+    freqs = 4 * m.head_dim * T  # fp32 RoPE freqs, an argument of every checkpoint (one storage)
     n = min(s.recompute_num_layers, layers)
     if s.recompute_method == "uniform":
         starts = list(range(0, layers, n))  # units in forward order
@@ -499,16 +416,16 @@ def _chunk_bytes(m: ModelShape, s: LearnerSettings, t: int, layers: int, cp: int
     return kept, peak
 
 
-def microbatch_activation_bytes(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, stage: int,
+def microbatch_activation_bytes(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, stage: int,
                                 *, chunk_layers: int, chunks: int) -> tuple[float, float, float]:
     """(bytes one micro-batch keeps on ``stage`` after its forward, its peak during the layers'
     backward, the last stage's transient logits term) -- see the module docstring."""
     t = layout.tp
     T = s.micro_batch_tokens / layout.cp  # this rank's tokens of the row
     sig = t if s.sequence_parallel else 1
-    ids = stage_layer_ids(m.num_hidden_layers, layout, stage)
+    ids = stage_layer_ids(m.num_layers, layout, stage)
     per = [_chunk_bytes(m, s, t, chunk_layers, layout.cp,
-                        m.num_dense_in(ids[j * chunk_layers: (j + 1) * chunk_layers])) for j in range(chunks)]
+                        _num_dense_in(m, ids[j * chunk_layers: (j + 1) * chunk_layers])) for j in range(chunks)]
     kept = sum(k for k, _ in per)
     peak = max(kept - k + p for k, p in per)  # one chunk rematerialises while the others keep
     if stage == 0:
@@ -527,7 +444,7 @@ def microbatch_activation_bytes(m: ModelShape, s: LearnerSettings, layout: Paral
     return kept, peak, logits
 
 
-def _padded_vocab(m: ModelShape, s: LearnerSettings, t: int) -> int:
+def _padded_vocab(m: ModelArch, s: LearnerSettings, t: int) -> int:
     q = math.lcm(s.make_vocab_size_divisible_by, t)
     return ((m.vocab_size + q - 1) // q) * q
 
@@ -543,13 +460,13 @@ class StageState:
     """Per GPU; with the distributed optimizer the DP-mean share (12 or 8 bytes/param / (dp x cp))."""
 
 
-def stage_state(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, stage: int, *,
+def stage_state(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, stage: int, *,
                 value_head: bool = False, trainable: bool = True) -> StageState:
     """Weights / grads / optimizer bytes of one GPU of ``stage``."""
     t, p = layout.tp, layout.pp
     pc = count_params(m, _padded_vocab(m, s, t), s.layer_spec)
-    ids = stage_layer_ids(m.num_hidden_layers, layout, stage)
-    dense = m.num_dense_in(ids)
+    ids = stage_layer_ids(m.num_layers, layout, stage)
+    dense = _num_dense_in(m, ids)
     layers = len(ids) - dense  # MoE layers (all layers of a dense model)
     sharded = (layers * pc.layer_sharded + dense * pc.dense_layer_sharded) // t
     norms = layers * pc.layer_replicated + dense * pc.dense_layer_replicated
@@ -598,12 +515,12 @@ def in_flight(layout: ParallelLayout, stage: int, num_microbatches: int | None) 
     return n if num_microbatches is None else min(n, float(num_microbatches))
 
 
-def stage_activations(m: ModelShape, s: LearnerSettings, layout: ParallelLayout, stage: int) -> tuple[float, float]:
+def stage_activations(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, stage: int) -> tuple[float, float]:
     """(activations without the logits term, logits term) of one GPU of ``stage``: the other
     in-flight micro-batches keep their forward's saves while one runs its peak -- the end of
     its forward with the logits (last stage), or a rematerialisation in its backward."""
     v = layout.vpp or 1
-    chunk_layers = m.num_hidden_layers // (layout.pp * v)
+    chunk_layers = m.num_layers // (layout.pp * v)
     kept, peak, logits = microbatch_activation_bytes(m, s, layout, stage, chunk_layers=chunk_layers, chunks=v)
     others = (in_flight(layout, stage, s.num_microbatches) - 1) * kept
     if kept + logits >= peak:
@@ -611,14 +528,14 @@ def stage_activations(m: ModelShape, s: LearnerSettings, layout: ParallelLayout,
     return others + peak, 0.0
 
 
-def estimate_learner(m: ModelShape, s: LearnerSettings, layout: ParallelLayout,
+def estimate_learner(m: ModelArch, s: LearnerSettings, layout: ParallelLayout,
                      gpu_memory_gib: float, *, reference: bool = False,
                      critic: LearnerSettings | None = None, notes: tuple[str, ...] = ()) -> LearnerMemory:
     """Worst stage's per-GPU bytes; ``reference``: the KL reference model (forward-only, same
     settings); ``critic``: the PPO critic's settings (see the module docstring)."""
-    layout.check_model(m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads)
-    if m.is_moe:
-        layout.check_experts(m.num_experts, m.moe_intermediate_size)
+    layout.check_model(m.num_layers, m.num_heads, m.num_kv_heads)
+    if m.num_experts:
+        layout.check_experts(m.num_experts, m.moe_ffn_hidden_size)
     worst: LearnerMemory | None = None
     for k in range(layout.pp):
         st = stage_state(m, s, layout, k)
@@ -675,23 +592,23 @@ class EngineMemory:
         )
 
 
-def estimate_engine(m: ModelShape, *, tp: int, max_total_tokens: int | None, mem_fraction_static: float,
+def estimate_engine(m: ModelArch, *, tp: int, max_total_tokens: int | None, mem_fraction_static: float,
                     kv_dtype_bytes: int, gpu_memory_gib: float) -> EngineMemory:
-    if m.num_attention_heads % tp:
-        raise ValueError(f"inference.server.tp_size: num_attention_heads({m.num_attention_heads}) % tp({tp}) != 0")
+    if m.num_heads % tp:
+        raise ValueError(f"inference.server.tp_size: num_attention_heads({m.num_heads}) % tp({tp}) != 0")
     pc = count_params(m)
-    dense = m.num_dense_in(range(m.num_hidden_layers))
-    moe = m.num_hidden_layers - dense
+    dense = _num_dense_in(m, range(m.num_layers))
+    moe = m.num_layers - dense
     # MoE experts are sharded over the server's TP ranks too (SGLang's default expert TP)
     sharded = moe * (pc.layer_sharded + pc.layer_expert) + dense * pc.dense_layer_sharded + pc.embedding + pc.output
     replicated = (moe * (pc.layer_replicated + pc.layer_replicated_weights)
                   + dense * (pc.dense_layer_replicated + pc.dense_layer_replicated_weights) + pc.final_norm)
     weights = 2.0 * (sharded / tp + replicated)
-    if m.is_mla:  # SGLang's MLA pool: the latent and the rope key per token and layer, on every TP rank
-        per_token = m.num_hidden_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * kv_dtype_bytes
+    if m.mla is not None:  # SGLang's MLA pool: the latent and the rope key per token and layer, on every TP rank
+        per_token = m.num_layers * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * kv_dtype_bytes
     else:  # SGLang replicates KV heads when there are fewer of them than TP ranks.
-        kv_heads = max(1, m.num_key_value_heads // tp)
-        per_token = 2 * m.num_hidden_layers * kv_heads * m.d * kv_dtype_bytes
+        kv_heads = max(1, m.num_kv_heads // tp)
+        per_token = 2 * m.num_layers * kv_heads * m.head_dim * kv_dtype_bytes
     limit = gpu_memory_gib * GIB
     budget = mem_fraction_static * limit
     if max_total_tokens is None:

@@ -28,7 +28,7 @@ from areal_mega.simulator.costs import (
     learner_flops_per_token, learner_model, sync_model,
 )
 from areal_mega.simulator.memory import (
-    GIB, ModelShape, count_params, estimate_engine, estimate_learner, learner_settings, model_shape, total_params,
+    GIB, count_params, estimate_engine, estimate_learner, learner_settings, model_arch, total_params,
 )
 from areal_mega.simulator.model import PLAN_TOLERANCE, SimConfig, SimulationError, near_best
 from areal_mega.simulator.sim import simulate
@@ -36,6 +36,7 @@ from areal_mega.simulator.plot import plot_plan
 
 if TYPE_CHECKING:
     from areal_mega.experiment import ExperimentConfig
+    from areal_mega.models.base import ModelArch
 
 __all__ = ["PlanReport", "SplitResult", "choose_learner_nodes", "describe", "learner_memory", "recommendation", "sensitivity",
            "sweep", "write_plan"]
@@ -144,7 +145,7 @@ class PlanReport:
         return d
 
 
-def learner_memory(exp: "ExperimentConfig", m: ModelShape, layout: ParallelLayout):
+def learner_memory(exp: "ExperimentConfig", m: "ModelArch", layout: ParallelLayout):
     """The launcher's own memory verdict for a learner layout (the check ``--dry-run`` enforces),
     with the recompute mode and micro-batch tokens it assumed: (LearnerMemory, recompute, tokens).
     The settings are the trainer's own sections, resolved as the launcher resolves them
@@ -245,9 +246,9 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
         raise SimulationError(f"--staleness: need a list of values >= 0, got {list(staleness)}")
     if gpus_per_node < 1:
         raise SimulationError(f"{gpus_source}: the planner models GPU nodes, got {gpus_per_node} GPUs per node")
-    m = model_shape(exp)
+    m = model_arch(exp)
     P = total_params(m)
-    PA = count_params(m).active(m.num_hidden_layers)  # MoE: FLOPs follow the k active experts
+    PA = count_params(m).active(m.num_layers)  # MoE: FLOPs follow the k active experts
     srv = exp.inference.server
     et = srv.tp_size
     if et > gpus_per_node:
@@ -266,7 +267,7 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
     tokens_per_step = ro.batch_size * group * (lengths.prompt_tokens + mean_gen)
 
     def flops_per_token(recompute: str) -> float:
-        return learner_flops_per_token(params=PA, layers=m.num_hidden_layers, hidden=m.hidden_size,
+        return learner_flops_per_token(params=PA, layers=m.num_layers, hidden=m.hidden_size,
                                        mean_context=(lengths.prompt_tokens + mean_gen) / 2, decoupled=alg.decoupled,
                                        reference=alg.kl_coef > 0, critic=alg.adv_estimator == "gae",
                                        recompute=recompute)
@@ -283,7 +284,7 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
         best = None
         reasons = []
         mp = par.tensor_parallel * par.context_parallel
-        pps = [q for q in range(1, MAX_PP + 1) if m.num_hidden_layers % q == 0 and world % (mp * q) == 0]
+        pps = [q for q in range(1, MAX_PP + 1) if m.num_layers % q == 0 and world % (mp * q) == 0]
         for pp in dict.fromkeys((par.pipeline_parallel, *(pps if sweep_pipeline else ()))):
             own = pp == par.pipeline_parallel
             vpp = par.virtual_pipeline_parallel if own and pp > 1 else None

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from areal_mega.rollout.staleness import StalenessManager, can_form_batch, take_oldest
 from areal_mega.simulator.model import SimConfig, SimulationError
 
-__all__ = ["SimResult", "TrainedEpisode", "simulate"]
+__all__ = ["SimResult", "Simulation", "TrainedEpisode", "simulate"]
 
 _EPS = 1e-9
 
@@ -163,52 +163,105 @@ class _Server:
         self.stall = 0.0  # server seconds of prefill owed before decoding goes on
 
 
-def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_000) -> SimResult:
-    """Run ``warmup_steps + steps`` training steps of ``cfg``; raises SimulationError on bad input
-    or a stall (the learner waiting with nothing left to happen)."""
-    cfg.validate()
-    rng = random.Random(cfg.seed)
-    draw = cfg.lengths.sampler(rng)
-    prompt = cfg.lengths.prompt_tokens
-    dec, B, eta = cfg.decode, cfg.batch_size, cfg.max_staleness
-    peak, half = dec.peak_tokens_per_s, dec.half_batch
-    sm = StalenessManager(B, eta, cfg.concurrency)
-    total_steps = cfg.warmup_steps + cfg.steps
-    servers = [_Server(i) for i in range(cfg.num_servers)]
-    load = [0] * cfg.num_servers  # requests sent and not finished, per server: the pool's load
-    events: list[tuple[float, int, int, object]] = []  # (time, tiebreak, kind, payload)
-    tick = [0]
-    K_ARRIVE, K_SERVER, K_TRAIN_DONE, K_SYNC_DONE, K_CORE = 0, 1, 2, 3, 4
-    client_s = cfg.host.client_s_per_request
+# Event kinds in the event heap; ties at one time run in push order.
+K_ARRIVE, K_SERVER, K_TRAIN_DONE, K_SYNC_DONE, K_CORE = 0, 1, 2, 3, 4
 
-    def push(t: float, kind: int, payload: object) -> None:
-        tick[0] += 1
-        heapq.heappush(events, (t, tick[0], kind, payload))
 
-    now = 0.0
-    running: dict[int, int] = {}  # seq -> admit version (in flight)
-    ready: list[_Episode] = []
-    seq_counter = [0]
-    paused = [False]  # producer paused (weight sync)
-    learner = {"state": "wait", "since": 0.0, "wait": 0.0, "train": 0.0, "sync": 0.0}
-    trained: list[TrainedEpisode] = []
-    step_end: list[float] = []
-    step_wait: list[float] = []
-    violations = 0
-    token_hist: Counter[int] = Counter()
-    ep_hist: Counter[int] = Counter()
-    samples_timed = [0, 0]  # trajectories, generated tokens in timed steps
-    gen_open: list[float | None] = [None]
-    gen_intervals: list[tuple[float, float]] = []
-    train_intervals: list[tuple[float, float]] = []
-    snap: dict[str, tuple] = {}
-    wait_since = [0.0]
-    train_started = [0.0]
-    sync_inflight: list[int] = []  # requests in flight at each timed sync's pause
-    inflight = [0.0, 0.0]  # accumulated time with >= 1 episode running; time of the last event
+class _Core:
+    """The learner's CPU core: its own work (``job``: "train", then "sync" -- gloo broadcast and
+    HTTP run there too) and the head client request's work, shared equally when both run."""
+
+    __slots__ = ("last", "train", "client", "epoch", "job", "queue", "client_s")
+
+    def __init__(self, client_s: float) -> None:
+        self.last = 0.0
+        self.train = 0.0  # the job's work left
+        self.client = 0.0  # the head request's work left
+        self.epoch = 0
+        self.job: str | None = None
+        self.queue: deque[_Req] = deque()
+        self.client_s = client_s
+
+    def rates(self) -> tuple[float, float]:
+        """(the job's share, the head request's share) of the core."""
+        training = self.job is not None
+        both = training and bool(self.queue)
+        return (0.5 if both else 1.0) if training else 0.0, (0.5 if both else 1.0) if self.queue else 0.0
+
+    def advance(self, t: float) -> None:
+        dt = t - self.last
+        if dt > 0:
+            rt, rc = self.rates()
+            self.train = max(0.0, self.train - rt * dt)
+            if self.queue:
+                self.client = max(0.0, self.client - rc * dt)
+        self.last = t
+
+    def next_due(self) -> float | None:
+        """Seconds until the job or the head request is done (None: the core is idle); starts
+        the head request's work when it has none left, and a new epoch (older core events go stale)."""
+        self.epoch += 1
+        if self.queue and self.client <= 0:
+            self.client = self.client_s
+        rt, rc = self.rates()
+        due = [self.train / rt] if rt else []
+        if rc:
+            due.append(self.client / rc)
+        return min(due) if due else None
+
+
+class Simulation:
+    """One run of ``cfg``: the state of servers, producer, learner and its core as attributes,
+    one ``on_*`` method per event kind; :func:`simulate` is ``Simulation(cfg).run()``."""
+
+    def __init__(self, cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_000) -> None:
+        cfg.validate()
+        self.cfg, self.record, self.max_events = cfg, record, max_events
+        self.rng = random.Random(cfg.seed)
+        self.draw = cfg.lengths.sampler(self.rng)
+        self.prompt = cfg.lengths.prompt_tokens
+        self.dec, self.B, self.eta = cfg.decode, cfg.batch_size, cfg.max_staleness
+        self.peak, self.half = self.dec.peak_tokens_per_s, self.dec.half_batch
+        self.sm = StalenessManager(self.B, self.eta, cfg.concurrency)
+        self.total_steps = cfg.warmup_steps + cfg.steps
+        self.servers = [_Server(i) for i in range(cfg.num_servers)]
+        self.load = [0] * cfg.num_servers  # requests sent and not finished, per server: the pool's load
+        self.events: list[tuple[float, int, int, object]] = []  # (time, tiebreak, kind, payload)
+        self.tick = 0
+        self.client_s = cfg.host.client_s_per_request
+        self.core = _Core(self.client_s)
+        self.now = 0.0
+        self.running: dict[int, int] = {}  # seq -> admit version (in flight)
+        self.ready: list[_Episode] = []
+        self.seq_counter = 0
+        self.paused = False  # producer paused (weight sync)
+        self.learner_state, self.learner_since = "wait", 0.0
+        self.learner_time = {"wait": 0.0, "train": 0.0, "sync": 0.0}
+        self.trained: list[TrainedEpisode] = []
+        self.step_end: list[float] = []
+        self.step_wait: list[float] = []
+        self.violations = 0
+        self.token_hist: Counter[int] = Counter()
+        self.ep_hist: Counter[int] = Counter()
+        self.samples_timed = 0  # trajectories in timed steps
+        self.tokens_timed = 0  # their generated tokens
+        self.gen_open: float | None = None
+        self.gen_intervals: list[tuple[float, float]] = []
+        self.train_intervals: list[tuple[float, float]] = []
+        self.snap: dict[str, tuple] = {}
+        self.wait_since = 0.0
+        self.train_started = 0.0
+        self.sync_inflight: list[int] = []  # requests in flight at each timed sync's pause
+        self.inflight_s = 0.0  # accumulated time with >= 1 episode running
+        self.last_event = 0.0
+
+    def push(self, t: float, kind: int, payload: object) -> None:
+        self.tick += 1
+        heapq.heappush(self.events, (t, self.tick, kind, payload))
 
     # ---- servers ---------------------------------------------------------------------------
-    def advance(s: _Server, t: float) -> None:
+    def advance(self, s: _Server, t: float) -> None:
+        """Move server ``s`` to time ``t``: prefill owed first, then decoding at the fluid rate."""
         dt = t - s.last
         if dt > 0 and s.paused:
             s.paused_t += dt
@@ -220,34 +273,37 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
         if dt > 0 and not s.paused:
             n = len(s.heap)
             if n:
-                s.P += dt * peak / (n + half)
+                half = self.half
+                s.P += dt * self.peak / (n + half)
                 s.busy += dt
                 s.util += dt * n / (n + half)
         s.last = t
 
-    def decoding(s: _Server) -> bool:
-        return bool(s.heap) and not s.paused
-
-    def note_gen(t: float) -> None:
-        if not record:
+    def note_gen(self, t: float) -> None:
+        if not self.record:
             return
-        on = any(decoding(s) for s in servers)
-        if on and gen_open[0] is None:
-            gen_open[0] = t
-        elif not on and gen_open[0] is not None:
-            if t > gen_open[0]:
-                gen_intervals.append((gen_open[0], t))
-            gen_open[0] = None
+        on = any(s.heap and not s.paused for s in self.servers)
+        if on and self.gen_open is None:
+            self.gen_open = t
+        elif not on and self.gen_open is not None:
+            if t > self.gen_open:
+                self.gen_intervals.append((self.gen_open, t))
+            self.gen_open = None
 
-    def reschedule(s: _Server) -> None:
+    def reschedule(self, s: _Server) -> None:
+        """A rate change: the server's next finish is pushed again (older ones are stale)."""
         s.epoch += 1
         if s.heap and not s.paused:
             n = len(s.heap)
-            dt = s.stall + max(0.0, (s.heap[0][0] - s.P) * (n + half) / peak)
-            push(now + dt, K_SERVER, (s, s.epoch))
+            dt = s.stall + max(0.0, (s.heap[0][0] - s.P) * (n + self.half) / self.peak)
+            self.tick += 1
+            heapq.heappush(self.events, (self.now + dt, self.tick, K_SERVER, (s, s.epoch)))
 
-    def fill(s: _Server) -> None:
-        cap, mr = dec.kv_capacity_tokens, dec.max_running
+    def fill(self, s: _Server) -> None:
+        """Queued requests start while KV capacity and max_running allow."""
+        if not s.queue:
+            return
+        cap, mr = self.dec.kv_capacity_tokens, self.dec.max_running
         while s.queue:
             r = s.queue[0]
             n = len(s.heap)
@@ -261,28 +317,41 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
             s.tie += 1
             heapq.heappush(s.heap, (s.P + r.length, s.tie, r))
 
-    def arrive(reqs: list[_Req]) -> None:
+    def on_arrive(self, reqs: list[_Req]) -> None:
         """Requests reach their servers (one episode's group at once: one rate change per server)."""
         touched = {}
         for r in reqs:
-            srv = servers[r.server]
+            srv = self.servers[r.server]
             if srv.idx not in touched:
-                advance(srv, now)
+                self.advance(srv, self.now)
                 touched[srv.idx] = srv
             srv.queue.append(r)
-            srv.stall += dec.request_server_s
+            srv.stall += self.dec.request_server_s
         for srv in touched.values():
-            fill(srv)
-            reschedule(srv)
-        note_gen(now)
+            self.fill(srv)
+            self.reschedule(srv)
+        self.note_gen(self.now)
 
-    def finish_request(s: _Server, r: _Req) -> bool:
-        """The server is done with ``r``; True when it was its episode's last (and counted now:
-        with client work it is counted once the learner's core has processed it)."""
-        s.kv -= r.footprint
-        load[s.idx] -= 1
-        ep = r.episode
-        # Tokens per weight version: the marks of P inside [p_start, p_start + length).
+    def on_server(self, s: _Server, epoch: int) -> None:
+        """Server ``s``'s earliest request(s) finished (unless a rate change superseded this)."""
+        if epoch != s.epoch:
+            return
+        self.advance(s, self.now)
+        finished_eps = False
+        while s.heap and s.heap[0][0] <= s.P + _EPS * max(1.0, s.P):
+            _, _, r = heapq.heappop(s.heap)
+            finished_eps = self.finish_request(s, r) or finished_eps
+        self.fill(s)
+        self.reschedule(s)
+        self.note_gen(self.now)
+        if finished_eps:
+            self.produce()
+            self.try_train()
+
+    @staticmethod
+    def token_versions(s: _Server, r: _Req, out: Counter[int]) -> None:
+        """Add ``r``'s tokens per weight version to ``out``: the marks of P inside
+        [p_start, p_start + length)."""
         lo, hi = r.p_start, r.p_start + r.length
         i = bisect.bisect_right(s.marks_p, lo + _EPS) - 1
         done = 0
@@ -290,262 +359,278 @@ def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_0
             nxt = s.marks_p[i + 1] if i + 1 < len(s.marks_p) else float("inf")
             upto = r.length if nxt >= hi - _EPS else min(r.length, max(done, int(round(nxt - lo))))
             if upto > done:
-                ep.versions[s.marks_v[i]] += upto - done
+                out[s.marks_v[i]] += upto - done
                 done = upto
             i += 1
             if i >= len(s.marks_p):
                 break
-        if client_s > 0:
-            core_advance(now)
-            client_q.append(r)
-            core_schedule()
-            return False
-        return request_done(r)
 
-    def request_done(r: _Req) -> bool:
+    def finish_request(self, s: _Server, r: _Req) -> bool:
+        """The server is done with ``r``; True when it was its episode's last (and counted now:
+        with client work it is counted once the learner's core has processed it)."""
+        s.kv -= r.footprint
+        self.load[s.idx] -= 1
+        self.token_versions(s, r, r.episode.versions)
+        if self.client_s > 0:
+            self.core.advance(self.now)
+            self.core.queue.append(r)
+            self.schedule_core()
+            return False
+        return self.request_done(r)
+
+    def request_done(self, r: _Req) -> bool:
         ep = r.episode
         ep.gen_tokens += r.length
-        ep.tokens += r.length + prompt
+        ep.tokens += r.length + self.prompt
         ep.remaining -= 1
         if ep.remaining == 0:
-            finish_episode(ep)
+            self.finish_episode(ep)
             return True
         return False
 
-    # ---- the learner's core: training and client work, shared equally when both run ----------
-    # job: the learner's own work in progress ("train", then "sync": gloo broadcast and HTTP also
-    # run on that core), its work left in core["train"]; core["client"]: the head request's.
-    core: dict = {"last": 0.0, "train": 0.0, "client": 0.0, "epoch": 0, "job": None}
-    client_q: deque[_Req] = deque()
+    # ---- the learner's core ----------------------------------------------------------------
+    def schedule_core(self) -> None:
+        due = self.core.next_due()
+        if due is not None:
+            self.push(self.now + due, K_CORE, self.core.epoch)
 
-    def core_rates() -> tuple[float, float]:
-        training = core["job"] is not None
-        both = training and bool(client_q)
-        return (0.5 if both else 1.0) if training else 0.0, (0.5 if both else 1.0) if client_q else 0.0
-
-    def core_advance(t: float) -> None:
-        dt = t - core["last"]
-        if dt > 0:
-            rt, rc = core_rates()
-            core["train"] = max(0.0, core["train"] - rt * dt)
-            if client_q:
-                core["client"] = max(0.0, core["client"] - rc * dt)
-        core["last"] = t
-
-    def core_schedule() -> None:
-        core["epoch"] += 1
-        if client_q and core["client"] <= 0:
-            core["client"] = client_s  # the head request starts its client work
-        rt, rc = core_rates()
-        due = [core["train"] / rt] if rt else []
-        if rc:
-            due.append(core["client"] / rc)
-        if due:
-            push(now + min(due), K_CORE, core["epoch"])
+    def on_core(self, epoch: int) -> None:
+        """The core finished the head client request and/or its job (train -> sync -> done)."""
+        core = self.core
+        if epoch != core.epoch:
+            return
+        core.advance(self.now)
+        finished_eps = False
+        if core.queue and core.client <= _EPS:
+            finished_eps = self.request_done(core.queue.popleft())
+            core.client = 0.0
+        job = core.job
+        if job is not None and core.train <= _EPS:
+            core.train, core.job = 0.0, None
+            if job == "train":
+                if self.record:
+                    self.train_intervals.append((self.train_started, self.now))
+                self.on_train_done()
+            else:
+                self.push(self.now, K_SYNC_DONE, None)
+        self.schedule_core()
+        if finished_eps:
+            self.produce()
+            self.try_train()
 
     # ---- controller ------------------------------------------------------------------------
-    def finish_episode(ep: _Episode) -> None:
-        running.pop(ep.seq, None)
-        if cfg.reject_prob and rng.random() < cfg.reject_prob:
-            sm.on_rejected()
+    def finish_episode(self, ep: _Episode) -> None:
+        self.running.pop(ep.seq, None)
+        if self.cfg.reject_prob and self.rng.random() < self.cfg.reject_prob:
+            self.sm.on_rejected()
         else:
-            sm.on_accepted()
-            ready.append(ep)
+            self.sm.on_accepted()
+            self.ready.append(ep)
 
-    def produce() -> None:
-        if paused[0]:
+    def produce(self) -> None:
+        """Admit episodes while the staleness manager allows; each request goes to the server
+        with the fewest in flight (lowest index on a tie)."""
+        if self.paused:
             return
+        cfg, load = self.cfg, self.load
         while True:
-            v = sm.try_admit()
+            v = self.sm.try_admit()
             if v is None:
                 return
-            ep = _Episode(seq_counter[0], v, cfg.group_size)
-            seq_counter[0] += 1
-            running[ep.seq] = v
+            ep = _Episode(self.seq_counter, v, cfg.group_size)
+            self.seq_counter += 1
+            self.running[ep.seq] = v
             reqs = []
             for _ in range(cfg.group_size):
-                length = draw()
-                r = _Req(ep, length, prompt + length)
-                i = min(range(len(load)), key=load.__getitem__)  # fewest in flight, lowest index
+                length = self.draw()
+                r = _Req(ep, length, self.prompt + length)
+                i = load.index(min(load))  # the first of the least loaded
                 load[i] += 1
                 r.server = i
                 reqs.append(r)
-            if dec.request_latency_s > 0:
-                push(now + dec.request_latency_s, K_ARRIVE, reqs)
+            if self.dec.request_latency_s > 0:
+                self.push(self.now + self.dec.request_latency_s, K_ARRIVE, reqs)
             else:
-                arrive(reqs)
+                self.on_arrive(reqs)
 
-    def set_learner(state: str) -> None:
-        learner[learner["state"]] += now - learner["since"]
-        learner["state"], learner["since"] = state, now
+    def set_learner(self, state: str) -> None:
+        self.learner_time[self.learner_state] += self.now - self.learner_since
+        self.learner_state, self.learner_since = state, self.now
 
-    def try_train() -> None:
-        nonlocal violations
-        if learner["state"] != "wait":
-            return
-        version = sm.version
+    def take_batch(self) -> list[_Episode] | None:
+        """The oldest-admitted batch when the real rule (can_form_batch) allows one, else None."""
+        ready = self.ready
         ready.sort(key=lambda e: e.seq)
-        if not can_form_batch(B, version, eta, B, [e.admit_version for e in ready], list(running.values())):
-            return
-        taken, rest = take_oldest(ready, B, seq=lambda e: e.seq)
+        if not can_form_batch(self.B, self.sm.version, self.eta, self.B, [e.admit_version for e in ready],
+                              list(self.running.values())):
+            return None
+        taken, rest = take_oldest(ready, self.B, seq=lambda e: e.seq)
         ready[:] = rest
-        step = len(step_end)  # 0-based index of this step
-        timed = cfg.warmup_steps <= step < total_steps
+        return taken
+
+    def account(self, taken: list[_Episode], timed: bool) -> int:
+        """Check each episode against the bound and count its staleness; returns the batch's tokens."""
+        version, eta = self.sm.version, self.eta
         tokens = 0
         for ep in taken:
             oldest = min(ep.versions) if ep.versions else version
             if ep.admit_version < version - eta or oldest < version - eta:
-                violations += 1
-            trained.append(TrainedEpisode(ep.seq, version, ep.admit_version, oldest, ep.gen_tokens))
+                self.violations += 1
+            self.trained.append(TrainedEpisode(ep.seq, version, ep.admit_version, oldest, ep.gen_tokens))
             tokens += ep.tokens
             if timed:
-                ep_hist[version - ep.admit_version] += 1
+                self.ep_hist[version - ep.admit_version] += 1
                 for v, c in ep.versions.items():
-                    token_hist[version - v] += c
-                samples_timed[0] += cfg.group_size
-                samples_timed[1] += ep.gen_tokens
-        step_wait.append(now - wait_since[0])
-        dt = cfg.learner.step_s(tokens)
-        if client_s > 0:  # the step's end depends on the client work sharing the core
-            core_advance(now)
-            set_learner("train")
-            core["train"], core["job"] = dt, "train"
-            train_started[0] = now
-            core_schedule()
+                    self.token_hist[version - v] += c
+                self.samples_timed += self.cfg.group_size
+                self.tokens_timed += ep.gen_tokens
+        return tokens
+
+    def try_train(self) -> None:
+        """A waiting learner takes a batch if it can and starts its step."""
+        if self.learner_state != "wait":
             return
-        set_learner("train")
-        if record:
-            train_intervals.append((now, now + dt))
-        push(now + dt, K_TRAIN_DONE, None)
+        taken = self.take_batch()
+        if taken is None:
+            return
+        step = len(self.step_end)  # 0-based index of this step
+        tokens = self.account(taken, self.cfg.warmup_steps <= step < self.total_steps)
+        now = self.now
+        self.step_wait.append(now - self.wait_since)
+        dt = self.cfg.learner.step_s(tokens)
+        if self.client_s > 0:  # the step's end depends on the client work sharing the core
+            self.core.advance(now)
+            self.set_learner("train")
+            self.core.train, self.core.job = dt, "train"
+            self.train_started = now
+            self.schedule_core()
+            return
+        self.set_learner("train")
+        if self.record:
+            self.train_intervals.append((now, now + dt))
+        self.push(now + dt, K_TRAIN_DONE, None)
 
-    def snapshot(name: str) -> None:
-        for s in servers:
-            advance(s, now)
-        set_learner(learner["state"])
-        snap[name] = (now, sum(s.busy for s in servers), sum(s.paused_t for s in servers),
-                      sum(s.util for s in servers), learner["wait"], learner["train"], learner["sync"], inflight[0])
+    def snapshot(self, name: str) -> None:
+        for s in self.servers:
+            self.advance(s, self.now)
+        self.set_learner(self.learner_state)
+        lt = self.learner_time
+        self.snap[name] = (self.now, sum(s.busy for s in self.servers), sum(s.paused_t for s in self.servers),
+                           sum(s.util for s in self.servers), lt["wait"], lt["train"], lt["sync"], self.inflight_s)
 
-    def train_done() -> None:
-        set_learner("sync")
-        paused[0] = True
-        for s in servers:
-            advance(s, now)
+    def on_train_done(self) -> None:
+        """The step ended: generation pauses and the weight sync starts."""
+        self.set_learner("sync")
+        self.paused = True
+        for s in self.servers:
+            self.advance(s, self.now)
             s.paused = True
-            reschedule(s)
-        note_gen(now)
-        inflight_n = sum(len(s.heap) + len(s.queue) for s in servers)
-        if len(step_end) >= cfg.warmup_steps:
-            sync_inflight.append(inflight_n)
-        dt = cfg.sync.seconds(inflight_n)
-        if client_s > 0:  # the caller (K_CORE) reschedules the core
-            core["train"], core["job"] = dt, "sync"
+            self.reschedule(s)
+        self.note_gen(self.now)
+        inflight_n = sum(len(s.heap) + len(s.queue) for s in self.servers)
+        if len(self.step_end) >= self.cfg.warmup_steps:
+            self.sync_inflight.append(inflight_n)
+        dt = self.cfg.sync.seconds(inflight_n)
+        if self.client_s > 0:  # the caller (on_core) reschedules the core
+            self.core.train, self.core.job = dt, "sync"
         else:
-            push(now + dt, K_SYNC_DONE, None)
+            self.push(self.now + dt, K_SYNC_DONE, None)
+
+    def on_sync_done(self) -> bool:
+        """New weights on every server (a version mark at its current P), generation resumes;
+        True when that was the last step."""
+        version = self.sm.version + 1
+        dec = self.dec
+        for s in self.servers:
+            self.advance(s, self.now)
+            s.paused = False
+            if dec.reprefill_after_sync:  # retracted requests are prefilled again
+                s.stall += dec.request_server_s * len(s.heap)
+            if s.marks_p[-1] >= s.P - _EPS:  # no progress since the last update
+                s.marks_v[-1] = version
+            else:
+                s.marks_p.append(s.P)
+                s.marks_v.append(version)
+            self.reschedule(s)
+        self.sm.set_version(version)
+        self.paused = False
+        self.set_learner("wait")
+        self.wait_since = self.now
+        self.step_end.append(self.now)
+        if len(self.step_end) == self.cfg.warmup_steps:
+            self.snapshot("start")
+        if len(self.step_end) == self.total_steps:
+            self.snapshot("end")
+            return True
+        self.note_gen(self.now)
+        self.produce()
+        self.try_train()
+        return False
 
     # ---- main loop -------------------------------------------------------------------------
-    if cfg.warmup_steps == 0:
-        snapshot("start")
-    produce()
-    try_train()
-    n_events = 0
-    while len(step_end) < total_steps:
-        if not events:
-            raise SimulationError(
-                f"simulation stalled at t={now:.3f} s, step {len(step_end)}: learner {learner['state']}, "
-                f"{len(ready)} ready, {len(running)} running, capacity {sm.capacity()}")
-        n_events += 1
-        if n_events > max_events:
-            raise SimulationError(f"simulation exceeded {max_events} events (step {len(step_end)})")
-        t, _, kind, payload = heapq.heappop(events)
-        if running:
-            inflight[0] += t - inflight[1]
-        inflight[1] = now = t
-        if kind == K_SERVER:
-            s, epoch = payload  # type: ignore[misc]
-            if epoch != s.epoch:
-                continue  # superseded by a later rate change
-            advance(s, now)
-            finished_eps = False
-            while s.heap and s.heap[0][0] <= s.P + _EPS * max(1.0, s.P):
-                _, _, r = heapq.heappop(s.heap)
-                finished_eps = finish_request(s, r) or finished_eps
-            fill(s)
-            reschedule(s)
-            note_gen(now)
-            if finished_eps:
-                produce()
-                try_train()
-        elif kind == K_ARRIVE:
-            arrive(payload)  # type: ignore[arg-type]
-        elif kind == K_CORE:
-            if payload != core["epoch"]:
-                continue
-            core_advance(now)
-            finished_eps = False
-            if client_q and core["client"] <= _EPS:
-                finished_eps = request_done(client_q.popleft())
-                core["client"] = 0.0
-            job = core["job"]
-            if job is not None and core["train"] <= _EPS:
-                core["train"], core["job"] = 0.0, None
-                if job == "train":
-                    if record:
-                        train_intervals.append((train_started[0], now))
-                    train_done()
-                else:
-                    push(now, K_SYNC_DONE, None)
-            core_schedule()
-            if finished_eps:
-                produce()
-                try_train()
-        elif kind == K_TRAIN_DONE:
-            train_done()
-        elif kind == K_SYNC_DONE:
-            version = sm.version + 1
-            for s in servers:
-                advance(s, now)
-                s.paused = False
-                if dec.reprefill_after_sync:  # retracted requests are prefilled again
-                    s.stall += dec.request_server_s * len(s.heap)
-                if s.marks_p[-1] >= s.P - _EPS:  # no progress since the last update
-                    s.marks_v[-1] = version
-                else:
-                    s.marks_p.append(s.P)
-                    s.marks_v.append(version)
-                reschedule(s)
-            sm.set_version(version)
-            paused[0] = False
-            set_learner("wait")
-            wait_since[0] = now
-            step_end.append(now)
-            if len(step_end) == cfg.warmup_steps:
-                snapshot("start")
-            if len(step_end) == total_steps:
-                snapshot("end")
-                break
-            note_gen(now)
-            produce()
-            try_train()
-    if record and gen_open[0] is not None and now > gen_open[0]:
-        gen_intervals.append((gen_open[0], now))
+    def run(self) -> SimResult:
+        if self.cfg.warmup_steps == 0:
+            self.snapshot("start")
+        self.produce()
+        self.try_train()
+        n_events = 0
+        events = self.events
+        while len(self.step_end) < self.total_steps:
+            if not events:
+                raise SimulationError(
+                    f"simulation stalled at t={self.now:.3f} s, step {len(self.step_end)}: learner "
+                    f"{self.learner_state}, {len(self.ready)} ready, {len(self.running)} running, "
+                    f"capacity {self.sm.capacity()}")
+            n_events += 1
+            if n_events > self.max_events:
+                raise SimulationError(f"simulation exceeded {self.max_events} events (step {len(self.step_end)})")
+            t, _, kind, payload = heapq.heappop(events)
+            if self.running:
+                self.inflight_s += t - self.last_event
+            self.last_event = self.now = t
+            if kind == K_SERVER:
+                self.on_server(*payload)  # type: ignore[misc]
+            elif kind == K_ARRIVE:
+                self.on_arrive(payload)  # type: ignore[arg-type]
+            elif kind == K_CORE:
+                self.on_core(payload)  # type: ignore[arg-type]
+            elif kind == K_TRAIN_DONE:
+                self.on_train_done()
+            elif kind == K_SYNC_DONE:
+                if self.on_sync_done():
+                    break
+        if self.record and self.gen_open is not None and self.now > self.gen_open:
+            self.gen_intervals.append((self.gen_open, self.now))
+        return self.result()
 
-    t0, busy0, paused0, util0, w0, tr0, sy0, if0 = snap["start"]
-    t1, busy1, paused1, util1, w1, tr1, sy1, if1 = snap["end"]
-    span = t1 - t0
-    if span <= 0:
-        raise SimulationError("simulation: timed steps took no time (all costs zero?)")
-    ns = cfg.num_servers
-    busy, paus, util = busy1 - busy0, paused1 - paused0, util1 - util0
-    return SimResult(
-        samples_per_s=samples_timed[0] / span, tokens_per_s=samples_timed[1] / span,
-        step_s=span / cfg.steps, gen_wait_s=sum(step_wait[cfg.warmup_steps:total_steps]) / cfg.steps,
-        gen_idle_frac=1.0 - busy / (span * ns), gen_paused_frac=paus / (span * ns),
-        gen_inflight_s=(if1 - if0) / cfg.steps,
-        decode_util=util / (span * ns),
-        train_idle_frac=1.0 - (tr1 - tr0) / span, learner_wait_frac=(w1 - w0) / span,
-        sync_frac=(sy1 - sy0) / span, train_s=(tr1 - tr0) / cfg.steps,
-        weight_sync_s=(sy1 - sy0) / cfg.steps,
-        inflight_at_sync=sum(sync_inflight[:cfg.steps]) / max(1, len(sync_inflight[:cfg.steps])),
-        staleness_token_hist=dict(token_hist), staleness_episode_hist=dict(ep_hist), violations=violations,
-        trained=trained, step_end_s=step_end, gen_intervals=gen_intervals, train_intervals=train_intervals,
-    )
+    def result(self) -> SimResult:
+        """The timed steps' figures: differences of the "start" and "end" snapshots."""
+        cfg = self.cfg
+        t0, busy0, paused0, util0, w0, tr0, sy0, if0 = self.snap["start"]
+        t1, busy1, paused1, util1, w1, tr1, sy1, if1 = self.snap["end"]
+        span = t1 - t0
+        if span <= 0:
+            raise SimulationError("simulation: timed steps took no time (all costs zero?)")
+        ns = cfg.num_servers
+        busy, paus, util = busy1 - busy0, paused1 - paused0, util1 - util0
+        syncs = self.sync_inflight[:cfg.steps]
+        return SimResult(
+            samples_per_s=self.samples_timed / span, tokens_per_s=self.tokens_timed / span,
+            step_s=span / cfg.steps, gen_wait_s=sum(self.step_wait[cfg.warmup_steps:self.total_steps]) / cfg.steps,
+            gen_idle_frac=1.0 - busy / (span * ns), gen_paused_frac=paus / (span * ns),
+            gen_inflight_s=(if1 - if0) / cfg.steps,
+            decode_util=util / (span * ns),
+            train_idle_frac=1.0 - (tr1 - tr0) / span, learner_wait_frac=(w1 - w0) / span,
+            sync_frac=(sy1 - sy0) / span, train_s=(tr1 - tr0) / cfg.steps,
+            weight_sync_s=(sy1 - sy0) / cfg.steps,
+            inflight_at_sync=sum(syncs) / max(1, len(syncs)),
+            staleness_token_hist=dict(self.token_hist), staleness_episode_hist=dict(self.ep_hist),
+            violations=self.violations, trained=self.trained, step_end_s=self.step_end,
+            gen_intervals=self.gen_intervals, train_intervals=self.train_intervals,
+        )
+
+
+def simulate(cfg: SimConfig, *, record: bool = False, max_events: int = 20_000_000) -> SimResult:
+    """Run ``warmup_steps + steps`` training steps of ``cfg``; raises SimulationError on bad input
+    or a stall (the learner waiting with nothing left to happen)."""
+    return Simulation(cfg, record=record, max_events=max_events).run()
