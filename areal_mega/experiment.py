@@ -39,7 +39,7 @@ class ExperimentConfig:
     """Learner layout (tp, pp, cp, dp)."""
     actor: MegatronEngineConfig = field(default_factory=MegatronEngineConfig)
     """The policy's megatron engine: model build, optimizer, micro-batching. With
-    ``algorithm.kl_coef > 0`` a frozen, forward-only copy of the initial policy (``model_path``,
+    ``algorithm.needs_reference`` (``kl_coef > 0``) a frozen, forward-only copy of the initial policy (``model_path``,
     same layout and ``actor.model`` settings, no optimizer) serves as the KL reference."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The PPO critic (trunk from ``model_path`` + value head, its own optimizer); built only

@@ -18,7 +18,7 @@ Formulas (P parameters, L layers, h width, t engine TP, c mean decode context in
 
       flops = 6P + 3 * A        train step (forward + backward), A = 4 * L * h * c_ctx attention
             + 2P + A            proximal forward (algorithm.decoupled)
-            + 2P + A            reference forward (algorithm.kl_coef > 0)
+            + 2P + A            reference forward (algorithm.needs_reference)
             + A                 selective recompute of core attention
       seconds = flops / (W * F * MFU) * (1 + (p - 1) / (v * m))      1F1B pipeline bubble
 

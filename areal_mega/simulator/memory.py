@@ -202,10 +202,10 @@ def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayo
     check_context_parallel(layout, s.layer_spec, s.attention, cp_comm_type=exp.actor.model.cp_comm_type,
                            vpp=layout.vpp)
     critic = None
-    if exp.algorithm.adv_estimator == "gae":
+    if exp.algorithm.needs_critic:
         critic = settings_from_engine_config(exp.critic, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res,
                                              vpp=layout.vpp)
-    return s, critic, exp.algorithm.kl_coef > 0
+    return s, critic, exp.algorithm.needs_reference
 
 
 def model_arch(exp: "ExperimentConfig") -> ModelArch:
