@@ -28,6 +28,7 @@ SMOKE = {
     "bench_sparse_delta.py": "test_tools.py::test_bench_sparse_delta",
     "bench_weight_sync.py": "test_tools.py::test_bench_weight_sync",
     "check_memory_model.py": "test_launch_plan.py::test_estimator_matches_what_the_engine_holds",
+    "count_config_keys.py": "test_tools.py::test_count_config_keys",
     "convert_hf_to_mcore.py": "test_megatron_model.py::test_conversion_tools_roundtrip_bit_exact",
     "convert_mcore_to_hf.py": "test_megatron_model.py::test_conversion_tools_roundtrip_bit_exact",
     "make_smollm2.py": "test_smollm2.py::test_learner_logprobs_equal_hf_on_smollm2",  # make test-real
@@ -76,6 +77,16 @@ def test_plot_run(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
     assert _tool("plot_run").main([str(tmp_path / "missing.jsonl"), str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_count_config_keys(capsys):
+    """The count is the top-level keys plus each section's; a kind's options are counted apart
+    (reward: 5 keys of its own, a judge's options far more)."""
+    _tool("count_config_keys").main()
+    out = json.loads(capsys.readouterr().out)
+    assert out["total"] == len(out["sections"]) + sum(out["sections"].values())
+    assert out["sections"]["reward"] == 5 and out["options_per_kind"]["reward:judge"] > 40
+    assert out["options_per_kind"]["reward:math"] == 2 and "reward:consistency" not in out["options_per_kind"]
 
 
 def test_bench_sparse_delta(tmp_path, capsys):
