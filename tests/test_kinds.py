@@ -122,9 +122,10 @@ def test_no_closed_kind_list_is_left():
 def test_cli_reports_a_bad_kind_in_one_line(capsys):
     from areal_mega.cli import main
 
-    rc = main(["train", "--config", TINY, "model_path=/m", "algorithm.adv_estimator=no_pkg:Est"])
+    with pytest.raises(SystemExit) as exit_:  # the same line from a researcher's own script (trainer.main.parse_args)
+        main(["train", "--config", TINY, "model_path=/m", "algorithm.adv_estimator=no_pkg:Est"])
     err = capsys.readouterr().err
-    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert "algorithm.adv_estimator: advantage 'no_pkg:Est': cannot import no_pkg" in err
 
 

@@ -10,7 +10,9 @@ line (examples/, docs/extending.md); a ``package.module:Name`` in the YAML needs
 from __future__ import annotations
 
 import argparse
+import sys
 
+from areal_mega.errors import EXIT_REFUSED, UserError
 from areal_mega.experiment import ExperimentConfig, load_experiment
 from areal_mega.trainer.loop import run
 from areal_mega.trainer.trainer import Trainer
@@ -70,7 +72,11 @@ def parse_args(argv: list[str] | None = None) -> ExperimentConfig:
     bad = [r for r in rest if "=" not in r]
     if bad:
         raise SystemExit(f"unexpected arguments {bad} (overrides look like key.sub=value)")
-    return load_experiment(args.config, rest)
+    try:
+        return load_experiment(args.config, rest)
+    except UserError as e:  # a bad file or key: one line, also from a researcher's own script
+        print(e, file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_REFUSED) from None
 
 
 def main(argv: list[str] | None = None) -> int:
