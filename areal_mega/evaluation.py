@@ -3,26 +3,9 @@
     areal-mega eval --config configs/grpo_smollm2.yaml --model runs/x/hf --out runs/x/eval-after \
         [--num-samples 8 --pass-k 1,4,8 --temperature 0.7] [--max-items 50] [key=value ...]
 
-Used by three callers, all through :func:`evaluate_items`:
-
-* the ``areal-mega eval`` command (:func:`run_eval`): any HF directory, or a trainer checkpoint
-  (converted first by the one HF export path, ``megatron/hf_export.py``), on the config's
-  ``eval_data`` (else the held-out split of ``data``), through SGLang servers it starts with the
-  pool's own launcher (``InferencePool.launch``) or running ones (``inference.addresses``);
-* the trainer's periodic evaluation (``Trainer.evaluate`` -> ``RolloutService.evaluate``);
-* the demo's before/after numbers (which read the trainer's ``eval.jsonl``).
-
-What is scored is exactly what training scores: the trainer's episode stack
-(``workflows/stack.py``: the config's workflow -- prompt already templated by ``data``, chat
-template included, tokenizer EOS as stop token -- its tools and the reward of ``cfg.reward``). An item is *correct* when its reward is >= 1.
-
-Numbers (per evaluation over ``n`` items):
-
-* ``accuracy``: fraction of items whose greedy (temperature 0) completion is correct, with
-  ``accuracy_se`` = sqrt(p (1 - p) / n), the binomial standard error of that fraction;
-* ``pass@k`` (``num_samples`` = s > 0): s samples per item at ``temperature``; per item with c
-  correct, the unbiased estimator of the Codex paper (Chen et al. 2021, eq. 1)
-  ``1 - C(s - c, k) / C(s, k)``, averaged over items.
+Every caller (this command, the trainer's periodic evaluation, the demo) goes through
+:func:`evaluate_items`; what is scored is exactly what training scores (the trainer's episode
+stack), and an item is correct when its reward is >= 1. Callers and numbers: docs/evaluation.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """Tools an agent can call (not the repository's ``tools/`` scripts): one small registry, shared
 by the tool workflow (tag syntax) and OpenAI-style tool calls (JSON arguments).
 
-    registry = build_tools([ToolConfig(kind="calculator", name="calc"),
-                            ToolConfig(kind="python"),
-                            ToolConfig(kind="function", function="my_pkg.tools:search")])
+    registry = build_tools([ToolConfig(kind="calculator", name="calc"), ToolConfig(kind="python")])
     await registry.call("calc", {"expression": "12 * (3 + 4)"})        # "84"
-    registry.schemas()        # [{"type": "function", "function": {name, description, parameters}}]
-    registry.close()          # the python tool's sandbox workers
 
-The contract of a tool (:class:`Tool`): ``name``, ``description``, ``parameters`` (a JSON schema
-of an object), ``async call(args: dict) -> str``, ``close()``. ``ToolRegistry.call`` never
-raises for a tool's own failure: unknown tools, bad arguments, exceptions and timeouts come
-back as ``"error: ..."`` text, which is what the model sees (a tool error is part of the
-environment, not a crash of the rollout). Outputs are cut to ``max_output_chars``.
-
-Built-ins: ``calculator`` (arithmetic by an AST walk, no eval) and ``python`` (the code runs in
-``areal_mega.sandbox``: fresh namespaces, no network, rlimits; its stdout is the result). User
-tools by import path ``"module:function"``: a plain or async function taking keyword arguments
-(its parameters' annotations str / int / float / bool / list / dict become the JSON schema, its
-docstring's first paragraph the description), or a module-level object that already has the
-Tool attributes.
+Invariant: ``ToolRegistry.call`` never raises for a tool's own failure; it returns
+``"error: ..."`` text, which is what the model sees. The :class:`Tool` contract, built-ins and
+user tools: docs/rewards.md ("Tools", "Module notes").
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
-"""Advantage estimators over packed batches.
+"""Advantage estimators over packed batches: GRPO, Dr.GRPO, RLOO, REINFORCE++, GAE, process GRPO.
 
-Layout (same as ``areal_mega.batching.packing``): B sequences back to back in flat per-token
-tensors of length T, delimited by ``cu_seqlens`` [B + 1]; per-sequence scalars are [B].
-``loss_mask`` [T] marks the *action* positions (tokens the policy generated and is trained on).
-All per-token inputs of one call must share one alignment (this-token or next-token); the
-estimators only look at the order of the masked positions inside each sequence, so either
-works as long as rewards, values and masks agree.
-
-Time steps of the per-token estimators (REINFORCE++, GAE) are the masked positions only:
-prompt, feedback and tool-output tokens (mask 0) are not actions, so a multi-turn trajectory
-is one episode whose steps skip over the environment's tokens.
-
-Group estimators (GRPO, Dr.GRPO, RLOO) take ``group_index`` [B]: sequences sampled from the
-same prompt share an index. Groups may have different sizes.
-
-Numerics of every normalising estimator (GRPO, Dr.GRPO, RLOO, and REINFORCE++'s batch-wide
-whitening, which is the same computation over one "group"): rewards/returns are float32; the
-mean, centring and std are computed in float64 and the result is rounded once to float32. A
-group whose values are numerically equal -- max - min <= ``EQUAL_ULPS`` * eps_float32 * max|r|,
-which includes max == min exactly -- gets advantage exactly 0. Without this, a group of 7
-rewards all equal to 0.7 got +0.056 each from float32 round-off in the mean (all 70.3: +0.88),
-because (r - mean) and the std are both round-off of the same size. A group of one is always
-numerically equal, so it gets 0 (verl instead gives a lone sample its raw reward).
-See docs/algorithms.md.
-
-Process supervision (``cfg.process_weight > 0``): step rewards come as ``step_rewards`` [T]
-(step j's reward on its last generated token, 0 elsewhere) and ``step_mask`` [T] (1 on step
-ends), in the same alignment as ``loss_mask``. ``process_grpo_advantages`` normalises them over
-the group and sums them backwards: a token's process advantage is the sum of the normalised
-rewards of its step and the later steps (DeepSeekMath's process-supervised GRPO); the
-per-token estimators take them as token rewards.
+B sequences back to back in flat per-token tensors [T] delimited by ``cu_seqlens`` [B + 1];
+per-sequence scalars are [B]; ``loss_mask`` [T] marks the action positions, the only time steps
+of the per-token estimators. Group estimators take ``group_index`` [B].
+Invariant: a group whose values are numerically equal (``EQUAL_ULPS``) gets advantage exactly 0.
+Layout, numerics and process supervision: docs/algorithms.md ("Module notes").
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """Policy and value losses: pure functions over flat per-token tensors and a loss mask.
 
-Three policies appear in the decoupled PPO objective (AReaL, arXiv 2505.24298, eq. 5):
-
-* pi_behav: the inference engine that sampled the tokens (``behav_logprobs``, recorded per
-  token with its version; possibly several versions in one sequence after an interruption);
-* pi_prox: the learner's policy before this update (``prox_logprobs``, one extra forward);
-* pi_theta: the policy being optimised (``logprobs``, with grad).
-
     loss_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))
     r_t = pi_theta / pi_prox,   w_t = pi_prox / pi_behav  (no grad)
 
-With ``prox_logprobs=None`` it is standard PPO with pi_old = pi_behav (w = 1). The weight is
-capped at C either by truncation (min(w, C)) or by masking tokens with w > C out of the loss.
-When pi_prox == pi_behav (synchronous RL) both forms are identical: tested.
-
-Extreme log-prob gaps (a very stale token, a -inf log-prob from the inference engine): every
-log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20] before ``exp`` -- the
-policy ratio log(pi_theta / pi_old), the behaviour weight log(pi_prox / pi_behav) and the KL's
-log(pi_theta / pi_ref) -- and KL estimates are clamped to [-KL_CLAMP, KL_CLAMP] = [-10, 10]
-(verl's and OpenRLHF's constants). Losses and gradients stay finite for any non-NaN input,
-including +-inf log-probs; inside the clamps the gradient is exactly the unclamped one, and a
-term whose clamp is active has zero gradient through it. Masked-out positions never reach the
-loss (``aggregate`` selects with ``where``, not a multiply), so garbage there cannot turn it
-into NaN. NaN inputs on action tokens are not hidden: they propagate, to be noticed.
-
-Aggregation (``aggregate``) normalises by counts of the WHOLE global batch, passed by the
-caller, so that summing the returned micro-batch losses over micro-batches and data-parallel
-ranks gives the global objective. The engine must therefore SUM (not average) gradient
-contributions over micro-batches and DP ranks, or rescale by the number it averages over.
+Invariants: log-ratios are clamped to +-``LOG_RATIO_CLAMP`` before ``exp`` and KL estimates to
++-``KL_CLAMP`` (finite for any non-NaN input); ``aggregate`` normalises by whole-global-batch
+counts, so the engine SUMS gradients over micro-batches and DP ranks. The three policies, the
+clamps and the aggregation: docs/algorithms.md ("Module notes").
 """
 
 from __future__ import annotations
@@ -158,10 +137,10 @@ def ppo_policy_loss(
     """(Decoupled) PPO clipped policy loss. All tensors [T], one alignment.
 
     Log-ratios are clamped to +-``LOG_RATIO_CLAMP`` before ``exp`` (so ratio and importance
-    weight lie in [e^-20, e^20]) and the KL term goes through ``kl_estimate``'s clamps: see the
-    module docstring. The KL and entropy terms are NOT multiplied by the behaviour importance
-    weight, and tokens dropped by the weight cap ("mask" mode) keep their KL and entropy terms;
-    only the clipped policy-gradient term is weighted.
+    weight lie in [e^-20, e^20]) and the KL term goes through ``kl_estimate``'s clamps: see
+    docs/algorithms.md ("Extreme log-prob gaps"). The KL and entropy terms are NOT multiplied by
+    the behaviour importance weight, and tokens dropped by the weight cap ("mask" mode) keep their
+    KL and entropy terms; only the clipped policy-gradient term is weighted.
 
     Returns (loss, stats). ``stats`` are detached scalars over this micro-batch's masked tokens
     (weight them by ``stats["n_tokens"]`` to combine micro-batches): clip_frac (tokens whose

@@ -1,38 +1,11 @@
 """HF <-> megatron-core weight mapping, one adapter per model family, for ANY TP/PP(/VPP) layout.
 
-The same adapter serves four callers, through the same code path:
-
-* the weight-sync planner -- :meth:`ModelAdapter.plan` is a pure function of the HF config and a
-  :class:`~areal_mega.parallel.ParallelLayout` (no process groups, no tensors): for each pipeline
-  stage, the ordered list of HF tensors it produces (name, full shape, dtype) and the megatron
-  parameter each comes from;
-* live weight sync and ``tools/convert_mcore_to_hf.py`` -- :meth:`ModelAdapter.export_hf`, run by
-  every rank of one stage, all-gathers TP shards on the TP group passed in and yields
-  ``(hf_name, tensor)`` in exactly the plan's order (optionally only some names, for buckets);
-* model loading and ``tools/convert_hf_to_mcore.py`` -- :meth:`ModelAdapter.load_hf`, which fills
-  the local TP shard of every megatron parameter from HF tensors (validating all shapes first);
-* the reshard sync's engine side -- :meth:`ModelAdapter.sglang_layout`: which SGLang parameters
-  the family's server holds (weight_sync/sglang_layout.py's builders), and ``sglang_not_synced``.
-
-Megatron layouts handled here (megatron-core 0.16.1, pinned by the equality tests):
-
-* ``linear_qkv`` rows are grouped per query group ``[q x heads_per_group, k, v]`` (each block
-  ``head_dim`` rows); TP splits whole groups, so TP-gathering is a plain concat along dim 0;
-* SwiGLU ``linear_fc1`` on each TP rank is ``[gate_r; up_r]``: gathering must split every shard
-  before concatenating (the TP=1 layout is ``[gate; up]``);
-* the vocabulary is padded with zero rows to a multiple of ``lcm(make_vocab_size_divisible_by,
-  tp)``; with the default 128 the padded size is the same for every TP <= 128 (power of two), so
-  distributed checkpoints load across layouts. Logits ``[..., vocab_size:]`` are padding.
-* the embedding lives on the first PP stage (chunk 0), final norm and output layer on the last
-  stage (last chunk); with tied embeddings and PP > 1 the last stage holds a copy of the
-  embedding as ``output_layer.weight`` (loaded from ``embed_tokens``, never exported).
-* MoE (Qwen3-MoE): the router ``mlp.router.weight`` is replicated; expert ``g`` of a layer is
-  local expert ``g % (E / ep)`` of expert-parallel rank ``g // (E / ep)`` (``McoreParam.ep_rank``),
-  its fc1 ``[gate; up]`` / fc2 split over the expert-TP group like a dense MLP over TP. The plan
-  lists every expert once; only its owner loads it, and the export gathers it over expert TP and
-  sends it once to the stage's sender (:class:`ExpertExport`).
-
-The "canonical" form of a megatron tensor below is its TP=1 layout (vocab padded).
+One adapter, one code path, four callers: the weight-sync planner (:meth:`ModelAdapter.plan`,
+pure metadata), live sync / HF export (:meth:`ModelAdapter.export_hf`, in exactly the plan's
+order), loading (:meth:`ModelAdapter.load_hf`) and the reshard sync
+(:meth:`ModelAdapter.sglang_layout`). The "canonical" form of a megatron tensor below is its
+TP=1 layout (vocab padded). The callers and the megatron-core 0.16.1 layouts handled:
+docs/engine.md ("Module notes").
 """
 
 from __future__ import annotations

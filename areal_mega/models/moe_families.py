@@ -3,33 +3,8 @@
 Each family maps its HF config to :class:`ModelArch` (megatron's settings are derived from it in
 megatron/model.py ``moe_kwargs`` / ``mla_kwargs``), key by key: a key that changes the network and
 is not implemented is refused with a one-line ValueError naming it (``refuse_unknown_keys``).
-
-Routing, HF -> megatron-core 0.16.1 (``topk_routing_with_score_function``):
-
-* Mixtral: softmax over all experts, top-k, renormalised = megatron's top-k on the logits then
-  softmax (``moe_router_pre_softmax=False``, see ``moe_kwargs``).
-* Qwen2-MoE: softmax, top-k, renormalised iff norm_topk_prob; a shared expert of
-  ``shared_expert_intermediate_size`` whose output is scaled by ``sigmoid(shared_expert_gate(x))``
-  (megatron ``moe_shared_expert_gate``); dense layers from ``mlp_only_layers`` /
-  ``decoder_sparse_step``.
-* DeepSeek-V3 and GLM-4.5 (``DeepseekV3TopkRouter`` / ``Glm4MoeTopkRouter``): fp32 logits ->
-  sigmoid; the choice uses ``sigmoid + e_score_correction_bias`` (groups: the ``topk_group`` of
-  ``n_group`` groups with the largest sum of their top-2 biased scores); the weights are the
-  UNbiased sigmoid scores of the chosen experts, renormalised (norm_topk_prob), times
-  ``routed_scaling_factor``. megatron: ``moe_router_score_function="sigmoid"``,
-  ``moe_router_enable_expert_bias`` (the router's ``expert_bias`` buffer),
-  ``moe_router_num_groups`` / ``moe_router_group_topk`` (megatron sums the top
-  ``topk // group_topk`` scores per group: equal to HF's top-2 only when that is 2 -- refused
-  otherwise), ``moe_router_topk_scaling_factor``. megatron always renormalises sigmoid top-k
-  weights when k > 1, so ``norm_topk_prob: false`` with k > 1 is refused.
-* The expert bias is NOT a gradient-trained weight: in HF it is a buffer (no gradient, never
-  changed by transformers); DeepSeek's aux-loss-free balancing nudges it between steps by the
-  token counts during PRE-training. The learner keeps it as HF does -- fixed at the checkpoint's
-  value (``moe_router_bias_update_rate=0``: megatron's update step adds 0) -- loads it, and sends
-  it with every weight sync / HF export (unchanged), so the servers route exactly as the learner.
-* MTP (DeepSeek-V3 / GLM-4.5 ``num_nextn_predict_layers``): the multi-token-prediction layers are
-  DROPPED: not built, not trained, not synced (RL trains the main model; the servers here do not
-  run speculative decoding). A one-line warning says so when such a config is adapted.
+The expert bias stays at the checkpoint's value; MTP layers are dropped. Routing HF ->
+megatron-core 0.16.1: docs/engine.md ("Mixtral, Qwen2-MoE, ..." and "Module notes").
 """
 
 from __future__ import annotations
@@ -137,7 +112,7 @@ _SIGMOID_MOE = {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_siz
 
 
 def _sigmoid_routing(c: dict, n_layers: int) -> dict:
-    """ModelArch MoE fields for DeepSeek-V3 / GLM-4.5 routing (see the module doc)."""
+    """ModelArch MoE fields for DeepSeek-V3 / GLM-4.5 routing (docs/engine.md, "Module notes")."""
     _req(c, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
     e = int(c["n_routed_experts"])
     k, norm = _topk(c, e), bool(c.get("norm_topk_prob", True))

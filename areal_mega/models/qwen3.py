@@ -1,18 +1,10 @@
 """Qwen3 (Qwen3ForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM).
 
-Qwen3 = Llama's layout (no biases) plus an RMSNorm over each head's query and key before RoPE
-(``self_attn.q_norm`` / ``k_norm``, weight of ``head_dim``, megatron's ``qk_layernorm``), and a
-``head_dim`` that need not be hidden / heads (megatron's ``kv_channels``). Tied or untied.
-
-Qwen3-MoE replaces every layer's MLP by a router (``mlp.gate.weight`` [E, hidden] ->
-megatron ``mlp.router.weight``) and E SwiGLU experts (``mlp.experts.{i}.{gate,up,down}_proj``
--> megatron's local expert ``i % (E / ep)`` on expert-parallel rank ``i // (E / ep)``). The
-router is softmax -> top-k -> optional renormalisation (``norm_topk_prob``), mapped to megatron's
-router settings in megatron/model.py ``moe_kwargs``.
-
-Configs are checked key by key: a key that changes the network and is not implemented here
-(sliding windows, dense layers between MoE layers, shared experts, grouped routing, MLA, MTP
-heads, an unknown key) is refused with an error naming it, never silently ignored.
+Qwen3 = Llama's layout plus per-head q/k RMSNorms (megatron's ``qk_layernorm``) and a free
+``head_dim`` (``kv_channels``); Qwen3-MoE adds a softmax top-k router and E SwiGLU experts.
+Configs are checked key by key: a key that changes the network and is not implemented here is
+refused with an error naming it, never silently ignored. Details: docs/engine.md ("Qwen3 and
+Qwen3-MoE", "Module notes").
 """
 
 from __future__ import annotations

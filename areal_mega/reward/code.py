@@ -1,18 +1,12 @@
-"""Code reward: run the completion's last ```python block against test cases in the sandbox
-(``areal_mega.sandbox``: fresh namespaces, a default-deny view, unprivileged uid, seccomp, a
-memory + pids cgroup, rlimits, wall-clock timeout, capped output; one execution per test,
-concurrently). Reward = fraction of tests whose stdout matches. The program gets each test's
-input on stdin only: the expected output never enters the sandbox, the comparison (``judge``)
-happens here, in the trainer's process.
+"""Code reward: run the completion's last ```python block against ``data["tests"]`` in the
+sandbox; reward = fraction of tests whose stdout matches.
 
     reward = CodeReward(SandboxConfig(timeout_s=5))
     r = await reward.evaluate("", completion, {"tests": [{"input": "2 3\\n", "output": "5"}]})
     r.score, r.info["reasons"]          # 1.0, []  -- or 0.0, ["timeout"]
 
-Sample format: ``data["tests"] = [{"input": "<stdin>", "output": "<expected stdout>"}, ...]``.
-``info``: ``fraction_passed``, ``num_tests``, ``reasons`` (one per failed test: a sandbox reason
--- timeout, memory, killed, syntax_error, runtime_error, output_limit, file_size,
-sandbox_error -- or wrong_answer; ``no_code`` once when there is no code block).
+Invariant: the expected output never enters the sandbox (input on stdin only; ``judge`` compares
+here, in the trainer's process). Sample format and ``info``: docs/rewards.md ("Module notes").
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """A pool of reward worker processes with a per-call timeout.
 
-Why processes: math-verify (and user reward code) can hang, crash, or need the main thread
-(signal.alarm). Each call goes to an idle worker over a pipe; if it does not answer within
-``timeout_s`` the worker is killed (by its PID) and replaced, and the call scores
-``default``. A crash (EOF) or an exception inside the function also scores ``default``. The
-trainer never sees any of it except in ``stats``.
-
-Workers are plain subprocesses (``python -m areal_mega.reward.worker``), not multiprocessing
-spawn children, so nothing re-imports the caller's ``__main__``; they are started with
-``procs.spawn`` (they die with the thread that started them, and a timed-out worker is stopped
-with everything it started by ``procs.stop_tree``).
-
-``call`` returns a float; ``call_value`` returns what the function returned (any JSON value:
-the sandbox's executions return a dict) with the call's status.
+Each call goes to an idle worker (``python -m areal_mega.reward.worker``) over a pipe; on a
+timeout the worker is killed and replaced. A timeout, crash or exception scores ``default``:
+the trainer never sees any of it except in ``stats``. ``call`` returns a float, ``call_value``
+the function's JSON value with the call's status. Why processes: docs/rewards.md ("Module notes").
 """
 
 from __future__ import annotations

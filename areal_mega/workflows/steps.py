@@ -3,19 +3,9 @@
     cfg = StepConfig(split="regex", delimiter=r"\\n+")
     ends, texts = split_steps(tokenizer, [turn1_ids, turn2_ids], cfg)
 
-A trajectory's generated tokens come in turns (one per generation call that was kept: one for
-single_turn, one per attempt for multi_turn, one per call for tool / agent). The rule:
-
-* "turns": each turn is one step;
-* "regex": each turn is cut after every match of ``delimiter`` in its decoded text (the
-  delimiter belongs to the step it ends; text after the last match is the turn's last step);
-  a step never crosses a turn, so turn ends are step ends too;
-* "none": no steps.
-
-Boundaries are token counts (``Trajectory.step_ends``): a character cut maps to the fewest
-tokens whose decoded text reaches it (binary search, as the tool workflow's call cut), so a
-token that straddles a delimiter stays in the step it starts. At most ``max_steps`` steps: the
-boundaries after the (max_steps - 1)-th are dropped (the rest is one last step).
+Rules "turns" | "regex" | "none"; a step never crosses a turn. Boundaries are token counts
+(``Trajectory.step_ends``): a token that straddles a delimiter stays in the step it starts; at
+most ``max_steps`` steps. The rules in full: docs/rollout.md ("Module notes").
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Tool-using agent workflow: the model calls tools of a :class:`~areal_mega.agent_tools.ToolRegistry`
 by name, in tags.
 
-Call syntax (what the prompt should teach the model), for a tool named NAME::
-
     ... <NAME>ARGUMENT</NAME>               model: a call (NAME = a registered tool's name)
     <result>OUTPUT</result>                 environment: the tool's output (or "error: ...")
     ... The answer is 84.                   model continues; no tool call = final turn
 
-ARGUMENT is a JSON object of the tool's parameters (``<search>{"query": "x", "k": 3}</search>``)
-or plain text, which becomes the tool's first required parameter
-(``<calc>12 * (3 + 4)</calc>``, ``<python>print(2 ** 10)</python>``). The default registry has
-the calculator named ``calc``; configure others with ``workflow.options.tools``.
-
-Generation is cut right after the first complete call (tokens sampled past it are dropped:
-the kept prefix is exactly what the policy sampled, so it stays on-policy), the tool output is
-appended with loss_mask 0, and the model is called again on the whole sequence. At most
-``max_turns`` generation calls per sample. The reward sees the full transcript after the prompt
-and, as ``data[COMPLETION_TOKENS]``, the number of tokens the model generated.
+Invariant: generation is cut right after the first complete call, so the kept prefix is exactly
+what the policy sampled; tool output has loss_mask 0. Details: docs/rollout.md ("Module notes").
 """
 
 from __future__ import annotations
