@@ -26,7 +26,7 @@ from areal_mega.errors import UserError
 from areal_mega.kinds import OPTIONS_OF, KindError, options_type, resolve
 
 __all__ = [
-    "ConfigError", "T", "dump_yaml", "from_dict", "load_config", "load_dict", "parse_overrides", "to_dict",
+    "ConfigError", "T", "check_each", "dump_yaml", "from_dict", "load_config", "load_dict", "parse_overrides", "to_dict",
     "validate_tree", "yaml_error_line"
 ]
 
@@ -149,6 +149,15 @@ def _open_kind_options(fields: dict, kwargs: dict, kind_key: str, family: str, o
     if raw is not None and not isinstance(raw, dict):
         raise ConfigError(f"{where}{prefix}{options_key}: expected a mapping for {opts_cls.__name__}, got {raw!r}")
     return _build(opts_cls, raw or {}, f"{prefix}{options_key}.", where)
+
+
+def check_each(key: str, items: list, check: str = "validate") -> None:
+    """``item.<check>()`` for every item of the list at ``key``; an error names ``key[i].``."""
+    for i, item in enumerate(items):
+        try:
+            getattr(item, check)()
+        except ValueError as e:
+            raise ValueError(f"{key}[{i}].{e}") from None
 
 
 def validate_tree(obj: Any, prefix: str = "", where: str = "", *, depth: int = 0) -> None:

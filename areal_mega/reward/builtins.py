@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from areal_mega.config import check_each
 from areal_mega.kinds import resolve
 from areal_mega.reward.base import RewardContext, RewardFn
 from areal_mega.reward.config import RewardConfig
@@ -87,10 +88,7 @@ class CompositeOptions:
         for i, c in enumerate(self.components):
             if c.kind == "composite":
                 raise ValueError(f"components[{i}].kind: a composite cannot contain a composite (flatten it)")
-            try:
-                c.validate()
-            except ValueError as e:
-                raise ValueError(f"components[{i}].{e}") from None
+        check_each("components", self.components)
 
     def names(self) -> list[str]:
         """Each component's ``name``, else its kind (suffixed by position when repeated)."""

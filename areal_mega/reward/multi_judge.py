@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from areal_mega.config import check_each
 from areal_mega.kinds import KindError, resolve
 from areal_mega.reward.base import RewardResult
 from areal_mega.reward.judge import JudgeConfig, Verdict
@@ -61,11 +62,7 @@ class MultiJudgeConfig:
         self.validate()
         if len(self.judges) < 2:
             raise ValueError(f"judges: multi_judge needs at least 2 judges, got {len(self.judges)}")
-        for i, j in enumerate(self.judges):
-            try:
-                j.check_ready()
-            except ValueError as e:
-                raise ValueError(f"judges[{i}].{e}") from None
+        check_each("judges", self.judges, "check_ready")
 
 
 def mean(scores: Sequence[float]) -> float:

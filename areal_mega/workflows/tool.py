@@ -21,6 +21,7 @@ from areal_mega.api.workflow import Trajectory
 from areal_mega.reward import COMPLETION_TOKENS, RewardFn
 from areal_mega.agent_tools import ToolConfig, ToolRegistry, build_tools
 from areal_mega.agent_tools.calculator import calculator
+from areal_mega.config import check_each
 from areal_mega.workflows.base import Tokenizer, TokenWorkflow, TrajectoryBuilder, WorkflowConfig, decode, encode, new_group_id, score
 
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
@@ -80,11 +81,7 @@ class ToolWorkflow(TokenWorkflow):
             names = [t.tool_name() for t in self.tools]
             if len(set(names)) != len(names):
                 raise ValueError(f"tools: tool names must be unique, got {names}")
-            for i, t in enumerate(self.tools):
-                try:
-                    t.validate()
-                except ValueError as e:
-                    raise ValueError(f"tools[{i}].{e}") from None
+            check_each("tools", self.tools)
             if self.timeout_s <= 0 or self.max_output_chars < 1:
                 raise ValueError(f"timeout_s / max_output_chars: must be > 0, got {self.timeout_s}, "
                                  f"{self.max_output_chars}")
