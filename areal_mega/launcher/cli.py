@@ -2,11 +2,20 @@
 
     python -m areal_mega.launcher slurm --config configs/grpo_llama70b.yaml [--dry-run] [key=value ...]
     python -m areal_mega.launcher local --config configs/grpo_tiny.yaml [--dry-run] [key=value ...]
-    python -m areal_mega.cli plan --config X --nodes 16 [--staleness 0,1,2,4,8] [--out DIR] [--json]
+    python -m areal_mega.launcher slurm --config X --dry-run --nodelist 'n[1-16]' --gpus-per-node 8
+    python -m areal_mega.cli plan --config X --nodes 16 [--gpus-per-node 8] [--staleness 0,1,2,4,8]
+        [--out DIR] [--json] [cost.train_mfu=0.3 workload.gen_mean_tokens=8000 key=value ...]
 
-The YAML becomes one typed :class:`~areal_mega.experiment.ExperimentConfig` here; a refusal exits
-2 with one line, in a dry run and a real launch alike. Options, exit codes and the planner's
-command line: docs/launch.md "Module notes" (``cli.py``).
+``slurm`` runs inside an allocation (launch/*.sh call it from sbatch); ``local`` runs the same
+plan on this machine. ``--dry-run`` prints the plan, the per-GPU memory estimate and the
+pre-flight checks (``launcher/preflight.py``) and exits 0. Exit codes (docs/launch.md): 2 = refused
+before anything started (a bad key, layout, split, a plan over the GPU memory, a failed
+pre-flight check: one line naming the key), the same in a dry run and a real launch; 1 = a started
+run failed; 75 = checkpointed and stopped on a signal (requeue); 128 + N = stopped by signal N.
+Overrides ``launch.*`` configure the launcher; all others are passed to learners and engines.
+The YAML becomes one typed :class:`~areal_mega.experiment.ExperimentConfig` here, whose sections
+the plan, the memory estimate and the throughput planner (``areal-mega plan``,
+``simulator.planner.sweep``) read.
 """
 
 from __future__ import annotations

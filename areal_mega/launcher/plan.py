@@ -1,11 +1,18 @@
 """Placement: which node runs which learner / engine process, with which command and environment.
 
-A pure function of the config and an :class:`Allocation`, unit-testable without a cluster::
+A pure function of the config and an :class:`Allocation` (the nodes Slurm gave us, or this one
+machine), so placement, commands and the memory verdict are unit-testable without a cluster:
 
-    nodes n1..nL: learners (one torchrun per node, rendezvous at n1)   nL+1..: engines (port P + k)
+    allocation (nodes n1..nN, G GPUs each)
+      n1..nL      learners: one torchrun per node, static rendezvous at n1:master_port,
+                  --node-rank = position in the learner nodes (not SLURM_NODEID, which counts
+                  the whole job), G ranks per node
+      nL+1..      engines: floor(G / engine_tp) servers per node (one per CPU node), each
+                  bound to its node's own address, port P + k for its k-th server
+                  (P = inference.server.port, or launch.engine.default_port when that is 0)
 
-Learners start only once every engine has written its address file. The diagram in full:
-docs/launch.md "Module notes" (``plan.py``).
+Learners start only once every engine has written its address file (engine_proc.py); the
+launcher then writes them all to ``engines_file``, which the learner command receives.
 """
 
 from __future__ import annotations

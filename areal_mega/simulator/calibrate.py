@@ -1,11 +1,27 @@
 """Calibrate the simulator on a real run's ``metrics.jsonl`` (what the trainer logs every step).
 
-    decode   <- time/rollout_s (sync run) or rollout/gen_inflight_s (per run), by bisection
-    learner  <- perf/step_s - time/rollout_s - time/weight_sync_s [- time/save_s] ~ a + b * tokens
-    sync     <- time/weight_sync_s;  lengths <- rollout/num_generated_tokens / num_trajectories
+From each step row the trainer writes (``areal_mega/trainer/loop.py``):
 
-Timed steps: ``rows[warmup:-1]``, as tools/bench_async.py. What each metric means and why:
-docs/simulator.md "Module notes" (``calibrate.py``) and "Calibration".
+* ``time/rollout_s``: the learner's wait for a batch. In a synchronous run (max_staleness 0)
+  generation never overlaps training, so it *is* the generation time of one batch: the decode
+  model's ``peak_tokens_per_s`` is fitted so that the simulated synchronous generation time
+  matches it (bisection; ``half_batch`` is an input: one concurrency level cannot separate the
+  two parameters, see docs/simulator.md).
+* ``perf/step_s - time/rollout_s - time/weight_sync_s [- time/save_s]``: the learner's own work
+  per step (proximal forward, advantages, train step, logging): the learner model, fitted as
+  ``a + b * train/num_tokens`` (least squares; a constant when the batch sizes barely vary).
+* ``rollout/gen_inflight_s`` (when logged): the time per step with at least one episode in
+  flight. Each run's decode model is fitted on its own value (the simulated in-flight time per
+  step matches the logged one), so a run whose generation was slowed -- by training on the
+  same cores, or by other load on the machine -- is described by its own speed; without it the
+  synchronous run's ``time/rollout_s`` is the target and the async run reuses that fit.
+* ``time/weight_sync_s``: the weight sync (a fixed latency: the bytes do not change).
+* ``rollout/num_generated_tokens / rollout/num_trajectories`` per step: generation lengths
+  (an empirical distribution of per-step means: per-trajectory lengths are not logged), and
+  ``(train/num_tokens - generated) / trajectories``: the prompt length.
+
+Timed steps are chosen as tools/bench_async.py does: ``rows[warmup:-1]`` (the last step also
+saves the final checkpoint).
 """
 
 from __future__ import annotations

@@ -1,10 +1,34 @@
 """GPU cost models from published figures: what the planner turns into the simulator's inputs.
 
-Every number is a field of :class:`ClusterCostModel` or :class:`WorkloadModel` (one docstring per
-field). Overrides: ``areal-mega plan ... cost.train_mfu=0.3 workload.gen_mean_tokens=8000``.
-Decode ``t_iter(n) = t0 + n * t1``, learner FLOPs per token with a 1F1B bubble, weight sync
-``latency + bytes / (NIC * e_sync)`` (:func:`sync_bytes`). The formulas and each default's
-source: docs/simulator.md "Cost model" and "Module notes" (``costs.py``).
+Every number is a field of :class:`ClusterCostModel` or :class:`WorkloadModel` (a typed
+dataclass, one docstring per field); docs/simulator.md gives each default's source and
+reasoning. Overrides: ``areal-mega plan ... cost.train_mfu=0.3 workload.gen_mean_tokens=8000``.
+
+Formulas (P parameters, L layers, h width, t engine TP, c mean decode context in tokens):
+
+* decode, one server of t GPUs, one iteration with n sequences::
+
+      t_iter(n) = 2P / (t * BW * e_bw)                      weights read once per iteration
+                + n * ( c * kv_bytes_per_token_per_gpu / (BW * e_bw)    each sequence's KV read
+                        + 2P / (t * F * e_dec) )                         each sequence's FLOPs
+
+  so ``peak_tokens_per_s = 1 / t1`` and ``half_batch = t0 / t1`` (DecodeModel's saturating
+  form). BW = HBM bandwidth, F = dense BF16 peak, e_* = achieved fractions.
+* learner, per batch token (world W GPUs, pipeline p, m micro-batches per DP rank)::
+
+      flops = 6P + 3 * A        train step (forward + backward), A = 4 * L * h * c_ctx attention
+            + 2P + A            proximal forward (algorithm.decoupled)
+            + 2P + A            reference forward (algorithm.needs_reference)
+            + A                 selective recompute of core attention
+      seconds = flops / (W * F * MFU) * (1 + (p - 1) / (v * m))      1F1B pipeline bubble
+
+* weight sync (``weight_sync.mode``): ``latency + bytes / (NIC * e_sync)`` with ``bytes`` the
+  most bf16 bytes through one GPU's link. broadcast (and disk, priced the same: no filesystem
+  model): ``2P``, each pipeline stage's sender broadcasts its stage's full tensors, the stages
+  taking turns (areal_mega/weight_sync/sync.py). reshard: ``max(2P / t, S * 2P / W)``, each engine GPU
+  receives its TP shard, the W learner GPUs split the S servers' copies evenly
+  (areal_mega/weight_sync/reshard.py; within 4% of its plan at 70B, Qwen3-235B, DeepSeek-V3:
+  tests/test_weight_sync_reshard.py).
 """
 
 from __future__ import annotations
@@ -191,7 +215,7 @@ def learner_model(cost: ClusterCostModel, *, flops_per_token: float, world: int,
 
 def sync_bytes(*, mode: str, params: int, engine_tp: int, num_servers: int, world: int,
                dtype_bytes: int = 2) -> float:
-    """The bytes on one sync's critical path for ``weight_sync.mode`` (docs/simulator.md): the busiest
+    """The bytes on one sync's critical path for ``weight_sync.mode`` (module docstring): the busiest
     link's for reshard; for broadcast every stage's, one stage after another (so PP does not shorten it)."""
     full = dtype_bytes * params
     if mode == "reshard":

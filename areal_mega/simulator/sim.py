@@ -1,11 +1,29 @@
 """Discrete-event simulation of the asynchronous RL pipeline (pure Python).
 
-    producer (real StalenessManager) -> servers (fluid decode, paused at a sync) -> client
-        -> episodes -> learner (real can_form_batch / take_oldest) -> train -> sync -> version + 1
+Actors and what drives them::
 
-Servers are fluid (one progress counter and a heap per server: O(log n) per event). Invariant:
-every trained episode is within max_staleness (``SimResult.violations`` counts failures; the
-tests want 0). The actors in full: docs/simulator.md "Module notes" (``sim.py``).
+    producer  -- StalenessManager.try_admit() (the real class) --> episode = group_size requests
+                 --> the server with the fewest requests in flight (the pool's rule)
+    server    -- n requests decode at DecodeModel.throughput(n) / n tokens/s each; KV capacity
+                 and max_running queue the rest; paused (no progress) during a weight sync; each
+                 arriving request first costs it request_server_s of prefill (nothing decodes),
+                 again after a sync when reprefill_after_sync (retracted requests)
+    client    -- a finished request costs HostModel.client_s_per_request on the learner's core
+                 (FIFO) before its episode counts it; that core is shared equally with training
+    episode   -- finishes with its last request: on_accepted() / on_rejected() (refilled)
+    learner   -- waits until rollout.staleness.can_form_batch(...) (the real rule), takes the
+                 oldest-admitted batch (take_oldest), trains LearnerModel.step_s(tokens), then
+                 syncs weights SyncModel.seconds() with the servers and the producer paused,
+                 then set_version(v + 1): admission moves on, new tokens carry version v + 1
+
+Servers are fluid: between events every running request advances at the same rate, so each
+server keeps one progress counter P (tokens generated per running request since t = 0) and a
+heap of finishing values of P; an event costs O(log n). Token versions come from the values of
+P at which each server's weights changed, so an interrupted request carries mixed versions,
+as a real one does.
+
+Each trained episode is checked against the bound (admission version and oldest token >= train
+version - max_staleness); ``SimResult.violations`` counts failures (the tests want 0).
 """
 
 from __future__ import annotations

@@ -1,11 +1,18 @@
 """Cost models identified from measurements: short sweeps and their least-squares fits.
 
-    decode_sweep(url) -> fit_decode_sweep: wall(n, L, P) = a + n * (r + p * P) + L * (t0 + t1 * n)
-    fit_learner_points -> LearnerModel;  fit_sync_points -> SyncModel
+    decode_sweep(url, ...)  -> [DecodePoint]   n concurrent /generate requests against a real server
+    fit_decode_sweep(points) -> DecodeFit      wall(n, L, P) = a + n * (r + p * P) + L * (t0 + t1 * n)
+    fit_learner_points(xs, ys) -> LearnerModel step(tokens) = fixed + per_token * tokens
+    fit_sync_points(bytes, s) -> SyncModel     sync(bytes) = latency + bytes / bandwidth
 
-One concurrency level cannot identify the decode fit (refused). Pure Python. The terms, the
-command and the measurements: docs/simulator.md "Cost models from measurements" and
-"Module notes" (``sweep.py``).
+The decode form is the simulator's (``DecodeModel``): an iteration of n sequences costs
+``t0 + n * t1`` (weights read once, plus each sequence's work), so ``peak = 1 / t1`` and
+``half_batch = t0 / t1``. On top of it every request costs the server ``r + p * P`` seconds
+(HTTP, tokenisation, scheduling, prefill of a P-token prompt) during which nothing decodes
+(``DecodeModel.request_server_s``), and each batch a fixed ``a`` (the client's round trip). With
+several concurrency levels and two lengths the five numbers are identifiable; one level is not
+(``fit_decode_sweep`` refuses it). Pure Python: the planner's dry run can call it where a server
+is reachable. Measurements and their dates: docs/simulator.md.
 """
 
 from __future__ import annotations

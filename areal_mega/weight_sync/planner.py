@@ -1,13 +1,27 @@
 """Pure weight-sync planner: learner parameter metadata -> ordered, bucketed HF tensors per stage.
 
-No process group, no tensors (plans for 70B layouts are checked on a laptop); transport.py only
-executes a plan::
+No process group, no tensors: everything here is computed from metadata, so the plan for a
+TP8 x PP4 layout of a 70B model can be built and checked on a laptop (tests pass the world size
+as an argument). The transport (transport.py) only executes a plan.
 
-    adapter metadata per PP stage -> plan_weight_sync(...) -> SyncPlan -> check_plan_against(...)
+Dataflow::
 
-Invariants (checked when built): every HF name exactly once; buckets <= ``bucket_bytes`` unless one
-tensor is larger; dtype-aligned offsets; deterministic order. Dataflow and the invariants in full:
-docs/weight_sync.md "Module notes".
+    adapter metadata (per PP stage: ordered HF names, full shapes, dtypes)
+        -> plan_weight_sync(stage_tensors, layout, bucket_bytes)
+        -> SyncPlan: for each stage, its sender rank (tp=0, cp=0, dp=0 of that stage) and its
+           buckets, in order; every HF tensor appears exactly once across the whole plan.
+        -> check_plan_against(plan, expected)  (the servers' model, before anything is sent)
+
+Invariants of a :class:`SyncPlan` (checked when it is built):
+
+* every HF name appears exactly once across all stages (tied embeddings are the adapter's job:
+  a tied ``lm_head.weight`` is not exported, so it is not sent twice);
+* a bucket holds at most ``bucket_bytes`` bytes, except a bucket holding a single tensor (or one
+  group of tensors the adapter keeps together) larger than ``bucket_bytes``, which gets a bucket
+  of its own;
+* inside a bucket each tensor starts at a byte offset that is a multiple of its dtype's item size
+  (SGLang's flattened-bucket receiver rejects unaligned tensors);
+* order is deterministic: the adapter's order within a stage, stages in pipeline order.
 """
 
 from __future__ import annotations

@@ -1,13 +1,34 @@
 """Pure resharding plan: the learner's megatron shards -> every SGLang rank's own shards.
 
-Metadata only, like planner.py (a 70B or 671B plan is built and checked on a laptop)::
+No process group, no tensors (beside planner.py, same style): from the learner's layout
+(TP/PP/VPP/EP/ETP, DP replicas) and each server's layout (TP, EP), computed from metadata only,
+so a 70B or 671B plan is built and checked on a laptop. The transport (sync.py) and the
+SGLang-side receiver execute it.
 
-    learner boxes (adapter.shard_blocks) x engine boxes (sglang_layout) -> Pieces -> Messages
-        -> rounds (a matching: a rank sends / receives <= 1 message per round)
+Dataflow::
 
-Invariants (``ReshardPlan.check()``): every engine weight element written exactly once, never a
-padding row; the least-loaded replica sends; (round, learner rank) order is deadlock-free. Dataflow,
-invariants and the proof: docs/weight_sync.md "Module notes" (``reshard.py``).
+    adapter.plan(learner layout)        -> megatron params per stage (McoreParam)
+    adapter.shard_blocks(param, tp, r)  -> HF boxes each learner rank holds, and where
+    sglang_layout.engine_params(...)    -> HF boxes each engine rank holds, in SGLang's names
+        -> intersect per HF tensor: Pieces (src rank, src param, src box) -> (dst param, dst box)
+        -> group per (learner rank, engine rank), cut into Messages of <= bucket_bytes
+           (a destination's pieces together, in its memory order: they can travel without a copy)
+        -> schedule Messages into rounds (a matching: a rank sends / receives <= 1 per round)
+
+Invariants of a :class:`ReshardPlan` (``check()``, also run by the tests at 70B / 235B / 671B):
+
+* every element of every engine parameter that carries weights is written exactly once, by
+  exactly one piece (padding rows are never sent), so the bytes each engine rank receives are
+  exactly its shard bytes, and no byte crosses the network twice;
+* a piece lies inside its source shard and its destination parameter;
+* who sends: among the learner ranks that hold a box (DP / CP replicas, TP ranks for replicated
+  tensors, expert-DP replicas), the one with the fewest bytes assigned so far: the replicas
+  split the work;
+* order is deadlock-free: each rank runs its messages in (round, learner rank) order, with
+  blocking send / recv. Proof: the earliest unfinished message's two ranks have finished all
+  their earlier messages (those are earlier in the same total order), so both are at it and it
+  completes. The rounds also make it fast: inside a round no two messages share a rank, so every
+  pair transfers at once (NCCL's one stream per rank serialises a rank's ops anyway).
 """
 
 from __future__ import annotations

@@ -1,10 +1,19 @@
 """Reshard transport: every learner rank sends what it owns straight to the engine ranks that need it.
 
-One group: every learner rank (rank 0 coordinates) and every TP rank of every server, whose
-receiver is tools/env/sglang_reshard.py driven by ``/update_weights_from_tensor``. Deadlock-free:
-the plan's (round, src) order (reshard.py), and engine ranks report their status to rank 0 only
-after their last receive. Diagram of one sync: docs/weight_sync.md "Module notes"
-(``reshard_transport.py``).
+One process group holds every learner rank (group rank = global learner rank; rank 0 hosts the
+store and coordinates) and every TP rank of every server (``L + offset(server) + tp_rank``).
+The SGLang side is areal_mega's receiver (tools/env/sglang_reshard.py, a custom weight loader),
+driven by ``/update_weights_from_tensor`` with one JSON command per TP rank. One sync::
+
+    learner rank 0                          every learner rank r             engine rank e
+    POST update_weights_from_tensor (sync)                                   receive(): for its messages
+    irecv status from every engine rank     for m in plan.sent_by(r):          recv(m.src) -> write pieces
+                                              send(pack(m), m.dst)           send status -> rank 0
+    wait statuses, HTTP answers (weight_version moves with this one call per server)
+
+The plan's (round, src) order makes the blocking sends and receives deadlock-free
+(reshard.py). Statuses cannot deadlock it either: an engine rank reports only after its last
+receive, and rank 0 posted their receives before sending.
 """
 
 from __future__ import annotations

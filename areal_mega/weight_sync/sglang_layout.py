@@ -1,11 +1,28 @@
 """SGLang's own parameter layout (0.5.23), per engine TP rank, as pure metadata.
 
-What each TP rank of an SGLang server holds, in SGLang's parameter names and local shapes, and
-which HF boxes (:class:`~areal_mega.models.base.Block`) live where inside each parameter; the
-resharding planner (reshard.py) intersects these with the learner's shards. A family's adapter
-picks the builders (``ModelAdapter.sglang_layout``); one without is refused (use broadcast).
-The rules read from SGLang's source (qkv, gate_up, vocabulary padding, FusedMoE with EP):
-docs/weight_sync.md "Module notes" (``sglang_layout.py``).
+What each TP rank of an SGLang server holds, in SGLang's parameter names
+(``model.named_parameters()`` of the loaded model) and local shapes, and which HF boxes live
+where inside each parameter (:class:`~areal_mega.models.base.Block`). The resharding planner
+(reshard.py) intersects these with the learner's shards. Read from SGLang's source:
+
+* ``QKVParallelLinear`` (``self_attn.qkv_proj``): rank ``r`` holds ``[q_r; k_r; v_r]``, the query
+  heads ``[r*nh/tp, (r+1)*nh/tp)`` then its KV heads; with fewer KV heads than ranks each KV head
+  is replicated on ``tp / nkv`` consecutive ranks (``num_kv_head_replicas``).
+* ``MergedColumnParallelLinear`` (``mlp.gate_up_proj``): ``[gate_r; up_r]``; ``RowParallelLinear``
+  (``o_proj``, ``down_proj``): columns ``[r*n/tp, (r+1)*n/tp)``; norms and routers replicated.
+* ``VocabParallelEmbedding`` / ``ParallelLMHead``: the vocabulary padded to a multiple of 64
+  (of ``64 * tp`` when that does not divide evenly), rank ``r`` holding padded rows
+  ``[r*Vp/tp, (r+1)*Vp/tp)``; rows past ``vocab_size`` are padding (zero, never sent). Tied
+  embeddings: ``lm_head`` is ``embed_tokens`` (one parameter).
+* ``FusedMoE`` (``mlp.experts.w13_weight`` ``[E_local, 2 f/moe_tp, h]`` = per expert
+  ``[gate; up]``, ``w2_weight`` ``[E_local, h, f/moe_tp]``): with ``--ep-size ep`` the TP ranks
+  form ``moe_tp = tp / ep`` x ``ep`` (moe-TP fastest: ``moe_ep_rank = r // moe_tp``), expert
+  ``g`` on EP rank ``g // (E / ep)``.
+* Which of these a family uses, in which order, is the family's own fact:
+  ``ModelAdapter.sglang_layout(b)`` (areal_mega/models/) calls the builders of :class:`EngineRank`;
+  a family without one (``sglang_layout = None``) is refused with a one-line error (weight_sync.mode
+  broadcast serves it), and one whose sync SGLang would have to finish says why in its
+  ``sglang_not_synced`` (DeepSeek-V3: planned, a runtime sync refused).
 """
 
 from __future__ import annotations

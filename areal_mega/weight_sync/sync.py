@@ -1,12 +1,34 @@
 """Weight sync as the trainer uses it: a :class:`WeightSync` from ``megatron_weight_sync(cfg, ...)``,
 then ``set_targets(urls)`` / ``sync(version)`` / ``close()`` on every learner rank.
 
-One class per ``weight_sync.mode``: :class:`BroadcastSync`, :class:`ReshardSync`, :class:`DiskSync`
-(shared parts in :class:`TransportBase`). A sync never pauses generation: the caller does.
-Invariants: every learner rank returns or raises the same error; broadcast stages take turns
-(servers take update calls one at a time: concurrent stages could deadlock); the servers'
-``weight_version`` moves with the last bucket. The per-rank diagram and the reasons:
-docs/weight_sync.md "Module notes" (``sync.py``).
+One class per transport (``weight_sync.mode``, chosen once by ``megatron_weight_sync``):
+:class:`BroadcastSync` (full HF tensors, one sender per stage), :class:`ReshardSync` (every rank
+sends SGLang's own shards; a server without the receiver gets a broadcast instead) and
+:class:`DiskSync` (safetensors + /update_weights_from_disk). :class:`TransportBase` holds what they
+share. A sync never pauses generation: the caller does (the trainer through its rollout service).
+One broadcast sync, all learner ranks calling ``sync`` collectively::
+
+    rank 0 (stage-0 sender)        stage-s sender (tp=0,cp=0,dp=0)     its TP peers (dp=0,cp=0)
+    check plan vs servers' models
+    ---------------------- agree (all ranks; a mismatch raises here, nothing sent) -----------
+    begin update session
+    ---------------------- agree ---------------------------------------------------------------
+    for each stage s in order:      export(): gather TP shards   <->  export(): gather (collective)
+                                    per bucket: HTTP + broadcast
+    ---------------------- agree after each stage (turns) --------------------------------------
+    end update session
+    ---------------------- agree: every rank returns or raises the same error -------------------
+
+Why stages take turns instead of broadcasting concurrently: every server handles weight-update
+calls one at a time, in arrival order. If stage 0 and stage 1 both sent at once, two servers
+could receive their calls in opposite orders and each block in a different group's collective
+waiting for the other (a certain deadlock with NCCL). One sender per stage still holds: each
+stage gathers and broadcasts its own tensors in its own group with the servers (no PP hop), and
+the turn barrier is a tiny gloo all-gather among learner ranks.
+
+The servers' ``weight_version`` changes with the LAST bucket of the last stage, so a server
+reports the new version exactly when it holds the new weights; the caller bumps the learner's
+version (``engine.set_version(version)``) after ``sync`` returns.
 """
 
 from __future__ import annotations

@@ -1,10 +1,19 @@
 """Weight-sync transport: the SGLang HTTP side and a torch.distributed broadcast sender.
 
-One :class:`BroadcastSender` per pipeline stage, rank 0 of a group with every server's TP ranks.
-Per bucket: ``POST /update_weights_from_distributed`` (in a thread) while broadcasting one flat
-uint8 buffer; the HTTP answer comes once the server has loaded it. The group is created exactly
-as SGLang's ``init_custom_process_group`` does (the store keys must match). Diagram and details:
-docs/weight_sync.md "Module notes" (``transport.py``).
+One :class:`BroadcastSender` per pipeline stage. It owns one process group whose rank 0 is this
+stage's sender (a learner rank) and whose other ranks are every server's TP ranks (server ``i``
+joins at ``rank_offset = 1 + sum(tp of servers before i)``). For one bucket::
+
+    sender                                   each server (SGLang scheduler, every TP rank)
+    POST /update_weights_from_distributed ->  allocate uint8 buffer from names/dtypes/shapes
+    broadcast(flat uint8 buffer, src=0)  <->  broadcast(buffer, src=0)   (same group)
+    wait for the HTTP answers            <-   split buffer into tensors, model.load_weights
+
+The HTTP call returns only after the server has received and loaded the bucket, so it runs in a
+thread while the sender broadcasts. The group is created the way SGLang creates its side
+(``init_custom_process_group``: a TCP rendezvous at ``tcp://address:port`` whose store is
+prefixed with the group name, then torch's group helper), which is why :func:`join_update_group`
+uses the same private torch helper: the store keys must match exactly.
 """
 
 from __future__ import annotations
