@@ -120,7 +120,8 @@ def _build(cls: type[T], data: dict, prefix: str, where: str) -> T:
             known = ", ".join(sorted(fields))
             raise ConfigError(f"{where}unknown key '{prefix}{k}' (known keys here: {known})")
     kwargs = {k: _coerce(v, hints[k], prefix + k, where) for k, v in data.items()}
-    for kind_key, (family, options_key) in getattr(cls, "OPEN_KINDS", {}).items():
+    for kind_key, family in getattr(cls, "OPEN_KINDS", {}).items():
+        options_key = OPTIONS_OF[kind_key]
         kwargs[options_key] = _open_kind_options(fields, kwargs, kind_key, family, options_key, prefix, where)
     try:
         obj = cls(**kwargs)

@@ -69,8 +69,8 @@ any ``package.module:Name`` works without an entry here."""
 
 
 OPTIONS_OF: dict[str, str] = {"kind": "options", "adv_estimator": "adv_options", "policy_loss": "loss_options"}
-"""The options key of each kind key (every section's ``OPEN_KINDS`` follows it): a YAML layer or
-an override that changes a kind drops the options the lower layer gave the old one."""
+"""The options key of each kind key of a section's ``OPEN_KINDS`` (``{kind key: family}``); a YAML
+layer or an override that changes a kind drops the options the lower layer gave the old one."""
 
 
 class KindError(ValueError):
@@ -115,8 +115,8 @@ def options_type(obj: Any) -> type | None:
 def fill_default_options(section: Any) -> None:
     """A config section built in Python without options gets its kinds' defaults (the YAML path
     builds them in config.py): called from ``__post_init__`` of every section with ``OPEN_KINDS``."""
-    for kind_key, (family, options_key) in type(section).OPEN_KINDS.items():
-        if getattr(section, options_key) is None:
+    for kind_key, family in type(section).OPEN_KINDS.items():
+        if getattr(section, OPTIONS_OF[kind_key]) is None:
             opts = options_type(resolve(family, getattr(section, kind_key)))
             if opts is not None:
-                setattr(section, options_key, opts())
+                setattr(section, OPTIONS_OF[kind_key], opts())

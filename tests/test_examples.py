@@ -73,6 +73,7 @@ def test_arithmetic_source_is_a_function_of_position():
     again = ArithmeticSource(cfg, None)
     again.load_state_dict(state)
     assert again.next() == drawn[2] and again.next()[0] == (1, 1)  # the in-flight prompt first, then onwards
+    assert drawn[3][1] == drawn[0][1]  # epoch 1 walks the same generated problems
 
 
 def test_guess_game_trajectory():
@@ -167,11 +168,11 @@ def test_digits_reward_runs_in_the_trainer(tiny):
 @pytest.mark.slow
 @needs_sglang
 def test_arithmetic_source_runs_in_the_trainer(tiny):
-    """The prompts trained are the generator's, position by position (prompts.jsonl: epoch,
-    index, id), none from the tiny task's file."""
+    """The prompts trained are the generator's, index by index (prompts.jsonl: epoch, index, id),
+    none from the tiny task's file."""
     _run_example(tiny, "arithmetic_source")
     records = [json.loads(line) for line in (tiny / "arithmetic_source" / "prompts.jsonl").read_text().splitlines()]
     trained = [row for rec in records for row in rec["prompts"]]
     assert len(trained) == STEPS * BATCH
-    assert all(pid == f"train/{e}/{i}" for e, i, pid in trained), trained
+    assert all(pid == f"train/{i}" for e, i, pid in trained), trained
     assert len({(e, i) for e, i, _ in trained}) == len(trained)

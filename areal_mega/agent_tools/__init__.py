@@ -138,7 +138,7 @@ class ToolConfig:
     sandbox: SandboxConfig = field(default_factory=lambda: SandboxConfig(num_workers=1, timeout_s=5.0))
     """kind "python": the sandbox the code runs in."""
 
-    OPEN_KINDS: ClassVar[dict[str, tuple[str, str]]] = {"kind": ("tool", "options")}
+    OPEN_KINDS: ClassVar[dict[str, str]] = {"kind": "tool"}
 
     def __post_init__(self) -> None:
         fill_default_options(self)

@@ -139,9 +139,8 @@ class AlgorithmConfig:
     outcome_weight: float = 1.0
     """Weight of the outcome term (the sequence reward) in the mix above."""
 
-    OPEN_KINDS: ClassVar[dict[str, tuple[str, str]]] = {"adv_estimator": ("advantage", "adv_options"),
-                                                         "policy_loss": ("policy_loss", "loss_options")}
-    """Fields naming an open kind -> (its family in ``areal_mega.kinds``, the field of its options)."""
+    OPEN_KINDS: ClassVar[dict[str, str]] = {"adv_estimator": "advantage", "policy_loss": "policy_loss"}
+    """Fields naming an open kind -> its family in ``areal_mega.kinds`` (options: ``kinds.OPTIONS_OF``)."""
 
     def __post_init__(self) -> None:
         fill_default_options(self)

@@ -58,7 +58,7 @@ class DatasetConfig:
     held-out items are never trained on even when the source repeats questions (generated tasks
     over a small space do: two-term two-digit sums repeat within a few thousand samples)."""
 
-    OPEN_KINDS: ClassVar[dict[str, tuple[str, str]]] = {"kind": ("prompt_source", "options")}
+    OPEN_KINDS: ClassVar[dict[str, str]] = {"kind": "prompt_source"}
 
     def __post_init__(self) -> None:
         fill_default_options(self)

@@ -36,7 +36,7 @@ class RewardConfig:
     process reward model, or a judge asked per step). "none": outcome only. In a composite,
     set it on the components (their weighted step scores are summed)."""
 
-    OPEN_KINDS: ClassVar[dict[str, tuple[str, str]]] = {"kind": ("reward", "options")}
+    OPEN_KINDS: ClassVar[dict[str, str]] = {"kind": "reward"}
 
     def __post_init__(self) -> None:
         fill_default_options(self)

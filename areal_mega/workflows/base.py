@@ -54,7 +54,7 @@ class WorkflowConfig:
     """How generated tokens are cut into steps (``Trajectory.step_ends``); the reward's
     ``evaluate_steps`` (``reward.step_scoring``) then gives each step its reward."""
 
-    OPEN_KINDS: ClassVar[dict[str, tuple[str, str]]] = {"kind": ("workflow", "options")}
+    OPEN_KINDS: ClassVar[dict[str, str]] = {"kind": "workflow"}
 
     def __post_init__(self) -> None:
         fill_default_options(self)

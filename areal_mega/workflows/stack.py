@@ -46,7 +46,7 @@ class EpisodeStack:
         kind = resolve("workflow", workflow.kind)
         tools = None
         if getattr(kind, "uses_tools", False):  # its options say which (ToolWorkflow.Options.build)
-            tools = (workflow.options or kind.Options()).build()
+            tools = workflow.options.build()
         try:
             fn = build_reward(reward, policy_engine=policy_engine, policy_tokenizer=tok)
             return cls(workflow, tok, fn, tools, kind(workflow, tok, fn, tools))
