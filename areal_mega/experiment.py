@@ -19,6 +19,7 @@ from areal_mega.megatron.engine import MegatronEngineConfig
 from areal_mega.parallel import ParallelConfig
 from areal_mega.reward import RewardConfig
 from areal_mega.rollout.config import RolloutConfig
+from areal_mega.sandbox import check_extra_paths
 from areal_mega.trainer.config import TrainerLoopConfig
 from areal_mega.trainer.critic import CriticConfig
 from areal_mega.weight_sync.config import WeightSyncConfig
@@ -98,6 +99,7 @@ class ExperimentConfig:
             raise ValueError("reward.step_scoring: there are no steps to score; set workflow.steps.split (regex or turns)")
         if scores_steps and self.algorithm.process_weight == 0:
             raise ValueError("reward.step_scoring: the step scores would be unused with algorithm.process_weight 0")
+        check_extra_paths(self, {"data.path": self.data.path, "output_dir": self.output_dir})
         if self.actor.model.moe_routing_replay == "observe" and not self.algorithm.decoupled:
             raise ValueError("actor.model.moe_routing_replay: 'observe' measures the routes in the proximal forward, "
                              "which only algorithm.decoupled computes; set algorithm.decoupled: true")

@@ -22,6 +22,7 @@ import ctypes
 import os
 import secrets
 import socket
+import subprocess
 import sys
 import textwrap
 import time
@@ -656,3 +657,295 @@ def test_python_and_user_tools_from_config(tmp_path, monkeypatch):
         assert t.info["completion"] == "<python>print(6 * 7)</python><result>42\n</result>so 42" and t.reward == 1.0
     finally:
         reg.close()
+
+
+# -- Channels between executions (issue #36): a writer sample that has the answer and a reader
+# sample that has not, over state the executions share -- the page cache of the read-only view,
+# watches on it, host flushes, /proc's host-wide facts -- and the answer key through extra_paths.
+# Each pair also runs without the sandbox (the same programs, the sandbox's interpreter, plain
+# subprocesses): there the reader must print the answer, so that the checks can fail.
+
+NBITS = 8 * len("pwned")
+PAGE_FILE = 'os.path.join(os.path.dirname(os.__file__), "pydoc_data", "topics.py")'  # ~740 KiB, read by nobody
+PAGE_WRITER = f"""
+    import os
+    bits = [(b >> k) & 1 for b in input().strip().encode() for k in range(8)]
+    fd = os.open({PAGE_FILE}, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # evict the file's pages
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: a read loads its page only
+    for i, bit in enumerate([0, 1] + bits):  # 0 then 1 mark the frame, then the message
+        if bit:
+            os.pread(fd, 1, (15 + i) * 4096)
+    print("sent")
+"""
+PAGE_READER = PRE + f"""
+import mmap
+fd = os.open({PAGE_FILE}, os.O_RDONLY)
+n, size = {NBITS} + 2, os.fstat(fd).st_size
+def by_mincore():
+    libc.mmap.restype = ctypes.c_void_p
+    addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED: maps, loads nothing
+    vec = (ctypes.c_ubyte * (size // 4096 + 1))()
+    if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return [vec[15 + i] & 1 for i in range(n)]  # (for a file it may not write, mincore says 1: no frame)
+def by_cachestat():
+    out = []
+    for i in range(n):
+        rng, cs = (ctypes.c_uint64 * 2)((15 + i) * 4096, 4096), (ctypes.c_uint64 * 5)()
+        if libc.syscall(451, fd, rng, cs, 0) != 0:  # x86_64
+            raise OSError(ctypes.get_errno(), "cachestat")
+        out.append(int(cs[0] > 0))
+    return out
+def by_nowait():
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    out = []
+    for i in reversed(range(n)):  # backwards: a miss's readahead would only load pages already probed
+        try:
+            os.preadv(fd, [bytearray(1)], (15 + i) * 4096, os.RWF_NOWAIT)
+            out.append(1)
+        except BlockingIOError:
+            out.append(0)
+    return out[::-1]
+tried = []
+for probe in (by_cachestat, by_nowait, by_mincore):
+    try:
+        bits = probe()
+    except OSError as e:
+        tried.append((probe.__name__, e.errno))
+        continue
+    msg = bytes(sum(bits[2 + 8 * j + k] << k for k in range(8)) for j in range({NBITS} // 8))
+    if bits[:2] == [0, 1]:
+        print(msg.decode(errors="replace"))
+        break
+    tried.append((probe.__name__, "no frame"))
+else:
+    print("no probe", tried)
+"""
+WATCH_DIR = 'os.path.join(os.path.dirname(os.__file__), "email", "mime")'  # opened by nobody else
+WATCH_WRITER = f"""
+    import os, time
+    bits = [(b >> k) & 1 for b in input().strip().encode() for k in range(8)]
+    d = {WATCH_DIR}
+    deadline = time.monotonic() + 2.0  # frames again and again: the reader may start late
+    while time.monotonic() < deadline:
+        # each bit followed by text.py: inotify merges an event identical to the last one queued
+        for name in ["audio.py"] + [x for b in bits for x in ("application.py" if b else "image.py", "text.py")]:
+            os.close(os.open(os.path.join(d, name), os.O_RDONLY))
+        time.sleep(0.001)  # the attack's pacing (the inotify queue holds 16384 events)
+    print("sent")
+"""
+WATCH_READER = PRE + f"""
+import collections, select, struct
+fd = libc.inotify_init1(0)
+if fd < 0 or libc.inotify_add_watch(fd, {WATCH_DIR}.encode(), 0x20) < 0:  # IN_OPEN
+    print("no inotify", ctypes.get_errno())
+    raise SystemExit
+print("ready", file=sys.stderr, flush=True)
+names, frames = [], collections.Counter()
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline and sum(frames.values()) < 5:
+    if not select.select([fd], [], [], deadline - time.monotonic())[0]:
+        break
+    buf, i = os.read(fd, 1 << 16), 0
+    while i < len(buf):
+        ln = struct.unpack_from("iIII", buf, i)[3]
+        names.append(buf[i + 16:i + 16 + ln].rstrip(b"\\0").decode())
+        i += 16 + ln
+    starts = [j for j, x in enumerate(names) if x == "audio.py"]
+    frames = collections.Counter(tuple(names[a + 1:b:2]) for a, b in zip(starts, starts[1:]) if b - a == 2 * {NBITS} + 1)
+if frames:
+    bits = [int(x == "application.py") for x in frames.most_common(1)[0][0]]
+    print(bytes(sum(bits[8 * j + k] << k for k in range(8)) for j in range({NBITS} // 8)).decode(errors="replace"))
+else:
+    print("no frame")
+"""
+SYNC = PRE + """
+os.sync()
+fd = os.open(os.__file__, os.O_RDONLY)
+os.fsync(fd)
+os.fdatasync(fd)
+libc.syncfs(fd)
+print("pwned")  # what it did is seen from outside: the host file's dirty pages
+"""
+HOST_FACTS = f"""
+    import os
+    def read(p):
+        try:
+            return open(p, "rb").read()
+        except OSError:
+            return b""
+    facts = [p for p in ("/proc/key-users", "/proc/keys", "/proc/locks", "/proc/pressure/cpu", "/proc/pressure/memory",
+                         "/proc/meminfo", "/proc/loadavg", "/proc/stat", "/proc/cmdline") if read(p).strip()]
+    for e in [x for x in os.listdir("/proc") if x.isdigit()] + ["1"]:
+        c = read("/proc/%s/cmdline" % e)
+        if {str(REPO)!r}.encode() in c or (e == "1" and c.startswith(b"/") and b"python" not in c):
+            facts.append("/proc/%s/cmdline: %r" % (e, c[:80]))  # a host path, or the host's init
+    print("pwned" if facts else "none")
+    print(facts, file=__import__("sys").stderr)
+"""
+SENT = {"tests": [{"input": "pwned\n", "output": "sent"}]}  # the writer: it has the answer
+
+
+def plain(code: str, stdin: str = "", **kw) -> subprocess.Popen:
+    """The program without the sandbox: the sandbox's interpreter (-I -S), a plain subprocess."""
+    python = SandboxConfig().interpreter()[0]
+    return procs.spawn([python, "-I", "-S", "-c", textwrap.dedent(code)], wrap=False, stdin=subprocess.PIPE,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def plain_run(code: str, stdin: str = "") -> str:
+    p = plain(code)
+    out, err = p.communicate(stdin, timeout=60)
+    assert p.returncode == 0, err
+    return out.strip()
+
+
+def dirty(path: Path) -> int:
+    """A new file (no truncation: ext4 flushes a file rewritten over a truncation at close) of
+    1 MiB, left dirty in the host's page cache; its dirty pages."""
+    path.unlink(missing_ok=True)
+    path.write_bytes(secrets.token_bytes(1 << 20))
+    return dirty_pages(path)
+
+
+def dirty_pages(path: Path) -> int:
+    """The host file's dirty pages in the page cache (cachestat, from this process)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        rng, cs = (ctypes.c_uint64 * 2)(0, 0), (ctypes.c_uint64 * 5)()
+        assert libc.syscall(451, fd, rng, cs, 0) == 0, ctypes.get_errno()
+        return int(cs[1])
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="cachestat's number (451) is x86_64's")
+def test_channels_between_executions(env):
+    """Writer / reader pairs of samples over what executions share: inside the sandbox the reader
+    forges nothing and the host is untouched; without it the same pair passes the answer."""
+    reward = env["reward"]
+    ev = lambda code, sample: reward.evaluate("", block(code), sample)  # noqa: E731
+    inside: dict[str, tuple[float, str]] = {}
+    # page cache: the writer's execution ends (the condition) before the reader's starts
+    w = asyncio.run(ev(PAGE_WRITER, SENT))
+    r = asyncio.run(ev(PAGE_READER, PWNED))
+    assert w.score == 1.0, w.info  # the writer ran (and its advice was neutralised, not refused)
+    inside["page_cache"] = (r.score, r.info["reasons"])
+    # watches: both at once, one per worker (the writer repeats its frames for 2 s)
+
+    async def pair():
+        return await asyncio.gather(ev(WATCH_READER, PWNED), ev(WATCH_WRITER, SENT))
+
+    r, w = asyncio.run(pair())
+    assert w.score == 1.0, w.info
+    inside["inotify"] = (r.score, r.info["reasons"])
+    r = asyncio.run(ev(HOST_FACTS, PWNED))
+    inside["proc_host_facts"] = (r.score, r.info["reasons"])
+    # host flushes: a file with dirty pages on the host's disk (the repository's file system);
+    # the kernel's own writeback may flush it meanwhile (dirty_expire 30 s), so three tries:
+    # a sync that reached the host would have flushed it every time
+    host_file = REPO / "tests" / f".sandbox_dirty_{os.getpid()}"
+    try:
+        flushed = []
+        for _ in range(3):
+            before = dirty(host_file)
+            r = asyncio.run(ev(SYNC, PWNED))
+            assert r.info["reasons"] == ["wrong_answer"] or r.score == 1.0, r.info  # it ran to the end
+            flushed.append((before, dirty_pages(host_file)))
+            if flushed[-1][0] > 0 and flushed[-1][1] > 0:
+                break
+        inside["sync"] = (float(all(after == 0 for _, after in flushed)), flushed)
+        # control: the same program without the sandbox flushes the host's data
+        before = dirty(host_file)
+        assert before > 0 and plain_run(SYNC) == "pwned"
+        control_sync = (before, dirty_pages(host_file))
+    finally:
+        host_file.unlink(missing_ok=True)
+    print("\nchannels between executions (score of the reader inside; 0 = nothing forged):")
+    for kind, (score, why) in inside.items():
+        print(f"  {kind:16s} {score}  {why}")
+    forged = {k: v for k, v in inside.items() if v[0] != 0.0}
+    assert not forged, forged
+
+    # Controls: without the sandbox each channel passes the answer (or reaches the host).
+    assert plain_run(PAGE_WRITER, "pwned\n") == "sent"
+    page = plain_run(PAGE_READER)
+    reader = plain(WATCH_READER)
+    try:
+        assert reader.stderr.readline().strip() == "ready"  # the watch is set: the condition
+        assert plain_run(WATCH_WRITER, "pwned\n") == "sent"
+        watch, err = reader.communicate(timeout=60)
+    finally:
+        procs.stop_tree(reader, grace_s=0.0)
+    facts = plain_run(HOST_FACTS)
+    print(f"  controls: page cache {page!r}, inotify {watch.strip()!r}, /proc {facts!r}, "
+          f"sync: dirty pages {control_sync[0]} -> {control_sync[1]}")
+    assert (page, watch.strip(), facts) == ("pwned", "pwned", "pwned"), err
+    assert control_sync[1] == 0
+
+
+def test_new_channel_calls_denied_or_neutralised(env):
+    """From inside, one execution: the probes and watches fail with EPERM; advice and flushes
+    succeed and do nothing (docs/rewards.md, "Channels between executions")."""
+    code = PRE + """
+import fcntl, mmap, struct
+out = {}
+def err(f, *a):
+    try:
+        r = f(*a)
+        return 0 if r is None or r >= 0 else ctypes.get_errno()
+    except OSError as e:
+        return e.errno
+fd = os.open(os.__file__, os.O_RDONLY)
+libc.mmap.restype = ctypes.c_void_p
+addr = ctypes.c_void_p(libc.mmap(None, 4096, 1, 1, fd, 0))
+vec = (ctypes.c_ubyte * 1)()
+cs, rng = (ctypes.c_uint64 * 5)(), (ctypes.c_uint64 * 2)(0, 0)
+denied = {"mincore": err(libc.mincore, addr, 4096, vec), "cachestat": err(libc.syscall, 451, fd, rng, cs, 0),
+          "inotify_init1": err(libc.inotify_init1, 0), "inotify_init": err(libc.inotify_init),
+          "fanotify_init": err(libc.fanotify_init, 0, 0),
+          "preadv2_nowait": err(os.preadv, fd, [bytearray(1)], 0, os.RWF_NOWAIT),
+          "madvise_populate_read": err(libc.madvise, addr, 4096, 22), "madvise_remove": err(libc.madvise, addr, 4096, 9),
+          "flock": err(fcntl.flock, fd, fcntl.LOCK_SH), "F_SETLK": err(fcntl.lockf, fd, fcntl.LOCK_SH),
+          "F_NOTIFY": err(fcntl.fcntl, os.open("/", os.O_RDONLY), 1026, 0x1), "F_SETLEASE": err(fcntl.fcntl, fd, 1024, 0),
+          "readahead_io_uring": err(libc.syscall, 425, 4, (ctypes.c_char * 120)())}
+ok = {"fadvise_dontneed": err(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_DONTNEED),
+      "fadvise_willneed": err(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_WILLNEED),
+      "readahead": err(libc.readahead, fd, ctypes.c_int64(0), ctypes.c_size_t(1 << 20)),
+      "sync": err(libc.sync), "syncfs": err(libc.syncfs, fd), "fsync": err(os.fsync, fd), "fdatasync": err(os.fdatasync, fd),
+      "msync": err(libc.msync, addr, 4096, 4), "madvise_pageout": err(libc.madvise, addr, 4096, 21),
+      "madvise_cold": err(libc.madvise, addr, 4096, 20), "madvise_willneed": err(libc.madvise, addr, 4096, 3),
+      "madvise_dontneed": err(libc.madvise, addr, 4096, 4), "preadv2": err(os.preadv, fd, [bytearray(1)], 0, os.RWF_HIPRI),
+      "F_GETFD": err(fcntl.fcntl, fd, fcntl.F_GETFD), "F_SETFL": err(fcntl.fcntl, fd, fcntl.F_SETFL, os.O_NONBLOCK)}
+print(sorted(denied.items()))
+print(sorted(ok.items()))
+"""
+    res = asyncio.run(env["reward"].sandbox.run(code))
+    assert res.ok, res
+    denied, ok = (dict(eval(line)) for line in res.stdout.splitlines())
+    assert denied == {k: 1 for k in denied} and len(denied) == 13, denied  # EPERM
+    assert ok == {k: 0 for k in ok} and len(ok) == 15, ok
+
+
+def test_extra_paths_holding_the_dataset(env, tmp_path):
+    """``extra_paths`` that would expose the run (and its dataset) is refused at start-up; the
+    control: a sandbox built with it anyway (past the check) lets the answer-key program score 1."""
+    from areal_mega.data import DatasetConfig
+    from areal_mega.experiment import ExperimentConfig
+    from areal_mega.reward import RewardConfig
+
+    run = env["run"]
+    exp = ExperimentConfig(model_path="m", output_dir=str(tmp_path / "out"),
+                           data=DatasetConfig(kind="jsonl", path=str(run / "data" / "train.jsonl")),
+                           reward=RewardConfig(kind="code", options=SandboxConfig(extra_paths=[str(run)])))
+    with pytest.raises(ValueError, match=r"^reward.options.extra_paths\[0\]: .* overlaps data.path"):
+        exp.validate()
+    leaky = CodeReward(SandboxConfig(num_workers=1, timeout_s=30.0, extra_paths=[str(run)]))
+    try:
+        control = asyncio.run(leaky.evaluate("", block(ANSWER_KEY), ANSWER_SAMPLE))
+    finally:
+        leaky.close()
+    inside = asyncio.run(env["reward"].evaluate("", block(ANSWER_KEY), ANSWER_SAMPLE))
+    print(f"\nextra_paths answer key: inside {inside.score} {inside.info['reasons']}, control {control.score}")
+    assert inside.score == 0.0 and control.score == 1.0, (inside.info, control.info)

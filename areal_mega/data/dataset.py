@@ -53,6 +53,10 @@ class DatasetConfig:
     """Appended to the question before templating (e.g. "Put the final answer in \\\\boxed{}.")."""
     system_prompt: str = ""
     """System message for template "chat" (empty = none)."""
+    allow_empty_test_output: bool = False
+    """For a code reward: accept tests whose expected output is empty. By default the trainer
+    refuses them when it loads the samples (one line naming the sample): an empty program would
+    pass them. Tests without an output, or with a null one, are refused either way."""
     dedupe_heldout: bool = True
     """Drop from the training split every sample whose question equals a held-out one, so the
     held-out items are never trained on even when the source repeats questions (generated tasks

@@ -77,7 +77,8 @@ class SandboxConfig:
     path, e.g. a directory of test data). The default view holds only the interpreter's prefix,
     the directories of the shared libraries it loads, /etc/ld.so.cache, a minimal /dev, the
     namespace's /proc and the scratch /tmp: not the dataset, the run directory, the repository,
-    caches or home directories."""
+    caches or home directories. A path that holds (or lies inside) the dataset file or the run
+    directory is refused at start-up."""
     uid_base: int = 1_000_000
     """namespaces: the code runs as uid = gid = uid_base + the worker's pid (unique among live
     workers; needs no passwd entry and owns no file)."""
@@ -110,6 +111,31 @@ class SandboxConfig:
             return exe, os.path.dirname(os.path.dirname(exe))
         exe = os.path.join(sys.base_prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
         return os.path.realpath(exe), os.path.realpath(sys.base_prefix)
+
+
+def check_extra_paths(config: Any, protected: dict[str, str]) -> None:
+    """Refuse (ValueError, one line naming the key) any ``extra_paths`` entry of a SandboxConfig
+    anywhere in ``config`` (dataclasses and lists, walked) that holds, is, or lies inside one of
+    ``protected`` (key -> path: the dataset file, the run directory): the program could read
+    the expected outputs or the run's files through it."""
+    def walk(node: Any, key: str):
+        if isinstance(node, SandboxConfig):
+            yield key, node
+        elif isinstance(node, list):
+            for i, item in enumerate(node):
+                yield from walk(item, f"{key}[{i}]")
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for f in dataclasses.fields(node):
+                yield from walk(getattr(node, f.name), f"{key}.{f.name}" if key else f.name)
+
+    guarded = {k: os.path.realpath(p) for k, p in protected.items() if p}
+    for key, sb in walk(config, ""):
+        for i, p in enumerate(sb.extra_paths):
+            mine = os.path.realpath(p)
+            for what, other in guarded.items():
+                if os.path.commonpath([mine, other]) in (mine, other):
+                    raise ValueError(f"{key}.extra_paths[{i}]: {p!r} overlaps {what} ({other}); the sandboxed "
+                                     f"program could read it -- expose a directory of inputs only")
 
 
 @dataclass
@@ -243,4 +269,5 @@ class Sandbox:
         self.close()
 
 
-__all__ = ["REASONS", "ExecResult", "Sandbox", "SandboxConfig", "SandboxUnavailable", "namespaces_unavailable"]
+__all__ = ["REASONS", "ExecResult", "Sandbox", "SandboxConfig", "SandboxUnavailable", "check_extra_paths",
+           "namespaces_unavailable"]

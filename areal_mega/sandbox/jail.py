@@ -1,6 +1,7 @@
-"""PID 1 of one sandboxed execution (stdlib only; run as ``python -I -S jail.py SPEC_FD STATUS_FD``
-by ``unshare --net --pid --fork --mount --ipc --uts --kill-child``, as root, in the fresh
-namespaces). Not imported by the package: it runs in the sandbox, the runner starts it by path.
+"""PID 1 of one sandboxed execution (stdlib only; run as ``python -I -S -c <this source> SPEC_FD
+STATUS_FD`` -- no host path in its command line -- by ``unshare --net --pid --fork --mount --ipc
+--uts --kill-child``, as root, in the fresh namespaces). Not imported by the package: it runs in
+the sandbox, the runner passes its source.
 
 Compiles the code, builds the default-deny view and pivots into it, forks the program (rlimits,
 sandbox uid, no_new_privs, seccomp last), waits, kills what is left and reports on STATUS_FD.
@@ -21,11 +22,20 @@ import threading
 import traceback
 
 SETUP_FAILED = 121
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_BIND = 1, 2, 4, 8, 32, 1024, 4096
 MNT_DETACH = 2
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 KEYCTL_JOIN_SESSION_KEYRING = 1
 ROOT = "/tmp"  # the new root's mount point (a host path; this mount namespace only)
+# Host-wide facts and counters the namespace's /proc still shows (other uids' keys and locks,
+# memory, load, pressure, I/O, the kernel's command line, tunables): each read-only and empty
+# inside -- files covered by /dev/null, directories by an empty tmpfs. Counters another
+# execution moves would be a channel between executions.
+PROC_MASK_FILES = ("key-users", "keys", "locks", "loadavg", "meminfo", "vmstat", "zoneinfo", "buddyinfo",
+                   "pagetypeinfo", "slabinfo", "diskstats", "interrupts", "softirqs", "schedstat", "swaps",
+                   "uptime", "stat", "cmdline", "kallsyms", "modules", "timer_list", "sched_debug", "vmallocinfo",
+                   "iomem", "ioports", "partitions", "latency_stats", "kcore", "kmsg", "sysrq-trigger")
+PROC_MASK_DIRS = ("pressure", "sys", "irq", "bus", "acpi", "scsi", "driver", "fs", "tty", "asound")
 DEVICES = (("null", 3), ("zero", 5), ("full", 7), ("random", 8), ("urandom", 9))  # char 1:minor
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -44,7 +54,8 @@ def _mount(source, target, fstype, flags, data=None):
 
 def _bind_ro(host, inside):
     _mount(host, inside, None, MS_BIND)
-    _mount(None, inside, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    # noatime: a read through the view leaves no trace on the host's inode for another execution to stat
+    _mount(None, inside, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOATIME)
 
 
 def _expose(path, bound):
@@ -96,7 +107,16 @@ def build_view(spec, syscalls):
         os.symlink(target, f"{dev}/{name}")
     _mount(None, dev, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC, "size=64k,nr_inodes=64,mode=755")
     os.mkdir(ROOT + "/proc")
-    _mount("proc", ROOT + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # hidepid=invisible: the program (its own uid) does not see PID 1 (root) at all
+    _mount("proc", ROOT + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
+    for name in PROC_MASK_FILES:
+        if os.path.isfile(f"{ROOT}/proc/{name}"):
+            _mount(dev + "/null", f"{ROOT}/proc/{name}", None, MS_BIND)  # a device: no nodev
+            _mount(None, f"{ROOT}/proc/{name}", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+    for name in PROC_MASK_DIRS:
+        if os.path.isdir(f"{ROOT}/proc/{name}"):
+            _mount("tmpfs", f"{ROOT}/proc/{name}", "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                   "size=4k,nr_inodes=1,mode=555")
     tmp = ROOT + "/tmp"
     os.mkdir(tmp)
     _mount("tmpfs", tmp, "tmpfs", MS_NOSUID | MS_NODEV,

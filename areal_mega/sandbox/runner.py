@@ -22,7 +22,7 @@ from typing import Any
 
 from areal_mega.utils import procs
 
-JAIL = str(Path(__file__).with_name("jail.py"))
+JAIL_SOURCE = Path(__file__).with_name("jail.py").read_text()  # run by -c: no host path in PID 1's cmdline
 _SCRUBBED_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 CGROUP_ROOT = "/sys/fs/cgroup"
 CGROUP_NAME = "areal_mega_sandbox"
@@ -231,7 +231,7 @@ def execute(spec: dict[str, Any]) -> dict[str, Any]:
         rfd, wfd = os.pipe()
         status_r, status_w = os.pipe()
         cmd = ["unshare", "--net", "--pid", "--fork", "--mount", "--ipc", "--uts", "--kill-child",
-               spec["python"], "-I", "-S", JAIL, str(rfd), str(status_w)]
+               spec["python"], "-I", "-S", "-c", JAIL_SOURCE, str(rfd), str(status_w)]
         proc = procs.spawn(cmd, wrap=False, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, pass_fds=(rfd, status_w), env=_SCRUBBED_ENV,
                            preexec_fn=(lambda: (cg.join(), _pdeathsig())) if cg is not None else _pdeathsig)

@@ -30,6 +30,7 @@ def build(cfg: ExperimentConfig) -> Trainer:
     from areal_mega.utils.metrics import Metrics
     from areal_mega.weight_sync import megatron_weight_sync
     from areal_mega.data import build_prompt_source
+    from areal_mega.reward.code import check_prompt_source
     from areal_mega.workflows.stack import EpisodeStack
 
     alg = cfg.algorithm
@@ -58,6 +59,7 @@ def build(cfg: ExperimentConfig) -> Trainer:
                                     capture_routes=cfg.actor.model.captures_server_routes)
         episodes = EpisodeStack.build(cfg.model_path, cfg.workflow, cfg.reward, policy_engine=generation.pool)
         prompts = build_prompt_source(cfg.data, episodes.tokenizer)
+        check_prompt_source(cfg.reward, prompts, cfg.data.allow_empty_test_output)  # a code reward's tests
     return Trainer(cfg=cfg, groups=groups, ctrl_group=ctrl, actor=actor, weight_sync=weight_sync,
                    advantage=advantage, policy_loss=policy_loss, metrics=metrics, ref=ref, critic=critic,
                    generation=generation, episodes=episodes, prompts=prompts)
