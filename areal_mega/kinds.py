@@ -44,6 +44,8 @@ BUILTINS: dict[str, dict[str, str]] = {
     },
     "policy_loss": {
         "ppo": "areal_mega.algo.losses:PPOActorLoss",
+        "gspo": "areal_mega.algo.losses:GSPOLoss",
+        "cispo": "areal_mega.algo.losses:CISPOLoss",
     },
     "prompt_source": {
         "jsonl": "areal_mega.data.dataset:listed_source",

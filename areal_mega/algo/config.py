@@ -35,7 +35,9 @@ class AlgorithmConfig:
     """The typed options of a user estimator (its ``Options`` dataclass); None for the built-ins,
     whose settings are the fields of this section."""
     policy_loss: str = "ppo"
-    """The policy loss: "ppo" (clipped, decoupled or not, with the KL and entropy terms below) or
+    """The policy loss: "ppo" (clipped, decoupled or not, with the KL and entropy terms below),
+    "gspo" (sequence-level ratio, arXiv 2507.18071), "cispo" (clipped IS weight times log-prob,
+    MiniMax-M1) -- both decoupled and weighted like "ppo", their clips in ``loss_options`` -- or
     "package.module:Class" (the contract: ``api.algorithm.PolicyLoss``; options in ``loss_options``)."""
     loss_options: Any = None
     """The typed options of a user policy loss (its ``Options`` dataclass)."""
@@ -86,6 +88,23 @@ class AlgorithmConfig:
     """"truncate": weight = min(w, C) (truncated importance sampling); "mask": tokens whose
     weight exceeds C are dropped from the policy-gradient term (weight 0) but still count in
     the normaliser, as AReaL does."""
+    behav_imp_weight_level: Literal["token", "sequence", "geometric"] = "token"
+    """What the cap (and floor) of pi_prox / pi_behav act on: "token" per token; "sequence" the
+    product over the sequence's tokens (verl's sequence-level TIS / MIS); "geometric" its
+    geometric mean (length-independent). Sequence levels weight and drop whole sequences."""
+    behav_imp_weight_floor: float | None = None
+    """With ``behav_imp_weight_mode: mask``: tokens whose weight is below this are dropped too;
+    with the cap this is IcePop's two-sided mask (e.g. floor 0.5, cap 2). None = no floor."""
+    m2_threshold: float | None = None
+    """M2PO (arXiv 2510.01161; decoupled only): drop the tokens with the largest
+    (log pi_prox / pi_behav)^2 until the mean over the rest is <= this (the paper's tau, e.g.
+    0.04), on top of the cap / floor. Computed per micro-batch (a batch-wide rule when
+    ``engine.micro_batch_max_tokens`` holds the whole batch). None = off."""
+    proximal: Literal["forward", "interpolate"] = "forward"
+    """How the decoupled loss gets pi_prox: "forward" recomputes it (one extra forward per step);
+    "interpolate" (A-3PO, arXiv 2512.06547) skips that forward and uses
+    log pi_behav + alpha (log pi_theta - log pi_behav), alpha = (V - v) / (V + 1 - v) for a token
+    of version v trained at version V (0 when fresh)."""
     kl_coef: float = 0.0
     """Coefficient of the KL to a reference model; 0 disables the reference model entirely.
     In the loss the term is kl_coef * KL per token, aggregated like the policy term and not
@@ -175,6 +194,14 @@ class AlgorithmConfig:
             raise ValueError(f"dual_clip: must be > 1 (or null), got {self.dual_clip}")
         if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
             raise ValueError(f"behav_imp_weight_cap: must be > 1 (or null), got {self.behav_imp_weight_cap}")
+        if self.behav_imp_weight_floor is not None and not (
+                0 < self.behav_imp_weight_floor < 1 and self.behav_imp_weight_mode == "mask"):
+            raise ValueError(f"behav_imp_weight_floor: must be in (0, 1) with behav_imp_weight_mode mask, got "
+                             f"{self.behav_imp_weight_floor} ({self.behav_imp_weight_mode})")
+        if self.m2_threshold is not None and self.m2_threshold <= 0:
+            raise ValueError(f"m2_threshold: must be > 0 (or null), got {self.m2_threshold}")
+        if self.proximal == "interpolate" and not self.decoupled:
+            raise ValueError("proximal: 'interpolate' approximates pi_prox, which only algorithm.decoupled uses")
         if not 0 <= self.gamma <= 1:
             raise ValueError(f"gamma: must be in [0, 1], got {self.gamma}")
         if not 0 <= self.lam <= 1:

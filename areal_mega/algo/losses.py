@@ -11,6 +11,8 @@ clamps and the aggregation: docs/algorithms.md ("Module notes").
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,8 +21,9 @@ from areal_mega.algo.advantages import segment_ids
 from areal_mega.algo.config import AlgorithmConfig
 
 __all__ = [
-    "KL_CLAMP", "LOG_RATIO_CLAMP", "PPOActorLoss", "PPOCriticLoss", "aggregate", "global_counts", "kl_estimate",
-    "ppo_policy_loss", "value_loss"
+    "KL_CLAMP", "LOG_RATIO_CLAMP", "CISPOLoss", "GSPOLoss", "PPOActorLoss", "PPOCriticLoss", "aggregate",
+    "behaviour_weight", "cispo_surrogate", "global_counts", "gspo_surrogate", "interpolation_weights", "kl_estimate",
+    "m2_keep", "ppo_policy_loss", "ppo_surrogate", "value_loss"
 ]
 
 Stats = dict[str, torch.Tensor]
@@ -111,6 +114,170 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), x, torch.zeros_like(x)).sum() / mask.sum().clamp(min=1)
 
 
+def interpolation_weights(versions: torch.Tensor, version: int) -> torch.Tensor:
+    """A-3PO's (arXiv 2512.06547) per-token weight alpha for ``algorithm.proximal: interpolate``:
+    the update in progress turns the learner's ``version`` V into V + 1 and pi_prox is version V,
+    so a token sampled by version v sits at alpha = (V - v) / (V + 1 - v) of the way from
+    pi_behav (version v) to pi_theta (V + 1): 0 for a fresh token (pi_prox = pi_behav), -> 1 as
+    it ages. Tokens without a version (prompt, tool output: -1) get 0."""
+    v = versions.to(torch.float64)
+    alpha = torch.where(v >= 0, (version - v) / (version + 1 - v).clamp(min=1), torch.zeros_like(v))
+    return alpha.clamp(0.0, 1.0).to(torch.float32)
+
+
+def _segment_reduce(x: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mean: bool) -> torch.Tensor:
+    """Per-token broadcast of each sequence's sum (or mean) of ``x`` over its masked tokens."""
+    seg = segment_ids(cu_seqlens, x.numel())
+    n = len(cu_seqlens) - 1
+    fm = mask.to(x.dtype)
+    sums = torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seg, torch.where(mask, x, torch.zeros_like(x)))
+    if mean:
+        sums = sums / torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seg, fm).clamp(min=1)
+    return sums[seg]
+
+
+def m2_keep(log_w: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """M2PO (arXiv 2510.01161): drop the tokens with the largest squared log importance weight
+    until the mean of (log w)^2 over the rest is <= ``threshold``; the kept tokens, [T] bool.
+    At least one masked token is always kept."""
+    keep = mask.clone()
+    m2 = (log_w * log_w)[mask]
+    if m2.numel() == 0:
+        return keep
+    order = torch.argsort(m2, descending=True)
+    sorted_m2 = m2[order]
+    suffix_mean = sorted_m2.flip(0).cumsum(0).flip(0) / torch.arange(m2.numel(), 0, -1, dtype=m2.dtype)
+    ok = torch.nonzero(suffix_mean <= threshold)
+    drop = int(ok[0]) if len(ok) else m2.numel() - 1
+    kept = torch.ones_like(m2, dtype=torch.bool)
+    kept[order[:drop]] = False
+    keep[mask] = kept
+    return keep
+
+
+def behaviour_weight(
+    prox_logprobs: torch.Tensor,
+    behav_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    level: str = "token",
+    cap: float | None = None,
+    floor: float | None = None,
+    mode: str = "mask",
+    m2_threshold: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, Stats]:
+    """The decoupled loss's importance weight w = pi_prox / pi_behav [T] (no gradient), the
+    tokens it drops [T] bool, and its statistics.
+
+    * level "token": w_t; "sequence": prod over the sequence's tokens (exp of the summed log
+      ratio, verl's seq-level TIS/MIS); "geometric": exp of the mean log ratio (the geometric
+      mean, length-independent). Sequence levels give every token of a sequence one weight.
+    * ``cap`` C: "truncate" -> min(w, C); "mask" -> w > C dropped. ``floor`` (mask only): w <
+      floor dropped too -- with a floor this is IcePop's two-sided mask [floor, C].
+    * ``m2_threshold`` tau: M2PO's token mask on log w (``m2_keep``), after the above.
+    Dropped tokens get weight 0 and still count in the loss's normaliser.
+
+    Stats (over masked tokens): mean/max/min of the kept weights, capped_frac (dropped or
+    truncated), ess = (sum w)^2 / (n sum w^2) of the RAW weights (1: on-policy; -> 1/n as one
+    token dominates; the collapse predictor of VCPO, arXiv 2602.17616), p01/p50/p99 quantiles
+    of the raw weights, behav_kl = mean log(pi_prox / pi_behav)."""
+    if mode not in ("mask", "truncate"):
+        raise ValueError(f"behav_imp_weight_mode: must be 'mask' or 'truncate', got {mode!r}")
+    if level not in ("token", "sequence", "geometric"):
+        raise ValueError(f"behav_imp_weight_level: must be token, sequence or geometric, got {level!r}")
+    mask = loss_mask.bool()
+    fmask = mask.float()
+    log_w = torch.where(mask, prox_logprobs.detach() - behav_logprobs.detach(), torch.zeros_like(prox_logprobs))
+    log_w = log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    token_log_w = log_w
+    if level != "token":
+        if cu_seqlens is None:
+            raise ValueError(f"behav_imp_weight_level {level} needs cu_seqlens")
+        log_w = _segment_reduce(log_w, mask, cu_seqlens, mean=level == "geometric").clamp(-LOG_RATIO_CLAMP,
+                                                                                            LOG_RATIO_CLAMP)
+    raw = torch.where(mask, log_w.exp(), torch.zeros_like(log_w))
+    w = raw
+    dropped = torch.zeros_like(mask)
+    touched = torch.zeros_like(mask)
+    if cap is not None:
+        touched = (raw > cap) & mask
+        if mode == "truncate":
+            w = w.clamp(max=cap)
+        else:
+            dropped = touched
+    if floor is not None:
+        low = (raw < floor) & mask
+        dropped, touched = dropped | low, touched | low
+    if m2_threshold is not None:
+        gone = mask & ~m2_keep(token_log_w, mask & ~dropped, m2_threshold) & ~dropped
+        dropped, touched = dropped | gone, touched | gone
+    w = torch.where(dropped, torch.zeros_like(w), w)
+    kept = mask & ~dropped
+    stats: Stats = {}
+    with torch.no_grad():
+        stats["importance_weight/mean"] = _masked_mean(w, kept)
+        stats["importance_weight/max"] = w[kept].max() if kept.any() else torch.zeros(())
+        stats["importance_weight/min"] = w[kept].min() if kept.any() else torch.zeros(())
+        stats["importance_weight/capped_frac"] = _masked_mean(touched.float(), fmask)
+        r = raw[mask].double()
+        stats["importance_weight/ess"] = (r.sum() ** 2 / (r.numel() * (r * r).sum()).clamp(min=1e-300)).float() \
+            if r.numel() else torch.ones(())
+        if r.numel():
+            q = torch.quantile(r, torch.tensor([0.01, 0.5, 0.99], dtype=r.dtype)).float()
+            stats.update({"importance_weight/p01": q[0], "importance_weight/p50": q[1], "importance_weight/p99": q[2]})
+        stats["behav_kl"] = _masked_mean(token_log_w, fmask)
+    return w, dropped, stats
+
+
+def ppo_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None, *,
+                  eps_clip_low: float = 0.2, eps_clip_high: float = 0.2,
+                  dual_clip: float | None = None) -> tuple[torch.Tensor, Stats]:
+    """PPO's clipped term per token: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r =
+    exp(log_ratio), with dual clip (Ye et al. 2020) capping it at -c A for A < 0."""
+    ratio = log_ratio.exp()
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1.0 - eps_clip_low, 1.0 + eps_clip_high)
+    pg = torch.maximum(loss1, loss2)
+    stats = {"clip_frac": _masked_mean(((loss2 > loss1) & mask).float(), mask)}
+    dual_mask = torch.zeros_like(mask)
+    if dual_clip is not None:
+        cap = -dual_clip * adv
+        dual_mask = (adv < 0) & (pg > cap) & mask
+        pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
+    stats["dual_clip_frac"] = _masked_mean(dual_mask.float(), mask)
+    return pg, stats
+
+
+def gspo_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None, *,
+                   eps_low: float, eps_high: float) -> tuple[torch.Tensor, Stats]:
+    """GSPO (arXiv 2507.18071), its token form: s_i = exp(mean_{t in i} log r_t) per sequence,
+    s_{i,t} = sg(s_i) * r_t / sg(r_t) (value s_i, gradient s_i * grad log pi_t), clipped like
+    PPO's ratio to [1 - eps_low, 1 + eps_high]: max(-A s, -A clip(s))."""
+    if cu_seqlens is None:
+        raise ValueError("gspo: needs cu_seqlens")
+    seq_log = _segment_reduce(log_ratio.detach(), mask, cu_seqlens, mean=True)
+    s = torch.exp(seq_log + log_ratio - log_ratio.detach())
+    loss1 = -adv * s
+    loss2 = -adv * s.clamp(1.0 - eps_low, 1.0 + eps_high)
+    pg = torch.maximum(loss1, loss2)
+    return pg, {"clip_frac": _masked_mean(((loss2 > loss1) & mask).float(), mask),
+                "seq_ratio/mean": _masked_mean(seq_log.exp(), mask)}
+
+
+def cispo_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None, *,
+                    eps_high: float, eps_low: float | None = None) -> tuple[torch.Tensor, Stats]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi.
+    The IS weight is clipped, never the gradient: every token keeps its log-prob gradient.
+    ``eps_low`` None: no lower bound (the paper's setting)."""
+    r = log_ratio.detach().exp()
+    clipped = r.clamp(min=1.0 - eps_low if eps_low is not None else None, max=1.0 + eps_high)
+    # log_ratio = log pi_theta - const: the gradient of the paper's -sg(r^) A log pi_theta; its
+    # value (-r^ A log r) is 0 on-policy instead of depending on the log-prob's level.
+    pg = -clipped * adv * log_ratio
+    return pg, {"clip_frac": _masked_mean(((clipped != r) & mask).float(), mask)}
+
+
 def ppo_policy_loss(
     logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -121,8 +288,12 @@ def ppo_policy_loss(
     eps_clip_low: float = 0.2,
     eps_clip_high: float = 0.2,
     dual_clip: float | None = None,
+    surrogate: Any = None,
     behav_imp_weight_cap: float | None = None,
     behav_imp_weight_mode: str = "mask",
+    behav_imp_weight_level: str = "token",
+    behav_imp_weight_floor: float | None = None,
+    m2_threshold: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     aggregation: str = "token_mean",
     total_tokens: float | None = None,
@@ -134,64 +305,43 @@ def ppo_policy_loss(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
 ) -> tuple[torch.Tensor, Stats]:
-    """(Decoupled) PPO clipped policy loss. All tensors [T], one alignment.
+    """(Decoupled) policy-gradient loss. All tensors [T], one alignment.
+
+    The per-token term is ``surrogate(log_ratio, A, mask, cu_seqlens)`` (default: PPO's clip
+    with ``eps_clip_low`` / ``eps_clip_high`` / ``dual_clip``; GSPO and CISPO pass theirs) on
+    log_ratio = log pi_theta - log pi_old, pi_old = pi_prox (decoupled) or pi_behav; decoupled,
+    it is multiplied by ``behaviour_weight`` (the cap / floor / level / M2 settings).
 
     Log-ratios are clamped to +-``LOG_RATIO_CLAMP`` before ``exp`` (so ratio and importance
     weight lie in [e^-20, e^20]) and the KL term goes through ``kl_estimate``'s clamps: see
     docs/algorithms.md ("Extreme log-prob gaps"). The KL and entropy terms are NOT multiplied by
-    the behaviour importance weight, and tokens dropped by the weight cap ("mask" mode) keep their
-    KL and entropy terms; only the clipped policy-gradient term is weighted.
+    the behaviour importance weight, and tokens dropped by the weight's masks keep their KL and
+    entropy terms; only the policy-gradient term is weighted.
 
     Returns (loss, stats). ``stats`` are detached scalars over this micro-batch's masked tokens
-    (weight them by ``stats["n_tokens"]`` to combine micro-batches): clip_frac (tokens whose
-    clipped branch was active), dual_clip_frac, approx_kl = mean(log pi_old - log pi_theta)
-    with pi_old = pi_prox (or pi_behav), ratio mean/max, importance weight
-    pi_prox/pi_behav mean/max/min and capped_frac, behav_kl = mean(log pi_prox - log pi_behav),
-    entropy, ref_kl, pg_loss (token mean, unweighted by the aggregation), ratio/clamped_frac
-    (tokens whose policy log-ratio hit the clamp). Stats use the clamped log-ratios.
+    (weight them by ``stats["n_tokens"]`` to combine micro-batches): the surrogate's (clip_frac,
+    ...), approx_kl = mean(log pi_old - log pi_theta), ratio mean/max and clamped_frac (tokens
+    whose log-ratio hit the clamp), ``behaviour_weight``'s, entropy, ref_kl, pg_loss (token mean,
+    unweighted by the aggregation). Stats use the clamped log-ratios.
     """
     mask = loss_mask.bool()
     fmask = mask.float()
-    if behav_imp_weight_mode not in ("mask", "truncate"):
-        raise ValueError(f"behav_imp_weight_mode: must be 'mask' or 'truncate', got {behav_imp_weight_mode!r}")
     old = (prox_logprobs if prox_logprobs is not None else behav_logprobs).detach()
     adv = advantages.detach()
     raw_log_ratio = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
     log_ratio = raw_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
-    clipped = ratio.clamp(1.0 - eps_clip_low, 1.0 + eps_clip_high)
-    loss1 = -adv * ratio
-    loss2 = -adv * clipped
-    pg = torch.maximum(loss1, loss2)
-    clip_mask = (loss2 > loss1) & mask
-    dual_mask = torch.zeros_like(mask)
-    if dual_clip is not None:
-        # Dual clip (Ye et al. 2020): for A < 0 a huge ratio would make -A r unbounded; cap at -c A.
-        cap = -dual_clip * adv
-        dual_mask = (adv < 0) & (pg > cap) & mask
-        pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
-
-    stats: Stats = {}
-    weight_mask = fmask
+    if surrogate is None:
+        pg, stats = ppo_surrogate(log_ratio, adv, mask, cu_seqlens, eps_clip_low=eps_clip_low,
+                                  eps_clip_high=eps_clip_high, dual_clip=dual_clip)
+    else:
+        pg, stats = surrogate(log_ratio, adv, mask, cu_seqlens)
     if prox_logprobs is not None:
-        behav_kl = torch.where(mask, prox_logprobs.detach() - behav_logprobs.detach(), torch.zeros_like(prox_logprobs))
-        behav_kl = behav_kl.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        w = torch.where(mask, behav_kl.exp(), torch.zeros_like(behav_kl))
-        capped = torch.zeros_like(mask)
-        if behav_imp_weight_cap is not None:
-            capped = (w > behav_imp_weight_cap) & mask
-            if behav_imp_weight_mode == "truncate":
-                w = w.clamp(max=behav_imp_weight_cap)
-            else:
-                w = torch.where(capped, torch.zeros_like(w), w)
-                weight_mask = fmask * (~capped).float()
+        w, _, w_stats = behaviour_weight(prox_logprobs, behav_logprobs, loss_mask, cu_seqlens,
+                                         level=behav_imp_weight_level, cap=behav_imp_weight_cap,
+                                         floor=behav_imp_weight_floor, mode=behav_imp_weight_mode,
+                                         m2_threshold=m2_threshold)
         pg = pg * w
-        kept = weight_mask.bool()
-        stats["importance_weight/mean"] = _masked_mean(w, weight_mask)
-        stats["importance_weight/max"] = w[kept].max() if kept.any() else torch.zeros(())
-        stats["importance_weight/min"] = w[kept].min() if kept.any() else torch.zeros(())
-        stats["importance_weight/capped_frac"] = _masked_mean(capped.float(), fmask)
-        stats["behav_kl"] = _masked_mean(behav_kl, fmask)
+        stats.update(w_stats)
 
     per_token = pg
     if ref_logprobs is not None and kl_coef > 0:
@@ -217,12 +367,11 @@ def ppo_policy_loss(
         norm_const=loss_norm_const,
     )
     with torch.no_grad():
+        ratio = log_ratio.detach().exp()
         stats["pg_loss"] = _masked_mean(pg.detach(), fmask)
-        stats["clip_frac"] = _masked_mean(clip_mask.float(), fmask)
-        stats["dual_clip_frac"] = _masked_mean(dual_mask.float(), fmask)
         stats["approx_kl"] = _masked_mean(-log_ratio.detach(), fmask)
-        stats["ratio/mean"] = _masked_mean(ratio.detach(), fmask)
-        stats["ratio/max"] = ratio.detach()[mask].max() if mask.any() else torch.zeros(())
+        stats["ratio/mean"] = _masked_mean(ratio, fmask)
+        stats["ratio/max"] = ratio[mask].max() if mask.any() else torch.zeros(())
         stats["ratio/clamped_frac"] = _masked_mean((raw_log_ratio.detach().abs() > LOG_RATIO_CLAMP).float(), fmask)
         stats["n_tokens"] = fmask.sum()
     return loss, stats
@@ -273,16 +422,36 @@ class PPOActorLoss:
         loss, stats = loss_fn(logprobs, entropy, micro_batch)
 
     Micro-batch keys (flat [T], aligned with ``logprobs``): ``loss_mask``, ``advantages``,
-    ``logprobs`` (behaviour, from the inference engine), ``prox_logprobs`` (required when
-    ``cfg.decoupled``), ``ref_logprobs`` (when ``cfg.kl_coef > 0`` and not ``kl_in_reward``),
-    ``cu_seqlens``. ``total_tokens`` / ``total_seqs`` come from ``global_counts`` on the
-    global batch.
+    ``logprobs`` (behaviour, from the inference engine), ``prox_logprobs`` (decoupled with
+    ``algorithm.proximal: forward``) or ``prox_alpha`` (``interpolate``: pi_prox is
+    pi_behav^(1 - alpha) pi_theta^alpha, ``interpolation_weights``), ``ref_logprobs`` (when
+    ``cfg.kl_coef > 0`` and not ``kl_in_reward``), ``cu_seqlens``. ``total_tokens`` /
+    ``total_seqs`` come from ``global_counts`` on the global batch. GSPO and CISPO are this
+    class with another ``surrogate``.
     """
 
     def __init__(self, cfg: AlgorithmConfig, *, total_tokens: float | None, total_seqs: float | None) -> None:
         self.cfg = cfg
         self.total_tokens = total_tokens
         self.total_seqs = total_seqs
+
+    def surrogate(self) -> Any:
+        """The per-token policy term (None: PPO's clip from ``algorithm.eps_clip_*``)."""
+        return None
+
+    def proximal(self, logprobs: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor | None:
+        """log pi_prox for the decoupled loss: recomputed by the engine, or A-3PO's interpolation
+        log pi_behav + alpha (log pi_theta - log pi_behav) with pi_theta detached."""
+        if not self.cfg.decoupled:
+            return None
+        if self.cfg.proximal == "interpolate":
+            if "prox_alpha" not in mb:
+                raise ValueError("PPOActorLoss: algorithm.proximal interpolate needs 'prox_alpha' in the micro-batch")
+            behav = mb["logprobs"].detach()
+            return behav + mb["prox_alpha"] * (logprobs.detach() - behav)
+        if "prox_logprobs" not in mb:
+            raise ValueError("PPOActorLoss: algorithm.decoupled needs 'prox_logprobs' in the micro-batch")
+        return mb["prox_logprobs"]
 
     def __call__(
         self, logprobs: torch.Tensor, entropy: torch.Tensor | None, mb: dict[str, Any]
@@ -291,8 +460,6 @@ class PPOActorLoss:
         for key in ("loss_mask", "advantages", "logprobs"):
             if key not in mb:
                 raise ValueError(f"PPOActorLoss: micro-batch has no '{key}' (keys: {sorted(mb)})")
-        if cfg.decoupled and "prox_logprobs" not in mb:
-            raise ValueError("PPOActorLoss: algorithm.decoupled needs 'prox_logprobs' in the micro-batch")
         use_ref = cfg.kl_coef > 0 and not cfg.kl_in_reward
         if use_ref and "ref_logprobs" not in mb:
             raise ValueError("PPOActorLoss: algorithm.kl_coef > 0 needs 'ref_logprobs' in the micro-batch")
@@ -301,12 +468,16 @@ class PPOActorLoss:
             mb["advantages"],
             mb["loss_mask"],
             behav_logprobs=mb["logprobs"],
-            prox_logprobs=mb["prox_logprobs"] if cfg.decoupled else None,
+            prox_logprobs=self.proximal(logprobs, mb),
             eps_clip_low=cfg.eps_clip_low,
             eps_clip_high=cfg.eps_clip_high,
             dual_clip=cfg.dual_clip,
+            surrogate=self.surrogate(),
             behav_imp_weight_cap=cfg.behav_imp_weight_cap,
             behav_imp_weight_mode=cfg.behav_imp_weight_mode,
+            behav_imp_weight_level=cfg.behav_imp_weight_level,
+            behav_imp_weight_floor=cfg.behav_imp_weight_floor,
+            m2_threshold=cfg.m2_threshold,
             cu_seqlens=mb.get("cu_seqlens"),
             aggregation=cfg.aggregation,
             total_tokens=self.total_tokens,
@@ -318,6 +489,50 @@ class PPOActorLoss:
             kl_coef=cfg.kl_coef if use_ref else 0.0,
             kl_estimator=cfg.kl_estimator,
         )
+
+
+class GSPOLoss(PPOActorLoss):
+    """``policy_loss: gspo``: the sequence-level ratio of ``gspo_surrogate`` in place of PPO's
+    token ratio; everything else (decoupling, weights, KL, entropy, aggregation) as "ppo". The
+    paper aggregates "seq_mean_token_mean"."""
+
+    @dataclass
+    class Options:
+        eps_low: float = 3e-4
+        """Lower clip of the sequence ratio (the Qwen3 recipe's 3e-4: a length-normalised ratio
+        moves far less than a token's)."""
+        eps_high: float = 4e-4
+        """Upper clip of the sequence ratio (Qwen3 recipe: 4e-4)."""
+
+        def validate(self) -> None:
+            if not (0 < self.eps_low < 1 and self.eps_high > 0):
+                raise ValueError(f"eps_low / eps_high: need 0 < eps_low < 1 and eps_high > 0, got "
+                                 f"{self.eps_low}, {self.eps_high}")
+
+    def surrogate(self) -> Any:
+        o = self.cfg.loss_options
+        return functools.partial(gspo_surrogate, eps_low=o.eps_low, eps_high=o.eps_high)
+
+
+class CISPOLoss(PPOActorLoss):
+    """``policy_loss: cispo``: ``cispo_surrogate`` (clipped IS weight times log-prob, no token
+    loses its gradient) in place of PPO's clip; everything else as "ppo"."""
+
+    @dataclass
+    class Options:
+        eps_high: float = 4.0
+        """The IS weight is clipped to at most 1 + eps_high (a tuning knob like PPO's clip-high)."""
+        eps_low: float | None = None
+        """Lower clip 1 - eps_low of the IS weight; None: none (MiniMax-M1's setting)."""
+
+        def validate(self) -> None:
+            if self.eps_high <= 0 or (self.eps_low is not None and not 0 < self.eps_low < 1):
+                raise ValueError(f"eps_high must be > 0 and eps_low in (0, 1) or null, got {self.eps_high}, "
+                                 f"{self.eps_low}")
+
+    def surrogate(self) -> Any:
+        o = self.cfg.loss_options
+        return functools.partial(cispo_surrogate, eps_high=o.eps_high, eps_low=o.eps_low)
 
 
 class PPOCriticLoss:

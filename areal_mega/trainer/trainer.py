@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from areal_mega.algo.losses import PPOCriticLoss, global_counts, kl_estimate
+from areal_mega.algo.losses import PPOCriticLoss, global_counts, interpolation_weights, kl_estimate
 from areal_mega.api.algorithm import AdvantageEstimator, PolicyLoss
 from areal_mega.api.data import PromptSource
 from areal_mega.api.engine import TrainEngine
@@ -160,7 +160,11 @@ class Trainer:
 
     def proximal(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """pi_prox into ``batch["prox_logprobs"]`` (the engine's ``proximal_logprobs``: one extra
-        forward, MoE routing replay); returns the train/inference mismatch metrics."""
+        forward, MoE routing replay); returns the train/inference mismatch metrics. With
+        ``algorithm.proximal: interpolate`` no forward: the loss interpolates (``prox_alpha``)."""
+        if self.cfg.algorithm.proximal == "interpolate":
+            batch["prox_alpha"] = interpolation_weights(batch["versions"], self.actor.get_version())
+            return {}
         return self.actor.proximal_logprobs(batch, self.temperature)
 
     def ref_and_values(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
