@@ -183,6 +183,7 @@ def run_eval(config: str, overrides: list[str], *, model: str, out: str, spec: E
 
     from areal_mega.inference.client import InferencePool
     from areal_mega.experiment import load_experiment
+    from areal_mega.reward.code import check_samples
     from areal_mega.workflows.stack import EpisodeStack
 
     spec.validate()
@@ -196,6 +197,11 @@ def run_eval(config: str, overrides: list[str], *, model: str, out: str, spec: E
         items = load_items(cfg, tok, max_items)
     except ValueError as e:
         raise e if isinstance(e, UserError) else EvalError(f"eval_data: {e}") from None
+    try:  # a code reward's tests, checked before any server starts (as the trainer does)
+        check_samples(cfg.reward, items, (cfg.eval_data or cfg.data).allow_empty_test_output,
+                      "eval_data" if cfg.eval_data is not None else "data")
+    except ValueError as e:
+        raise EvalError(str(e)) from None
     if not items:
         raise EvalError("eval_data: no items to evaluate (set eval_data, or data.num_eval > 0)")
 

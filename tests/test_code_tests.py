@@ -88,3 +88,16 @@ def test_extra_paths_may_not_expose_the_dataset_or_the_run(tmp_path):
             exp(extra).validate()
     with pytest.raises(ValueError, match="^workflow.options.tools\\[0\\].sandbox.extra_paths\\[0\\]: .* overlaps output_dir"):
         exp([], [str(run)]).validate()  # the python tool's sandbox: the same rule
+
+
+def test_eval_items_are_checked_like_training_samples():
+    """``areal-mega eval`` checks its items with the trainer's rule (``check_samples``)."""
+    from areal_mega.reward.code import check_samples
+
+    code = RewardConfig(kind="code")
+    good = {"id": 1, "tests": [{"input": "", "output": "1"}]}
+    empty = {"id": 2, "tests": [{"input": "", "output": " \r\n"}]}
+    assert check_samples(code, [good], source="eval_data") == 1
+    with pytest.raises(ValueError, match="eval_data: sample 2: tests\\[0\\]"):
+        check_samples(code, [good, empty], source="eval_data")
+    assert check_samples(RewardConfig(kind="math"), [empty]) == 0  # control: no code reward, no check

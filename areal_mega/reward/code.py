@@ -18,7 +18,7 @@ from typing import Any
 from areal_mega.reward.base import RewardResult
 from areal_mega.sandbox import ExecResult, Sandbox, SandboxConfig
 
-__all__ = ["CodeReward", "check_prompt_source", "check_tests", "extract_code", "judge", "normalise"]
+__all__ = ["CodeReward", "check_prompt_source", "check_samples", "check_tests", "extract_code", "judge", "normalise"]
 
 _BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 
@@ -69,11 +69,19 @@ def check_prompt_source(reward_cfg: Any, prompts: Any, allow_empty_output: bool 
     """At start-up, when the reward runs code: ``check_tests`` on every sample a listed prompt
     source holds (training and held-out; a user's stream is checked as it is scored). The
     number of samples checked."""
-    if not _scores_code(reward_cfg) or not hasattr(prompts, "dataset"):
+    if not hasattr(prompts, "dataset"):
         return 0
-    samples = [*prompts.dataset.samples, *prompts.heldout()]
+    return check_samples(reward_cfg, [*prompts.dataset.samples, *prompts.heldout()], allow_empty_output)
+
+
+def check_samples(reward_cfg: Any, samples: list[dict[str, Any]], allow_empty_output: bool = False,
+                  source: str = "data") -> int:
+    """``check_tests`` on each sample when the reward runs code (the trainer's listed sources,
+    ``areal-mega eval``'s items); the number of samples checked."""
+    if not _scores_code(reward_cfg):
+        return 0
     for s in samples:
-        check_tests(s.get("tests"), f"data: sample {s.get('id', '?')}", allow_empty_output)
+        check_tests(s.get("tests"), f"{source}: sample {s.get('id', '?')}", allow_empty_output)
     return len(samples)
 
 
