@@ -100,6 +100,9 @@ class ExperimentConfig:
         if scores_steps and self.algorithm.process_weight == 0:
             raise ValueError("reward.step_scoring: the step scores would be unused with algorithm.process_weight 0")
         check_extra_paths(self, {"data.path": self.data.path, "output_dir": self.output_dir})
+        if self.trainer.study_delay and self.rollout.max_staleness != self.trainer.study_delay:
+            raise ValueError(f"trainer.study_delay: {self.trainer.study_delay} needs rollout.max_staleness equal to it "
+                             f"(got {self.rollout.max_staleness}): the servers' version lags the learner's by the delay")
         if self.algorithm.proximal == "interpolate" and self.actor.model.moe_routing_replay != "off":
             raise ValueError(f"algorithm.proximal: 'interpolate' skips the proximal forward that "
                              f"actor.model.moe_routing_replay {self.actor.model.moe_routing_replay!r} uses; set 'forward'")

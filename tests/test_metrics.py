@@ -26,6 +26,7 @@ def test_scalars_phases_and_count_histogram_reach_tensorboard_and_jsonl(tmp_path
     assert list(h.bucket) == [3, 1_000_000, 7]
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert row["step"] == 1 and row["reward/mean"] == 0.25
+    assert row["rollout/token_staleness"] == {"0": 3, "1": 1_000_000, "2": 7}  # the histogram in jsonl too
 
 
 def test_resume_moves_log_records_past_the_checkpoint_aside(tmp_path: Path) -> None:

@@ -160,3 +160,51 @@ def test_interpolate_skips_the_proximal_forward():
 def test_bad_settings_are_one_line(kw, key):
     with pytest.raises(ValueError, match=key):
         AlgorithmConfig(**kw).validate()
+
+
+class _Engine:
+    """A one-tensor 'model' whose weights are its version: what the servers get is visible."""
+
+    def __init__(self):
+        self.w = torch.zeros(1)
+
+    def snapshot_weights(self):
+        return [self.w.clone()]
+
+    def restore_weights(self, weights):
+        self.w.copy_(weights[0])
+
+
+@pytest.mark.parametrize("delay", [0, 1, 3])
+def test_study_delay_serves_the_weights_of_delay_versions_ago(delay):
+    from areal_mega.trainer.config import TrainerLoopConfig
+
+    eng, pushed = _Engine(), []
+    t = SimpleNamespace(cfg=SimpleNamespace(trainer=TrainerLoopConfig(study_delay=delay, study_opt_in=True)),
+                        actor=eng, _served=__import__("collections").deque([(0, eng.snapshot_weights())]))
+    t._push_weights = lambda version: pushed.append((version, float(eng.w[0])))
+    for v in range(1, 8):
+        eng.w.fill_(v)  # the update that made version v
+        Trainer.sync_weights(t, v)
+        assert float(eng.w[0]) == v  # the learner keeps training its own weights
+    served = max(0, 7 - delay)
+    assert pushed[-1] == (served, served)  # served version v - d, with version v - d's weights
+    assert pushed == [(max(0, v - delay), max(0, v - delay)) for v in range(1, 8)]
+    assert len(t._served) <= delay + 1 or delay == 0
+    with pytest.raises(RuntimeError, match="study_delay"):  # a gap (a resume): refused when delayed
+        if delay:
+            Trainer.sync_weights(t, 10)
+        else:
+            raise RuntimeError("study_delay: nothing kept without a delay")
+
+
+def test_study_delay_needs_the_opt_in_and_a_matching_bound():
+    from areal_mega.config import from_dict
+    from areal_mega.experiment import ExperimentConfig
+    from areal_mega.trainer.config import TrainerLoopConfig
+
+    with pytest.raises(ValueError, match="study_opt_in"):
+        TrainerLoopConfig(study_delay=2).validate()
+    with pytest.raises(ValueError, match="max_staleness"):
+        from_dict(ExperimentConfig, {"model_path": "m", "trainer": {"study_delay": 2, "study_opt_in": True},
+                                     "rollout": {"max_staleness": 1}}).validate()

@@ -37,6 +37,7 @@ SMOKE = {
     "cpu_load.py": "test_tools.py::test_cpu_load_runs_the_command_and_stops",
     "process_reward_toy.py": "test_tools.py::test_process_reward_toy",
     "process_reward_lm.py": "test_tools.py::test_process_reward_lm",
+    "bench_staleness.py": "test_tools.py::test_bench_staleness_summarises_saved_cells",
 }
 
 
@@ -251,3 +252,31 @@ def test_process_reward_lm(tmp_path):
     assert set(arms) == {"outcome", "process"} and "summary" in lines[-1]
     assert arms["process"]["step_reward"][0] is not None and arms["outcome"]["step_reward"] == [None]
     assert all(0 <= x["reward"][0] <= 1 and x["heldout"] for x in arms.values())
+
+
+def test_bench_staleness_summarises_saved_cells(tmp_path, capsys):
+    """Every method's overrides make a valid experiment; saved cells are reused (no run starts: no
+    model is built), summarised per eta x method with the SE over seeds, plotted. The study itself:
+    docs/staleness.md."""
+    from areal_mega.experiment import load_experiment
+
+    bench = _tool("bench_staleness")
+    for method in bench.METHODS:
+        for eta in (0, 4):
+            cfg = load_experiment(str(REPO / "configs/grpo_smollm2.yaml"),
+                                  ["model_path=/m", *bench.cell_overrides(eta, method, 1, 8)])
+            assert cfg.rollout.max_staleness == eta and cfg.trainer.study_delay == eta
+    work = tmp_path / "study"
+    for eta, seed, acc in [(0, 1, 0.5), (0, 2, 0.7), (4, 1, 0.2), (4, 2, 0.4)]:
+        cell = work / f"eta{eta}-naive-seed{seed}"
+        cell.mkdir(parents=True)
+        (cell / "summary.json").write_text(json.dumps({"eta": eta, "method": "naive", "seed": seed, "accuracy": acc,
+                                                       "step_s": [1.0, 2.0], "ess": [1.0, 0.9]}))
+    rel = str(work.relative_to(REPO)) if work.is_relative_to(REPO) else str(work)
+    assert bench.main(["--sglang-python", "unused", "--etas", "0", "4", "--methods", "naive", "--seeds", "1", "2",
+                       "--steps", "8", "--workdir", rel]) == 0
+    out = _json_line(capsys.readouterr().out)
+    got = {(s["eta"], s["method"]): s for s in out["summary"]}
+    assert got[(0, "naive")]["accuracy_mean"] == pytest.approx(0.6)
+    assert got[(4, "naive")]["accuracy_se_over_seeds"] == pytest.approx(0.1)  # sqrt(0.02 / 1 / 2)
+    assert (work / "staleness.png").stat().st_size > 0

@@ -59,6 +59,14 @@ class TrainEngine(ABC):
     def set_version(self, version: int) -> None:
         ...
 
+    def snapshot_weights(self) -> list[Any]:
+        """A CPU copy of this rank's weights (only ``trainer.study_delay`` asks for it)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no weight snapshots (trainer.study_delay)")
+
+    def restore_weights(self, weights: list[Any]) -> None:
+        """Copy a ``snapshot_weights`` result back into this rank's weights, in place."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no weight snapshots (trainer.study_delay)")
+
 
 class InferenceEngine(ABC):
     """A pool of generation servers seen as one engine."""

@@ -27,18 +27,21 @@ from areal_mega.demo.run import REPO, _run
 CONFIG = "configs/grpo_smollm2.yaml"
 
 
-def _eval(model: Path, out: Path, *, learner_python: str, sglang_python: str, env: dict[str, str]) -> dict:
+def evaluate(model: Path, out: Path, *, learner_python: str, sglang_python: str, env: dict[str, str]) -> dict:
+    """``areal-mega eval`` of ``model`` on the example's held-out items; its summary."""
     _run([learner_python, "-m", "areal_mega.cli", "eval", "--config", CONFIG, "--model", str(model),
           "--out", str(out), "--no-progress", f"inference.server.python={sglang_python}"], env,
          out.parent / f"{out.name}.log")
     return json.loads((out / "summary.json").read_text())
 
 
-def run_example(workdir: str, *, learner_python: str, sglang_python: str, overrides: list[str]) -> int:
-    w = (REPO / workdir).resolve()
+def example_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+
+
+def link_model(w: Path, learner_python: str, env: dict[str, str]) -> Path:
+    """SmolLM2-135M-Instruct built (cached) by tools/make_smollm2.py, linked as ``w/model``."""
     w.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    t0 = time.time()
     built = subprocess.run([learner_python, str(REPO / "tools" / "make_smollm2.py")], env=env,
                            capture_output=True, text=True)
     if built.returncode != 0:
@@ -48,15 +51,30 @@ def run_example(workdir: str, *, learner_python: str, sglang_python: str, overri
     if link.is_symlink() or link.exists():
         link.unlink()
     link.symlink_to(model)
-    print(f"[{time.time() - t0:5.0f}s] 1/4 model: {link} -> {model}", flush=True)
-    before = _eval(link, w / "eval-before", learner_python=learner_python, sglang_python=sglang_python, env=env)
+    return link
+
+
+def train(model: Path, out: Path, *, learner_python: str, sglang_python: str, env: dict[str, str],
+          overrides: list[str]) -> None:
+    """The example's GRPO run of ``model`` into ``out`` (local launcher), ``overrides`` applied."""
+    _run([learner_python, "-m", "areal_mega.launcher", "local", "--config", CONFIG, f"model_path={model}",
+          f"output_dir={out}", "trainer.resume=false", f"inference.server.python={sglang_python}",
+          f"launch.run_dir={out.parent / (out.name + '-launch-{job_id}')}", *overrides], env,
+         out.parent / f"{out.name}.log")
+
+
+def run_example(workdir: str, *, learner_python: str, sglang_python: str, overrides: list[str]) -> int:
+    w = (REPO / workdir).resolve()
+    env = example_env()
+    t0 = time.time()
+    link = link_model(w, learner_python, env)
+    print(f"[{time.time() - t0:5.0f}s] 1/4 model: {link} -> {link.resolve()}", flush=True)
+    before = evaluate(link, w / "eval-before", learner_python=learner_python, sglang_python=sglang_python, env=env)
     print(f"[{time.time() - t0:5.0f}s] 2/4 before: {json.dumps(before)}", flush=True)
     out = w / "grpo"
-    _run([learner_python, "-m", "areal_mega.launcher", "local", "--config", CONFIG, f"model_path={link}",
-          f"output_dir={out}", "trainer.resume=false", f"inference.server.python={sglang_python}",
-          f"launch.run_dir={w / 'launch-{job_id}'}", *overrides], env, w / "grpo.log")
+    train(link, out, learner_python=learner_python, sglang_python=sglang_python, env=env, overrides=overrides)
     print(f"[{time.time() - t0:5.0f}s] 3/4 trained: {out} (metrics {out / 'metrics.jsonl'})", flush=True)
-    after = _eval(out / "hf", w / "eval-after", learner_python=learner_python, sglang_python=sglang_python, env=env)
+    after = evaluate(out / "hf", w / "eval-after", learner_python=learner_python, sglang_python=sglang_python, env=env)
     print(f"[{time.time() - t0:5.0f}s] 4/4 after: {json.dumps(after)}", flush=True)
     print(f"held-out accuracy: {before['accuracy']:.1%} +- {before['accuracy_se']:.1%} -> "
           f"{after['accuracy']:.1%} +- {after['accuracy_se']:.1%} (greedy, n={int(after['n'])} items never trained "

@@ -590,5 +590,18 @@ class MegatronTrainEngine(TrainEngine):
     def get_version(self) -> int:
         return self._version
 
+    def snapshot_weights(self) -> list[torch.Tensor]:
+        """A CPU copy of this rank's model weights (``trainer.study_delay`` keeps a few)."""
+        return [p.detach().to("cpu", copy=True) for m in self.model.chunks for p in m.parameters()]
+
+    def restore_weights(self, weights: list[torch.Tensor]) -> None:
+        """Copy a ``snapshot_weights`` result back into this rank's model, in place."""
+        params = [p for m in self.model.chunks for p in m.parameters()]
+        if len(params) != len(weights):
+            raise ValueError(f"restore_weights: {len(weights)} tensors for {len(params)} parameters")
+        with torch.no_grad():
+            for p, w in zip(params, weights):
+                p.copy_(w)
+
     def set_version(self, version: int) -> None:
         self._version = int(version)

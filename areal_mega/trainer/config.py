@@ -36,8 +36,21 @@ class TrainerLoopConfig:
     checkpoint and exits 0 -- for preemption notices and operators (the launcher creates
     ``<run_dir>/STOP`` on SIGUSR1/SIGTERM). SIGTERM/SIGUSR1 to a learner rank do the same.
     Empty = only the signals."""
+    study_delay: int = 0
+    """Experiments only (the staleness study, docs/staleness.md): the servers are given the
+    weights of ``study_delay`` versions ago, so with ``rollout.max_staleness`` equal to it every
+    trained token is exactly that many versions old (after the first ``study_delay`` steps, which
+    train on version 0's samples) on any machine, whatever its generation/training speed ratio.
+    Costs one CPU copy of the weights per delayed version. Refused unless ``study_opt_in``."""
+    study_opt_in: bool = False
+    """Set true to allow ``study_delay`` (it deliberately serves old weights)."""
 
     def validate(self) -> None:
+        if self.study_delay < 0:
+            raise ValueError(f"study_delay: must be >= 0, got {self.study_delay}")
+        if self.study_delay and not self.study_opt_in:
+            raise ValueError("study_delay: serves deliberately old weights, for the staleness study only; "
+                             "set trainer.study_opt_in: true to ask for it")
         if self.num_steps < 0:
             raise ValueError(f"num_steps: must be >= 0, got {self.num_steps}")
         if self.save_every < 0 or self.eval_every < 0:

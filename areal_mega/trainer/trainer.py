@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -82,6 +83,12 @@ class Trainer:
     stop_signal: int | None = None
     """The SIGTERM/SIGUSR1 this rank received, if any (a stop after the current step)."""
     _t_last: float = field(default_factory=time.perf_counter)
+    _served: deque = field(default_factory=deque)
+    """``trainer.study_delay``: (version, CPU weights) of the last delay + 1 versions."""
+
+    def __post_init__(self) -> None:
+        if self.cfg.trainer.study_delay:  # version 0's weights: what the servers start from
+            self._served.append((0, self.actor.snapshot_weights()))
 
     @property
     def is_driver(self) -> bool:
@@ -221,7 +228,31 @@ class Trainer:
                 "perf/tokens_per_s": batch["input_ids"].numel() / max(dt, 1e-9)}
 
     def sync_weights(self, version: int) -> SyncStats:
-        """Push the weights as ``version`` to every live server (collective). The rollout service
+        """Push the weights as ``version`` to every live server (collective); with
+        ``trainer.study_delay`` d, version max(0, version - d)'s weights, as that version."""
+        delay = self.cfg.trainer.study_delay
+        if not delay:
+            return self._push_weights(version)
+        last = self._served[-1][0]
+        if version not in (last, last + 1):
+            raise RuntimeError(f"trainer.study_delay: weights of version {last} are the newest kept, asked to serve "
+                               f"from version {version}; the history is not checkpointed: run the study in a fresh "
+                               f"output_dir")
+        if version == last + 1:
+            self._served.append((version, self.actor.snapshot_weights()))
+            if len(self._served) > delay + 1:
+                self._served.popleft()
+        served, weights = self._served[0]
+        if served == version:
+            return self._push_weights(version)
+        self.actor.restore_weights(weights)
+        try:
+            return self._push_weights(served)
+        finally:
+            self.actor.restore_weights(self._served[-1][1])
+
+    def _push_weights(self, version: int) -> SyncStats:
+        """Push the model's weights as ``version`` to every live server (collective). The rollout service
         (rank 0) pauses generation and names the targets (``begin_update``: a dead server is
         skipped, a recovered one is brought up to date before it takes traffic again), then moves
         its one version counter (``end_update``); a server dying mid-sync costs one retry."""

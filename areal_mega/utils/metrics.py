@@ -64,7 +64,9 @@ class Metrics:
             if self._jsonl is None and self._jsonl_path:
                 self._jsonl = open(self._jsonl_path, "a")
             if self._jsonl is not None:
-                self._jsonl.write(json.dumps({"step": step, **row}) + "\n")
+                # histograms as {value: count} (e.g. "rollout/token_staleness": {"2": 640})
+                hist = {k: {str(v): c for v, c in sorted(counts.items())} for k, counts in self._histograms.items()}
+                self._jsonl.write(json.dumps({"step": step, **row, **hist}) + "\n")
                 self._jsonl.flush()
             if self._echo:
                 shown = {k: round(v, 4) for k, v in sorted(row.items())}

@@ -1,0 +1,146 @@
+"""The staleness study (issue 41, docs/staleness.md): how each method holds up as the data ages.
+
+    python tools/bench_staleness.py --sglang-python $S/bin/python [--etas 0 1 2 4 8 16]
+        [--methods naive decoupled m2po] [--seeds 1 2] [--steps 30] [--workdir runs/staleness]
+
+The `make example` task (SmolLM2-135M-Instruct, two-term arithmetic, async GRPO) trained once per
+cell eta x method x seed, every trained token exactly eta versions old (``trainer.study_delay``;
+the first eta steps train on version 0's samples), then `areal-mega eval` of the result on the
+held-out items (greedy). Prints one JSON object (per cell: held-out accuracy and its binomial
+SE, the train reward / ESS / step-seconds curves; per eta x method: mean accuracy over seeds and
+its SE) and writes <workdir>/staleness.json and staleness.png. Cells already run are reused
+(their summary.json), so an interrupted study continues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from areal_mega.demo.example import evaluate, example_env, link_model, train  # noqa: E402
+from areal_mega.demo.run import REPO  # noqa: E402
+
+METHODS: dict[str, list[str]] = {
+    "naive": ["algorithm.decoupled=false"],  # PPO against the behaviour policy, no correction
+    "decoupled": [],  # the config's decoupled PPO (AReaL), token-level cap 5, mask
+    "m2po": ["algorithm.m2_threshold=0.04"],
+    "icepop": ["algorithm.behav_imp_weight_floor=0.5", "algorithm.behav_imp_weight_cap=2.0"],
+    "geometric": ["algorithm.behav_imp_weight_level=geometric", "algorithm.behav_imp_weight_cap=2.0"],
+    "gspo": ["algorithm.policy_loss=gspo", "algorithm.aggregation=seq_mean_token_mean"],
+    "cispo": ["algorithm.policy_loss=cispo"],
+    "a3po": ["algorithm.proximal=interpolate"],
+}
+"""Each method's overrides of configs/grpo_smollm2.yaml (algorithm settings: docs/algorithms.md)."""
+
+
+def cell_overrides(eta: int, method: str, seed: int, steps: int) -> list[str]:
+    delay = [f"trainer.study_delay={eta}", "trainer.study_opt_in=true"] if eta else []
+    return [f"rollout.max_staleness={eta}", *delay, f"seed={seed}", f"trainer.num_steps={steps}",
+            "trainer.eval_at_start=false", "trainer.eval_at_end=false", "trainer.eval_every=0", *METHODS[method]]
+
+
+def curves(metrics: Path) -> dict[str, list[float]]:
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "version" in r]
+    get = lambda k: [r.get(k, float("nan")) for r in rows]  # noqa: E731
+    stale = [r.get("rollout/token_staleness", {}) for r in rows]
+    return {"reward": get("rollout/reward_mean"), "ess": get("train/importance_weight/ess"),
+            "step_s": get("perf/step_s"), "staleness": stale}
+
+
+def run_cell(w: Path, model, eta: int, method: str, seed: int, steps: int, py: str, sg: str, env) -> dict:
+    """One cell, or its saved summary; ``model()`` gives the model directory (built on first use)."""
+    cell = w / f"eta{eta}-{method}-seed{seed}"
+    done = cell / "summary.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    t0 = time.time()
+    train(model(), cell / "grpo", learner_python=py, sglang_python=sg, env=env,
+          overrides=cell_overrides(eta, method, seed, steps))
+    after = evaluate(cell / "grpo" / "hf", cell / "eval", learner_python=py, sglang_python=sg, env=env)
+    c = curves(cell / "grpo" / "metrics.jsonl")
+    trained = [s for row in c["staleness"][eta:] for s in row]  # past the warm-up
+    res = {"eta": eta, "method": method, "seed": seed, "steps": steps, "accuracy": after["accuracy"],
+           "accuracy_se": after["accuracy_se"], "n": after["n"], "wall_s": round(time.time() - t0, 1),
+           "staleness_after_warmup": sorted(set(map(int, trained))), **c}
+    done.write_text(json.dumps(res))
+    return res
+
+
+def summarise(cells: list[dict]) -> list[dict]:
+    out = []
+    for key in sorted({(c["eta"], c["method"]) for c in cells}):
+        accs = [c["accuracy"] for c in cells if (c["eta"], c["method"]) == key]
+        mean = sum(accs) / len(accs)
+        se = math.sqrt(sum((a - mean) ** 2 for a in accs) / (len(accs) - 1) / len(accs)) if len(accs) > 1 else float("nan")
+        step_s = [s for c in cells if (c["eta"], c["method"]) == key for s in c["step_s"]]
+        out.append({"eta": key[0], "method": key[1], "accuracy_mean": mean, "accuracy_se_over_seeds": se,
+                    "seeds": len(accs), "step_s_median": sorted(step_s)[len(step_s) // 2] if step_s else None})
+    return out
+
+
+def plot(summary: list[dict], cells: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for m in sorted({s["method"] for s in summary}):
+        rows = [s for s in summary if s["method"] == m]
+        a.errorbar([r["eta"] for r in rows], [r["accuracy_mean"] for r in rows],
+                   yerr=[0 if math.isnan(r["accuracy_se_over_seeds"]) else r["accuracy_se_over_seeds"] for r in rows],
+                   marker="o", capsize=3, label=m)
+        for c in cells:
+            if c["method"] == m and c["eta"] == max(r["eta"] for r in rows):
+                b.plot(c["ess"], label=f"{m} eta={c['eta']} seed={c['seed']}")
+    a.set_xscale("symlog", base=2)
+    a.set(xlabel="staleness eta (versions)", ylabel="held-out accuracy (greedy)", title="accuracy vs staleness")
+    b.set(xlabel="step", ylabel="ESS of importance weights", title="ESS at the largest eta")
+    a.legend(), b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sglang-python", required=True)
+    ap.add_argument("--learner-python", default=sys.executable)
+    ap.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
+    ap.add_argument("--methods", nargs="+", default=["naive", "decoupled", "m2po"], choices=sorted(METHODS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--workdir", default="runs/staleness")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    if any(e < 0 for e in args.etas) or args.steps <= max(args.etas):
+        ap.error(f"--steps ({args.steps}) must exceed the largest eta ({max(args.etas)}) and every eta be >= 0")
+    w = (REPO / args.workdir).resolve()
+    env = example_env()
+    built: list[Path] = []
+
+    def model() -> Path:
+        if not built:
+            built.append(link_model(w, args.learner_python, env))
+        return built[0]
+
+    cells = [run_cell(w, model, e, m, s, args.steps, args.learner_python, args.sglang_python, env)
+             for e in args.etas for m in args.methods for s in args.seeds]
+    summary = summarise(cells)
+    result = {"study": "staleness", "model": "SmolLM2-135M-Instruct", "steps": args.steps, "summary": summary,
+              "cells": cells}
+    (w / "staleness.json").write_text(json.dumps(result, indent=1))
+    if not args.no_plot:
+        plot(summary, cells, w / "staleness.png")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
