@@ -774,3 +774,61 @@ def test_bench_dry_run_smoke():
     assert res["command"].endswith("--dry-run --nodelist n[1-2] --gpus-per-node 0")
     rc, res = bench("configs/does_not_exist.yaml")
     assert rc == 1 and res["rc"] == 2
+
+
+def test_supervisor_a_dying_node_stops_its_whole_server(tmp_path):
+    """A server spanning two nodes: when its node-1 process dies, the launcher stops node 0 too
+    (the server cannot run without it) and the pool fails over, the run goes on; a single-node
+    server beside it is untouched; the pool is told of servers, not processes."""
+    import sys as _sys
+
+    from areal_mega.launcher.local import LocalRunner, local_allocation
+    from areal_mega.launcher.plan import LaunchPlan, ProcSpec
+    from areal_mega.launcher.supervisor import supervise
+    from areal_mega.parallel import ParallelLayout
+
+    def announce(name: str) -> list[str]:  # an engine's node 0: writes its address file, then serves
+        f = tmp_path / f"{name}.json"
+        return [_sys.executable, "-c", f"import json, time; open({str(f)!r}, 'w').write(json.dumps("
+                f"{{'host': 'h', 'port': 1, 'url': 'http://h:1'}})); time.sleep(60)"], str(f)
+
+    def spec(name, argv, server, addr=None, role="engine"):
+        return ProcSpec(name=name, role=role, node="localhost", argv=tuple(argv), env={}, num_gpus=0,
+                        log_path=str(tmp_path / f"{name}.log"), address_file=addr, server=server)
+
+    (a0, f0), (a1, f1) = announce("engine0"), announce("engine1")
+    engines = (spec("engine0", a0, "engine0", f0),
+               spec("engine0.node1", [_sys.executable, "-c", "import time; time.sleep(1.5); raise SystemExit(9)"], "engine0"),
+               spec("engine1", a1, "engine1", f1))
+    # the learner ends once the launcher has had time to see the crash (a file the test writes)
+    done = tmp_path / "learner_may_exit"
+    learner = spec("learner0", [_sys.executable, "-c", f"import os, time\nwhile not os.path.exists({str(done)!r}): "
+                                                       "time.sleep(0.1)"], None, role="learner")
+    plan = LaunchPlan(job_id="t", run_dir=tmp_path, allocation=local_allocation(), layout=ParallelLayout(world_size=1),
+                      learner_nodes=("localhost",), engine_nodes=("localhost",), master_addr="127.0.0.1:1",
+                      engines=engines, learners=(learner,), engines_file=tmp_path / "engines.json", env={},
+                      learner_memory=None, engine_memory=None, checks_gpu_memory=False)
+    started: dict[str, object] = {}
+
+    class Recording(LocalRunner):
+        def start(self, s, log):
+            started[s.name] = super().start(s, log)
+            return started[s.name]
+
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        if "exited with 9" in line:
+            # while the run goes on (the learner still running): node 0 already stopped, engine1 alive
+            said.append(f"head stopped={started['engine0'].poll() is not None} "
+                        f"engine1 alive={started['engine1'].poll() is None}")
+            done.write_text("")
+
+    assert supervise(plan, Recording(), poll_s=0.1, grace_s=2, tail_lines=3, engine_timeout_s=30, say=say) == 0
+    text = "\n".join(said)
+    assert "2/2 engines ready" in text and len(json.loads(plan.engines_file.read_text())["engines"]) == 2
+    assert "engine0.node1 on localhost exited with 9 (and the server's 1 other node(s))" in text
+    assert "fails over to the others (1 left)" in text
+    assert "head stopped=True engine1 alive=True" in text
+    assert sum("exited with" in ln for ln in said) == 1  # engine1 ran on until the end (stopped, not dead)

@@ -116,3 +116,16 @@ def test_fp8_bad_inputs_are_one_line():
     check_fp8(llama, tp=1)
     with pytest.raises(ValueError, match=r"^inference.server.quantization: fp8 at tp_size 2: .* not whole 128-blocks"):
         check_fp8(llama, tp=2)  # 384 / 2 = 192 rows of gate_proj per rank
+
+
+def test_fp8_sync_is_refused_at_start_up_in_one_line():
+    """The servers' fp8 is planned and priced, but the sync does not send fp8 + scales yet: the
+    trainer's weight sync refuses it before touching any group (a bad family first, by name)."""
+    from areal_mega.weight_sync import WeightSyncConfig, megatron_weight_sync
+
+    ds = get_adapter(dict(DEEPSEEK_V3_671B, num_nextn_predict_layers=0, num_hidden_layers=4))
+    with pytest.raises(ValueError, match=r"^inference.server.quantization: fp8 is planned .* does not send fp8 \+ scales yet"):
+        megatron_weight_sync(WeightSyncConfig(), adapter=ds, chunks=[], groups=None, quantization="fp8")
+    mixtral = get_adapter(tiny_config("mixtral", num_local_experts=4, num_experts_per_tok=2))
+    with pytest.raises(ValueError, match=r"^inference.server.quantization: fp8 has no quantized layout for model_type 'mixtral'"):
+        megatron_weight_sync(WeightSyncConfig(), adapter=mixtral, chunks=[], groups=None, quantization="fp8")

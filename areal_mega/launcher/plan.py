@@ -31,7 +31,7 @@ from areal_mega.launcher.config import LaunchConfig
 from areal_mega.parallel import ParallelLayout
 from areal_mega.simulator.memory import (
     GIB, EngineMemory, LearnerMemory, LearnerSettings, estimate_engine, estimate_learner, learner_settings,
-    model_adapter, model_arch,
+    model_adapter, model_arch, server_nodes,
 )
 from areal_mega.simulator.planner import choose_learner_nodes
 from areal_mega.utils import secrets
@@ -354,17 +354,6 @@ def place_cluster(alloc: Allocation, exp: ExperimentConfig, n_learn: int) -> _No
     idle = len(alloc.nodes) - n_learn - len({n for n, _, _ in slots}) - sum(len(sp) for sp in spans)
     return _Nodes(alloc.nodes[:n_learn], slots, alloc.addresses[0],
                   (f"{idle} allocated node(s) left idle",) if idle else (), spans)
-
-
-def server_nodes(tp: int, gpus_per_node: int) -> int:
-    """Nodes one server of ``tp`` GPUs spans: 1 when it fits a node, else whole nodes (one-line
-    ValueError when ``tp`` is not a multiple of a node's GPUs)."""
-    if not gpus_per_node or tp <= gpus_per_node:
-        return 1
-    if tp % gpus_per_node:
-        raise ValueError(f"inference.server.tp_size: {tp} spans nodes of {gpus_per_node} GPUs only in whole nodes "
-                         f"(a multiple of {gpus_per_node})")
-    return tp // gpus_per_node
 
 
 def engine_ports(alloc: Allocation, exp: ExperimentConfig, slots: tuple[tuple[str, str, int], ...]) -> list[int]:

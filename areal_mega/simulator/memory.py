@@ -597,6 +597,17 @@ class EngineMemory:
         )
 
 
+def server_nodes(tp: int, gpus_per_node: int) -> int:
+    """Nodes one server of ``tp`` GPUs spans (SGLang --nnodes): 1 when it fits a node, else whole
+    nodes (one-line ValueError when ``tp`` is not a multiple of a node's GPUs)."""
+    if not gpus_per_node or tp <= gpus_per_node:
+        return 1
+    if tp % gpus_per_node:
+        raise ValueError(f"inference.server.tp_size: {tp} spans nodes of {gpus_per_node} GPUs only in whole nodes "
+                         f"(a multiple of {gpus_per_node})")
+    return tp // gpus_per_node
+
+
 def estimate_engine(m: ModelArch, *, tp: int, max_total_tokens: int | None, mem_fraction_static: float,
                     kv_dtype_bytes: int, gpu_memory_gib: float, quantization: str = "none") -> EngineMemory:
     """Per-GPU memory of one SGLang server of ``tp`` ranks (over one node or several).
