@@ -505,3 +505,28 @@ def test_receiver_runs_sglang_post_load_for_the_mla_weights_it_wrote():
     RECEIVER.post_load(torch.nn.Linear(1, 1), written)  # no post_load_weights: nothing to run
     assert len(calls) == 1
     assert RECEIVER.PROTOCOL >= POST_LOAD_PROTOCOL  # the learner refuses MLA plans for older receivers
+
+
+@pytest.mark.parametrize("protocol, mla, refused", [(2, True, True), (3, True, False), (2, False, False)])
+def test_learner_refuses_an_old_receiver_for_mla_plans(monkeypatch, protocol, mla, refused):
+    """An installed receiver older than protocol 3 writes kv_b_proj but not SGLang's w_kc / w_vc:
+    the learner's check refuses it for a plan that writes kv_b_proj (one line naming the fix), and
+    accepts it for a plan that does not (Qwen2)."""
+    from areal_mega.weight_sync import reshard_transport as rt
+    from areal_mega.weight_sync.transport import WeightSyncError
+    from tests.test_model_families import TINY_MOE
+
+    family = "deepseek_v3" if mla else "qwen2"
+    adapter = get_adapter(tiny_config(family, **TINY_MOE.get(family, {})))
+    plan = plan_reshard(adapter, ParallelLayout(world_size=1), [EngineLayout(1)], bucket_bytes=1 << 20)
+    tr = rt.ReshardTransport(plan=plan, rank=0, servers=[], local=lambda: [], backend="gloo", address="127.0.0.1",
+                             port=0, group_name="t", timeout_s=1)
+    monkeypatch.setattr(tr, "_statuses", lambda: ([], []))
+    monkeypatch.setattr(tr, "_post", lambda cmd, **kw: [])
+    monkeypatch.setattr(tr, "_finish", lambda *a: [{"rank": 1, "ok": True, "protocol": protocol}])
+    if refused:
+        with pytest.raises(WeightSyncError, match=r"^reshard check: engine group rank 1's receiver speaks protocol 2 "
+                                                  r"\(< 3: it does not recompute MLA's w_kc / w_vc"):
+            tr.check()
+    else:
+        tr.check()
