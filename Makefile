@@ -54,7 +54,8 @@ test-cp:
 	  tests/test_context_parallel.py tests/test_trainer_e2e.py $(PYTEST_ARGS)
 
 # weight_sync.mode reshard into real TP2 SGLang CPU servers (one at a time; 3-5 min per server start
-# under load): the TP2 x PP2 and EP2 MoE learners, log-probs / greedy vs HF, bytes per engine rank.
+# under load): the TP2 x PP2 and EP2 MoE learners, log-probs / greedy vs HF, bytes per engine rank;
+# a TP2 server spanning two nodes (test_weight_sync_two_nodes.py); DeepSeek-V3 MLA (_reshard_mla.py).
 test-reshard:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
 	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -s -m reshard_sglang $(PYTEST_ARGS)

@@ -208,8 +208,10 @@ def test_plan_refuses_tp1_and_names_keys():
     assert not plan_70b(["inference.server.tp_size=1"]).fits
     with pytest.raises(ValueError, match="launch.engine.num_nodes"):
         plan_70b(["launch.engine.num_nodes=13"])
-    with pytest.raises(ValueError, match="inference.server.tp_size: 16 > 8"):
-        plan_70b(["inference.server.tp_size=16"])
+    # a server wider than a node spans whole nodes (tests/test_launch_plan.py multi-node tests);
+    # one that does not is refused in one line
+    with pytest.raises(ValueError, match=r"^inference.server.tp_size: 12 spans nodes of 8 GPUs only in whole nodes"):
+        plan_70b(["inference.server.tp_size=12"])
     with pytest.raises(ValueError, match=r"world_size\(32\) is not divisible"):
         plan_70b(["parallel.tensor_parallel=3"])
 
@@ -548,12 +550,47 @@ def test_plan_deepseek_v3_671b_learners_fit_80gb_engines_named():
     sync = plan_weight_sync([s.tensors for s in stages], plan.layout, 512 << 20)
     tensors, params = deepseek_hand_count(hf)
     assert (len(sync.tensors), sync.nbytes) == (tensors, 2 * params) == (45_395, 1_342_052_838_400)
-    # the engines: a bf16 server needs more than one node; the plan says so and does not fit
+    # the engines: bf16 TP32 servers, each spanning 4 nodes (32 engine nodes -> 8 servers)
     em = plan.engine_memory
-    assert not em.fits and round(em.weights / GIB, 1) == 157.9
+    assert em.fits and plan.fits and round(em.weights / GIB, 1) == 40.9 and round(em.total / GIB, 1) == 58.1
     assert em.kv_bytes_per_token == 61 * (512 + 64) * 2  # MLA: the latent and the rope key per layer
+    assert len(plan.servers) == 8 and len(plan.engines) == 32 and len(plan.engine_nodes) == 32
     text = plan.describe()
-    assert "-> fits" in text and "DOES NOT FIT" in text and "servers spanning nodes (SGLang --nnodes)" in text
+    assert "-> fits" in text and "DOES NOT FIT" not in text and "TP32 over 4 node(s) each, 58.1 GiB per GPU" in text
+    # bf16 at TP16 (2 nodes): 79.9 GiB of weights per GPU > 0.85 x 80 GB -- refused, with the way out;
+    # it needs ~117 GiB GPUs (H200: fits)
+    tp16 = plan_671b(["inference.server.tp_size=16"])
+    assert not tp16.fits and round(tp16.engine_memory.weights / GIB, 1) == 79.9
+    assert "a larger tp_size runs servers spanning nodes (SGLang --nnodes)" in tp16.describe()
+    assert plan_671b(["inference.server.tp_size=16", "launch.gpu_memory_gib=141"]).fits
+    # FP8 servers: TP16 over 2 nodes fit 80 GB (16 servers); TP8 on one node needs 141 GB GPUs
+    fp8 = plan_671b(["inference.server.tp_size=16", "inference.server.quantization=fp8"])
+    assert fp8.fits and len(fp8.servers) == 16 and round(fp8.engine_memory.total / GIB, 1) == 58.2
+    assert round(fp8.engine_memory.weights / GIB, 1) == 41.0
+    assert not plan_671b(["inference.server.quantization=fp8", "inference.server.tp_size=8"]).fits
+    assert plan_671b(["inference.server.quantization=fp8", "inference.server.tp_size=8", "launch.gpu_memory_gib=141"]).fits
+    print(f"671B dry run: bf16 TP32 x {len(plan.servers)} servers of 4 nodes, {em.total / GIB:.1f} GiB/GPU; "
+          f"fp8 TP16 x {len(fp8.servers)} servers of 2 nodes, {fp8.engine_memory.total / GIB:.1f} GiB/GPU (80 GB GPUs)")
+    # every process of a server: SGLang's multi-node arguments; only node 0 is announced
+    e0 = [e for e in fp8.engines if e.server == "engine0"]
+    assert [e.address_file is not None for e in e0] == [True, False]
+    for r, e in enumerate(e0):
+        i = e.argv.index("--nnodes")
+        assert list(e.argv[i:i + 6]) == ["--nnodes", "2", "--node-rank", str(r), "--dist-init-addr",
+                                         f"{e0[0].url.split('//')[1].split(':')[0]}:29700"]
+        assert "--quantization" in e.argv and e.argv[e.argv.index("--tp-size") + 1] == "16" and e.num_gpus == 8
+    assert e0[0].node != e0[1].node
+
+
+def plan_671b(over: list[str]):
+    cfg, raw, rest = load_launch_config(CONFIG_671B, over)
+    return build_plan(cfg, alloc(64, 8), raw=raw, config_path=CONFIG_671B, overrides=rest, python="PY")
+
+
+def test_plan_fp8_server_layout_without_whole_blocks_is_one_line():
+    """The family check (a family without an fp8 layout) is tests/test_weight_sync_fp8.py's."""
+    with pytest.raises(ValueError, match=r"^inference.server.quantization: fp8 at tp_size 32: .* not whole 128-blocks"):
+        plan_671b(["inference.server.quantization=fp8", "inference.server.tp_size=32"])  # 18432 / 32 = 576 rows
 
 
 CONFIG_GLM_AIR = "configs/grpo_glm45_air.yaml"
@@ -621,8 +658,13 @@ def test_place_cluster_round_robin_and_idle_nodes():
         place_cluster(alloc(16, 8), _exp(["launch.engine.num_engines=13"]), 4)
     with pytest.raises(ValueError, match=r"learner.num_nodes\(4\) \+ engine.num_nodes\(13\) > 16"):
         place_cluster(alloc(16, 8), _exp(["launch.engine.num_nodes=13"]), 4)
-    with pytest.raises(ValueError, match="inference.server.tp_size: 8 > 4 GPUs per node"):
-        place_cluster(alloc(16, 4), _exp(), 4)
+    # TP8 on 4-GPU nodes: each server spans 2 whole nodes (SGLang --nnodes), 12 nodes -> 6 servers
+    span = place_cluster(alloc(16, 4), _exp(), 4)
+    assert len(span.engine_slots) == 6 and span.engine_slots[1] == ("n7", "10.0.0.7", 0)
+    assert span.engine_spans[1] == (("n8", "10.0.0.8"),) and span.notes == ()
+    with pytest.raises(ValueError, match=r"^launch.engine.num_nodes: 11 engine nodes do not divide into servers of 2 "
+                                         r"nodes \(inference.server.tp_size 8 / 4 GPUs per node\)$"):
+        place_cluster(alloc(16, 4), _exp(["launch.engine.num_nodes=11"]), 4)
 
 
 def test_place_local_and_ports():
@@ -732,3 +774,61 @@ def test_bench_dry_run_smoke():
     assert res["command"].endswith("--dry-run --nodelist n[1-2] --gpus-per-node 0")
     rc, res = bench("configs/does_not_exist.yaml")
     assert rc == 1 and res["rc"] == 2
+
+
+def test_supervisor_a_dying_node_stops_its_whole_server(tmp_path):
+    """A server spanning two nodes: when its node-1 process dies, the launcher stops node 0 too
+    (the server cannot run without it) and the pool fails over, the run goes on; a single-node
+    server beside it is untouched; the pool is told of servers, not processes."""
+    import sys as _sys
+
+    from areal_mega.launcher.local import LocalRunner, local_allocation
+    from areal_mega.launcher.plan import LaunchPlan, ProcSpec
+    from areal_mega.launcher.supervisor import supervise
+    from areal_mega.parallel import ParallelLayout
+
+    def announce(name: str) -> list[str]:  # an engine's node 0: writes its address file, then serves
+        f = tmp_path / f"{name}.json"
+        return [_sys.executable, "-c", f"import json, time; open({str(f)!r}, 'w').write(json.dumps("
+                f"{{'host': 'h', 'port': 1, 'url': 'http://h:1'}})); time.sleep(60)"], str(f)
+
+    def spec(name, argv, server, addr=None, role="engine"):
+        return ProcSpec(name=name, role=role, node="localhost", argv=tuple(argv), env={}, num_gpus=0,
+                        log_path=str(tmp_path / f"{name}.log"), address_file=addr, server=server)
+
+    (a0, f0), (a1, f1) = announce("engine0"), announce("engine1")
+    engines = (spec("engine0", a0, "engine0", f0),
+               spec("engine0.node1", [_sys.executable, "-c", "import time; time.sleep(1.5); raise SystemExit(9)"], "engine0"),
+               spec("engine1", a1, "engine1", f1))
+    # the learner ends once the launcher has had time to see the crash (a file the test writes)
+    done = tmp_path / "learner_may_exit"
+    learner = spec("learner0", [_sys.executable, "-c", f"import os, time\nwhile not os.path.exists({str(done)!r}): "
+                                                       "time.sleep(0.1)"], None, role="learner")
+    plan = LaunchPlan(job_id="t", run_dir=tmp_path, allocation=local_allocation(), layout=ParallelLayout(world_size=1),
+                      learner_nodes=("localhost",), engine_nodes=("localhost",), master_addr="127.0.0.1:1",
+                      engines=engines, learners=(learner,), engines_file=tmp_path / "engines.json", env={},
+                      learner_memory=None, engine_memory=None, checks_gpu_memory=False)
+    started: dict[str, object] = {}
+
+    class Recording(LocalRunner):
+        def start(self, s, log):
+            started[s.name] = super().start(s, log)
+            return started[s.name]
+
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        if "exited with 9" in line:
+            # while the run goes on (the learner still running): node 0 already stopped, engine1 alive
+            said.append(f"head stopped={started['engine0'].poll() is not None} "
+                        f"engine1 alive={started['engine1'].poll() is None}")
+            done.write_text("")
+
+    assert supervise(plan, Recording(), poll_s=0.1, grace_s=2, tail_lines=3, engine_timeout_s=30, say=say) == 0
+    text = "\n".join(said)
+    assert "2/2 engines ready" in text and len(json.loads(plan.engines_file.read_text())["engines"]) == 2
+    assert "engine0.node1 on localhost exited with 9 (and the server's 1 other node(s))" in text
+    assert "fails over to the others (1 left)" in text
+    assert "head stopped=True engine1 alive=True" in text
+    assert sum("exited with" in ln for ln in said) == 1  # engine1 ran on until the end (stopped, not dead)

@@ -16,7 +16,7 @@ from tests.support.models import tiny_config
 # What each built-in family's adapter says about a reshard sync into SGLang: "synced" (a layout),
 # "planned" (a layout, a runtime sync refused: sglang_not_synced), "none" (no layout: broadcast).
 SGLANG = {"llama": "synced", "qwen2": "synced", "qwen3": "synced", "qwen3_moe": "synced",
-          "deepseek_v3": "planned", "mixtral": "none", "qwen2_moe": "none", "glm4_moe": "none"}
+          "deepseek_v3": "synced", "mixtral": "none", "qwen2_moe": "none", "glm4_moe": "none"}
 TINY_MOE = {  # tiny configs of the families tiny_config leaves dense (tests/test_moe_families_plan.py's)
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),

@@ -448,7 +448,7 @@ def test_plan_cli(tmp_path, capsys):
     (["--nodes", "8", "cost.train_mfu=2"], "cost.train_mfu: must be in (0, 1]"),
     (["--nodes", "8", "cost.nope=1"], "unknown key 'launch.planner.cost.nope'"),  # cost.* = launch.planner.cost.*
     (["--nodes", "8", "--staleness", "x"], "--staleness: expected comma-separated integers"),
-    (["--nodes", "8", "--gpus-per-node", "4"], "tp_size: 8 > 4 GPUs per node"),
+    (["--nodes", "8", "--gpus-per-node", "3"], "tp_size: 8 spans nodes of 3 GPUs only in whole nodes"),
     (["--nodes", "8", "rollout.batch_size=0"], "rollout.batch_size: must be >= 1"),
     (["--nodes", "8", "launch.planner.margin=1.5"], "margin: must be in [0, 1), got 1.5"),
 ])

@@ -424,17 +424,18 @@ def test_family_without_an_sglang_layout_is_refused_in_one_line():
         plan_reshard(mixtral, ParallelLayout(world_size=1), [EngineLayout(1)])
 
 
-def test_deepseek_v3_is_planned_but_a_runtime_sync_is_refused():
-    """MLA: the plan exists (projections), but a sync would leave SGLang's w_kc / w_vc stale
-    (derived from kv_b_proj in post_load_weights): WeightSync refuses mode reshard at
-    construction, in one line; the planned families pass the same check (control)."""
+def test_deepseek_v3_reshard_runs_and_a_family_can_still_refuse():
+    """MLA: the receiver recomputes SGLang's w_kc / w_vc after a sync (post_load_weights), so
+    WeightSync accepts mode reshard for DeepSeek-V3; a family whose adapter says what SGLang would
+    still have to derive (``sglang_not_synced``) is refused at construction, in one line."""
     from areal_mega.weight_sync.sglang_layout import check_syncable
 
     ds = get_adapter(dict(DEEPSEEK_V3_671B, num_nextn_predict_layers=0, num_hidden_layers=4))
     assert engine_params(ds, EngineLayout(8, ep=8), 0)  # planned
-    with pytest.raises(ValueError, match=r"planned but not run for model_type 'deepseek_v3'.*post_load_weights.*use broadcast"):
-        check_syncable(ds)
-    check_syncable(get_adapter(tiny_config("qwen2")))
+    check_syncable(ds)
+    refusing = type("Refusing", (type(ds),), {"sglang_not_synced": "SGLang derives X on load"})(ds.hf_config)
+    with pytest.raises(ValueError, match=r"planned but not run for model_type 'deepseek_v3': SGLang derives X on load; use broadcast$"):
+        check_syncable(refusing)
 
 
 @pytest.mark.parametrize("keep", [True, False])
@@ -481,3 +482,51 @@ def test_receiver_and_senders_keep_buffers_by_one_rule():
 
     for dev in ("cpu", "cuda", "cuda:3", "xpu"):
         assert RECEIVER.keeps_buffers(torch.device(dev)) == keeps_buffers(torch.device(dev)) == (dev == "cpu")
+
+
+def test_receiver_runs_sglang_post_load_for_the_mla_weights_it_wrote():
+    """After a sync the receiver calls the model's own post_load_weights (SGLang's DeepseekV2
+    derives the absorbed w_kc / w_vc there) with exactly the kv_b_proj parameters it wrote; a
+    model without MLA (no kv_b_proj written, or no such method) is left alone. The real SGLang
+    path: tests/test_weight_sync_reshard_mla.py (served) and its in-process equality check."""
+    from areal_mega.weight_sync.reshard_transport import POST_LOAD_PROTOCOL
+
+    calls = []
+
+    class Mla(torch.nn.Module):
+        def post_load_weights(self, is_nextn=False, weight_names=None):
+            calls.append(list(weight_names))
+
+    written = ["model.layers.1.self_attn.kv_b_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+               "model.layers.0.self_attn.kv_b_proj.weight"]
+    RECEIVER.post_load(Mla(), written)
+    assert calls == [["model.layers.0.self_attn.kv_b_proj.weight", "model.layers.1.self_attn.kv_b_proj.weight"]]
+    RECEIVER.post_load(Mla(), ["model.layers.0.self_attn.o_proj.weight"])
+    RECEIVER.post_load(torch.nn.Linear(1, 1), written)  # no post_load_weights: nothing to run
+    assert len(calls) == 1
+    assert RECEIVER.PROTOCOL >= POST_LOAD_PROTOCOL  # the learner refuses MLA plans for older receivers
+
+
+@pytest.mark.parametrize("protocol, mla, refused", [(2, True, True), (3, True, False), (2, False, False)])
+def test_learner_refuses_an_old_receiver_for_mla_plans(monkeypatch, protocol, mla, refused):
+    """An installed receiver older than protocol 3 writes kv_b_proj but not SGLang's w_kc / w_vc:
+    the learner's check refuses it for a plan that writes kv_b_proj (one line naming the fix), and
+    accepts it for a plan that does not (Qwen2)."""
+    from areal_mega.weight_sync import reshard_transport as rt
+    from areal_mega.weight_sync.transport import WeightSyncError
+    from tests.test_model_families import TINY_MOE
+
+    family = "deepseek_v3" if mla else "qwen2"
+    adapter = get_adapter(tiny_config(family, **TINY_MOE.get(family, {})))
+    plan = plan_reshard(adapter, ParallelLayout(world_size=1), [EngineLayout(1)], bucket_bytes=1 << 20)
+    tr = rt.ReshardTransport(plan=plan, rank=0, servers=[], local=lambda: [], backend="gloo", address="127.0.0.1",
+                             port=0, group_name="t", timeout_s=1)
+    monkeypatch.setattr(tr, "_statuses", lambda: ([], []))
+    monkeypatch.setattr(tr, "_post", lambda cmd, **kw: [])
+    monkeypatch.setattr(tr, "_finish", lambda *a: [{"rank": 1, "ok": True, "protocol": protocol}])
+    if refused:
+        with pytest.raises(WeightSyncError, match=r"^reshard check: engine group rank 1's receiver speaks protocol 2 "
+                                                  r"\(< 3: it does not recompute MLA's w_kc / w_vc"):
+            tr.check()
+    else:
+        tr.check()

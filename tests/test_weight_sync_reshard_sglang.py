@@ -33,6 +33,8 @@ CASES = {
     "tp2pp2": ("qwen2", WSYNC_QWEN2, "tp2pp2", 4),
     "ep2": ("qwen3_moe", MOE_SYNC, "ep2", 2),
 }
+TWO_NODES = {"tp2_two_nodes": ("qwen2", WSYNC_QWEN2, "tp2", 2)}
+"""tests/test_weight_sync_two_nodes.py's case: a TP2 server spanning two nodes, a TP2 learner."""
 
 
 def _roundings(case: str) -> int:
@@ -40,10 +42,10 @@ def _roundings(case: str) -> int:
     every reduction of the forward (K = 1, fp32 accumulation), plus the TP-split ones of the
     TP2 server and of a TP2 learner (their partial sums round too), plus for MoE the weighted
     sum of the top-k experts per layer."""
-    family, hf, layout, _ = CASES[case]
+    family, hf, layout, _ = {**CASES, **TWO_NODES}[case]
     n = hf["num_hidden_layers"]
     r = transformer_reductions(n) + ROW_PARALLEL_PER_LAYER * n  # the server's TP2
-    if layout == "tp2pp2":
+    if layout in ("tp2pp2", "tp2"):
         r += ROW_PARALLEL_PER_LAYER * n
     if family == "qwen3_moe":
         r += n

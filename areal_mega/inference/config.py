@@ -30,6 +30,14 @@ class SGLangServerConfig:
     """Tensor-parallel size of one server (GPUs per server)."""
     dtype: str = "bfloat16"
     """Weight/activation dtype (SGLang ``--dtype``)."""
+    quantization: Literal["none", "fp8"] = "none"
+    """Serving weights' format. ``fp8``: DeepSeek-V3's blockwise FP8 (128 x 128 blocks, e4m3,
+    fp32 per-block scales; SGLang ``--quantization fp8``): ``model_path`` is a block-FP8
+    checkpoint (its config.json's ``quantization_config`` names ``weight_block_size: [128,
+    128]``), server memory and sync bytes are priced at ~1 byte per linear weight
+    (areal_mega/weight_sync/fp8.py). The learner-side quantizer equals SGLang's bit for bit, but
+    the weight sync does not send fp8 yet: a run with it is refused at start-up (dry runs plan
+    it). A family without a quantized layout is refused in one line (fp8.FP8_FAMILIES)."""
     device: str = "cuda"
     """``cuda`` on clusters, ``cpu`` on CPU-only machines (torch_native attention backend)."""
     max_total_tokens: int | None = None
@@ -70,6 +78,8 @@ class SGLangServerConfig:
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        if self.quantization not in ("none", "fp8"):
+            raise ValueError(f"quantization: must be 'none' or 'fp8', got {self.quantization!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:

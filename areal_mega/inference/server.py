@@ -60,12 +60,17 @@ def build_launch_command(
     random_seed: int | None = None,
     capture_routes: bool = False,
     reshard_receiver: bool = False,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    dist_init_addr: str | None = None,
 ) -> list[str]:
     """The ``python -m sglang.launch_server ...`` argv for one server (pure; unit-tested).
     ``capture_routes``: MoE routing replay from the rollout (``actor.model.moe_routing_replay:
     rollout``) -- the server records the experts of every token (``--enable-return-routed-experts``).
     ``reshard_receiver``: register areal_mega's receiver as a custom weight loader (weight_sync
-    mode reshard)."""
+    mode reshard). ``nnodes`` > 1: this is node ``node_rank`` of one server spanning ``nnodes``
+    nodes (SGLang's multi-node mode; ``tp_size`` counts every node's GPUs), which rendezvous at
+    ``dist_init_addr`` (host:port of node 0, the only one that serves HTTP)."""
     cmd = [
         cfg.python, "-m", "sglang.launch_server",
         "--model-path", cfg.model_path,
@@ -77,6 +82,12 @@ def build_launch_command(
         # The version every token sampled by these weights reports (meta_info weight_versions).
         "--weight-version", str(weight_version),
     ]
+    if cfg.quantization != "none":
+        cmd += ["--quantization", cfg.quantization]
+    if nnodes > 1:
+        if not dist_init_addr or not 0 <= node_rank < nnodes:
+            raise ValueError(f"a server spanning {nnodes} nodes needs dist_init_addr and 0 <= node_rank < nnodes")
+        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
     if cfg.max_total_tokens is not None:
         cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
     if cfg.mem_fraction_static is not None:

@@ -76,6 +76,9 @@ class EngineLaunchConfig:
     default_port: int = 30000
     """First server port on each node under Slurm when inference.server.port is 0 (the k-th
     server of a node uses port + k; locally, port 0 means free ports)."""
+    dist_init_port: int = 29700
+    """Port on a multi-node server's first node where its nodes rendezvous (SGLang
+    ``--dist-init-addr``), when inference.server.tp_size exceeds a node's GPUs."""
     health_path: str = "/health"
     """HTTP path answering 200 once the server is ready; "" = ready when the port accepts."""
     startup_timeout_s: float = 1800.0

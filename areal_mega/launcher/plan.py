@@ -31,7 +31,7 @@ from areal_mega.launcher.config import LaunchConfig
 from areal_mega.parallel import ParallelLayout
 from areal_mega.simulator.memory import (
     GIB, EngineMemory, LearnerMemory, LearnerSettings, estimate_engine, estimate_learner, learner_settings,
-    model_arch,
+    model_adapter, model_arch, server_nodes,
 )
 from areal_mega.simulator.planner import choose_learner_nodes
 from areal_mega.utils import secrets
@@ -106,6 +106,10 @@ class ProcSpec:
     """Learners: torchrun --node-rank."""
     nproc: int = 0
     """Learners: ranks on this node."""
+    server: str | None = None
+    """Engines: the server this process belongs to (its node-0 process's name). A server spanning
+    nodes runs one process per node; only node 0 serves HTTP (``address_file``, ``url``), the
+    others have neither and die with their server (supervisor)."""
 
     def shell(self) -> str:
         return shlex.join(self.argv)
@@ -156,8 +160,10 @@ class LaunchPlan:
             f"  allocation: {where} x {gpus}: {' '.join(a.nodes)}",
             f"  learners: {len(self.learner_nodes)} node(s) {' '.join(self.learner_nodes)}; "
             f"{self.layout.world_size} ranks, layout {self.layout}; rendezvous {self.master_addr}",
-            f"  engines: {len(self.engines)} server(s) x TP{self._engine_tp()} on "
-            f"{len(self.engine_nodes)} node(s) {' '.join(self.engine_nodes)}",
+            f"  engines: {len(self.servers)} server(s) x TP{self._engine_tp()} on "
+            f"{len(self.engine_nodes)} node(s) {' '.join(self.engine_nodes)}"
+            + (f" ({len(self.engine_nodes) // max(1, len(self.servers))} nodes per server)"
+               if len(self.engines) > len(self.servers) else ""),
             "  environment (added to every process): "
             + (" ".join(f"{k}={v}" for k, v in sorted(self.env.items())) or "(none)"),
             "  commands:",
@@ -184,6 +190,11 @@ class LaunchPlan:
                          + ("the YAML's inference.api_key)" if self.api_key else "random, one per launch)"))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    @property
+    def servers(self) -> tuple[ProcSpec, ...]:
+        """The engine processes the pool sees (one per server, however many nodes it spans)."""
+        return tuple(e for e in self.engines if e.address_file is not None)
 
     def _engine_tp(self) -> int:
         return self.engine_memory.tp if self.engine_memory is not None else 0
@@ -294,6 +305,8 @@ class _Nodes:
     engine_slots: tuple[tuple[str, str, int], ...]
     master_addr: str
     notes: tuple[str, ...] = ()
+    engine_spans: tuple[tuple[tuple[str, str], ...], ...] = ()
+    """Per engine slot, the (node, address) of its other nodes when a server spans nodes."""
 
 
 def place_local(alloc: Allocation, exp: ExperimentConfig, world: int) -> _Nodes:
@@ -316,18 +329,31 @@ def place_cluster(alloc: Allocation, exp: ExperimentConfig, n_learn: int) -> _No
         raise ValueError(f"launch.engine.num_nodes: learner.num_nodes({n_learn}) + engine.num_nodes({n_eng}) "
                          f"> {len(alloc.nodes)} allocated nodes")
     engine_nodes = alloc.nodes[n_learn:n_learn + n_eng]
-    if gpus and tp > gpus:
-        raise ValueError(f"inference.server.tp_size: {tp} > {gpus} GPUs per node (a server never spans nodes)")
-    per_node = gpus // tp if gpus else 1
-    capacity = per_node * n_eng
-    num_engines = ec.num_engines if ec.num_engines is not None else capacity
-    if num_engines > capacity:
-        raise ValueError(f"launch.engine.num_engines: {num_engines} > {n_eng} engine nodes x {per_node} per node")
-    slots = tuple((engine_nodes[i % n_eng], alloc.addresses[n_learn + i % n_eng], i // n_eng)
-                  for i in range(num_engines))
-    idle = len(alloc.nodes) - n_learn - len({n for n, _, _ in slots})
+    span = server_nodes(tp, gpus)
+    if span > 1:  # one server per group of `span` nodes (SGLang --nnodes), every GPU of each
+        if n_eng % span:
+            raise ValueError(f"launch.engine.num_nodes: {n_eng} engine nodes do not divide into servers of {span} "
+                             f"nodes (inference.server.tp_size {tp} / {gpus} GPUs per node)")
+        capacity = n_eng // span
+        num_engines = ec.num_engines if ec.num_engines is not None else capacity
+        if num_engines > capacity:
+            raise ValueError(f"launch.engine.num_engines: {num_engines} > {n_eng} engine nodes / {span} per server")
+        addrs = alloc.addresses[n_learn:n_learn + n_eng]
+        slots = tuple((engine_nodes[i * span], addrs[i * span], 0) for i in range(num_engines))
+        spans = tuple(tuple((engine_nodes[i * span + r], addrs[i * span + r]) for r in range(1, span))
+                      for i in range(num_engines))
+    else:
+        per_node = gpus // tp if gpus else 1
+        capacity = per_node * n_eng
+        num_engines = ec.num_engines if ec.num_engines is not None else capacity
+        if num_engines > capacity:
+            raise ValueError(f"launch.engine.num_engines: {num_engines} > {n_eng} engine nodes x {per_node} per node")
+        slots = tuple((engine_nodes[i % n_eng], alloc.addresses[n_learn + i % n_eng], i // n_eng)
+                      for i in range(num_engines))
+        spans = ()
+    idle = len(alloc.nodes) - n_learn - len({n for n, _, _ in slots}) - sum(len(sp) for sp in spans)
     return _Nodes(alloc.nodes[:n_learn], slots, alloc.addresses[0],
-                  (f"{idle} allocated node(s) left idle",) if idle else ())
+                  (f"{idle} allocated node(s) left idle",) if idle else (), spans)
 
 
 def engine_ports(alloc: Allocation, exp: ExperimentConfig, slots: tuple[tuple[str, str, int], ...]) -> list[int]:
@@ -344,7 +370,8 @@ def cpus_per_step(alloc: Allocation, nodes: _Nodes) -> dict[str, int | None]:
     """CPUs each node's steps ask for: steps sharing a node split its CPUs (srun --exact), else
     one step takes the whole node (None)."""
     steps_on: dict[str, int] = {}
-    for node in [n for n, _, _ in nodes.engine_slots] + list(nodes.learner_nodes):
+    spanned = [n for sp in nodes.engine_spans for n, _ in sp]
+    for node in [n for n, _, _ in nodes.engine_slots] + spanned + list(nodes.learner_nodes):
         steps_on[node] = steps_on.get(node, 0) + 1
     return {node: None if alloc.local or not alloc.cpus_per_node or k < 2 else max(1, alloc.cpus_per_node // k)
             for node, k in steps_on.items()}
@@ -361,31 +388,40 @@ def engine_procs(exp: ExperimentConfig, alloc: Allocation, nodes: _Nodes, ports:
     next_gpu = first_gpu
     for i, (node, addr, k) in enumerate(nodes.engine_slots):
         port = ports[i]
-        if ec.command is None:
-            seed = None if srv.random_seed is None else srv.random_seed + i
-            engine_srv = replace(srv, host=addr, python=engine_python)
-            cmd = build_launch_command(engine_srv, port, random_seed=seed, secret_config=sglang_secret,
-                                       capture_routes=exp.actor.model.captures_server_routes,
-                                       reshard_receiver=wants_reshard_receiver(engine_srv))
-            engine_env = {**env, **srv.env}
-        else:
-            engine_env = env
-            vals = dict(base, host=addr, port=port, tp=tp, engine_index=i)
-            cmd = render(ec.command, vals, raw, overrides, "launch.engine.command")
-        addr_file = run_dir / "engines" / f"engine{i}.json"
-        argv = [python, "-m", "areal_mega.launcher.engine_proc", "--address-file", str(addr_file),
-                "--host", addr, "--port", str(port), "--health-path", ec.health_path,
-                "--timeout", str(ec.startup_timeout_s), "--", *cmd]
-        gpu_ids = None
-        if alloc.local and gpus:
-            gpu_ids = tuple(range(next_gpu, next_gpu + tp))
-            next_gpu += tp
-        engines.append(ProcSpec(
-            name=f"engine{i}", role="engine", node=node, argv=tuple(argv), env=engine_env,
-            num_gpus=tp if gpus else 0, log_path=str(run_dir / "logs" / f"engine{i}.log"),
-            cpus=cpus[node], gpu_ids=gpu_ids, address_file=str(addr_file),
-            url=f"http://{addr}:{port}",
-        ))
+        span = ((node, addr),) + (nodes.engine_spans[i] if nodes.engine_spans else ())
+        for r, (n_node, n_addr) in enumerate(span):
+            kw = dict(nnodes=len(span), node_rank=r, dist_init_addr=f"{addr}:{ec.dist_init_port}") if len(span) > 1 else {}
+            if ec.command is None:
+                seed = None if srv.random_seed is None else srv.random_seed + i
+                engine_srv = replace(srv, host=n_addr if r else addr, python=engine_python)
+                cmd = build_launch_command(engine_srv, port, random_seed=seed, secret_config=sglang_secret,
+                                           capture_routes=exp.actor.model.captures_server_routes,
+                                           reshard_receiver=wants_reshard_receiver(engine_srv), **kw)
+                engine_env = {**env, **srv.env}
+            else:
+                if len(span) > 1:
+                    raise ValueError("launch.engine.command: servers spanning nodes need SGLang's own command "
+                                     "(launch.engine.command: null)")
+                engine_env = env
+                vals = dict(base, host=addr, port=port, tp=tp, engine_index=i)
+                cmd = render(ec.command, vals, raw, overrides, "launch.engine.command")
+            name = f"engine{i}" if r == 0 else f"engine{i}.node{r}"
+            # node 0 serves HTTP and is announced; the others are ready when node 0 answers
+            addr_file = run_dir / "engines" / f"{name}.json"
+            argv = [python, "-m", "areal_mega.launcher.engine_proc", "--address-file", str(addr_file),
+                    "--host", addr, "--port", str(port), "--health-path", ec.health_path,
+                    "--timeout", str(ec.startup_timeout_s), "--", *cmd]
+            per_proc = tp // len(span)
+            gpu_ids = None
+            if alloc.local and gpus:
+                gpu_ids = tuple(range(next_gpu, next_gpu + per_proc))
+                next_gpu += per_proc
+            engines.append(ProcSpec(
+                name=name, role="engine", node=n_node, argv=tuple(argv), env=engine_env,
+                num_gpus=per_proc if gpus else 0, log_path=str(run_dir / "logs" / f"{name}.log"),
+                cpus=cpus[n_node], gpu_ids=gpu_ids, address_file=str(addr_file) if r == 0 else None,
+                url=f"http://{addr}:{port}" if r == 0 else None, server=f"engine{i}",
+            ))
     return tuple(engines)
 
 
@@ -417,6 +453,12 @@ def learner_procs(exp: ExperimentConfig, alloc: Allocation, nodes: _Nodes, *, np
     return tuple(learners)
 
 
+def _server_ep(srv) -> int:
+    """The server's ``--ep-size`` (inference.server.extra_args), 1 when absent."""
+    args = list(srv.extra_args)
+    return int(args[args.index("--ep-size") + 1]) if "--ep-size" in args[:-1] else 1
+
+
 def memory_verdict(exp: ExperimentConfig, layout: ParallelLayout, gpus: int, *, engines: bool
                    ) -> tuple[LearnerMemory | None, EngineMemory | None, list[str]]:
     """The per-GPU estimates (learner; engine when there are engines) and notes: a hint for a
@@ -442,11 +484,22 @@ def memory_verdict(exp: ExperimentConfig, layout: ParallelLayout, gpus: int, *, 
         engine_mem = estimate_engine(
             m, tp=tp, max_total_tokens=srv.max_total_tokens,
             mem_fraction_static=srv.mem_fraction_static or ec.default_mem_fraction_static,
-            kv_dtype_bytes=ec.kv_cache_dtype_bytes, gpu_memory_gib=cfg.gpu_memory_gib)
+            kv_dtype_bytes=ec.kv_cache_dtype_bytes, gpu_memory_gib=cfg.gpu_memory_gib,
+            quantization=srv.quantization)
+        if srv.quantization == "fp8":  # a family or TP without whole fp8 blocks: one line
+            from areal_mega.weight_sync.fp8 import check_fp8  # torch: only when a plan is priced
+
+            check_fp8(model_adapter(exp), tp, _server_ep(srv))
+        span = server_nodes(tp, gpus)
         if gpus and engine_mem.weights > engine_mem.budget and tp >= gpus:
-            notes.append(f"one server's weights ({engine_mem.weights * tp / GIB:.0f} GiB) exceed a node's "
-                         f"{gpus} GPUs at inference.server.tp_size={tp}; servers spanning nodes (SGLang "
-                         "--nnodes) are not implemented by the launcher")
+            notes.append(f"one server ({engine_mem.weights * tp / GIB:.0f} GiB of weights, "
+                         f"{srv.quantization if srv.quantization != 'none' else srv.dtype}) does not fit "
+                         f"{tp} GPUs of {cfg.gpu_memory_gib:g} GiB ({span} node(s)) at inference.server.tp_size={tp}; "
+                         f"a larger tp_size runs servers spanning nodes (SGLang --nnodes)")
+        elif gpus and span > 1:
+            notes.append(f"servers: TP{tp} over {span} node(s) each, {engine_mem.total / GIB:.1f} GiB per GPU "
+                         f"({srv.quantization if srv.quantization != 'none' else srv.dtype} weights "
+                         f"{engine_mem.weights / GIB:.1f} GiB)")
     return learner_mem, engine_mem, notes
 
 
@@ -500,7 +553,7 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
     notes = ([split_note] if split_note else []) + list(nodes.notes) + mem_notes
     return LaunchPlan(
         job_id=job, run_dir=run_dir, allocation=alloc, layout=layout, learner_nodes=nodes.learner_nodes,
-        engine_nodes=tuple(dict.fromkeys(n for n, _, _ in nodes.engine_slots)),
+        engine_nodes=tuple(dict.fromkeys(e.node for e in engines)),
         master_addr=f"{nodes.master_addr}:{cfg.learner.master_port}", engines=engines, learners=learners,
         engines_file=engines_file, env=env, learner_memory=learner_mem, engine_memory=engine_mem,
         checks_gpu_memory=gpus > 0, notes=tuple(notes), secrets_dir=secrets_dir, api_key=inf.api_key,

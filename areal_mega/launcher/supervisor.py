@@ -114,7 +114,8 @@ def supervise(plan: LaunchPlan, runner: Runner, *, poll_s: float, grace_s: float
     t0 = time.monotonic()
     try:
         for spec in plan.engines:
-            Path(spec.address_file).unlink(missing_ok=True)
+            if spec.address_file is not None:
+                Path(spec.address_file).unlink(missing_ok=True)
             with open_attempt(spec.log_path, spec.argv) as log:
                 procs[spec.name] = runner.start(spec, log)
         ready = _wait_engines(plan, procs, engine_timeout_s, poll_s, min_ready, tail_lines, say)
@@ -125,7 +126,7 @@ def supervise(plan: LaunchPlan, runner: Runner, *, poll_s: float, grace_s: float
         tmp.write_text(json.dumps({"engines": ready}, indent=1))
         tmp.replace(plan.engines_file)
         if plan.engines:
-            say(f"launcher: {len(ready)}/{len(plan.engines)} engines ready after "
+            say(f"launcher: {len(ready)}/{len(plan.servers)} engines ready after "
                 f"{time.monotonic() - t0:.1f} s -> {plan.engines_file}")
         for spec in plan.learners:
             with open_attempt(spec.log_path, spec.argv) as log:
@@ -162,10 +163,14 @@ def supervise(plan: LaunchPlan, runner: Runner, *, poll_s: float, grace_s: float
                 return 128 + int(preempt["signum"])
             for spec in plan.engines:
                 rc = procs[spec.name].poll()
-                if rc is not None and spec.name not in dead_engines:
-                    dead_engines.add(spec.name)
-                    say(f"launcher: {spec.name} on {spec.node} ({spec.url}) exited with {rc}; the inference "
-                        f"pool fails over to the others ({len(plan.engines) - len(dead_engines)} left). "
+                if rc is not None and spec.server not in dead_engines:
+                    dead_engines.add(spec.server)
+                    # a server spanning nodes cannot run without any of its nodes: stop the rest of it
+                    group = [p for p in plan.engines if p.server == spec.server and p.name != spec.name]
+                    runner.stop([procs[p.name] for p in group if procs[p.name].poll() is None], grace_s)
+                    whole = f" (and the server's {len(group)} other node(s))" if group else ""
+                    say(f"launcher: {spec.name} on {spec.node} exited with {rc}{whole}; the inference "
+                        f"pool fails over to the others ({len(plan.servers) - len(dead_engines)} left). "
                         f"Last lines of {spec.log_path}:\n{tail(spec.log_path, min(tail_lines, 10))}")
             time.sleep(poll_s)
     except _Stop as e:
@@ -185,12 +190,13 @@ def supervise(plan: LaunchPlan, runner: Runner, *, poll_s: float, grace_s: float
 def _wait_engines(plan: LaunchPlan, procs: dict[str, subprocess.Popen], timeout_s: float, poll_s: float,
                   min_ready: int | None, tail_lines: int, say) -> list[dict] | None:
     """Engines' addresses once all are ready (or dead, if ``min_ready`` allows); None = give up."""
-    need = len(plan.engines) if min_ready is None else min_ready
+    servers = plan.servers
+    need = len(servers) if min_ready is None else min_ready
     deadline = time.monotonic() + timeout_s
     ready: dict[str, dict] = {}
     dead: dict[str, int] = {}
     while True:
-        for spec in plan.engines:
+        for spec in servers:
             if spec.name in ready or spec.name in dead:
                 continue
             path = Path(spec.address_file)
@@ -198,19 +204,21 @@ def _wait_engines(plan: LaunchPlan, procs: dict[str, subprocess.Popen], timeout_
                 info = json.loads(path.read_text())
                 ready[spec.name] = dict(info, name=spec.name, node=spec.node)
                 continue
-            rc = procs[spec.name].poll()
+            # the server's own process, or one of its other nodes' (a server spanning nodes)
+            rc = next((r for p in plan.engines if p.server == spec.server
+                       for r in [procs[p.name].poll()] if r is not None), None)
             if rc is not None:
                 dead[spec.name] = rc
                 say(f"launcher: {spec.name} on {spec.node} exited with {rc} before it was ready; "
                     f"last lines of {spec.log_path}:\n{tail(spec.log_path, tail_lines)}")
-        if len(ready) + len(dead) == len(plan.engines):
+        if len(ready) + len(dead) == len(servers):
             if len(ready) >= need:
-                return [ready[s.name] for s in plan.engines if s.name in ready]
-            say(f"launcher: only {len(ready)} of {len(plan.engines)} engines started "
+                return [ready[s.name] for s in servers if s.name in ready]
+            say(f"launcher: only {len(ready)} of {len(servers)} engines started "
                 f"(launch.engine.min_ready = {need}); stopping")
             return None
         if time.monotonic() > deadline:
-            missing = [s.name for s in plan.engines if s.name not in ready and s.name not in dead]
+            missing = [s.name for s in servers if s.name not in ready and s.name not in dead]
             say(f"launcher: engines {missing} not ready after {timeout_s} s "
                 "(launch.engine.startup_timeout_s); stopping")
             return None

@@ -158,8 +158,6 @@ class DeepseekV3Adapter(ModelAdapter):
         "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
         "rope_interleave", "pretraining_tp", "scoring_func", "topk_method", "moe_layer_freq", "ep_size",
         "aux_loss_alpha", "seq_aux"}
-    sglang_not_synced = ("SGLang derives w_kc / w_vc from kv_b_proj in post_load_weights, which the receiver "
-                         "does not run (and SGLang on CPU cannot serve MLA to test it)")
 
     def parse_config(self, c: dict) -> ModelArch:
         refuse_unknown_keys(c, self.known_keys, self.model_type)
@@ -203,7 +201,7 @@ class DeepseekV3Adapter(ModelAdapter):
         replicated, q_b_proj / kv_b_proj column-parallel by heads, o_proj row-parallel), dense first
         layers, a sigmoid router with an fp32 correction bias, FusedMoE experts, shared experts as
         a dense MLP (not fused into FusedMoE). SGLang derives w_kc / w_vc from kv_b_proj in
-        post_load_weights (hence ``sglang_not_synced``)."""
+        post_load_weights: the receiver runs it after a sync (tools/env/sglang_reshard.py ``post_load``)."""
         a = self.arch
         b.embedding()
         for i in range(a.num_layers):

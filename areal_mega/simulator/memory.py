@@ -211,6 +211,11 @@ def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayo
 def model_arch(exp: "ExperimentConfig") -> ModelArch:
     """The model as the trainer's adapter parses it: ``<model_path>/config.json``, or
     ``launch.model_config`` (the same JSON inline) where model_path is not readable here."""
+    return model_adapter(exp).arch
+
+
+def model_adapter(exp: "ExperimentConfig"):
+    """The trainer's adapter of the model (:func:`model_arch`'s sources and errors)."""
     from areal_mega.models import get_adapter  # torch: only when a plan is priced
 
     path = exp.model_path or exp.inference.server.model_path
@@ -227,7 +232,7 @@ def model_arch(exp: "ExperimentConfig") -> ModelArch:
         raise ValueError(f"launch.model_config: not set and {where}; set launch.model_config to the model's "
                          "config.json content to plan without the weights")
     try:
-        return get_adapter(hf_config).arch
+        return get_adapter(hf_config)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"model config ({'model_path' if path and Path(path).is_dir() else 'launch.model_config'}): {e}") from None
 
@@ -592,8 +597,23 @@ class EngineMemory:
         )
 
 
+def server_nodes(tp: int, gpus_per_node: int) -> int:
+    """Nodes one server of ``tp`` GPUs spans (SGLang --nnodes): 1 when it fits a node, else whole
+    nodes (one-line ValueError when ``tp`` is not a multiple of a node's GPUs)."""
+    if not gpus_per_node or tp <= gpus_per_node:
+        return 1
+    if tp % gpus_per_node:
+        raise ValueError(f"inference.server.tp_size: {tp} spans nodes of {gpus_per_node} GPUs only in whole nodes "
+                         f"(a multiple of {gpus_per_node})")
+    return tp // gpus_per_node
+
+
 def estimate_engine(m: ModelArch, *, tp: int, max_total_tokens: int | None, mem_fraction_static: float,
-                    kv_dtype_bytes: int, gpu_memory_gib: float) -> EngineMemory:
+                    kv_dtype_bytes: int, gpu_memory_gib: float, quantization: str = "none") -> EngineMemory:
+    """Per-GPU memory of one SGLang server of ``tp`` ranks (over one node or several).
+    ``quantization`` fp8: the sharded linear weights take 1 byte + a fp32 scale per 128 x 128
+    block (weight_sync/fp8.py); embeddings, output, norms and the replicated weights stay bf16
+    (MLA's replicated down projections are fp8 too in SGLang: slightly over-counted here)."""
     if m.num_heads % tp:
         raise ValueError(f"inference.server.tp_size: num_attention_heads({m.num_heads}) % tp({tp}) != 0")
     pc = count_params(m)
@@ -604,6 +624,9 @@ def estimate_engine(m: ModelArch, *, tp: int, max_total_tokens: int | None, mem_
     replicated = (moe * (pc.layer_replicated + pc.layer_replicated_weights)
                   + dense * (pc.dense_layer_replicated + pc.dense_layer_replicated_weights) + pc.final_norm)
     weights = 2.0 * (sharded / tp + replicated)
+    if quantization == "fp8":
+        linear = sharded - pc.embedding - pc.output
+        weights -= (2.0 - (1.0 + 4.0 / (128 * 128))) * linear / tp
     if m.mla is not None:  # SGLang's MLA pool: the latent and the rope key per token and layer, on every TP rank
         per_token = m.num_layers * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * kv_dtype_bytes
     else:  # SGLang replicates KV heads when there are fewer of them than TP ranks.

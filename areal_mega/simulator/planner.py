@@ -28,7 +28,8 @@ from areal_mega.simulator.costs import (
     learner_flops_per_token, learner_model, sync_model,
 )
 from areal_mega.simulator.memory import (
-    GIB, count_params, estimate_engine, estimate_learner, learner_settings, model_arch, total_params,
+    GIB, count_params, estimate_engine, estimate_learner, learner_settings, model_arch, server_nodes,
+    total_params,
 )
 from areal_mega.simulator.model import PLAN_TOLERANCE, SimConfig, SimulationError, near_best
 from areal_mega.simulator.sim import simulate
@@ -251,11 +252,14 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
     PA = count_params(m).active(m.num_layers)  # MoE: FLOPs follow the k active experts
     srv = exp.inference.server
     et = srv.tp_size
-    if et > gpus_per_node:
-        raise SimulationError(f"inference.server.tp_size: {et} > {gpus_per_node} GPUs per node (a server never spans nodes)")
+    try:
+        span = server_nodes(et, gpus_per_node)  # a server wider than a node spans whole nodes
+    except ValueError as e:
+        raise SimulationError(str(e)) from None
     eng = estimate_engine(m, tp=et, max_total_tokens=srv.max_total_tokens,
                           mem_fraction_static=srv.mem_fraction_static or cfg.engine.default_mem_fraction_static,
-                          kv_dtype_bytes=cfg.engine.kv_cache_dtype_bytes, gpu_memory_gib=cfg.gpu_memory_gib)
+                          kv_dtype_bytes=cfg.engine.kv_cache_dtype_bytes, gpu_memory_gib=cfg.gpu_memory_gib,
+                          quantization=srv.quantization)
     if not eng.fits:
         raise SimulationError(f"engine does not fit: {eng.describe()}")
     par, alg, ro = exp.parallel, exp.algorithm, exp.rollout
@@ -274,12 +278,13 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
     dec = decode_model(cost, params=P, engine_tp=et, kv_bytes_per_token_per_gpu=eng.kv_bytes_per_token,
                        mean_context=mean_ctx, kv_capacity_tokens=eng.kv_tokens, prompt_tokens=lengths.prompt_tokens,
                        active_params=PA)
-    per_node = gpus_per_node // et
+    per_node = gpus_per_node // et if span == 1 else 0
     splits = []
     for k in range(1, nodes):
         if learner_nodes is not None and k not in learner_nodes:
             continue
-        s = SplitResult(learner_nodes=k, engine_nodes=nodes - k, num_servers=(nodes - k) * per_node)
+        s = SplitResult(learner_nodes=k, engine_nodes=nodes - k,
+                        num_servers=(nodes - k) * per_node if span == 1 else (nodes - k) // span)
         world = k * gpus_per_node
         best = None
         reasons = []

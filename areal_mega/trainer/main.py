@@ -47,7 +47,8 @@ def build(cfg: ExperimentConfig) -> Trainer:
     weight_sync = megatron_weight_sync(cfg.weight_sync, adapter=actor.model.adapter, chunks=actor.model.chunks,
                                        groups=groups, world_group=ctrl, dtype=wire,
                                        pause_mode=cfg.inference.client.pause_mode,
-                                       api_key=cfg.inference.resolved_api_key())
+                                       api_key=cfg.inference.resolved_api_key(),
+                                       quantization=cfg.inference.server.quantization)
     advantage = alg.estimator(alg)  # algorithm.adv_estimator: a built-in or package.module:Class
     policy_loss = alg.loss          # algorithm.policy_loss: built per optimizer step by the trainer
     rank0 = groups.rank == 0

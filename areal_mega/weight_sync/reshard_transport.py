@@ -39,6 +39,7 @@ RECEIVER = RESHARD_RECEIVER
 """The ``--custom-weight-loader`` path of the receiver (tools/env/sglang_reshard.py)."""
 COMMAND = "areal_mega_reshard"
 STATUS_BYTES = 4096  # tools/env/sglang_reshard.py STATUS_BYTES
+POST_LOAD_PROTOCOL = 3  # tools/env/sglang_reshard.py PROTOCOL since it runs post_load_weights (MLA)
 
 __all__ = ["RECEIVER", "ReshardTransport", "command_payload", "has_receiver"]
 
@@ -140,7 +141,15 @@ class ReshardTransport:
             return {"op": "check", "params": params, "messages": wire_messages(self.plan.received_by(i, r))}
 
         futs = self._post(cmd)
-        self._finish(works, bufs, futs, "check against the servers' parameters")
+        statuses = self._finish(works, bufs, futs, "check against the servers' parameters")
+        # A receiver older than protocol 3 writes kv_b_proj but leaves SGLang's absorbed MLA
+        # w_kc / w_vc stale (silently wrong rollouts): refuse it for MLA plans.
+        mla = any(".kv_b_proj." in p.name for ps in self.plan.engine_params.values() for p in ps)
+        old = [s for s in statuses if s.get("protocol", 0) < POST_LOAD_PROTOCOL]
+        if mla and old:
+            raise WeightSyncError(f"reshard check: engine group rank {old[0].get('rank')}'s receiver speaks protocol "
+                                  f"{old[0].get('protocol')} (< {POST_LOAD_PROTOCOL}: it does not recompute MLA's "
+                                  "w_kc / w_vc after a sync); install tools/env/sglang_reshard.py in the server's venv")
 
     def send(self, version: int, *, flush_cache: bool) -> int:
         """Send this rank's messages; rank 0 also drives the servers and collects their statuses.

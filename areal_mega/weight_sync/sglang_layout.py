@@ -22,7 +22,8 @@ where inside each parameter (:class:`~areal_mega.models.base.Block`). The reshar
   ``ModelAdapter.sglang_layout(b)`` (areal_mega/models/) calls the builders of :class:`EngineRank`;
   a family without one (``sglang_layout = None``) is refused with a one-line error (weight_sync.mode
   broadcast serves it), and one whose sync SGLang would have to finish says why in its
-  ``sglang_not_synced`` (DeepSeek-V3: planned, a runtime sync refused).
+  ``sglang_not_synced`` (none of the built-ins: DeepSeek-V3's absorbed MLA weights are recomputed
+  by the receiver, which runs SGLang's post_load_weights after a sync).
 """
 
 from __future__ import annotations

@@ -586,6 +586,7 @@ def megatron_weight_sync(
     dtype: str | None = None,
     pause_mode: str = "retract",
     api_key: str | None = None,
+    quantization: str = "none",
 ) -> WeightSync:
     """The transport ``cfg.mode`` names, for a megatron model built with ``adapter`` (areal_mega.models).
 
@@ -594,13 +595,20 @@ def megatron_weight_sync(
     ``dtype`` (default: the HF checkpoint's dtype), since megatron keeps some parameters (norms)
     in fp32 inside a bf16 model. Servers are checked against ``get_adapter(server config).plan``
     at TP1 x PP1. ``world_group``: all learner ranks (default: the world). ``servers`` /
-    ``pause_mode`` / ``api_key``: as for :class:`TransportBase`.
+    ``pause_mode`` / ``api_key``: as for :class:`TransportBase`. ``quantization``: the servers'
+    (inference.server.quantization); ``fp8`` is refused in one line (the family's, else not sent yet).
     """
     from areal_mega.megatron.model import expert_export
     from areal_mega.models import get_adapter
     from areal_mega.models.base import named_tensors
 
     cfg.validate()  # a bad mode: its one-line error, before the lookup
+    if quantization == "fp8":
+        from areal_mega.weight_sync.fp8 import check_fp8
+
+        check_fp8(adapter)
+        raise ValueError("inference.server.quantization: fp8 is planned (quantizer, bytes, server memory) but the "
+                         "weight sync does not send fp8 + scales yet; use quantization: none (docs/weight_sync.md)")
     layout: ParallelLayout = groups.layout
     dtype = dtype_name(dtype or adapter.arch.dtype)
     wire = getattr(torch, dtype)

@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--export-dir", default="")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--mode", default="broadcast", choices=("broadcast", "reshard"))
     args = ap.parse_args()
     urls = args.servers.split(",")
     dist.init_process_group("gloo")
@@ -75,13 +76,13 @@ def main() -> None:
         if args.export_dir:
             res["greedy_v0"] = server_greedy(urls)
     perturb(model, 1)
-    cfg = WeightSyncConfig(backend="gloo", bucket_mib=0.25, master_address="127.0.0.1")
+    cfg = WeightSyncConfig(mode=args.mode, backend="gloo", bucket_mib=0.25, master_address="127.0.0.1")
     ws = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
                               servers=[SGLangClient(u, timeout_s=120) for u in urls], pause_mode="retract")
     res["plan"] = ws.plan.summary()
     with servers_paused(ws.servers):
         stats = ws.sync(1)
-    res["sync1"] = {"bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.num_buckets}
+    res["sync1"] = {"bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.num_buckets, "mode": stats.mode}
     lp1 = learner_logprobs(model)  # forward on both ranks (the experts' all-to-all needs both)
     if rank == 0:
         res["v1"] = server_state(urls)

@@ -1,4 +1,4 @@
-"""A megatron learner (TP2 x PP2 dense, or EP2 Qwen3-MoE) reshards its weights into a running TP2
+"""A megatron learner (TP2 x PP2 or TP2 dense, or EP2 Qwen3-MoE) reshards its weights into a running TP2
 SGLang CPU server with the receiver (driven by tests/test_weight_sync_reshard_sglang.py).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m torch.distributed.run --nproc-per-node 4 \
@@ -34,7 +34,8 @@ from areal_mega.weight_sync import PlanMismatchError, WeightSyncConfig, megatron
 from tests.dist.wsync_tp2pp2 import SEQS, learner_logprobs, server_state  # noqa: E402
 from tests.support.dist import finish, servers_paused  # noqa: E402
 
-LAYOUTS = {"tp2pp2": ParallelConfig(tensor_parallel=2, pipeline_parallel=2), "ep2": ParallelConfig(expert_parallel=2)}
+LAYOUTS = {"tp2pp2": ParallelConfig(tensor_parallel=2, pipeline_parallel=2), "ep2": ParallelConfig(expert_parallel=2),
+           "tp2": ParallelConfig(tensor_parallel=2)}
 
 
 class NoReceiver(SGLangClient):

@@ -45,7 +45,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-PROTOCOL = 2
+PROTOCOL = 3
+"""2 -> 3: a sync runs SGLang's post_load_weights for what it wrote (``post_load``; MLA needs it)."""
 SUPPORTED_SGLANG = ("0.5.23",)
 STATUS_BYTES = 4096
 COMMAND = "areal_mega_reshard"
@@ -146,6 +147,17 @@ def apply_messages(params: dict[str, torch.Tensor], messages: list, received) ->
         except Exception as e:  # noqa: BLE001 - reported to the learner, never raised into SGLang
             error = f"{type(e).__name__}: {e}"
     return error
+
+
+def post_load(model: torch.nn.Module, written: list[str]) -> None:
+    """What SGLang's own ``load_weights`` runs after loading, for the parameters a sync wrote:
+    DeepseekV2's ``post_load_weights(weight_names=...)`` derives the absorbed MLA ``w_kc`` /
+    ``w_vc`` from each written ``kv_b_proj`` (deepseek_weight_loader.py ~586-820, copied in place
+    by ``bind_or_assign``). A tensor update does not run it, so without this the server would
+    serve the old ``w_kc`` / ``w_vc``. SGLang's own code path: the receiver adds no math of its own."""
+    kv_b = sorted(n for n in written if ".kv_b_proj." in n)
+    if kv_b and hasattr(model, "post_load_weights"):
+        model.post_load_weights(weight_names=kv_b)
 
 
 def keeps_buffers(device: torch.device) -> bool:
@@ -249,6 +261,11 @@ def _sync(cmd: dict, model: torch.nn.Module, entered: float) -> None:
     g["bufs"] = (g["buf"][:need], g["buf"][need: 2 * need])
     g["wait_s"], t0, started = 0.0, time.perf_counter(), time.time()
     error = apply_messages(params, messages, _received(g, messages, targets)) or error
+    if error is None:
+        try:
+            post_load(model, sorted({p[0] for m in messages for p in m[2]}))
+        except Exception as e:  # noqa: BLE001 - reported to the learner, never raised into SGLang
+            error = f"post_load_weights: {type(e).__name__}: {e}"
     if not keeps_buffers(g["device"]):
         g["buf"] = g["bufs"] = None
     received = sum(m[1] for m in messages)

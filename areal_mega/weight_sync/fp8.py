@@ -1,0 +1,101 @@
+"""FP8 rollout weights: DeepSeek-V3's blockwise format, quantized on the learner side.
+
+The format SGLang loads for DeepSeek-class FP8 checkpoints (``quantization_config``
+``{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}``): each quantized
+linear weight ``[n, k]`` travels as ``weight`` (float8_e4m3fn, ``[n, k]``) plus
+``weight_scale_inv`` (fp32, ``[ceil(n/128), ceil(k/128)]``), dequantized as ``q * scale`` per
+128 x 128 block, ``scale = max(amax(block), 1e-4) / 448``. Everything else (embeddings, lm_head,
+norms, routers, biases) stays in the serving dtype. A block's scale depends only on that block,
+so a sender quantizes its own shard alone when the shard's box starts on block boundaries: the
+bytes are those of quantizing the whole tensor and slicing (tests/test_weight_sync_fp8.py checks
+this, and that the result equals SGLang 0.5.23's own quantizer bit for bit). Pricing (bytes,
+server memory): :func:`fp8_nbytes`; which HF tensors: :func:`quantized`. Design notes:
+docs/weight_sync.md "FP8 rollout".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from areal_mega.models.base import ModelAdapter
+
+__all__ = ["BLOCK", "E4M3_MAX", "FP8_FAMILIES", "check_fp8", "fp8_nbytes", "quantize_blockwise", "quantize_shard",
+           "quantized"]
+
+BLOCK = 128
+E4M3_MAX = 448.0
+"""The largest finite float8_e4m3fn value: a block's amax maps onto it."""
+MIN_AMAX = 1e-4
+"""An all-zero block still gets a finite scale (SGLang's and DeepGEMM's clamp)."""
+FP8_FAMILIES = ("deepseek_v3", "glm4_moe", "llama", "qwen2", "qwen3", "qwen3_moe")
+"""Families whose quantized tensors are their ``*_proj.weight`` linears (SGLang's fp8 linear and
+FusedMoE layers take those); another family's names say nothing about it: refused."""
+
+
+def quantize_blockwise(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [n, k]`` (any float dtype) -> ``(q float8_e4m3fn [n, k], scale fp32 [ceil(n/b), ceil(k/b)])``
+    with ``x ~= q * scale`` per block. The arithmetic is SGLang's (fp32 amax, divide, cast): the
+    same bits on every host."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_blockwise: a 2-D weight expected, got shape {tuple(x.shape)}")
+    n, k = x.shape
+    pn, pk = -(-n // block) * block, -(-k // block) * block
+    xp = torch.zeros((pn, pk), dtype=torch.float32, device=x.device)
+    xp[:n, :k] = x.to(torch.float32)
+    xv = xp.view(pn // block, block, pk // block, block)
+    scale = xv.abs().amax(dim=(1, 3), keepdim=True).clamp(min=MIN_AMAX) / E4M3_MAX
+    q = (xv / scale).to(torch.float8_e4m3fn)
+    return q.view(pn, pk)[:n, :k].contiguous(), scale.view(pn // block, pk // block).contiguous()
+
+
+def quantize_shard(shard: torch.Tensor, start: tuple[int, int], full: tuple[int, int],
+                   block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """A sender's own shard ``shard`` = ``W[start[0]:, start[1]:]`` of a weight of shape ``full``:
+    its fp8 bytes, its blocks' scales and where those scales start in the full scale tensor. The
+    shard must start on block boundaries and end on one or at the tensor's edge (else a block
+    would straddle two senders and neither could compute its amax): ValueError naming why."""
+    for d in range(2):
+        end = start[d] + shard.shape[d]
+        if start[d] % block or (end % block and end != full[d]):
+            raise ValueError(f"fp8 shard rows/cols [{start[d]}, {end}) of a {tuple(full)} weight are not on "
+                             f"{block}-blocks: a block would straddle two senders")
+    q, scale = quantize_blockwise(shard, block)
+    return q, scale, (start[0] // block, start[1] // block)
+
+
+def quantized(adapter: ModelAdapter, hf_name: str) -> bool:
+    """Whether the HF tensor ``hf_name`` travels (and is served) as fp8: the 2-D projection
+    weights, as in DeepSeek-V3's FP8 checkpoint (its ``mlp.gate`` router and the embeddings stay
+    bf16)."""
+    return hf_name.endswith("_proj.weight") and len(adapter.hf_shape(hf_name)) == 2
+
+
+def fp8_nbytes(shape: tuple[int, ...], block: int = BLOCK) -> int:
+    """Bytes of one quantized weight on the wire and in server memory: fp8 values + fp32 scales."""
+    n, k = shape
+    return n * k + 4 * math.ceil(n / block) * math.ceil(k / block)
+
+
+def check_fp8(adapter: ModelAdapter, tp: int = 1, ep: int = 1, block: int = BLOCK) -> None:
+    """One-line ValueError unless ``adapter``'s family has its quantized layout here and every
+    quantized weight splits over an engine of ``tp`` ranks on whole blocks (SGLang asserts the
+    same at load: a TP rank's rows / columns of a block-quantized weight are whole blocks;
+    replicated ones, MLA's q_a / kv_a projections, are exempt)."""
+    mt = adapter.arch.model_type
+    if mt not in FP8_FAMILIES:
+        raise ValueError(f"inference.server.quantization: fp8 has no quantized layout for model_type {mt!r} "
+                         f"(implemented: {list(FP8_FAMILIES)}); use quantization: none")
+    if tp == 1:
+        return
+    for name in adapter.hf_names():
+        if not quantized(adapter, name):
+            continue
+        n, k = adapter.hf_shape(name)
+        # column-parallel weights split their rows over tp, row-parallel (o_proj, down_proj) their columns
+        split = k if name.endswith(("o_proj.weight", "down_proj.weight")) else n
+        ranks = tp // ep if ".experts." in name else tp  # experts split over moe-TP = tp / ep
+        if (split // ranks) % block and not name.endswith(("kv_a_proj_with_mqa.weight", "q_a_proj.weight")):
+            raise ValueError(f"inference.server.quantization: fp8 at tp_size {tp}: {name} {(n, k)} splits into "
+                             f"{split // ranks} per rank, not whole {block}-blocks; use a tp_size that keeps them whole")
