@@ -2,8 +2,7 @@
 
 A tiny DeepSeek-V3 (tests/test_families_serve.py's: MLA with q_lora_rank, YaRN, grouped sigmoid
 routing, a shared expert, a dense first layer; fp32 so that greedy decoding is decisive) is
-served at v0 with the repository's receiver (tools/env/sglang_reshard.py) on the server's
-PYTHONPATH, ahead of the copy installed in the venv. The EP2 learner perturbs its weights (v1) and
+served at v0 with the receiver the SGLang venv installs (tools/env/sglang_reshard.py). The EP2 learner perturbs its weights (v1) and
 syncs them with weight_sync.mode reshard: each engine rank receives its shard and the receiver
 runs SGLang's own post_load_weights for the kv_b_proj it wrote, which derives the absorbed
 w_kc / w_vc that SGLang's MLA decode reads. Then the server's log-probs = the learner's within the
@@ -16,7 +15,6 @@ One server start (1-4 min on 2 cores): marker reshard_sglang, not `make test`.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -28,19 +26,15 @@ from tests.support.models import save_tiny_model
 from tests.test_families_serve import BASE, FAMILIES, _maxdiff, greedy_agreement, hf_greedy, logit_tol
 
 pytestmark = [pytest.mark.slow, pytest.mark.reshard_sglang, needs_sglang]
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     work = tmp_path_factory.mktemp("reshard_mla")
     hf = save_tiny_model(work / "model", "deepseek_v3", dtype="float32", **BASE, **FAMILIES["deepseek_v3"])
-    receiver = work / "receiver"  # this checkout's receiver, ahead of the venv's installed copy
-    receiver.mkdir()
-    shutil.copy(REPO / "tools/env/sglang_reshard.py", receiver / "areal_mega_sglang_reshard.py")
     icfg = InferenceConfig(num_servers=1, server=SGLangServerConfig(
         python=SGLANG_PYTHON, model_path=str(hf), device="cpu", dtype="float32", max_total_tokens=4096,
-        env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(receiver)}, startup_timeout_s=900, log_dir=str(work / "logs")))
+        env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=900, log_dir=str(work / "logs")))
     servers = launch_servers(icfg)
     try:
         res = run_dist_script("wsync_moe.py", 2, work, timeout_s=600,

@@ -16,7 +16,6 @@ One server start (~45 s here; 3-5 min under load): marker reshard_sglang, not ``
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -37,7 +36,6 @@ from tests.test_weight_sync_reshard_sglang import (TWO_NODES, _perturbed_copy, t
                                                    test_reshard_sync_logprobs_match_learner)
 
 pytestmark = [pytest.mark.slow, pytest.mark.reshard_sglang, needs_sglang]
-REPO = Path(__file__).resolve().parents[1]
 __all__ = ["test_engine_check_refuses_before_sending", "test_no_receiver_falls_back_to_broadcast",
            "test_reshard_bytes_per_engine_rank_are_its_shard", "test_reshard_greedy_decoding_equals_hf",
            "test_reshard_sync_logprobs_match_learner"]  # the same checks, on the two-node server
@@ -50,9 +48,6 @@ def run(tmp_path_factory):
     work = tmp_path_factory.mktemp("two_nodes")
     v0 = save_tiny_model(work / "v0", family, dtype="bfloat16", **hf_over)
     v1 = _perturbed_copy(v0, work / "v1")
-    receiver = work / "receiver"
-    receiver.mkdir()
-    shutil.copy(REPO / "tools/env/sglang_reshard.py", receiver / "areal_mega_sglang_reshard.py")
     port = free_port_block(1)
     rendezvous = free_port_block(1, low=port + 50)  # SGLang takes a few ports just above --port
     cfg = SGLangServerConfig(python=SGLANG_PYTHON, model_path=str(v0), device="cpu", tp_size=2, max_total_tokens=4096)
@@ -61,7 +56,7 @@ def run(tmp_path_factory):
         cmd = build_launch_command(SGLangServerConfig(**{**cfg.__dict__, "host": host}), port, reshard_receiver=True,
                                    nnodes=2, node_rank=r, dist_init_addr=f"127.0.0.1:{rendezvous}")
         # one TP rank per node: its OpenMP core (FACTS: SGLang CPU asserts without the binding)
-        env = dict(os.environ, OMP_NUM_THREADS="1", SGLANG_CPU_OMP_THREADS_BIND=str(r), PYTHONPATH=str(receiver))
+        env = dict(os.environ, OMP_NUM_THREADS="1", SGLANG_CPU_OMP_THREADS_BIND=str(r))
         log = open(work / f"node{r}.log", "w")
         nodes.append(procs.spawn(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:

@@ -1,7 +1,7 @@
 """The staleness study (issue 41, docs/staleness.md): how each method holds up as the data ages.
 
     python tools/bench_staleness.py --sglang-python $S/bin/python [--etas 0 1 2 4 8 16]
-        [--methods naive decoupled m2po] [--seeds 1 2] [--steps 30] [--workdir runs/staleness]
+        [--methods naive decoupled m2po] [--seeds 1 2] [--steps 30] [--workdir runs/staleness] [key=value ...]
 
 The `make example` task (SmolLM2-135M-Instruct, two-term arithmetic, async GRPO) trained once per
 cell eta x method x seed, every trained token exactly eta versions old (``trainer.study_delay``;
@@ -54,7 +54,8 @@ def curves(metrics: Path) -> dict[str, list[float]]:
             "step_s": get("perf/step_s"), "staleness": stale}
 
 
-def run_cell(w: Path, model, eta: int, method: str, seed: int, steps: int, py: str, sg: str, env) -> dict:
+def run_cell(w: Path, model, eta: int, method: str, seed: int, steps: int, py: str, sg: str, env,
+             extra: list[str]) -> dict:
     """One cell, or its saved summary; ``model()`` gives the model directory (built on first use)."""
     cell = w / f"eta{eta}-{method}-seed{seed}"
     done = cell / "summary.json"
@@ -62,7 +63,7 @@ def run_cell(w: Path, model, eta: int, method: str, seed: int, steps: int, py: s
         return json.loads(done.read_text())
     t0 = time.time()
     train(model(), cell / "grpo", learner_python=py, sglang_python=sg, env=env,
-          overrides=cell_overrides(eta, method, seed, steps))
+          overrides=[*cell_overrides(eta, method, seed, steps), *extra])
     after = evaluate(cell / "grpo" / "hf", cell / "eval", learner_python=py, sglang_python=sg, env=env)
     c = curves(cell / "grpo" / "metrics.jsonl")
     trained = [s for row in c["staleness"][eta:] for s in row]  # past the warm-up
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--workdir", default="runs/staleness")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of every cell's run (e.g. GPU settings)")
     args = ap.parse_args(argv)
     if any(e < 0 for e in args.etas) or args.steps <= max(args.etas):
         ap.error(f"--steps ({args.steps}) must exceed the largest eta ({max(args.etas)}) and every eta be >= 0")
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             built.append(link_model(w, args.learner_python, env))
         return built[0]
 
-    cells = [run_cell(w, model, e, m, s, args.steps, args.learner_python, args.sglang_python, env)
+    cells = [run_cell(w, model, e, m, s, args.steps, args.learner_python, args.sglang_python, env, args.overrides)
              for e in args.etas for m in args.methods for s in args.seeds]
     summary = summarise(cells)
     result = {"study": "staleness", "model": "SmolLM2-135M-Instruct", "steps": args.steps, "summary": summary,

@@ -137,7 +137,10 @@ class Trainer:
                 if rb is None:
                     payload = {"resync": True}
                 else:
-                    self.metrics.histogram("rollout/token_staleness", rb.staleness_counts)
+                    # versions behind the learner's (trainer.study_delay: the servers' lag added)
+                    lag = self.actor.get_version() - self._served[0][0] if self._served else 0
+                    self.metrics.histogram("rollout/token_staleness",
+                                           {k + lag: c for k, c in rb.staleness_counts.items()})
                     self._log_prompts(rb)
                     reward_metrics = getattr(self.episodes.reward, "metrics", None)  # the judge's outcome counts
                     payload = {"batch": to_engine_alignment(trajectories_to_batch(rb.groups)),
