@@ -3,11 +3,15 @@ SGLang server, the tiny demo model): every trained token is exactly eta versions
 first eta steps (version 0's samples) are past -- the staleness study's premise
 (tools/bench_staleness.py, docs/staleness.md). The per-token versions come from the server's
 own answers, so a server given the learner's newest weights (the delay ignored) would show
-staleness 0 or 1 here (the negative control is the fast test's: test_offpolicy_losses.py)."""
+staleness 0 or 1 here (the negative control is the fast test's: test_offpolicy_losses.py).
+The same run uses A-3PO's interpolated proximal (``algorithm.proximal: interpolate``): the
+engine's micro-batches carry ``prox_alpha`` to the loss, whose behaviour weights are then
+recorded; with data 2 versions old they are not all 1."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -30,9 +34,13 @@ def test_every_trained_token_is_exactly_eta_versions_old(tmp_path):
                  f"inference.server.python={SGLANG_PYTHON}", f"trainer.num_steps={STEPS}", "trainer.resume=false",
                  "trainer.eval_at_start=false", "trainer.eval_at_end=false", "trainer.export_hf_at_end=false",
                  "parallel.tensor_parallel=1", "rollout.batch_size=4", "workflow.group_size=4",
-                 f"rollout.max_staleness={ETA}", f"trainer.study_delay={ETA}", "trainer.study_opt_in=true"],
+                 f"rollout.max_staleness={ETA}", f"trainer.study_delay={ETA}", "trainer.study_opt_in=true",
+                 "algorithm.proximal=interpolate"],
                 timeout_s=900)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == list(range(1, STEPS + 1))
     for k, r in enumerate(rows):  # step k + 1 trains at version k on the samples of version max(0, k - ETA)
         assert set(r["rollout/token_staleness"]) == {str(min(k, ETA))}, (k, r["rollout/token_staleness"])
+        ess = r["train/importance_weight/ess"]
+        assert 0 < ess <= 1 + 1e-6 and math.isfinite(r["train/behav_kl"]), r
+    assert rows[-1]["train/behav_kl"] != 0.0  # alpha = 2/3 on 2-versions-old tokens: pi_prox != pi_behav
