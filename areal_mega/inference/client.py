@@ -286,12 +286,14 @@ class InferencePool(InferenceEngine):
     def paused(self) -> bool:
         return not self._resumed.is_set()
 
-    async def pause(self) -> None:
-        """Stop generation on every server, per ``client.pause_mode``. In abort mode the servers
-        return in-flight requests at once; ``agenerate`` holds them (and new ones) until resume()."""
+    async def pause(self, mode: str | None = None) -> None:
+        """Stop generation on every server, per ``mode`` (default ``client.pause_mode``). In abort
+        mode the servers return in-flight requests at once; ``agenerate`` holds them (and new
+        ones) until resume(). A checkpoint pauses in abort mode whatever the setting: each
+        request then holds every token it has (``partial``)."""
         async with self._pause_lock:
             self._resumed.clear()  # first, so that aborted requests see the pause and wait
-            await self._on_all(lambda h: h.send(api.pause_generation(self.cfg.client.pause_mode)))
+            await self._on_all(lambda h: h.send(api.pause_generation(mode or self.cfg.client.pause_mode)))
 
     async def resume(self) -> None:
         async with self._pause_lock:

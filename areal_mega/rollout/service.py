@@ -158,18 +158,17 @@ class RolloutService(GenerationService):
         on resume): ``prompts`` (the prompt stream's ``state_dict`` with the prompts drawn and not
         yet in a batch given back, less the episodes saved whole) and ``rollout`` (the
         controller's ``checkpoint_state``: generated, not yet trained). In-flight requests are
-        aborted first, the way a weight sync pauses them (``client.pause_mode`` abort), so each
-        holds every token it has; they continue once the state is taken."""
+        aborted first, the way a weight sync in ``client.pause_mode`` abort pauses them (whatever
+        the mode set), so each holds every token it has; they continue once the state is taken."""
         assert self.controller is not None, "start() first"
         c = self.controller
 
         async def get() -> dict[str, Any]:
             if not c.config.save_in_flight:
                 return {"prompts": c.dataset.state_dict(c.in_flight_positions())}
-            await self.pool.pause()
+            await self.pool.pause(mode="abort")
             try:
-                if self.pool.cfg.client.pause_mode == "abort":
-                    await self.pool.settle(self.pool.cfg.client.control_timeout_s)
+                await self.pool.settle(self.pool.cfg.client.control_timeout_s)
                 return {"prompts": c.dataset.state_dict(c.in_flight_positions()), "rollout": c.checkpoint_state()}
             finally:
                 await self.pool.resume()
