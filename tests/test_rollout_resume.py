@@ -249,3 +249,18 @@ def test_server_dying_mid_request_keeps_its_segments_and_continues_elsewhere():
     # The survivor was asked to continue after the kept tokens, not to start over.
     cont = [r for r in f.fakes[1].requests if r["rid"].startswith("r-")]
     assert cont and min(len(r["input_ids"]) for r in cont) >= 3 + 16, [len(r["input_ids"]) for r in cont]
+
+
+def test_bench_rollout_checkpoint_smoke():
+    """tools/bench_rollout_checkpoint.py (registered in test_tools.SMOKE): one small run; a token
+    costs at least its id, log-prob and version in the JSON."""
+    import importlib.util
+
+    from tests.support.launch import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_rollout_checkpoint", REPO / "tools" / "bench_rollout_checkpoint.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main(["--episodes", "3", "--group-size", "2", "--max-new-tokens", "48", "--repeats", "2"])
+    assert out["saved_episodes"] == 3 and out["saved_tokens"] >= 3 * 2 * 48 // 2
+    assert out["bytes"] > 3 * out["saved_tokens"] and out["seconds_state_median"] > 0

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Awaitable, Iterable, Sequence, TypeVar
 
+from areal_mega.api.data import PromptSource
 from areal_mega.api.generation import GenerationService, PolicyVersion
 from areal_mega.api.workflow import RolloutWorkflow
 from areal_mega.evaluation import EvalSpec, evaluate_items
@@ -163,13 +164,16 @@ class RolloutService(GenerationService):
         assert self.controller is not None, "start() first"
         c = self.controller
 
+        def prompts() -> dict[str, Any] | None:  # None: a plain iterable, no position to keep
+            return c.dataset.state_dict(c.in_flight_positions()) if isinstance(c.dataset, PromptSource) else None
+
         async def get() -> dict[str, Any]:
             if not c.config.save_in_flight:
-                return {"prompts": c.dataset.state_dict(c.in_flight_positions())}
+                return {"prompts": prompts()}
             await self.pool.pause(mode="abort")
             try:
                 await self.pool.settle(self.pool.cfg.client.control_timeout_s)
-                return {"prompts": c.dataset.state_dict(c.in_flight_positions()), "rollout": c.checkpoint_state()}
+                return {"prompts": prompts(), "rollout": c.checkpoint_state()}
             finally:
                 await self.pool.resume()
 
