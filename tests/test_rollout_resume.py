@@ -264,3 +264,32 @@ def test_bench_rollout_checkpoint_smoke():
     out = mod.main(["--episodes", "3", "--group-size", "2", "--max-new-tokens", "48", "--repeats", "2"])
     assert out["saved_episodes"] == 3 and out["saved_tokens"] >= 3 * 2 * 48 // 2
     assert out["bytes"] > 3 * out["saved_tokens"] and out["seconds_state_median"] > 0
+
+
+def test_restore_drops_what_staleness_forbids_and_restarts_what_cannot_be_replayed():
+    """At resume version 5 with max_staleness 1: an episode admitted at 3 is dropped and its
+    prompt runs again first (retry queue, position kept); one admitted at 4 is restored with its
+    calls; a non-replayable workflow restarts its episodes from the prompt (counted)."""
+    from areal_mega.rollout.controller import RolloutController
+    from tests.test_rl_rollout import FakeEngine, GroupWorkflow
+
+    def ep(seq: int, admit: int) -> dict:
+        return {"uid": f"u{seq}", "seq": seq, "admit_version": admit, "pos": [0, seq], "data": {"id": seq},
+                "attempt": 0, "calls": [{"key": "k", "rid": "r", "ids": [1, 2], "lps": [-1.0, -1.0],
+                                         "vers": [admit, admit], "finish": None}]}
+
+    import random
+
+    cfg = RolloutConfig(batch_size=2, max_staleness=1, show_progress=False)
+    c = RolloutController(FakeEngine(random.Random(0)), GroupWorkflow(), [], cfg, version=5)
+    c.restore({"episodes": [ep(0, 3), ep(1, 4)]})
+    assert [r[1] for r in c._retry] == [(0, 0)] and [e["uid"] for e in c._resumed] == ["u1"]
+    assert c._resumed[0]["calls"] and dict(c.resume_counts) == {"dropped_stale": 1, "lost_tokens": 2, "restored": 1}
+    assert c.in_flight_positions() == [(0, 0)]  # the dropped one is given back; the restored one is saved
+
+    class Once(GroupWorkflow):
+        replayable = False
+
+    c = RolloutController(FakeEngine(random.Random(0)), Once(), [], cfg, version=5)
+    c.restore({"episodes": [ep(1, 4)]})
+    assert not c._resumed[0]["calls"] and c.resume_counts["restarted"] == 1

@@ -222,7 +222,8 @@ class RolloutController:
     def restore(self, state: dict[str, Any] | None) -> None:
         """Before ``astart``: the episodes ``checkpoint_state`` saved run first, continued from
         their calls. An episode admitted before ``version - max_staleness`` (its tokens could not
-        be trained within the bound) is dropped and its prompt runs again (``dropped_stale``)."""
+        be trained within the bound) is dropped and its prompt runs again (``dropped_stale``); one
+        of a workflow that is not ``replayable`` (or with MoE routes captured) restarts."""
         eps = (state or {}).get("episodes") or []
         oldest_allowed = self.staleness.version - self.config.max_staleness
         for e in sorted(eps, key=lambda e: e["seq"]):
@@ -233,7 +234,8 @@ class RolloutController:
                 pos = tuple(e["pos"]) if e["pos"] is not None else None
                 self._retry.append((e["seq"], pos, e["data"], e["attempt"]))
                 continue
-            if not getattr(self.workflow, "replayable", True):
+            # Saved calls carry no MoE routes (routing replay): such episodes restart too.
+            if not getattr(self.workflow, "replayable", True) or getattr(self.engine, "capture_routes", False):
                 self.resume_counts["restarted"] += 1
                 self.resume_counts["lost_tokens"] += len(vers)
                 e = {**e, "calls": []}
