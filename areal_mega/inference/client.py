@@ -320,12 +320,13 @@ class InferencePool(InferenceEngine):
         got = self._partial.get(rid)
         return None if got is None else (list(got[0]), list(got[1]), list(got[2]))
 
-    async def settle(self, timeout_s: float) -> bool:
-        """After ``pause()`` in abort mode: wait (at most ``timeout_s``) until every /generate call
-        has returned its partial tokens to its request, so ``partial`` is complete. True when it
-        has (retract / in_place pauses hold calls on the server: False after the timeout)."""
+    async def settle(self, timeout_s: float | None = None) -> bool:
+        """After ``pause()`` in abort mode: wait (at most ``timeout_s``, default
+        ``client.control_timeout_s``) until every /generate call has returned its partial tokens
+        to its request, so ``partial`` is complete. True when it has (retract / in_place pauses
+        hold calls on the server: False after the timeout)."""
         try:
-            await asyncio.wait_for(self._no_calls.wait(), timeout_s)
+            await asyncio.wait_for(self._no_calls.wait(), timeout_s or self.cfg.client.control_timeout_s)
             return True
         except asyncio.TimeoutError:
             return False

@@ -172,7 +172,7 @@ class RolloutService(GenerationService):
                 return {"prompts": prompts()}
             await self.pool.pause(mode="abort")
             try:
-                await self.pool.settle(self.pool.cfg.client.control_timeout_s)
+                await self.pool.settle()
                 return {"prompts": prompts(), "rollout": c.checkpoint_state()}
             finally:
                 await self.pool.resume()
