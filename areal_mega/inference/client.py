@@ -322,11 +322,12 @@ class InferencePool(InferenceEngine):
 
     async def settle(self, timeout_s: float | None = None) -> bool:
         """After ``pause()`` in abort mode: wait (at most ``timeout_s``, default
-        ``client.control_timeout_s``) until every /generate call has returned its partial tokens
-        to its request, so ``partial`` is complete. True when it has (retract / in_place pauses
-        hold calls on the server: False after the timeout)."""
+        ``client.health_check_timeout_s``: an abort is answered as fast as a health check) until
+        every /generate call has returned its partial tokens to its request, so ``partial`` is
+        complete. False after the timeout (a hung server, or a retract / in_place pause holding
+        the calls): ``partial`` is then still consistent, only without the tokens still out."""
         try:
-            await asyncio.wait_for(self._no_calls.wait(), timeout_s or self.cfg.client.control_timeout_s)
+            await asyncio.wait_for(self._no_calls.wait(), timeout_s or self.cfg.client.health_check_timeout_s)
             return True
         except asyncio.TimeoutError:
             return False
