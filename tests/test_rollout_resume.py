@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import threading
 from typing import Any
 
@@ -293,3 +294,22 @@ def test_restore_drops_what_staleness_forbids_and_restarts_what_cannot_be_replay
     c = RolloutController(FakeEngine(random.Random(0)), Once(), [], cfg, version=5)
     c.restore({"episodes": [ep(1, 4)]})
     assert not c._resumed[0]["calls"] and c.resume_counts["restarted"] == 1
+
+
+def test_a_sample_json_cannot_hold_is_given_back_not_saved():
+    """An episode whose sample holds something JSON cannot (here a set) is not saved whole: its
+    prompt position is given back to the stream (generated again), the others are saved."""
+    import random
+
+    from areal_mega.rollout.controller import RolloutController, _jsonable, _Ready
+    from areal_mega.rollout.journal import EpisodeJournal
+    from tests.test_rl_rollout import FakeEngine, GroupWorkflow
+
+    c = RolloutController(FakeEngine(random.Random(0)), GroupWorkflow(), [], RolloutConfig(show_progress=False))
+    for seq, data in enumerate([{"id": 0}, {"id": 1, "tags": {1, 2}}]):
+        saved = {"uid": f"u{seq}", "admit_version": 0, "pos": [0, seq], "data": data, "attempt": 0,
+                 "journal": EpisodeJournal(c.engine), "jsonable": _jsonable(data)}
+        c._ready.append(_Ready(seq, 0, [], (0, seq), seq, saved=saved))
+    state = c.checkpoint_state()
+    assert [e["uid"] for e in state["episodes"]] == ["u0"] and c.in_flight_positions() == [(0, 1)]
+    json.dumps(state)

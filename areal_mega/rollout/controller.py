@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import concurrent.futures
 import logging
 import sys
@@ -55,6 +56,14 @@ def zero_variance(group: list[Trajectory]) -> bool:
     """True when every trajectory of the group has the same reward and the same step rewards
     (no GRPO signal, outcome or process)."""
     return len({(t.reward, tuple(t.step_rewards)) for t in group}) <= 1
+
+
+def _jsonable(data: Any) -> bool:
+    try:
+        json.dumps(data)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 class RolloutController:
@@ -197,10 +206,8 @@ class RolloutController:
         """Prompt positions drawn but not yet handed out in a batch (running or ready episodes,
         unless ``save_in_flight``: then ``checkpoint_state`` saves those), oldest admission first:
         what a checkpoint gives back to the stream. Loop thread only."""
-        held = []
-        if not self.config.save_in_flight:
-            held += [(seq, pos) for seq, pos in self._positions.items()]
-            held += [(r.seq, r.pos) for r in self._ready]
+        held = [(seq, pos) for seq, pos in self._positions.items() if not self._saveable(self._episodes.get(seq))]
+        held += [(r.seq, r.pos) for r in self._ready if not self._saveable(r.saved)]
         held += [(seq, pos) for seq, pos, _, _ in self._retry]
         held += [(seq, tuple(rec["pos"]) if rec["pos"] is not None else None) for seq, rec in self._skipped]
         return [pos for _, pos in sorted(held) if pos is not None]
@@ -212,12 +219,20 @@ class RolloutController:
         JSON-able. Loop thread only."""
         if not self.config.save_in_flight:
             return {"episodes": []}
-        eps = [{**e["saved"], "seq": seq, "calls": e["journal"].snapshot()} for seq, e in self._episodes.items()]
-        eps += [{**r.saved, "seq": r.seq, "calls": r.saved["journal"].snapshot()} for r in self._ready if r.saved]
+        eps = [{**e["saved"], "seq": seq, "calls": e["journal"].snapshot()} for seq, e in self._episodes.items()
+               if self._saveable(e)]
+        eps += [{**r.saved, "seq": r.seq, "calls": r.saved["journal"].snapshot()} for r in self._ready
+                if self._saveable(r.saved)]
         eps += [e for e in self._resumed]  # restored, not yet admitted again
         eps = sorted(eps, key=lambda e: e["seq"])
         return {"version": self.staleness.version,
-                "episodes": [{k: v for k, v in e.items() if k != "journal"} for e in eps]}
+                "episodes": [{k: v for k, v in e.items() if k not in ("journal", "jsonable")} for e in eps]}
+
+    @staticmethod
+    def _saveable(ep: dict[str, Any] | None) -> bool:
+        """Saved whole by a checkpoint: ``save_in_flight`` and a sample that JSON can hold (one that
+        cannot, e.g. with arrays, is given back to the prompt stream and generated again)."""
+        return ep is not None and (ep.get("saved") or ep).get("jsonable", False)
 
     def restore(self, state: dict[str, Any] | None) -> None:
         """Before ``astart``: the episodes ``checkpoint_state`` saved run first, continued from
@@ -388,7 +403,7 @@ class RolloutController:
                     self._episodes[seq] = {"journal": journal, "saved": {
                         "uid": saved["uid"] if saved else uuid.uuid4().hex[:16], "admit_version": admit_version,
                         "pos": list(pos) if pos is not None else None, "data": data, "attempt": attempt,
-                        "journal": journal}}
+                        "journal": journal, "jsonable": _jsonable(data)}}
                 if self._inflight_since is None:
                     self._inflight_since = time.monotonic()
                 task = asyncio.create_task(self._run_episode(seq, admit_version, pos, data))
