@@ -73,11 +73,12 @@ test-heavy:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
 	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -m heavy $(PYTEST_ARGS)
 
-# kill -9 of the real trainer + SGLang with long completions in flight (single- and three-turn):
-# the checkpoint's saved tokens are trained, not generated again (docs/resume.md; marker heavy).
+# kill -9 of the real trainer + SGLang with long completions in flight (single- and three-turn): the
+# checkpoint's saved tokens are trained, not generated again; and a real server SIGKILLed mid-request
+# (client.segment_tokens) keeps its segments (docs/resume.md; marker heavy; ~5 min on 2 cores).
 test-resume-inflight:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
-	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -s tests/test_trainer_resume.py -k in_flight $(PYTEST_ARGS)
+	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -s tests/test_trainer_resume.py tests/test_inference_segments_sglang.py -k "in_flight or sigkilled" $(PYTEST_ARGS)
 
 # No process starts in this tier (no SGLang either): --audit-processes fails it if one does.
 test-fast:
