@@ -113,10 +113,9 @@ class Trainer:
         if self.generation is not None:
             self.eval_set = load_items(cfg, self.episodes.tokenizer, heldout=self.prompts.heldout())
             self.eval_workflow, _ = self.episodes.eval_workflows()  # what `areal-mega eval` runs
-            # Resumed: the prompt stream continues where the checkpoint stood, the prompts that were
-            # in flight then (dropped with the episodes) first -- every prompt trained once per epoch.
-            # The staleness counters start afresh at the resumed version: nothing is in flight.
-            # The episodes generated and not trained then (rollout.save_in_flight) continue first.
+            # Resumed: the episodes generated and not trained then (rollout.save_in_flight) continue
+            # first, at their admission versions (docs/resume.md); then the prompt stream, where the
+            # checkpoint stood, the prompts given back first -- every prompt trained once per epoch.
             run_state = run_state or {}
             if run_state.get("prompts") is not None:
                 self.prompts.load_state_dict(run_state["prompts"])
