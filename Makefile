@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # EXAMPLE_ARGS: overrides of the training run, e.g. EXAMPLE_ARGS="trainer.num_steps=5".
 EXAMPLE_ARGS ?=
 
-.PHONY: demo example test test-real test-tools test-cp test-reshard test-families-serve test-heavy test-fast test-mcore-latest test-failover-load envs learner-env learner-latest-env sglang-env
+.PHONY: demo example test test-real test-tools test-cp test-reshard test-families-serve test-heavy test-resume-inflight test-fast test-mcore-latest test-failover-load envs learner-env learner-latest-env sglang-env
 
 learner-env:
 	@tools/env/make_venv.sh learner
@@ -73,6 +73,13 @@ test-families-serve:
 test-heavy:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
 	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -m heavy $(PYTEST_ARGS)
+
+# kill -9 of the real trainer + SGLang with long completions in flight (single- and three-turn): the
+# checkpoint's saved tokens are trained, not generated again; and a real server SIGKILLed mid-request
+# (client.segment_tokens) keeps its segments (docs/resume.md; marker heavy; ~5 min on 2 cores).
+test-resume-inflight:
+	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
+	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -s tests/test_trainer_resume.py tests/test_inference_segments_sglang.py -k "in_flight or sigkilled" $(PYTEST_ARGS)
 
 # No process starts in this tier (no SGLang either): --audit-processes fails it if one does.
 test-fast:

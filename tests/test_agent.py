@@ -284,3 +284,40 @@ def test_model_context_caps_the_budget_and_failures_carry_reasons(tmp_path):
         with pytest.raises(EpisodeFailure) as e:
             asyncio.run(wf.arun_episode(ScriptedEngine(tok, lambda n, text: "ok"), data))
         assert failure_reason(e.value) == reason
+
+
+def test_agent_episode_saved_after_two_calls_resumes_at_the_third(tok):
+    """The replay contract with the calculator agent (rollout/journal.py): an episode checkpointed
+    after two of its three calls (the third in flight with no tokens yet) runs again through a
+    journal of the saved calls: the agent gets the two recorded replies without the engine being
+    asked, the engine answers only the third call, and the trajectory equals the uninterrupted
+    one token for token (ids, log-probs, versions). Negative control: a saved reply altered
+    changes the agent's next call, which the log then does not have (``diverged``)."""
+    from areal_mega.rollout.journal import EpisodeJournal
+
+    async def exact(prompt, completion, data):
+        return float(completion == data["answer"])
+
+    cfg = WorkflowConfig(kind="agent", options=AgentWorkflow.Options("areal_mega.workflows.examples.calculator_agent:calculator_agent"),
+                         group_size=1, max_turns=4, sampling=SamplingParams(max_new_tokens=64))
+    wf = build_workflow(cfg, tok, exact)
+    sample = {"id": "c", "question": "What is 12 * (3 + 4)?", "answer": "84"}
+    whole = EpisodeJournal(ScriptedEngine(tok, _script))
+    (ref,) = asyncio.run(wf.arun_episode(whole, sample))
+    saved = whole.snapshot()
+    assert len(saved) == 3 and all(c["finish"] == "stop" for c in saved)
+    at_kill = [*saved[:2], {**saved[2], "ids": [], "lps": [], "vers": [], "finish": None}]
+
+    eng = ScriptedEngine(tok, lambda n, text: _script(n + 2, text))  # a fresh engine: it is asked call 3 only
+    resumed = EpisodeJournal(eng, at_kill)
+    (t,) = asyncio.run(wf.arun_episode(resumed, sample))
+    assert len(eng.sent) == 1 and resumed.replayed_tokens == len(saved[0]["ids"]) + len(saved[1]["ids"])
+    assert (t.input_ids, t.logprobs, t.versions, t.loss_mask, t.reward) == \
+        (ref.input_ids, ref.logprobs, ref.versions, ref.loss_mask, ref.reward)
+    assert not resumed.diverged
+
+    bad = [{**saved[0], "ids": saved[0]["ids"][:-3] + saved[0]["ids"][-1:]}, saved[1]]  # reply 1 altered
+    eng = ScriptedEngine(tok, lambda n, text: _script(n + 1, text))
+    resumed = EpisodeJournal(eng, bad)
+    asyncio.run(wf.arun_episode(resumed, sample))
+    assert resumed.diverged and resumed.unused_tokens == len(saved[1]["ids"])

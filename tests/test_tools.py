@@ -24,6 +24,7 @@ SMOKE = {
     "bench_packing.py": "test_packing.py::test_bench_packing_meets_target",
     "bench_rewards.py": "test_tools.py::test_bench_rewards",
     "bench_rollout_client.py": "test_tools.py::test_bench_rollout_client",
+    "bench_rollout_checkpoint.py": "test_rollout_resume.py::test_bench_rollout_checkpoint_smoke",
     "bench_simulator.py": "test_tools.py::test_bench_simulator_reuse",
     "bench_sparse_delta.py": "test_tools.py::test_bench_sparse_delta",
     "bench_weight_sync.py": "test_tools.py::test_bench_weight_sync",

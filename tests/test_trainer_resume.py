@@ -35,7 +35,7 @@ STEPS = 6
 SAVE_EVERY = 2
 
 
-def _command(tmp: Path, work: Path, name: str, port: int) -> list[str]:
+def _command(tmp: Path, work: Path, name: str, port: int, *extra: str) -> list[str]:
     model, data = work / "model", work / "data"
     return [sys.executable, "-m", "areal_mega.launcher", "local", "--config", "configs/grpo_tiny.yaml",
             f"model_path={model}", f"output_dir={tmp / name}", f"data.path={data / 'train.jsonl'}",
@@ -49,7 +49,7 @@ def _command(tmp: Path, work: Path, name: str, port: int) -> list[str]:
             # at temperature 1); REINFORCE++ so that greedy samples (one per prompt) still carry a
             # learning signal (rewards differ between prompts).
             "rollout.max_staleness=0", "rollout.batch_size=6", "workflow.group_size=1",
-            "workflow.sampling.top_k=1", "algorithm.adv_estimator=reinforce_pp"]
+            "workflow.sampling.top_k=1", "algorithm.adv_estimator=reinforce_pp", *extra]
 
 
 def _rows(path: Path) -> list[dict]:
@@ -153,3 +153,86 @@ def test_kill9_of_the_whole_tree_then_rerun_resumes_exactly(reference):
     assert "resume: loading" in learner_log, learner_log[-4000:]
     print(f"killed after {killed_at} steps; resumed from step {SAVE_EVERY}")
     _compare(tmp / "ref", tmp / "killed", from_version=SAVE_EVERY + 1)
+
+
+# Long completions in flight at every checkpoint (the random tiny model rarely says EOS: its
+# answers run to max_new_tokens), asynchronous (max_staleness 1: episodes of the next steps run
+# while a step trains and while the checkpoint is written).
+INFLIGHT = ["rollout.max_staleness=1", "workflow.sampling.max_new_tokens=192", "rollout.max_concurrent=12"]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("kind", ["single_turn", "multi_turn"])
+def test_kill9_with_long_completions_in_flight_trains_the_saved_tokens(tmp_path: Path, kind: str):
+    """kill -9 of the whole tree right after a checkpoint that saved episodes mid-generation
+    (rollout.save_in_flight; a checkpoint every step, the first one holding a partial call --
+    multi_turn: an episode past its second turn -- is the one killed after), the same command
+    again: every saved token is trained and none generated again (``rollout/resume/
+    replayed_tokens`` = the checkpoint's saved tokens, ``lost_tokens`` 0), every prompt trained
+    once, no episode twice, and the staleness bound holds on every trained token
+    (``staleness/max``; the controller's own check raises otherwise). multi_turn: three attempts
+    per sample (the random model is always wrong), 40 tokens each (the tiny model's context is
+    256), an episode saved after turn two resumes at turn three."""
+    work = tmp_path / "task"
+    write_tiny_task(work)
+    extra = [*INFLIGHT, "trainer.save_every=1"]
+    if kind == "multi_turn":
+        extra += ["workflow.kind=multi_turn", "workflow.max_turns=3", "workflow.sampling.max_new_tokens=40"]
+    cmd = _command(tmp_path, work, "run", procs.free_port(), *extra)
+    log = tmp_path / "run.log"
+    out = tmp_path / "run"
+
+    def wanted(eps: list[dict]) -> bool:
+        if kind == "multi_turn":
+            return any(sum(c["finish"] is not None for c in e["calls"]) >= 2 for e in eps)
+        return any(c["finish"] is None and c["ids"] for e in eps for c in e["calls"])
+
+    def found() -> bool:
+        for ckpt in sorted((out / "checkpoints").glob("step*")):
+            state = ckpt / "rollout_state.json"
+            if (ckpt / "areal_mega.json").exists() and state.exists() and ckpt.name < f"step{STEPS:06d}":
+                if wanted(json.loads(state.read_text())["episodes"]):
+                    return True
+        return False
+
+    proc = _start(cmd, log)
+    try:
+        _wait(found, proc, log, 1500, "a checkpoint holding what this test needs")
+        _kill_tree_now(proc)
+    finally:
+        if proc.poll() is None:
+            procs.stop_tree(proc)
+    proc = _start(cmd, log)  # the same command again
+    try:
+        assert proc.wait(timeout=1500) == 0, log.read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            procs.stop_tree(proc)
+    learner_log = (tmp_path / "run-run" / "logs" / "learner0.log").read_text()
+    loaded = [line.split("resume: loading ", 1)[1].strip() for line in learner_log.splitlines() if "resume: loading " in line]
+    assert loaded, learner_log[-4000:]
+    ckpt = Path(loaded[-1])
+    step = int(ckpt.name.removeprefix("step"))
+    saved = json.loads((ckpt / "rollout_state.json").read_text())["episodes"]
+    calls = [c for e in saved for c in e["calls"]]
+    saved_tokens = sum(len(c["ids"]) for c in calls)
+    assert wanted(saved), [[(len(c["ids"]), c["finish"]) for c in e["calls"]] for e in saved]
+    rows = _rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    resumed = [r for r in rows if r["step"] > step]
+    replayed = sum(r.get("rollout/resume/replayed_tokens", 0) for r in resumed)
+    trained = sum(r["rollout/num_generated_tokens"] for r in resumed)
+    print(json.dumps({"kind": kind, "resumed_from_step": step, "saved_episodes": len(saved),
+                      "saved_tokens": saved_tokens, "saved_partial_calls": sum(c["finish"] is None and bool(c["ids"]) for c in calls),
+                      "saved_finished_calls": sum(c["finish"] is not None for c in calls),
+                      "replayed_tokens": replayed, "trained_tokens_after_resume": trained}))
+    assert replayed == saved_tokens > 0
+    assert sum(r.get("rollout/resume/lost_tokens", 0) for r in resumed) == 0
+    assert sum(r.get("rollout/resume/dropped_stale", 0) for r in resumed) == 0
+    assert all(r["staleness/max"] <= 1 for r in rows), [r["staleness/max"] for r in rows]
+    prompts = _rows(out / "prompts.jsonl")
+    assert [r["version"] for r in prompts] == list(range(STEPS))
+    seen = Counter((e, i) for r in prompts for e, i, _ in r["prompts"])
+    assert max(seen.values()) == 1, [k for k, n in seen.items() if n > 1]
+    episodes = [u for r in prompts for u in r.get("episodes", [])]
+    assert len(episodes) == len(set(episodes)) == sum(len(r["prompts"]) for r in prompts)

@@ -45,6 +45,10 @@ class GenerationRequest:
     sampling: SamplingParams
     rid: str | None = None
     """Request id; the client fills a unique one when None."""
+    prefix: "GenerationResult | None" = None
+    """Tokens already generated for this request (a resumed episode's saved partial answer):
+    generation continues after them and the result starts with them, their log-probs and
+    versions kept (``max_new_tokens`` counts them)."""
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -74,7 +74,20 @@ class Trajectory:
 
 class RolloutWorkflow(ABC):
     """``arun_episode(engine, data)`` runs one episode (one prompt, possibly many turns) and
-    returns its trajectories (a GRPO group is a list), or None to reject the sample."""
+    returns its trajectories (a GRPO group is a list), or None to reject the sample.
+
+    The replay contract (resuming an episode a checkpoint saved, docs/resume.md): run again on
+    the same ``data`` and given the same answers to the same ``engine.agenerate`` calls, the
+    episode makes the same calls -- its tools, environment and agent code are deterministic
+    functions of the answers (random choices seeded from ``data``). Then the saved calls are
+    answered from the checkpoint (a multi-turn or agent episode resumes at the turn it had
+    reached, its earlier turns' tokens identical) and the one in flight continues after its
+    saved tokens. A workflow that cannot keep it sets ``replayable = False``: its saved
+    episodes restart from the prompt (counted, ``rollout/resume/restarted``). A call the log
+    does not have ends the replay there (``rollout/resume/diverged``): the episode goes on live.
+    """
+
+    replayable: ClassVar[bool] = True
 
     @abstractmethod
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> list[Trajectory] | None:
@@ -98,6 +111,9 @@ class RolloutBatch:
     dataset is a plain iterable)."""
     prompt_ids: list[Any] = field(default_factory=list)
     """Per episode, its sample's ``id`` (None where the sample has none)."""
+    episode_ids: list[str | None] = field(default_factory=list)
+    """Per episode, the id it was given at its first admission (kept across a resume: the
+    per-episode log that shows none trained twice); None without ``rollout.save_in_flight``."""
     skipped: list[dict[str, Any]] = field(default_factory=list)
     """Prompts given up since the last batch (failed ``1 + max_episode_retries`` times), each
     ``{"pos": [epoch, index] | None, "id": ..., "reason": ..., "error": ...}``."""

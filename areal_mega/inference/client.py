@@ -193,6 +193,12 @@ class InferencePool(InferenceEngine):
         self.num_completed = 0
         self.num_interruptions = 0
         self.num_failovers = 0
+        self.num_segments = 0  # /generate calls that ended at client.segment_tokens and continued
+        # Per request in flight (rid -> its token lists so far), read by checkpoints (partial()).
+        self._partial: dict[str, tuple[list[int], list[float], list[int]]] = {}
+        self._calls = 0  # /generate calls awaiting their answer
+        self._no_calls = asyncio.Event()
+        self._no_calls.set()
 
     # -- lifecycle ------------------------------------------------------------------------------
     @classmethod
@@ -280,12 +286,14 @@ class InferencePool(InferenceEngine):
     def paused(self) -> bool:
         return not self._resumed.is_set()
 
-    async def pause(self) -> None:
-        """Stop generation on every server, per ``client.pause_mode``. In abort mode the servers
-        return in-flight requests at once; ``agenerate`` holds them (and new ones) until resume()."""
+    async def pause(self, mode: str | None = None) -> None:
+        """Stop generation on every server, per ``mode`` (default ``client.pause_mode``). In abort
+        mode the servers return in-flight requests at once; ``agenerate`` holds them (and new
+        ones) until resume(). A checkpoint pauses in abort mode whatever the setting: each
+        request then holds every token it has (``partial``)."""
         async with self._pause_lock:
             self._resumed.clear()  # first, so that aborted requests see the pause and wait
-            await self._on_all(lambda h: h.send(api.pause_generation(self.cfg.client.pause_mode)))
+            await self._on_all(lambda h: h.send(api.pause_generation(mode or self.cfg.client.pause_mode)))
 
     async def resume(self) -> None:
         async with self._pause_lock:
@@ -306,30 +314,64 @@ class InferencePool(InferenceEngine):
         assert caps, "pool not started"
         return caps[0]
 
+    def partial(self, rid: str) -> tuple[list[int], list[float], list[int]] | None:
+        """The tokens, behaviour log-probs and versions request ``rid`` holds so far (None when
+        it is not in flight): what a checkpoint saves of it. Loop thread only."""
+        got = self._partial.get(rid)
+        return None if got is None else (list(got[0]), list(got[1]), list(got[2]))
+
+    async def settle(self, timeout_s: float | None = None) -> bool:
+        """After ``pause()`` in abort mode: wait (at most ``timeout_s``, default
+        ``client.health_check_timeout_s``: an abort is answered as fast as a health check) until
+        every /generate call has returned its partial tokens to its request, so ``partial`` is
+        complete. False after the timeout (a hung server, or a retract / in_place pause holding
+        the calls): ``partial`` is then still consistent, only without the tokens still out."""
+        try:
+            await asyncio.wait_for(self._no_calls.wait(), timeout_s or self.cfg.client.health_check_timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
     async def agenerate(self, req: GenerationRequest) -> GenerationResult:
         req.sampling.validate()
         if not req.input_ids:
             raise ValueError("input_ids: empty prompt")
         if req.rid is None:
             req.rid = uuid.uuid4().hex
-        ccfg = self.cfg.client
         t0 = time.monotonic()
         sampling = _sampling_dict(req.sampling)
         max_new = req.sampling.max_new_tokens
-        out_ids: list[int] = []
-        out_lps: list[float] = []
-        out_vers: list[int] = []
+        prefix = req.prefix  # a resumed request: its saved tokens come first, generation continues after them
+        out_ids: list[int] = list(prefix.output_ids) if prefix else []
+        out_lps: list[float] = list(prefix.output_logprobs) if prefix else []
+        out_vers: list[int] = list(prefix.output_versions) if prefix else []
+        if len(out_ids) >= max_new:
+            raise ValueError(f"prefix: {len(out_ids)} tokens already, max_new_tokens={max_new}")
+        self._partial[req.rid] = (out_ids, out_lps, out_vers)
+        try:
+            return await self._generate(req, sampling, max_new, out_ids, out_lps, out_vers, t0)
+        finally:
+            self._partial.pop(req.rid, None)
+
+    async def _generate(self, req: GenerationRequest, sampling: dict[str, Any], max_new: int, out_ids: list[int],
+                        out_lps: list[float], out_vers: list[int], t0: float) -> GenerationResult:
+        ccfg = self.cfg.client
         routes = None  # rows [len(input) + len(out) - 1, layers * top_k]; first call covering a row wins
         num_interruptions = num_failures = attempt = 0
         self.num_submitted += 1
         while True:
             await self._resumed.wait()
             handle = await self._pick()
-            sampling["max_new_tokens"] = max_new - len(out_ids)
+            asked = max_new - len(out_ids)
+            if ccfg.segment_tokens:
+                asked = min(asked, ccfg.segment_tokens)
+            sampling["max_new_tokens"] = asked
             call = api.generate(req.input_ids + out_ids, sampling, rid=f"{req.rid}-{attempt}",
                                 return_routes=self.capture_routes)
             attempt += 1
             handle.in_flight += 1
+            self._calls += 1
+            self._no_calls.clear()
             try:
                 data = await self._post_generate(handle, call)
             except _ServerFailure as e:
@@ -349,6 +391,9 @@ class InferencePool(InferenceEngine):
                 continue
             finally:
                 handle.in_flight -= 1
+                self._calls -= 1
+                if not self._calls:
+                    self._no_calls.set()
             handle.num_served += 1
             ids, lps, vers, finish = self._parse(data, handle)
             out_ids += ids
@@ -358,6 +403,9 @@ class InferencePool(InferenceEngine):
                 rows = len(req.input_ids) + len(out_ids) - 1
                 new = api.decode_routes(data["meta_info"], rows) if rows > 0 else None
                 routes = new if routes is None else np.concatenate([routes, new[len(routes):]])
+            if finish == "length" and len(ids) == asked and len(out_ids) < max_new:
+                self.num_segments += 1  # a segment ended (client.segment_tokens): continue the request
+                continue
             if finish != "abort":
                 break
             num_interruptions += 1

@@ -134,6 +134,12 @@ class InferenceClientConfig:
     """How many restarts of one server are attempted before it is left out for good."""
     initial_version: int = 0
     """Policy version of the weights the servers start with (passed as ``--weight-version``)."""
+    segment_tokens: int = 0
+    """Ask a server for at most this many new tokens per /generate call, continuing the request
+    (prompt + tokens so far) until it ends: a server that dies mid-request then costs at most
+    one segment; the tokens of the segments it returned are kept and generation continues on
+    another server. 0 = one call per request (a dead server's in-progress call is lost whole).
+    Each segment re-sends the prefix (a prefix-cache hit on the server)."""
 
     def validate(self) -> None:
         for key in ("request_timeout_s", "connect_timeout_s", "control_timeout_s",
@@ -144,6 +150,8 @@ class InferenceClientConfig:
             raise ValueError(f"health_check_failures: must be >= 1, got {self.health_check_failures}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries: must be >= 0, got {self.max_retries}")
+        if self.segment_tokens < 0:
+            raise ValueError(f"segment_tokens: must be >= 0, got {self.segment_tokens}")
         if self.retry_backoff_s < 0:
             raise ValueError(f"retry_backoff_s: must be >= 0, got {self.retry_backoff_s}")
         if self.max_connections_per_server < 0:

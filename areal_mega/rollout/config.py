@@ -36,6 +36,11 @@ class RolloutConfig:
     """Episodes (finished: accepted, rejected or failed) over which ``max_failure_rate`` is counted."""
     show_progress: bool = True
     """Print a one-line progress display, only when stderr is an interactive terminal."""
+    save_in_flight: bool = True
+    """Checkpoints save what was generated and not yet trained -- finished groups and every
+    in-flight episode's calls with their tokens, behaviour log-probs and versions -- and a resumed
+    run continues those episodes (docs/resume.md). False: they are dropped and their prompts
+    generated again."""
     batch_timeout_s: float = 0.0
     """get_batch raises TimeoutError after this many seconds without a full batch; 0 = wait
     forever."""

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import concurrent.futures
 import logging
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, TextIO
 
@@ -29,6 +31,7 @@ from areal_mega.api.engine import InferenceEngine
 from areal_mega.api.workflow import RolloutBatch, RolloutWorkflow, Trajectory
 from areal_mega.rollout.config import RolloutConfig
 from areal_mega.rollout.failures import FailureBudget, failure_reason
+from areal_mega.rollout.journal import EpisodeJournal
 from areal_mega.rollout.staleness import PolicyVersion, StalenessManager, can_form_batch, take_oldest
 
 
@@ -46,12 +49,21 @@ class _Ready:
     group: list[Trajectory]
     pos: tuple[int, int] | None = None
     prompt_id: Any = None
+    saved: dict[str, Any] | None = None  # what a checkpoint saves of it (save_in_flight)
 
 
 def zero_variance(group: list[Trajectory]) -> bool:
     """True when every trajectory of the group has the same reward and the same step rewards
     (no GRPO signal, outcome or process)."""
     return len({(t.reward, tuple(t.step_rewards)) for t in group}) <= 1
+
+
+def _jsonable(data: Any) -> bool:
+    try:
+        json.dumps(data)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 class RolloutController:
@@ -119,6 +131,16 @@ class RolloutController:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._producer: asyncio.Task | None = None
         self._loop_thread_id: int | None = None
+        # Checkpointed episodes (save_in_flight): seq -> the episode's record while it runs (its
+        # journal, uid, data); resumed ones wait in _resumed for admission before anything new.
+        self._episodes: dict[int, dict[str, Any]] = {}
+        self._resumed: collections.deque[dict[str, Any]] = collections.deque()
+        self.resume_counts: collections.Counter[str] = collections.Counter()
+        """Totals since the start: ``restored`` episodes, ``replayed_tokens`` (generated before the
+        checkpoint, trained without generating them again), ``continued_calls``, ``restarted``
+        (workflow not replayable), ``diverged``, ``dropped_stale`` (older than max_staleness
+        allows at resume: prompt generated again), ``lost_tokens`` (saved, never trained)."""
+        self._resume_since_batch: collections.Counter[str] = collections.Counter()
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -175,18 +197,66 @@ class RolloutController:
         batch = self._form_batch(taken, version)
         batch.positions = [r.pos for r in taken]
         batch.prompt_ids = [r.prompt_id for r in taken]
+        batch.episode_ids = [r.saved["uid"] if r.saved else None for r in taken]
         batch.skipped, self._skipped = [rec for _, rec in self._skipped], []
         self._notify()
         return batch
 
     def in_flight_positions(self) -> list[tuple[int, int]]:
-        """Prompt positions drawn but not yet handed out in a batch (running or ready episodes),
-        oldest admission first: what a checkpoint gives back to the stream. Loop thread only."""
-        held = [(seq, pos) for seq, pos in self._positions.items()]
-        held += [(r.seq, r.pos) for r in self._ready]
+        """Prompt positions drawn but not yet handed out in a batch (running or ready episodes,
+        unless ``save_in_flight``: then ``checkpoint_state`` saves those), oldest admission first:
+        what a checkpoint gives back to the stream. Loop thread only."""
+        held = [(seq, pos) for seq, pos in self._positions.items() if not self._saveable(self._episodes.get(seq))]
+        held += [(r.seq, r.pos) for r in self._ready if not self._saveable(r.saved)]
         held += [(seq, pos) for seq, pos, _, _ in self._retry]
         held += [(seq, tuple(rec["pos"]) if rec["pos"] is not None else None) for seq, rec in self._skipped]
         return [pos for _, pos in sorted(held) if pos is not None]
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The episodes generated and not yet trained (``save_in_flight``), oldest admission
+        first: finished ones (ready) and running ones with their calls so far (``EpisodeJournal``;
+        take it with the pool paused in abort mode so in-flight calls hold all their tokens).
+        JSON-able. Loop thread only."""
+        if not self.config.save_in_flight:
+            return {"episodes": []}
+        eps = [{**e["saved"], "seq": seq, "calls": e["journal"].snapshot()} for seq, e in self._episodes.items()
+               if self._saveable(e)]
+        eps += [{**r.saved, "seq": r.seq, "calls": r.saved["journal"].snapshot()} for r in self._ready
+                if self._saveable(r.saved)]
+        eps += [e for e in self._resumed]  # restored, not yet admitted again
+        eps = sorted(eps, key=lambda e: e["seq"])
+        return {"version": self.staleness.version,
+                "episodes": [{k: v for k, v in e.items() if k not in ("journal", "jsonable")} for e in eps]}
+
+    @staticmethod
+    def _saveable(ep: dict[str, Any] | None) -> bool:
+        """Saved whole by a checkpoint: ``save_in_flight`` and a sample that JSON can hold (one that
+        cannot, e.g. with arrays, is given back to the prompt stream and generated again)."""
+        return ep is not None and (ep.get("saved") or ep).get("jsonable", False)
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """Before ``astart``: the episodes ``checkpoint_state`` saved run first, continued from
+        their calls. An episode admitted before ``version - max_staleness`` (its tokens could not
+        be trained within the bound) is dropped and its prompt runs again (``dropped_stale``); one
+        of a workflow that is not ``replayable`` (or with MoE routes captured) restarts."""
+        eps = (state or {}).get("episodes") or []
+        oldest_allowed = self.staleness.version - self.config.max_staleness
+        for e in sorted(eps, key=lambda e: e["seq"]):
+            vers = [v for c in e["calls"] for v in c["vers"]]
+            if e["admit_version"] < oldest_allowed or any(v > self.staleness.version for v in vers):
+                self.resume_counts["dropped_stale"] += 1
+                self.resume_counts["lost_tokens"] += len(vers)
+                pos = tuple(e["pos"]) if e["pos"] is not None else None
+                self._retry.append((e["seq"], pos, e["data"], e["attempt"]))
+                continue
+            # Saved calls carry no MoE routes (routing replay): such episodes restart too.
+            if not getattr(self.workflow, "replayable", True) or getattr(self.engine, "capture_routes", False):
+                self.resume_counts["restarted"] += 1
+                self.resume_counts["lost_tokens"] += len(vers)
+                e = {**e, "calls": []}
+            self._resumed.append(e)
+            self.resume_counts["restored"] += 1
+        self._resume_since_batch.update(self.resume_counts)
 
     # ---- internals -------------------------------------------------------------------
 
@@ -237,6 +307,7 @@ class RolloutController:
             "staleness/max": float(max(counts, default=0)),
             "staleness/frac_stale_tokens": sum(c for s, c in counts.items() if s > 0) / max(num_tokens, 1),
             **{f"reward/reason/{k}": float(v) for k, v in sorted(reasons.items())},
+            **{f"rollout/resume/{k}": float(v) for k, v in sorted(self._resume_since_batch.items())},
         }
         if step_rewards:  # process rewards: every step's reward pooled over the batch
             stats["rollout/step_reward_mean"] = sum(step_rewards) / len(step_rewards)
@@ -245,9 +316,11 @@ class RolloutController:
         self._accepted_since_batch = 0
         self._failed_since_batch.clear()
         self._retries_since_batch = 0
+        self._resume_since_batch.clear()
         return RolloutBatch([r.group for r in taken], version, stats, dict(counts))
 
     def _episode_left(self, seq: int) -> None:
+        self._episodes.pop(seq, None)
         self._running.pop(seq, None)
         self._positions.pop(seq, None)
         if not self._running and self._inflight_since is not None:
@@ -296,12 +369,23 @@ class RolloutController:
                 if self._paused or self._error is not None or self._fatal is not None:
                     await self._wait(None)
                     continue
-                admit_version = self.staleness.try_admit()
+                saved = None
+                if self._resumed:  # a checkpoint's episode: admitted before it, at its own version
+                    if not self.staleness.admit_resumed():
+                        await self._wait(None)
+                        continue
+                    saved = self._resumed.popleft()
+                    admit_version = saved["admit_version"]
+                else:
+                    admit_version = self.staleness.try_admit()
                 if admit_version is None:
                     await self._wait(None)
                     continue
                 attempt = 0
-                if self._retry:  # a failed prompt runs again before new ones (a new seq: admission order)
+                if saved is not None:
+                    pos = tuple(saved["pos"]) if saved["pos"] is not None else None
+                    data, attempt = saved["data"], saved["attempt"]
+                elif self._retry:  # a failed prompt runs again before new ones (a new seq: admission order)
                     _, pos, data, attempt = self._retry.popleft()
                 else:
                     try:
@@ -314,6 +398,12 @@ class RolloutController:
                 self._attempt[seq] = attempt
                 self._running[seq] = admit_version
                 self._positions[seq] = pos
+                if self.config.save_in_flight:
+                    journal = EpisodeJournal(self.engine, saved["calls"] if saved else None)
+                    self._episodes[seq] = {"journal": journal, "saved": {
+                        "uid": saved["uid"] if saved else uuid.uuid4().hex[:16], "admit_version": admit_version,
+                        "pos": list(pos) if pos is not None else None, "data": data, "attempt": attempt,
+                        "journal": journal, "jsonable": _jsonable(data)}}
                 if self._inflight_since is None:
                     self._inflight_since = time.monotonic()
                 task = asyncio.create_task(self._run_episode(seq, admit_version, pos, data))
@@ -328,9 +418,13 @@ class RolloutController:
 
     async def _run_episode(self, seq: int, admit_version: int, pos: tuple[int, int] | None,
                            data: dict[str, Any]) -> None:
+        ep = self._episodes.get(seq)
+        journal = ep["journal"] if ep else None
         try:
-            group = await self.workflow.arun_episode(self.engine, data)
+            group = await self.workflow.arun_episode(journal or self.engine, data)
             keep = bool(group) and (self._accept is None or self._accept(group))
+            if journal is not None:
+                self._count_replay(journal, group if keep else None)
         except asyncio.CancelledError:
             self._episode_left(seq)
             self._attempt.pop(seq, None)
@@ -353,7 +447,8 @@ class RolloutController:
         if keep:
             assert group is not None
             self.staleness.on_accepted()
-            self._ready.append(_Ready(seq, admit_version, group, pos, data.get("id")))
+            self._ready.append(_Ready(seq, admit_version, group, pos, data.get("id"),
+                                      saved=ep["saved"] if ep else None))
             self._consecutive_rejects = 0
             self._accepted_since_batch += 1
         else:
@@ -362,6 +457,17 @@ class RolloutController:
             self._rejected_since_batch += 1
         self._show_progress()
         self._notify()
+
+    def _count_replay(self, journal: EpisodeJournal, group: list[Trajectory] | None) -> None:
+        """A resumed episode's outcome: its saved tokens trained (in an accepted group) or not."""
+        if not journal.replayed_tokens and not journal.diverged:
+            return
+        c = collections.Counter({"replayed_tokens" if group else "lost_tokens": journal.replayed_tokens,
+                                 "continued_calls": journal.continued_calls, "diverged": int(journal.diverged),
+                                 "lost_tokens": journal.unused_tokens})
+        c = +c
+        self.resume_counts.update(c)
+        self._resume_since_batch.update(c)
 
     def _on_failure(self, seq: int, pos: tuple[int, int] | None, data: dict[str, Any], exc: Exception) -> None:
         """Count a failed episode by reason; run its prompt again or skip it; stop the run only

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Awaitable, Iterable, Sequence, TypeVar
 
+from areal_mega.api.data import PromptSource
 from areal_mega.api.generation import GenerationService, PolicyVersion
 from areal_mega.api.workflow import RolloutWorkflow
 from areal_mega.evaluation import EvalSpec, evaluate_items
@@ -62,11 +63,14 @@ class RolloutService(GenerationService):
     def version(self) -> int:
         return self._version.get()
 
-    def start(self, workflow: RolloutWorkflow, dataset: Iterable[dict[str, Any]], cfg: RolloutConfig) -> None:
-        """Begin generating at the current version (which the servers hold)."""
+    def start(self, workflow: RolloutWorkflow, dataset: Iterable[dict[str, Any]], cfg: RolloutConfig,
+              restore: dict[str, Any] | None = None) -> None:
+        """Begin generating at the current version (which the servers hold); ``restore``: a
+        checkpoint's ``checkpoint_state()["rollout"]``, whose episodes continue first."""
 
         async def start() -> RolloutController:
             c = RolloutController(self.pool, workflow, dataset, cfg, version=self._version)
+            c.restore(restore)
             await c.astart()
             return c
 
@@ -149,15 +153,29 @@ class RolloutService(GenerationService):
             self._stop_loop()
 
     # -- what the trainer reads besides batches ----------------------------------------------------
-    def prompt_state(self) -> dict[str, Any]:
-        """The prompt stream's ``state_dict`` with the prompts drawn but not yet in a batch given
-        back -- taken on the controller's loop, the only thread that draws prompts, so no prompt
-        is drawn between the two reads (it would be lost on resume)."""
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint saves of the generation side, taken in one go on the controller's
+        loop (the only thread that draws prompts: none is drawn between the reads, it would be lost
+        on resume): ``prompts`` (the prompt stream's ``state_dict`` with the prompts drawn and not
+        yet in a batch given back, less the episodes saved whole) and ``rollout`` (the
+        controller's ``checkpoint_state``: generated, not yet trained). In-flight requests are
+        aborted first, the way a weight sync in ``client.pause_mode`` abort pauses them (whatever
+        the mode set), so each holds every token it has; they continue once the state is taken."""
         assert self.controller is not None, "start() first"
         c = self.controller
 
+        def prompts() -> dict[str, Any] | None:  # None: a plain iterable, no position to keep
+            return c.dataset.state_dict(c.in_flight_positions()) if isinstance(c.dataset, PromptSource) else None
+
         async def get() -> dict[str, Any]:
-            return c.dataset.state_dict(c.in_flight_positions())
+            if not c.config.save_in_flight:
+                return {"prompts": prompts()}
+            await self.pool.pause(mode="abort")
+            try:
+                await self.pool.settle()
+                return {"prompts": prompts(), "rollout": c.checkpoint_state()}
+            finally:
+                await self.pool.resume()
 
         return self._run(get())
 

@@ -71,6 +71,16 @@ class StalenessManager:
             self._running += 1
             return version
 
+    def admit_resumed(self) -> bool:
+        """Admit a resumed episode (saved by a checkpoint, admitted before it) if
+        ``max_concurrent`` allows: it counts as running. The staleness term needs no check: the
+        episodes a checkpoint holds fit in it (they did when they were admitted)."""
+        with self._lock:
+            if self._running >= self.max_concurrent:
+                return False
+            self._running += 1
+            return True
+
     def on_accepted(self) -> None:
         with self._lock:
             assert self._running > 0, "on_accepted without a running episode"

@@ -27,6 +27,8 @@ __all__ = ["RUN_STATE_FILE", "read_run_state", "resume_run", "resume_run_checkpo
 
 RUN_STATE_FILE = "run_state.json"
 """Rank 0's run state in a trainer checkpoint (prompt stream position, prompts to give back)."""
+ROLLOUT_STATE_FILE = "rollout_state.json"
+"""The run state's ``rollout`` part (episodes generated, not yet trained), compact: it holds tokens."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -50,6 +52,8 @@ def read_run_state(path: str | Path) -> tuple[dict[str, Any] | None, dict[str, A
     (None for checkpoints written without them, e.g. converted ones)."""
     path = Path(path)
     run = json.loads((path / RUN_STATE_FILE).read_text()) if (path / RUN_STATE_FILE).is_file() else None
+    if run is not None and (path / ROLLOUT_STATE_FILE).is_file():
+        run["rollout"] = json.loads((path / ROLLOUT_STATE_FILE).read_text())
     rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
     rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
     return run, rng
@@ -74,6 +78,9 @@ def save_run_checkpoint(root: str | Path, step: int, actor: Any, critic: Any = N
         if dist.get_rank() == 0:
             (stage / "rng").mkdir(exist_ok=True)
             if run_state is not None:
+                run_state = dict(run_state)
+                if "rollout" in run_state:
+                    (stage / ROLLOUT_STATE_FILE).write_text(json.dumps(run_state.pop("rollout"), separators=(",", ":")))
                 (stage / RUN_STATE_FILE).write_text(json.dumps(run_state, indent=1))
         dist.barrier()
         torch.save(rng_state(), stage / "rng" / f"rank{dist.get_rank()}.pt")
@@ -109,12 +116,12 @@ def resume_run_checkpoint(root: str | Path, actor: Any, critic: Any = None, *, g
 def resume_run(root: str | Path, actor: Any, critic: Any = None, *, group: Any = None) -> tuple[int, dict[str, Any] | None]:
     """The trainer's whole resume (collective): the newest complete checkpoint in ``root`` loaded
     into the engines (:func:`resume_run_checkpoint`), every rank's generators restored. Returns
-    (the step to continue from, 0 when there is no checkpoint; rank 0's prompt-stream state or
-    None)."""
+    (the step to continue from, 0 when there is no checkpoint; rank 0's run state -- ``prompts``:
+    the prompt-stream state, ``rollout``: the saved episodes -- or None)."""
     path = resume_run_checkpoint(root, actor, critic, group=group)
     if path is None:
         return 0, None
     run, rng = read_run_state(path)
     if rng is not None:  # every rank continues its generators where the checkpoint left them
         set_rng_state(rng)
-    return actor.get_version(), (run or {}).get("prompts")
+    return actor.get_version(), run

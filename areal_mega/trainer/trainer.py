@@ -105,9 +105,9 @@ class Trainer:
         """Resume from the newest COMPLETE checkpoint (``trainer.resume``; half-written ones are
         skipped), bring the servers to its weights, then start generating (rank 0)."""
         cfg, out = self.cfg, Path(self.cfg.output_dir)
-        prompt_state = None
+        run_state: dict[str, Any] = {}
         if cfg.trainer.resume:
-            self.start_step, prompt_state = resume_run(out / "checkpoints", self.actor, self.critic, group=self.ctrl_group)
+            self.start_step, run_state = resume_run(out / "checkpoints", self.actor, self.critic, group=self.ctrl_group)
         if self.is_driver:
             out.mkdir(parents=True, exist_ok=True)
             # Records past the checkpoint (a killed run's last steps) are redone: move them out.
@@ -120,12 +120,13 @@ class Trainer:
         if self.generation is not None:
             self.eval_set = load_items(cfg, self.episodes.tokenizer, heldout=self.prompts.heldout())
             self.eval_workflow, _ = self.episodes.eval_workflows()  # what `areal-mega eval` runs
-            # Resumed: the prompt stream continues where the checkpoint stood, the prompts that were
-            # in flight then (dropped with the episodes) first -- every prompt trained once per epoch.
-            # The staleness counters start afresh at the resumed version: nothing is in flight.
-            if prompt_state is not None:
-                self.prompts.load_state_dict(prompt_state)
-            self.generation.start(self.episodes.workflow, self.prompts, cfg.rollout)
+            # Resumed: the episodes generated and not trained then (rollout.save_in_flight) continue
+            # first, at their admission versions (docs/resume.md); then the prompt stream, where the
+            # checkpoint stood, the prompts given back first -- every prompt trained once per epoch.
+            run_state = run_state or {}
+            if run_state.get("prompts") is not None:
+                self.prompts.load_state_dict(run_state["prompts"])
+            self.generation.start(self.episodes.workflow, self.prompts, cfg.rollout, restore=run_state.get("rollout"))
 
     # ------------------------------------------------------------------ loop pieces
     def next_batch(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -163,6 +164,8 @@ class Trainer:
         ``[epoch, index, id, reason]``)."""
         rows = [[*pos, pid] for pos, pid in zip(rb.positions, rb.prompt_ids) if pos is not None]
         record: dict[str, Any] = {"version": rb.version, "prompts": rows}
+        if any(rb.episode_ids):  # the per-episode log: no episode trained twice across resumes
+            record["episodes"] = rb.episode_ids
         if rb.skipped:
             record["skipped"] = [[*(s["pos"] or [None, None]), s["id"], s["reason"]] for s in rb.skipped]
         with open(Path(self.cfg.output_dir) / "prompts.jsonl", "a") as f:
@@ -321,7 +324,7 @@ class Trainer:
         and renamed into place, then ``checkpoints/latest`` moved to it (both atomic)."""
         run_state = None
         if self.generation is not None:
-            run_state = {"step": step, "prompts": self.generation.prompt_state()}
+            run_state = {"step": step, **self.generation.checkpoint_state()}
         save_run_checkpoint(Path(self.cfg.output_dir) / "checkpoints", step, self.actor, self.critic,
                             extra={"model_path": self.cfg.model_path}, run_state=run_state)
         dist.barrier(group=self.ctrl_group)

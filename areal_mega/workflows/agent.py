@@ -320,6 +320,11 @@ class AgentWorkflow(TokenWorkflow):
         turn_discount: float = 1.0
         """A trajectory's reward is the episode's times this ** (calls made after its last call);
         1.0 = no discount."""
+        replayable: bool = True
+        """The agent keeps the replay contract (``RolloutWorkflow``, docs/resume.md): given the same
+        replies it makes the same calls (its tools deterministic), so an episode a checkpoint saved
+        resumes at the call it had reached, the earlier replies answered from the checkpoint.
+        False (it reads a clock, a live service, unseeded randomness): saved episodes restart."""
 
         def validate(self) -> None:
             if ":" not in self.function:
@@ -338,6 +343,7 @@ class AgentWorkflow(TokenWorkflow):
             except ValueError as e:
                 raise ValueError(f"options.{e}") from None
         self.agent = agent or resolve("agent", self.options.function)
+        self.replayable = self.options.replayable
         self._server: Any = None  # options.http: the ChatCompletionsServer, started on first use
         if not inspect.iscoroutinefunction(self.agent):
             raise ValueError(f"agent: {self.options.function!r} must be an async function (client, sample)")
