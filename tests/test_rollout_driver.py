@@ -210,7 +210,8 @@ def test_trainer_sync_weights_goes_through_the_service():
     f = Fakes(2)
     svc = f.service()
     try:
-        cfg = types.SimpleNamespace(weight_sync=types.SimpleNamespace(server_wait_s=0))
+        cfg = types.SimpleNamespace(weight_sync=types.SimpleNamespace(server_wait_s=0),
+                                    trainer=types.SimpleNamespace(study_delay=0))
         ws = _RecordingSync(fail=1)
         t = Trainer(cfg=cfg, groups=types.SimpleNamespace(rank=0), actor=None, weight_sync=ws, advantage=None,
                     policy_loss=None, metrics=None,
