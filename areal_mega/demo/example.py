@@ -57,6 +57,7 @@ def link_model(w: Path, learner_python: str, env: dict[str, str]) -> Path:
 def train(model: Path, out: Path, *, learner_python: str, sglang_python: str, env: dict[str, str],
           overrides: list[str]) -> None:
     """The example's GRPO run of ``model`` into ``out`` (local launcher), ``overrides`` applied."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     _run([learner_python, "-m", "areal_mega.launcher", "local", "--config", CONFIG, f"model_path={model}",
           f"output_dir={out}", "trainer.resume=false", f"inference.server.python={sglang_python}",
           f"launch.run_dir={out.parent / (out.name + '-launch-{job_id}')}", *overrides], env,
