@@ -79,7 +79,7 @@ def summarise(cells: list[dict]) -> list[dict]:
     for key in sorted({(c["eta"], c["method"]) for c in cells}):
         accs = [c["accuracy"] for c in cells if (c["eta"], c["method"]) == key]
         mean = sum(accs) / len(accs)
-        se = math.sqrt(sum((a - mean) ** 2 for a in accs) / (len(accs) - 1) / len(accs)) if len(accs) > 1 else float("nan")
+        se = math.sqrt(sum((a - mean) ** 2 for a in accs) / (len(accs) - 1) / len(accs)) if len(accs) > 1 else None
         step_s = [s for c in cells if (c["eta"], c["method"]) == key for s in c["step_s"]]
         out.append({"eta": key[0], "method": key[1], "accuracy_mean": mean, "accuracy_se_over_seeds": se,
                     "seeds": len(accs), "step_s_median": sorted(step_s)[len(step_s) // 2] if step_s else None})
@@ -96,7 +96,7 @@ def plot(summary: list[dict], cells: list[dict], path: Path) -> None:
     for m in sorted({s["method"] for s in summary}):
         rows = [s for s in summary if s["method"] == m]
         a.errorbar([r["eta"] for r in rows], [r["accuracy_mean"] for r in rows],
-                   yerr=[0 if math.isnan(r["accuracy_se_over_seeds"]) else r["accuracy_se_over_seeds"] for r in rows],
+                   yerr=[r["accuracy_se_over_seeds"] or 0 for r in rows],
                    marker="o", capsize=3, label=m)
         for c in cells:
             if c["method"] == m and c["eta"] == max(r["eta"] for r in rows):
