@@ -253,6 +253,11 @@ def test_local_and_cpu_plans(tmp_path):
     assert count_params(get_adapter(hf).arch).layer_sharded == 30_848
     assert (plan.learner_memory.stage, plan.learner_memory.params) == (0, 30_848 // 2 + 128 + 128 * 64 // 2)
     assert "a.b=1" in plan.learners[0].argv
+    # launch.learner.master_port 0 locally: a free port, not torchrun's 29500 (which a second launch
+    # on this machine would also take), the same in the torchrun command and the plan's address.
+    argv = plan.learners[0].argv
+    master = int(argv[argv.index("--master-port") + 1])
+    assert master != 29500 and plan.master_addr == f"127.0.0.1:{master}"
     # inference.server.port 0: free local ports.
     free = build_plan(cfg, local, raw={**raw, "inference": {}}, config_path="c.yaml", overrides=[], python="PY")
     ports = {int(e.url.rsplit(":", 1)[1]) for e in free.engines}
@@ -701,7 +706,7 @@ def test_learner_and_engine_procs_alone():
     from pathlib import Path
 
     ls = learner_procs(exp, alloc(3, 8), nodes, nproc=8, world=16, env={"A": "1"}, base=base, raw={}, overrides=[],
-                       python="PY", run_dir=Path("/r"))
+                       python="PY", run_dir=Path("/r"), master_port=29500)
     assert [(p.node, p.node_rank, p.nproc, p.num_gpus) for p in ls] == [("n1", 0, 8, 8), ("n2", 1, 8, 8)]
     assert ls[1].argv[:12] == ("PY", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
                                "--nproc-per-node", "8", "--master-addr", "10.0.0.1", "--master-port")
@@ -832,3 +837,16 @@ def test_supervisor_a_dying_node_stops_its_whole_server(tmp_path):
     assert "fails over to the others (1 left)" in text
     assert "head stopped=True engine1 alive=True" in text
     assert sum("exited with" in ln for ln in said) == 1  # engine1 ran on until the end (stopped, not dead)
+
+
+def test_learner_master_port_is_free_locally_fixed_on_slurm():
+    """launch.learner.master_port 0: 29500 on a Slurm allocation (a free port locally: the local
+    plan test); a set port is used as given."""
+    from areal_mega.launcher.plan import DEFAULT_MASTER_PORT
+
+    def port(plan):
+        argv = plan.learners[0].argv
+        return int(argv[argv.index("--master-port") + 1]), int(plan.master_addr.rsplit(":", 1)[1])
+
+    assert port(plan_70b()) == (DEFAULT_MASTER_PORT, DEFAULT_MASTER_PORT)
+    assert port(plan_70b(["launch.learner.master_port=31234"])) == (31234, 31234)

@@ -36,8 +36,9 @@ class LearnerLaunchConfig:
     nproc_per_node: int | None = None
     """Ranks per learner node; None = the node's GPUs, or on CPU nodes the model-parallel size
     (tp*pp*cp*dp) divided by num_nodes."""
-    master_port: int = 29500
-    """torchrun static-rendezvous port on the first learner node."""
+    master_port: int = 0
+    """torchrun static-rendezvous port on the first learner node; 0 = a free port when launching
+    on this machine, 29500 under Slurm."""
     command: list[str] = field(default_factory=lambda: [
         "-m", "areal_mega.cli", "train", "--config", "{config}",
         "inference.addresses={engine_addresses}", "{overrides}",

@@ -37,6 +37,9 @@ from areal_mega.simulator.planner import choose_learner_nodes
 from areal_mega.utils import secrets
 from areal_mega.utils.procs import service_ports
 
+DEFAULT_MASTER_PORT = 29500
+"""torchrun's rendezvous port on the first learner node under Slurm when launch.learner.master_port is 0."""
+
 if TYPE_CHECKING:
     from areal_mega.models.base import ModelArch
 
@@ -427,7 +430,7 @@ def engine_procs(exp: ExperimentConfig, alloc: Allocation, nodes: _Nodes, ports:
 
 def learner_procs(exp: ExperimentConfig, alloc: Allocation, nodes: _Nodes, *, nproc: int, world: int,
                   env: dict[str, str], base: dict, raw: dict, overrides: list[str], python: str,
-                  run_dir: Path) -> tuple[ProcSpec, ...]:
+                  run_dir: Path, master_port: int) -> tuple[ProcSpec, ...]:
     """One torchrun per learner node (static rendezvous at the first node)."""
     lc, gpus = exp.launch.learner, alloc.gpus_per_node
     cpus = cpus_per_step(alloc, nodes)
@@ -440,7 +443,7 @@ def learner_procs(exp: ExperimentConfig, alloc: Allocation, nodes: _Nodes, *, np
         name = f"learner{r}"
         argv = [python, "-m", "torch.distributed.run", "--nnodes", str(n_nodes), "--node-rank", str(r),
                 "--nproc-per-node", str(local_nproc), "--master-addr", nodes.master_addr,
-                "--master-port", str(lc.master_port),
+                "--master-port", str(master_port),
                 # Per-rank logs (<dir>/<run>/attempt_0/<local_rank>/std{out,err}.log) let the
                 # launcher print the failed rank's own tail; --tee keeps them in the node log too.
                 "--log-dir", str(logs / f"{name}.ranks"), "--redirects", "3", "--tee", "3", *cmd]
@@ -547,14 +550,17 @@ def build_plan(cfg: LaunchConfig, alloc: Allocation, *, raw: dict, config_path: 
     engines = engine_procs(exp, alloc, nodes, ports, env=env, base=base, raw=raw, overrides=overrides, python=python,
                            engine_python=engine_python, run_dir=run_dir, sglang_secret=sglang_secret,
                            first_gpu=world if alloc.local else 0)
+    # Locally a free port unless one is set: two launches on one machine (a user's, a test's) must
+    # not race for torchrun's default.
+    master_port = cfg.learner.master_port or (service_ports(1)[0] if alloc.local else DEFAULT_MASTER_PORT)
     learners = learner_procs(exp, alloc, nodes, nproc=nproc, world=world, env=env, base=base, raw=raw,
-                             overrides=overrides, python=python, run_dir=run_dir)
+                             overrides=overrides, python=python, run_dir=run_dir, master_port=master_port)
     learner_mem, engine_mem, mem_notes = memory_verdict(exp, layout, gpus, engines=bool(engines))
     notes = ([split_note] if split_note else []) + list(nodes.notes) + mem_notes
     return LaunchPlan(
         job_id=job, run_dir=run_dir, allocation=alloc, layout=layout, learner_nodes=nodes.learner_nodes,
         engine_nodes=tuple(dict.fromkeys(e.node for e in engines)),
-        master_addr=f"{nodes.master_addr}:{cfg.learner.master_port}", engines=engines, learners=learners,
+        master_addr=f"{nodes.master_addr}:{master_port}", engines=engines, learners=learners,
         engines_file=engines_file, env=env, learner_memory=learner_mem, engine_memory=engine_mem,
         checks_gpu_memory=gpus > 0, notes=tuple(notes), secrets_dir=secrets_dir, api_key=inf.api_key,
         stop_file=stop_file, preempt_grace_s=cfg.preempt_grace_s,
