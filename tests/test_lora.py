@@ -110,3 +110,32 @@ def test_lora_merged_sync_weights_equal_peft_merge(layouts):
             assert d <= fp32_tol(LORA["rank"], float(r.abs().max()), ops=2), f"{key} {n}: {d}"
             adapted += any(n.replace(".weight", "") + ".lora_A" in k for k in ref["adapters"])
         assert adapted == 4 * 7, key  # every projection of every layer merged
+
+
+@pytest.mark.slow
+def test_lora_engine_optimizes_adapters_only(layouts):
+    _, res = layouts
+    in_opt, adapters, trainable = res["engine"]
+    # TP2 rank 0's local adapters: 4 layers x rank 4 x (q,k,v,o,gate,up,down); base frozen
+    assert adapters > 0 and in_opt == adapters == trainable, res["engine"]
+
+
+def test_lora_refusals():
+    from types import SimpleNamespace
+
+    from areal_mega.megatron.lora import check_lora
+
+    on = LoraConfig(**LORA)
+    dense = SimpleNamespace(is_moe=False, mla=None)
+    lay = SimpleNamespace(tp=1, cp=1)
+    check_lora(on, dense, lay, "local")
+    check_lora(LoraConfig(), SimpleNamespace(is_moe=True, mla=None), lay, "te")  # off: nothing checked
+    for args, kw, msg in [
+        ((on, SimpleNamespace(is_moe=True, mla=None), lay, "local"), {}, "actor.lora: LoRA on MoE"),
+        ((on, dense, lay, "te"), {}, "layer_spec: local"),
+        ((on, dense, SimpleNamespace(tp=1, cp=2), "local"), {}, "context_parallel"),
+        ((LoraConfig(rank=4, dropout=0.1), dense, SimpleNamespace(tp=2, cp=1), "local"), {}, "lora.dropout"),
+        ((on, dense, lay, "local"), {"critic": True}, "critic.lora"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            check_lora(*args, **kw)

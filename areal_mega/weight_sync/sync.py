@@ -601,6 +601,9 @@ def megatron_weight_sync(
     from areal_mega.models.base import named_tensors
 
     cfg.validate()  # a bad mode: its one-line error, before the lookup
+    from areal_mega.megatron.lora import sync_chunks
+
+    chunks = sync_chunks(chunks)  # LoRA: the merged-weight fallback (W + scaling * B A), logged once
     layout: ParallelLayout = groups.layout
     dtype = dtype_name(dtype or adapter.arch.dtype)
     wire = getattr(torch, dtype)

@@ -17,7 +17,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from areal_mega.megatron.lora import LoraConfig, apply_lora, gather_peft_state, load_peft_state, merged_hf_weights
+from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
+from areal_mega.megatron.lora import LoraConfig, adapter_params, apply_lora, gather_peft_state, load_peft_state, merged_hf_weights
 from areal_mega.megatron.model import MegatronModelConfig, build_model, forward_logits, load_hf_weights, packed_causal_mask
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.parallel import ParallelConfig, ParallelLayout
@@ -61,6 +62,14 @@ def main() -> None:
         res["grads"][key] = g if dist.get_rank() == 0 else None
         merged = dict(merged_hf_weights(model))
         res["merged"][key] = merged if dist.get_rank() == 0 else None
+        if key == "tp2":  # the engine: base frozen, only the adapters in DDP and the optimizer
+            ecfg = MegatronEngineConfig(model=MegatronModelConfig(layer_spec="local", sequence_parallel=False),
+                                        optimizer=OptimizerConfig(use_distributed_optimizer=False), lora=lcfg)
+            eng = MegatronTrainEngine.create(ecfg, hf_dir, groups, hf_weights_dir=hf_dir)
+            in_opt = sum(p.numel() for grp in eng.optimizer.param_groups for p in grp["params"])
+            adapters = sum(p.numel() for _, _, p, _ in adapter_params(eng.model))
+            trainable = sum(p.numel() for c in eng.model.chunks for p in c.parameters() if p.requires_grad)
+            res["engine"] = (in_opt, adapters, trainable)
         destroy_model_parallel()
     if dist.get_rank() == 0:
         torch.save(res, args.out)
