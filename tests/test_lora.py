@@ -139,3 +139,23 @@ def test_lora_refusals():
     ]:
         with pytest.raises(ValueError, match=msg):
             check_lora(*args, **kw)
+
+
+def test_lora_memory_model_prices_adapters_only():
+    from areal_mega.demo.models import tiny_config
+    from areal_mega.megatron.lora import TARGETS as T
+    from areal_mega.models import get_adapter
+    from areal_mega.parallel import ParallelConfig, ParallelLayout
+    from areal_mega.simulator.memory import LearnerSettings, lora_layer_params, stage_state
+
+    arch = get_adapter(tiny_config("qwen2")).arch  # hidden 64, MLP 128, heads 4/2 of 16
+    lay = ParallelLayout.build(ParallelConfig(tensor_parallel=2), 2)
+    full = stage_state(arch, LearnerSettings(dtype="bfloat16"), lay, 0)
+    lora = stage_state(arch, LearnerSettings(dtype="bfloat16", lora_rank=4, lora_targets=T), lay, 0)
+    # per layer at TP2: q 4*64+4*64/2, k,v 4*64+4*32/2 each, o 4*64/2+4*64, gate,up 4*64+4*128/2 each, down 4*128/2+4*64
+    per_layer = (256 + 128) + 2 * (256 + 64) + (128 + 256) + 2 * (256 + 256) + (256 + 256)
+    assert lora_layer_params(arch, 4, T, 2) == per_layer
+    a = 4 * per_layer
+    assert lora.weights == full.weights + 2 * a  # bf16 adapters on a frozen bf16 base
+    assert lora.grads == 4 * a and lora.optimizer == 12 * a  # fp32 grads; Adam m, v + fp32 master (dp 1)
+    assert full.grads == 4 * full.params and lora.params == full.params + a  # full FT: grads for every param
