@@ -98,9 +98,6 @@ class ExperimentConfig:
             raise ValueError("reward.step_scoring: there are no steps to score; set workflow.steps.split (regex or turns)")
         if scores_steps and self.algorithm.process_weight == 0:
             raise ValueError("reward.step_scoring: the step scores would be unused with algorithm.process_weight 0")
-        if self.actor.lora.enabled:
-            raise ValueError("actor.lora: the trainer's checkpoints do not hold LoRA adapters yet (the engine API "
-                             "trains with LoRA; docs/lora.md); set actor.lora.rank: 0")
         if self.actor.model.moe_routing_replay == "observe" and not self.algorithm.decoupled:
             raise ValueError("actor.model.moe_routing_replay: 'observe' measures the routes in the proximal forward, "
                              "which only algorithm.decoupled computes; set algorithm.decoupled: true")

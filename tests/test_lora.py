@@ -159,3 +159,11 @@ def test_lora_memory_model_prices_adapters_only():
     assert lora.weights == full.weights + 2 * a  # bf16 adapters on a frozen bf16 base
     assert lora.grads == 4 * a and lora.optimizer == 12 * a  # fp32 grads; Adam m, v + fp32 master (dp 1)
     assert full.grads == 4 * full.params and lora.params == full.params + a  # full FT: grads for every param
+
+
+@pytest.mark.slow
+def test_lora_checkpoint_saved_tp2_loads_tp2_sp(layouts):
+    _, res = layouts
+    # engine.save at TP2 (base + sharded adapters + adapter-only optimizer), engine.load at TP2 + SP
+    assert res["ckpt"] and all(res["ckpt"].values()), res["ckpt"]
+    assert len(res["ckpt"]) == 4 * 7 * 2  # A and B of every projection of every layer

@@ -565,9 +565,6 @@ class MegatronTrainEngine(TrainEngine):
         written straight into ``path``. The calling script must be
         ``if __name__ == "__main__"``-guarded (dist_checkpointing spawns a Manager)."""
         self._require_trainable("save")
-        if self.cfg.lora.enabled:
-            raise ValueError("actor.lora: checkpoints of LoRA runs are not supported yet (adapters would be saved "
-                             "as replicated tensors); set actor.lora.rank: 0 or disable checkpointing")
         save_checkpoint(
             self.model, path,
             step=self._num_steps if step is None else step,
@@ -586,8 +583,6 @@ class MegatronTrainEngine(TrainEngine):
         (CheckpointError, one line) a missing or incomplete checkpoint, another format version,
         another role (policy vs critic) and a weights-only checkpoint."""
         self._require_trainable("load")
-        if self.cfg.lora.enabled:
-            raise ValueError("actor.lora: resuming LoRA runs is not supported yet; set actor.lora.rank: 0")
         read_metadata(path, role=self.checkpoint_role, training=True)  # clean errors before any optimizer work
         # megatron-core 0.16.1 dist-opt + torch Adam: state_dict() needs Adam state (compat entry 1).
         compat.materialise_optimizer_state(self.optimizer)

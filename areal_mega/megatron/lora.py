@@ -183,6 +183,24 @@ def check_lora(cfg: LoraConfig, arch, layout, layer_spec: str, *, critic: bool =
                          "differ on the replicated adapter input)")
 
 
+def _shard_adapters_in_checkpoint(mod: nn.Module, kind: str) -> None:
+    """megatron's Column/RowParallelLinear.sharded_state_dict shards only weight/bias and would
+    save the adapters as replicated: this instance's override shards B (column) / A (row) along
+    the TP dim like W, the replicated factor stays replicated."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    axes = {"weight": 0, "bias": 0} if kind == "column" else {"weight": 1}
+    for p in mod.lora.A:
+        axes[f"lora.B.{p}" if kind == "column" else f"lora.A.{p}"] = 0 if kind == "column" else 1
+
+    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+        return make_sharded_tensors_for_checkpoint(mod.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                   sharded_offsets, tp_group=mod.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
+
+    mod.sharded_state_dict = sharded_state_dict
+
+
 def apply_lora(model, cfg: LoraConfig) -> int:
     """Freeze ``model`` (a MegatronModel) and attach adapters to the targeted linears; returns the
     number of local adapter parameters. Raises if a target module is in no layer of the model."""
@@ -212,6 +230,7 @@ def apply_lora(model, cfg: LoraConfig) -> int:
             fused = "none"
         mod.lora = LoraAdapter(kind, projs, cfg.target_modules, rows, w.shape[1], cfg, tp, sp, fused, a, w.dtype).to(w.device)
         mod.register_forward_hook(_hook)
+        _shard_adapters_in_checkpoint(mod, kind)
         n += sum(p.numel() for p in mod.lora.parameters())
     missing = sorted(set(cfg.target_modules) - found)
     if missing and model.arch.num_layers:  # every stage holds attention and MLP of its layers
@@ -320,8 +339,3 @@ def sync_chunks(chunks: list) -> list:
     logging.getLogger(__name__).info("weight sync: LoRA merged-weight fallback (W + scaling * B A sent as full "
                                      "weights over the configured transport)")
     return [MergedView(c) for c in chunks]
-
-
-def merged_hf_weights(model):
-    """``(hf_name, merged tensor)`` of this stage (collective over TP; see export_hf_weights)."""
-    return model.adapter.export_hf(sync_chunks(model.chunks), model.stage_plan, model.groups.tp)

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
-from areal_mega.megatron.lora import LoraConfig, adapter_params, apply_lora, gather_peft_state, load_peft_state, merged_hf_weights
-from areal_mega.megatron.model import MegatronModelConfig, build_model, forward_logits, load_hf_weights, packed_causal_mask
+from areal_mega.megatron.lora import LoraConfig, adapter_params, apply_lora, gather_peft_state, load_peft_state
+from areal_mega.megatron.model import MegatronModelConfig, export_hf_weights, build_model, forward_logits, load_hf_weights, packed_causal_mask
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from tests.support.dist import last_stage_value
@@ -60,7 +60,7 @@ def main() -> None:
                     dist.all_reduce(p.grad, group=groups.tp)
         g = gather_peft_state(model, grads=True)
         res["grads"][key] = g if dist.get_rank() == 0 else None
-        merged = dict(merged_hf_weights(model))
+        merged = dict(export_hf_weights(model))  # the LoRA-merged export every sync transport reads
         res["merged"][key] = merged if dist.get_rank() == 0 else None
         if key == "tp2":  # the engine: base frozen, only the adapters in DDP and the optimizer
             ecfg = MegatronEngineConfig(model=MegatronModelConfig(layer_spec="local", sequence_parallel=False),
@@ -70,6 +70,17 @@ def main() -> None:
             adapters = sum(p.numel() for _, _, p, _ in adapter_params(eng.model))
             trainable = sum(p.numel() for c in eng.model.chunks for p in c.parameters() if p.requires_grad)
             res["engine"] = (in_opt, adapters, trainable)
+            load_peft_state(eng.model, ref["adapters"])
+            eng.optimizer.zero_grad()
+            eng.optimizer.step()  # zero gradients: Adam state exists, the adapters do not move
+            eng.save(f"{args.work_dir}/ckpt")  # TP2 -> loaded at TP2 + SP below
+        if key == "tp2sp":
+            ecfg = MegatronEngineConfig(model=MegatronModelConfig(layer_spec="local", sequence_parallel=True),
+                                        optimizer=OptimizerConfig(use_distributed_optimizer=False), lora=lcfg)
+            eng = MegatronTrainEngine.create(ecfg, hf_dir, groups, hf_weights_dir=hf_dir)
+            eng.load(f"{args.work_dir}/ckpt")
+            back = gather_peft_state(eng.model)
+            res["ckpt"] = {k: torch.equal(v, ref["adapters"][k]) for k, v in back.items()} if dist.get_rank() == 0 else None
         destroy_model_parallel()
     if dist.get_rank() == 0:
         torch.save(res, args.out)
