@@ -288,10 +288,9 @@ def gather_peft_state(model, grads: bool = False) -> dict[str, torch.Tensor]:
 
     out = {}
     for key, _, prm, dim in adapter_params(model):
-        t = prm.grad if grads else prm.detach()
+        t = (prm.main_grad if getattr(prm, "main_grad", None) is not None else prm.grad) if grads else prm.detach()
         if t is None:
             t = torch.zeros_like(prm)
-        t = getattr(prm, "main_grad", t) if grads and getattr(prm, "main_grad", None) is not None else t
         if dim is not None and model.groups.layout.tp > 1:
             t = tp_all_gather(t.contiguous(), model.groups.tp, dim=dim)
         out[key] = t.detach().clone()
