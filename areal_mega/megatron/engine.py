@@ -22,6 +22,7 @@ from areal_mega.api.engine import TrainEngine
 from areal_mega.megatron import compat
 from areal_mega.megatron.logprobs import vocab_parallel_logprobs
 from areal_mega.utils.stats import LAST, reduction
+from areal_mega.megatron.lora import LoraConfig, apply_lora, check_lora
 from areal_mega.megatron.model import (
     MegatronModel, MegatronModelConfig, build_model, check_context_parallel, context_forward, load_hf_weights,
     microbatch_shard, packed_causal_mask, row_lengths, run_schedule,
@@ -117,12 +118,16 @@ class MegatronEngineConfig:
     compute_entropy: bool = True
     """Compute the per-token entropy (with gradient) for loss_fn in train_batch; costs one
     extra pass over the [T_mb, V/tp] logits."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA (docs/lora.md): rank > 0 freezes the base and trains low-rank adapters only (the
+    optimizer, its state and the gradients hold just them); the frozen reference is the base."""
 
     def validate(self) -> None:
         if self.max_tokens_per_microbatch < 1:
             raise ValueError(f"max_tokens_per_microbatch: must be >= 1, got {self.max_tokens_per_microbatch}")
         if self.attention not in ("auto", "mask", "thd"):
             raise ValueError(f"attention: {self.attention!r} is not one of auto, mask, thd")
+        self.lora.validate()
 
 
 def resolve_attention(attention: str, layer_spec: str, vpp: int | None) -> Literal["mask", "thd"]:
@@ -153,6 +158,9 @@ class MegatronTrainEngine(TrainEngine):
 
         cfg.validate()
         cfg.optimizer.validate()
+        if trainable:
+            check_lora(cfg.lora, model.arch, model.groups.layout, model.layer_spec,
+                       critic=getattr(self, "checkpoint_role", "policy") == "critic")
         self.attention = resolve_attention(cfg.attention, model.layer_spec, model.groups.layout.vpp)
         if self.attention == "thd" and model.layer_spec != "te":
             raise ValueError("attention: 'thd' needs the transformer-engine layer spec (model.layer_spec='te')")
@@ -262,6 +270,9 @@ class MegatronTrainEngine(TrainEngine):
         model = build_model(hf_config, groups, model_cfg)
         if hf_weights_dir is not None:
             load_hf_weights(model, hf_weights_dir)
+        if trainable and cfg.lora.enabled:
+            check_lora(cfg.lora, model.arch, groups.layout, model.layer_spec)
+            apply_lora(model, cfg.lora)  # freezes the base: DDP and the optimizer see adapters only
         engine = cls(cfg, model, trainable=trainable)
         engine.source_hf_dir = str(hf_weights_dir) if hf_weights_dir is not None else None  # checkpoint metadata
         return engine

@@ -517,7 +517,10 @@ def export_hf_weights(model: MegatronModel, names=None):
     over the expert groups; call on every rank where ``layout.exports(rank)``; a rank yields None
     for tensors only the stage's sender receives); see ModelAdapter.export_hf. Same code path as
     live weight sync and tools/convert_mcore_to_hf.py."""
-    return model.adapter.export_hf(model.chunks, model.stage_plan, model.groups.tp, names,
+    from areal_mega.megatron.lora import MergedView, has_lora
+
+    chunks = [MergedView(c) for c in model.chunks] if has_lora(model.chunks) else model.chunks  # LoRA: W + s B A
+    return model.adapter.export_hf(chunks, model.stage_plan, model.groups.tp, names,
                                    experts=expert_export(model.adapter, model.groups))
 
 

@@ -164,6 +164,11 @@ class LearnerSettings:
     """Micro-batches per step and DP rank (caps the 1F1B in-flight count); None = at least pp."""
     reserved_gib: float = 6.0
     """``launch.learner.reserved_gib`` (not a trainer setting: CUDA context, NCCL, fragmentation)."""
+    lora_rank: int = 0
+    """``actor.lora.rank`` (0 = full fine-tuning): the base is frozen, grads and optimizer state
+    are the adapters' only."""
+    lora_targets: tuple[str, ...] = ()
+    """``actor.lora.target_modules``."""
 
     @property
     def b(self) -> int:
@@ -186,6 +191,8 @@ def settings_from_engine_config(engine_cfg, arch_dtype: str, tp: int, *, on_gpu:
         distributed_optimizer=engine_cfg.optimizer.use_distributed_optimizer,
         make_vocab_size_divisible_by=mc.make_vocab_size_divisible_by, reserved_gib=reserved_gib,
         cp_comm_type=mc.cp_comm_type_for(spec),
+        **({"lora_rank": engine_cfg.lora.rank, "lora_targets": tuple(engine_cfg.lora.target_modules)}
+           if getattr(engine_cfg, "lora", None) is not None and engine_cfg.lora.enabled else {}),
     )
 
 
@@ -492,6 +499,12 @@ def stage_state(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, stage:
     n = sharded + head + norms + replicated + experts
     if not trainable:
         return StageState(params=n, weights=weights, grads=0, optimizer=0.0)
+    if s.lora_rank and not value_head:  # frozen base + adapters (megatron/lora.py placement)
+        a = len(ids) * lora_layer_params(m, s.lora_rank, s.lora_targets, t)
+        weights += a * s.b
+        opt = (8 + (4 if s.b == 2 else 0)) * a
+        return StageState(params=n + a, weights=weights, grads=4 * a if s.grad_reduce_in_fp32 else a * s.b,
+                          optimizer=opt / (layout.dp * layout.cp) if s.distributed_optimizer else float(opt))
     grads = 4 * n if s.grad_reduce_in_fp32 else weights
     sixteen = (sharded + head + replicated) if s.b == 2 else 0  # params with an fp32 master copy
     opt = 8 * (n - experts) + 4 * sixteen
@@ -503,6 +516,23 @@ def stage_state(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, stage:
     else:
         optimizer = float(opt + expert_opt)
     return StageState(params=n, weights=weights, grads=grads, optimizer=optimizer)
+
+
+def lora_layer_params(m: ModelArch, r: int, targets, tp: int) -> int:
+    """Adapter parameters of one layer on one TP rank: column-parallel projections (q, k, v,
+    gate, up) keep A [r, in] whole and 1/tp of B [out, r]; row-parallel ones (o, down) 1/tp of A
+    and B whole."""
+    h, f, d = m.hidden_size, m.ffn_hidden_size, m.head_dim
+    q, kv = m.num_heads * d, m.num_kv_heads * d
+    col = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "gate_proj": (h, f), "up_proj": (h, f)}
+    row = {"o_proj": (q, h), "down_proj": (f, h)}
+    n = 0
+    for t in targets:
+        if t in col:
+            n += r * col[t][0] + r * col[t][1] // tp
+        elif t in row:
+            n += r * row[t][0] // tp + r * row[t][1]
+    return n
 
 
 def stage_layer_ids(num_layers: int, layout: ParallelLayout, stage: int) -> list[int]:

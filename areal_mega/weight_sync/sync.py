@@ -609,6 +609,9 @@ def megatron_weight_sync(
         check_fp8(adapter)
         raise ValueError("inference.server.quantization: fp8 is planned (quantizer, bytes, server memory) but the "
                          "weight sync does not send fp8 + scales yet; use quantization: none (docs/weight_sync.md)")
+    from areal_mega.megatron.lora import sync_chunks
+
+    chunks = sync_chunks(chunks)  # LoRA: the merged-weight fallback (W + scaling * B A), logged once
     layout: ParallelLayout = groups.layout
     dtype = dtype_name(dtype or adapter.arch.dtype)
     wire = getattr(torch, dtype)

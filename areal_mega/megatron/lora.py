@@ -1,0 +1,340 @@
+"""LoRA adapters on megatron-core's tensor-parallel linears (docs/lora.md).
+
+Each targeted linear keeps its frozen weight W and gets per-HF-projection factors A [r, in],
+B [out, r]: y = W x + scaling * B A x, scaling = alpha / r, exactly PEFT's ``LoraLayer`` per
+projection, also on megatron's fused qkv (q/k/v blocks interleaved per query group, per TP
+shard) and fc1 ([gate; up] per TP shard): the fused layer holds one A/B pair per projection and
+writes each projection's delta into that projection's rows of the fused output.
+
+Placement: column-parallel (qkv, fc1): A replicated, B row-sharded like W (its output rows);
+the r-wide A x is all-reduced in backward (copy-to-TP region; under sequence parallelism it is
+all-gathered along the sequence instead and A's gradient is summed over TP like the norms').
+Row-parallel (proj, fc2): A sharded along W's input dim, the r-wide partial A x all-reduced in
+forward, B replicated (under SP its output is scattered along the sequence like W's).
+The adapters hang off each linear as a child module ``lora`` and run in a forward hook, so the
+base parameters keep their names (HF load, export, checkpoints unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import nn
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+TARGETS = ATTN + MLP
+# megatron linear (suffix of the parameter name) -> the HF projections it fuses, in order
+LINEARS = {
+    "self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "self_attention.linear_proj": ("o_proj",),
+    "mlp.linear_fc1": ("gate_proj", "up_proj"),
+    "mlp.linear_fc2": ("down_proj",),
+}
+
+
+@dataclass
+class LoraConfig:
+    """LoRA on the actor (docs/lora.md): frozen base, trainable low-rank adapters."""
+
+    rank: int = 0
+    """Adapter rank r; 0 = LoRA off (full fine-tuning)."""
+    alpha: float = 16.0
+    """Scaling numerator: the update is (alpha / rank) * B A (PEFT's lora_alpha, no rsLoRA)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (PEFT's lora_dropout); only 0 at tensor_parallel > 1."""
+    target_modules: list[str] = field(default_factory=lambda: list(TARGETS))
+    """HF/PEFT projection names that get adapters: any of q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj (megatron's fused qkv / fc1 hold per-projection adapters)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def validate(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"lora.rank: must be >= 0, got {self.rank}")
+        if not self.enabled:
+            return
+        if self.alpha <= 0:
+            raise ValueError(f"lora.alpha: must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout: must be in [0, 1), got {self.dropout}")
+        bad = [t for t in self.target_modules if t not in TARGETS]
+        if bad or not self.target_modules:
+            raise ValueError(f"lora.target_modules: {bad or '[]'} not supported; use some of {', '.join(TARGETS)}")
+
+
+def _tp_attrs(p: nn.Parameter, dim: int | None) -> nn.Parameter:
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    if dim is not None:
+        set_tensor_model_parallel_attributes(p, True, dim, 1)
+    return p
+
+
+class LoraAdapter(nn.Module):
+    """The adapters of one megatron linear (one A/B per targeted HF projection)."""
+
+    def __init__(self, kind: str, projections: tuple[str, ...], targets: list[str], out_rows: list[int],
+                 in_features: int, cfg: LoraConfig, tp: int, sp: bool, fused: str, arch, dtype: torch.dtype):
+        super().__init__()
+        self.kind, self.fused, self.arch, self.tp, self.sp = kind, fused, arch, tp, sp
+        self.projections = projections
+        self.out_rows = dict(zip(projections, out_rows))  # local rows per projection
+        self.scaling = cfg.scaling
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.A = nn.ParameterDict()
+        self.B = nn.ParameterDict()
+        r = cfg.rank
+        for p, rows in zip(projections, out_rows):
+            if p not in targets:
+                continue
+            if kind == "column":  # A replicated (grad summed over TP by SP rule / copy region), B sharded
+                a = nn.Parameter(torch.empty(r, in_features, dtype=dtype))
+                if sp:
+                    a.sequence_parallel = True  # finalize_model_grads sums it over TP
+                b = _tp_attrs(nn.Parameter(torch.zeros(rows, r, dtype=dtype)), 0)
+            else:  # row: A sharded along W's input, B replicated
+                a = _tp_attrs(nn.Parameter(torch.empty(r, in_features, dtype=dtype)), 1)
+                b = nn.Parameter(torch.zeros(rows, r, dtype=dtype))
+            nn.init.kaiming_uniform_(a, a=5 ** 0.5)  # PEFT's default init (B = 0: starts at the base)
+            self.A[p], self.B[p] = a, b
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """scaling * B A x in the linear's local output layout."""
+        from megatron.core.tensor_parallel import mappings as mp
+
+        x = self.dropout(x)
+        outs = {}
+        for p in self.projections:
+            if p not in self.A:
+                continue
+            h = x @ self.A[p].t()
+            if self.kind == "column":
+                h = mp.gather_from_sequence_parallel_region(h) if self.sp else mp.copy_to_tensor_model_parallel_region(h)
+                outs[p] = (h @ self.B[p].t()) * self.scaling
+            else:
+                h = mp.reduce_from_tensor_model_parallel_region(h)
+                d = (h @ self.B[p].t()) * self.scaling
+                outs[p] = mp.scatter_to_sequence_parallel_region(d) if self.sp else d
+        return self._assemble(outs)
+
+    def _assemble(self, outs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-projection outputs (last dim = local rows; untargeted ones zero) -> the fused
+        linear's local output layout."""
+        some = next(iter(outs.values()))
+        lead = some.shape[:-1]
+        full = [outs[p] if p in outs else some.new_zeros(*lead, self.out_rows[p]) for p in self.projections]
+        if self.fused == "qkv":  # local rows: per query group [q x heads_per_group, k, v]
+            d, hpg = self.arch.head_dim, self.arch.heads_per_group
+            q, k, v = full
+            g = k.shape[-1] // d
+            return torch.cat([q.reshape(*lead, g, hpg * d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)],
+                             dim=-1).reshape(*lead, -1)
+        return torch.cat(full, dim=-1)  # gate_up: local rows [gate_r; up_r]; single projections: itself
+
+    def weight_delta(self) -> torch.Tensor:
+        """scaling * B A as this rank's shard of the linear's weight (fp32; no communication)."""
+        outs = {p: (self.B[p].float() @ self.A[p].float()).t() * self.scaling for p in self.A}
+        return self._assemble(outs).t()
+
+
+def _hook(module, args, output):
+    out, bias = output
+    return out + module.lora.delta(args[0]), bias
+
+
+def lora_linears(model) -> Iterator[tuple[int, str, nn.Module, tuple[str, ...]]]:
+    """(chunk index, megatron module name, module, HF module names) of every adaptable dense
+    linear on this rank (from the stage plan, so HF names carry global layer indices)."""
+    for prm in model.stage_plan.params:
+        for suffix in LINEARS:
+            if prm.name.endswith(suffix + ".weight") and ".experts." not in prm.name:
+                name = prm.name[: -len(".weight")]
+                yield prm.chunk, name, model.chunks[prm.chunk].get_submodule(name), tuple(
+                    n[: -len(".weight")] for n in prm.hf_names)
+
+
+def check_lora(cfg: LoraConfig, arch, layout, layer_spec: str, *, critic: bool = False) -> None:
+    """One-line refusals of what LoRA cannot be combined with yet (named by config key)."""
+    if not cfg.enabled:
+        return
+    cfg.validate()
+    if critic:
+        raise ValueError("critic.lora: LoRA on the critic is not supported yet; set critic.lora.rank: 0")
+    if arch.is_moe:
+        raise ValueError("actor.lora: LoRA on MoE models is not supported yet (expert adapters); set actor.lora.rank: 0")
+    if arch.mla is not None:
+        raise ValueError("actor.lora: LoRA with multi-latent attention is not supported yet; set actor.lora.rank: 0")
+    if layer_spec != "local":
+        raise ValueError("actor.lora: LoRA needs actor.model.layer_spec: local for now (TE fuses the input norm "
+                         "into linear_qkv / linear_fc1, so the adapter would not see the normalized input)")
+    if layout.cp > 1:
+        raise ValueError("actor.lora: LoRA with parallel.context_parallel > 1 is not supported yet")
+    if cfg.dropout > 0 and layout.tp > 1:
+        raise ValueError("actor.lora.dropout: must be 0 at tensor_parallel > 1 (per-rank dropout masks would "
+                         "differ on the replicated adapter input)")
+
+
+def _shard_adapters_in_checkpoint(mod: nn.Module, kind: str) -> None:
+    """megatron's Column/RowParallelLinear.sharded_state_dict shards only weight/bias and would
+    save the adapters as replicated: this instance's override shards B (column) / A (row) along
+    the TP dim like W, the replicated factor stays replicated."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    axes = {"weight": 0, "bias": 0} if kind == "column" else {"weight": 1}
+    for p in mod.lora.A:
+        axes[f"lora.B.{p}" if kind == "column" else f"lora.A.{p}"] = 0 if kind == "column" else 1
+
+    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+        return make_sharded_tensors_for_checkpoint(mod.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                   sharded_offsets, tp_group=mod.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
+
+    mod.sharded_state_dict = sharded_state_dict
+
+
+def apply_lora(model, cfg: LoraConfig) -> int:
+    """Freeze ``model`` (a MegatronModel) and attach adapters to the targeted linears; returns the
+    number of local adapter parameters. Raises if a target module is in no layer of the model."""
+    found = set()
+    for m in model.chunks:
+        m.requires_grad_(False)
+    tp, sp = model.groups.layout.tp, bool(model.config.sequence_parallel)
+    n = 0
+    for _, name, mod, hf in lora_linears(model):
+        suffix = next(s for s in LINEARS if name.endswith(s))
+        projs = LINEARS[suffix]
+        if not set(projs) & set(cfg.target_modules):
+            continue
+        found |= set(projs) & set(cfg.target_modules)
+        w = mod.weight
+        kind = "row" if suffix in ("self_attention.linear_proj", "mlp.linear_fc2") else "column"
+        a = model.arch
+        if suffix.endswith("linear_qkv"):
+            g = a.num_kv_heads // tp
+            rows = [g * a.heads_per_group * a.head_dim, g * a.head_dim, g * a.head_dim]
+            fused = "qkv"
+        elif suffix.endswith("linear_fc1"):
+            rows = [w.shape[0] // 2] * 2
+            fused = "gate_up"
+        else:
+            rows = [w.shape[0]]
+            fused = "none"
+        mod.lora = LoraAdapter(kind, projs, cfg.target_modules, rows, w.shape[1], cfg, tp, sp, fused, a, w.dtype).to(w.device)
+        mod.register_forward_hook(_hook)
+        _shard_adapters_in_checkpoint(mod, kind)
+        n += sum(p.numel() for p in mod.lora.parameters())
+    missing = sorted(set(cfg.target_modules) - found)
+    if missing and model.arch.num_layers:  # every stage holds attention and MLP of its layers
+        raise ValueError(f"actor.lora.target_modules: {missing} not in this model (it has {', '.join(TARGETS)})")
+    return n
+
+
+# ---- PEFT <-> megatron (names, TP slices) -------------------------------------------------
+def _peft_key(hf_module: str, ab: str) -> str:
+    return f"base_model.model.{hf_module}.lora_{ab}.weight"
+
+
+def _proj_of(hf_module: str) -> str:
+    return hf_module.rsplit(".", 1)[1]
+
+
+def adapter_params(model) -> Iterator[tuple[str, str, nn.Parameter, int | None]]:
+    """(PEFT key, "A"/"B", local parameter, TP-sharded dim or None) of every adapter on this rank."""
+    for _, name, mod, hf in lora_linears(model):
+        lora = getattr(mod, "lora", None)
+        if lora is None:
+            continue
+        for hfm in hf:
+            p = _proj_of(hfm)
+            if p not in lora.A:
+                continue
+            col = lora.kind == "column"
+            yield _peft_key(hfm, "A"), "A", lora.A[p], (None if col else 1)
+            yield _peft_key(hfm, "B"), "B", lora.B[p], (0 if col else None)
+
+
+def load_peft_state(model, state: dict[str, torch.Tensor]) -> int:
+    """Copy a PEFT adapter state dict (``base_model.model.<module>.lora_{A,B}.weight`` keys, as in
+    adapter_model.safetensors) into this rank's adapters (TP-sliced); returns #tensors written."""
+    tp, r = model.groups.layout.tp, model.groups.coords.tp
+    n = 0
+    for key, _, prm, dim in adapter_params(model):
+        if key not in state:
+            raise ValueError(f"{key}: missing from the adapter state")
+        t = state[key]
+        if dim is not None:
+            t = t.chunk(tp, dim=dim)[r]
+        if tuple(t.shape) != tuple(prm.shape):
+            raise ValueError(f"{key}: adapter shape {tuple(t.shape)} != model shape {tuple(prm.shape)}")
+        with torch.no_grad():
+            prm.copy_(t)
+        n += 1
+    return n
+
+
+def gather_peft_state(model, grads: bool = False) -> dict[str, torch.Tensor]:
+    """This stage's adapters (or their gradients) in PEFT's names and full shapes (TP-gathered;
+    collective over the TP group)."""
+    from areal_mega.megatron.parallel_state import tp_all_gather
+
+    out = {}
+    for key, _, prm, dim in adapter_params(model):
+        t = (prm.main_grad if getattr(prm, "main_grad", None) is not None else prm.grad) if grads else prm.detach()
+        if t is None:
+            t = torch.zeros_like(prm)
+        if dim is not None and model.groups.layout.tp > 1:
+            t = tp_all_gather(t.contiguous(), model.groups.tp, dim=dim)
+        out[key] = t.detach().clone()
+    return out
+
+
+class MergedView:
+    """A model chunk seen with every adapted weight merged, W + scaling * B A (computed in fp32,
+    cast to W's dtype), and without the adapter parameters: what the merged-weight sync and
+    export read (models.base.named_tensors / export_hf take it in place of the chunk)."""
+
+    def __init__(self, chunk: nn.Module):
+        from areal_mega.models.base import unwrap
+
+        self.chunk = unwrap(chunk)
+
+    def named_parameters(self):
+        deltas = {}
+        for name, mod in self.chunk.named_modules():
+            if isinstance(getattr(mod, "lora", None), LoraAdapter):
+                deltas[f"{name}.weight"] = mod.lora
+        for n, p in self.chunk.named_parameters():
+            if ".lora." in n:
+                continue
+            lora = deltas.get(n)
+            yield n, (p if lora is None else (p.detach().float() + lora.weight_delta()).to(p.dtype))
+
+    def named_buffers(self):
+        return self.chunk.named_buffers()
+
+
+def has_lora(chunks) -> bool:
+    from areal_mega.models.base import unwrap
+
+    return any(isinstance(getattr(m, "lora", None), LoraAdapter) for c in chunks for m in unwrap(c).modules())
+
+
+def sync_chunks(chunks: list) -> list:
+    """What weight sync reads: merged views of ``chunks`` when they carry adapters (the merged-
+    weight fallback: full weights over the existing transports; logged once), else ``chunks``."""
+    if not has_lora(chunks):
+        return chunks
+    import logging
+
+    logging.getLogger(__name__).info("weight sync: LoRA merged-weight fallback (W + scaling * B A sent as full "
+                                     "weights over the configured transport)")
+    return [MergedView(c) for c in chunks]

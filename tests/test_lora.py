@@ -1,0 +1,169 @@
+"""LoRA on the megatron learner vs HF + PEFT (CPU, fp32; docs/lora.md).
+
+One 2-rank torchrun launch (tests/dist/lora_layouts.py) at TP1, TP2 and TP2 + sequence
+parallelism, against PEFT's LoraModel on the same tiny Qwen2 (GQA 4/2 heads, qkv bias) with the
+same non-zero random adapters on all seven projections: logits, adapter gradients, and the merged
+weights the weight sync's fallback sends vs PEFT's merge_and_unload(); negative control: the
+model before the adapters are loaded. The config checks are a cheap default-suite test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from areal_mega.megatron.lora import TARGETS, LoraConfig
+from tests.support.launch import child_env, run_checked, torchrun_cmd
+from tests.support.numerics import fp32_tol, transformer_reductions
+
+LENS = [7, 13, 4, 10]  # packed; 34 tokens (a multiple of TP 2 for sequence parallelism)
+LORA = dict(rank=4, alpha=8.0, dropout=0.0, target_modules=list(TARGETS))
+# Every weighted matmul of a layer gains two adapter reductions (A x over <= 128 terms, B h over r)
+OPS = transformer_reductions(4) + 2 * 4 * 4
+K = 128  # the longest reduction: the MLP (intermediate 128)
+
+
+def test_lora_config_checks():
+    LoraConfig().validate()  # rank 0 = off
+    LoraConfig(**LORA).validate()
+    for bad, msg in [(dict(rank=-1), "lora.rank"), (dict(rank=4, alpha=0), "lora.alpha"),
+                     (dict(rank=4, dropout=1.0), "lora.dropout"),
+                     (dict(rank=4, target_modules=["qkv_proj"]), "lora.target_modules")]:
+        with pytest.raises(ValueError, match=msg):
+            LoraConfig(**bad).validate()
+    assert LoraConfig(rank=4, alpha=8).scaling == 2.0
+
+
+def _peft_reference(work):
+    from peft import LoraConfig as PeftConfig
+    from peft import get_peft_model, get_peft_model_state_dict
+
+    from areal_mega.demo.models import tiny_model
+
+    m = tiny_model("qwen2", vocab_size=300, noise=0.1, noise_seed=3)
+    m.config._attn_implementation = "eager"
+    m.save_pretrained(work / "hf")
+    torch.manual_seed(1)
+    pm = get_peft_model(m, PeftConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
+                                      target_modules=LORA["target_modules"], init_lora_weights=False))
+    adapters = {k: v.detach().clone() for k, v in get_peft_model_state_dict(pm).items()}
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (sum(LENS),), generator=g)
+    cu = torch.tensor([0] + list(torch.tensor(LENS).cumsum(0)))
+    R = torch.randn(sum(LENS), 300, generator=g)
+    logits = torch.cat([pm(ids[cu[i]: cu[i + 1]].view(1, -1)).logits[0] for i in range(len(LENS))])
+    (logits * R).sum().backward()
+    grads = {n.replace(".default", ""): p.grad.clone() for n, p in pm.named_parameters() if "lora_" in n}
+    merged = {k: v.detach().clone() for k, v in pm.merge_and_unload().state_dict().items()}
+    ref = dict(input_ids=ids, cu_seqlens=cu, R=R, lora=LORA, adapters=adapters)
+    torch.save(ref, work / "ref.pt")
+    return dict(logits=logits.detach(), grads=grads, merged=merged, adapters=adapters)
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    work = tmp_path_factory.mktemp("lora")
+    ref = _peft_reference(work)
+    run_checked(torchrun_cmd(2, "tests/dist/lora_layouts.py", "--work-dir", work, "--out", work / "res.pt"),
+                timeout_s=400, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
+    return ref, torch.load(work / "res.pt")
+
+
+@pytest.mark.slow
+def test_lora_logits_equal_peft_every_layout(layouts):
+    ref, res = layouts
+    tol = fp32_tol(K, float(ref["logits"].abs().max()), ops=OPS)
+    assert set(res["logits"]) == {"tp1", "tp2", "tp2sp"}
+    for key, lg in res["logits"].items():
+        d = (lg - ref["logits"]).abs().max().item()
+        assert d <= tol, f"{key}: max |LoRA megatron - PEFT| = {d} > {tol}"
+        # negative control: the same model with the adapters not applied (B = 0)
+        off = (res["base"][key] - ref["logits"]).abs().max().item()
+        assert off > 100 * tol, f"{key}: adapters barely matter (|base - PEFT| = {off})"
+        print(f"lora logits {key}: max|LoRA-PEFT| {d:.3g} bound {tol:.3g} control {off:.3g}")
+
+
+@pytest.mark.slow
+def test_lora_grads_equal_peft_every_layout(layouts):
+    ref, res = layouts
+    for key, grads in res["grads"].items():
+        assert set(grads) == set(ref["grads"]), key
+        for n, g in grads.items():
+            r = ref["grads"][n]
+            # the backward runs the forward chain again (ops x 2), terms up to max |grad|
+            tol = fp32_tol(K * sum(LENS), float(r.abs().max()), ops=2 * OPS)
+            d = (g - r).abs().max().item()
+            assert d <= tol, f"{key} {n}: max |grad - PEFT grad| = {d} > {tol}"
+            assert r.abs().max() > 0
+
+
+@pytest.mark.slow
+def test_lora_merged_sync_weights_equal_peft_merge(layouts):
+    ref, res = layouts
+    for key, merged in res["merged"].items():
+        assert set(merged) == set(ref["merged"]), key
+        adapted = 0
+        for n, t in merged.items():
+            r = ref["merged"][n]
+            # W + s * B A: one reduction over r terms of size |s B A| <= max |W| + |delta|
+            d = (t - r).abs().max().item()
+            assert d <= fp32_tol(LORA["rank"], float(r.abs().max()), ops=2), f"{key} {n}: {d}"
+            adapted += any(n.replace(".weight", "") + ".lora_A" in k for k in ref["adapters"])
+        assert adapted == 4 * 7, key  # every projection of every layer merged
+
+
+@pytest.mark.slow
+def test_lora_engine_optimizes_adapters_only(layouts):
+    _, res = layouts
+    in_opt, adapters, trainable = res["engine"]
+    # TP2 rank 0's local adapters: 4 layers x rank 4 x (q,k,v,o,gate,up,down); base frozen
+    assert adapters > 0 and in_opt == adapters == trainable, res["engine"]
+
+
+def test_lora_refusals():
+    from types import SimpleNamespace
+
+    from areal_mega.megatron.lora import check_lora
+
+    on = LoraConfig(**LORA)
+    dense = SimpleNamespace(is_moe=False, mla=None)
+    lay = SimpleNamespace(tp=1, cp=1)
+    check_lora(on, dense, lay, "local")
+    check_lora(LoraConfig(), SimpleNamespace(is_moe=True, mla=None), lay, "te")  # off: nothing checked
+    for args, kw, msg in [
+        ((on, SimpleNamespace(is_moe=True, mla=None), lay, "local"), {}, "actor.lora: LoRA on MoE"),
+        ((on, dense, lay, "te"), {}, "layer_spec: local"),
+        ((on, dense, SimpleNamespace(tp=1, cp=2), "local"), {}, "context_parallel"),
+        ((LoraConfig(rank=4, dropout=0.1), dense, SimpleNamespace(tp=2, cp=1), "local"), {}, "lora.dropout"),
+        ((on, dense, lay, "local"), {"critic": True}, "critic.lora"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            check_lora(*args, **kw)
+
+
+def test_lora_memory_model_prices_adapters_only():
+    from areal_mega.demo.models import tiny_config
+    from areal_mega.megatron.lora import TARGETS as T
+    from areal_mega.models import get_adapter
+    from areal_mega.parallel import ParallelConfig, ParallelLayout
+    from areal_mega.simulator.memory import LearnerSettings, lora_layer_params, stage_state
+
+    arch = get_adapter(tiny_config("qwen2")).arch  # hidden 64, MLP 128, heads 4/2 of 16
+    lay = ParallelLayout.build(ParallelConfig(tensor_parallel=2), 2)
+    full = stage_state(arch, LearnerSettings(dtype="bfloat16"), lay, 0)
+    lora = stage_state(arch, LearnerSettings(dtype="bfloat16", lora_rank=4, lora_targets=T), lay, 0)
+    # per layer at TP2: q 4*64+4*64/2, k,v 4*64+4*32/2 each, o 4*64/2+4*64, gate,up 4*64+4*128/2 each, down 4*128/2+4*64
+    per_layer = (256 + 128) + 2 * (256 + 64) + (128 + 256) + 2 * (256 + 256) + (256 + 256)
+    assert lora_layer_params(arch, 4, T, 2) == per_layer
+    a = 4 * per_layer
+    assert lora.weights == full.weights + 2 * a  # bf16 adapters on a frozen bf16 base
+    assert lora.grads == 4 * a and lora.optimizer == 12 * a  # fp32 grads; Adam m, v + fp32 master (dp 1)
+    assert full.grads == 4 * full.params and lora.params == full.params + a  # full FT: grads for every param
+
+
+@pytest.mark.slow
+def test_lora_checkpoint_saved_tp2_loads_tp2_sp(layouts):
+    _, res = layouts
+    # engine.save at TP2 (base + sharded adapters + adapter-only optimizer), engine.load at TP2 + SP
+    assert res["ckpt"] and all(res["ckpt"].values()), res["ckpt"]
+    assert len(res["ckpt"]) == 4 * 7 * 2  # A and B of every projection of every layer
