@@ -1,0 +1,42 @@
+"""Qwen3.5 / Qwen3-Next gated DeltaNet (linear attention) <-> megatron-core's GatedDeltaNet.
+
+Status (issue #38, item 1): the linear-attention LAYER mapping only. The full family adapter
+(registered in FAMILIES) is not done yet; docs/engine.md "Qwen3.5 (partial)" says what is missing.
+
+Layout (transformers 5.19 Qwen3_5GatedDeltaNet vs megatron-core 0.16.1 GatedDeltaNet, TP=1):
+megatron fuses HF's four input projections into one ``in_proj`` = [qkv; z; b; a] (rows); qkv
+rows are [q (all key heads); k; v] in both. ``conv1d`` [conv_dim, 1, kernel], ``A_log``,
+``dt_bias`` keep their names; HF's gated RMSNorm ``norm`` (plain weight, not 1+w) is megatron's
+``out_norm``. Under TP each in_proj shard is [qkv_r; z_r; b_r; a_r] (every part split per
+shard, like SwiGLU's gate/up) -- not done here yet (TP=1 only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+_SAME = {"conv1d.weight": "conv1d.weight", "A_log": "A_log", "dt_bias": "dt_bias",
+         "norm.weight": "out_norm.weight", "out_proj.weight": "out_proj.weight"}
+
+
+def gdn_hf_to_mcore(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One HF ``linear_attn`` module's tensors (keys relative to it) -> megatron GatedDeltaNet's."""
+    out = {"in_proj.weight": torch.cat([hf[f"{p}.weight"] for p in _PARTS], dim=0)}
+    out.update({m: hf[h] for h, m in _SAME.items()})
+    return out
+
+
+def gdn_mcore_to_hf(mc: dict[str, torch.Tensor], sizes: tuple[int, int, int, int]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`gdn_hf_to_mcore`; ``sizes`` = rows of (qkv, z, b, a):
+    (2 * key_dim + value_dim, value_dim, num_v_heads, num_v_heads)."""
+    out = {f"{p}.weight": t for p, t in zip(_PARTS, torch.split(mc["in_proj.weight"], list(sizes), dim=0))}
+    out.update({h: mc[m] for h, m in _SAME.items()})
+    return out
+
+
+def gdn_sizes(c: dict) -> tuple[int, int, int, int]:
+    """Row counts of HF's (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) from a qwen3_5 text config."""
+    kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    vd = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    return (2 * kd + vd, vd, c["linear_num_value_heads"], c["linear_num_value_heads"])
