@@ -1,0 +1,46 @@
+"""Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention) over packed rows.
+
+The learner packs several sequences into one row with a block-diagonal causal mask
+(model.packed_causal_mask). Softmax attention honours the mask; a recurrence does not: megatron-core
+0.16.1's GatedDeltaNet ignores ``attention_mask`` and refuses ``packed_seq_params``, so its conv
+window and recurrent state would run across sequence boundaries. :class:`PackedGatedDeltaNet` reads
+the boundaries off the mask (token i starts a sequence iff it may not see token i-1) and runs the
+layer once per sequence, so every sequence starts from a zero conv/recurrent state. Trailing
+one-token "sequences" (padding attends only to itself) are merged: they follow every real token,
+so merging them changes nothing that is read. Cost: one layer call per packed sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+
+def segment_starts(attention_mask: torch.Tensor | None, seq_len: int) -> list[int]:
+    """Start offsets of the packed sequences in a [.., T, T] mask (True = masked); [0] when None."""
+    if attention_mask is None:
+        return [0]
+    m = attention_mask.reshape(-1, seq_len, seq_len)[0]
+    idx = torch.arange(1, seq_len)
+    starts = [0] + (idx[m[idx, idx - 1]]).tolist()
+    ends = starts[1:] + [seq_len]
+    j = len(starts)
+    while j > 0 and ends[j - 1] - starts[j - 1] == 1:
+        j -= 1  # trailing one-token segments = padding: one segment (see the module docstring)
+    return starts[: j + 1]
+    return starts
+
+
+class PackedGatedDeltaNet(GatedDeltaNet):
+    """megatron-core's GatedDeltaNet with its state reset at every packed-sequence boundary."""
+
+    def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        if self.sp_size != 1:
+            raise ValueError("sequence_parallel: not supported with gated DeltaNet layers (set it false)")
+        starts = segment_starts(attention_mask, hidden_states.shape[0])
+        if len(starts) == 1:
+            return super().forward(hidden_states, None, *args, **kwargs)
+        ends = starts[1:] + [hidden_states.shape[0]]
+        outs = [super(PackedGatedDeltaNet, self).forward(hidden_states[s:e], None, *args, **kwargs)[0]
+                for s, e in zip(starts, ends)]
+        return torch.cat(outs, dim=0), None
