@@ -13,15 +13,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_mega.models.qwen3_5 import gdn_hf_to_mcore, gdn_mcore_to_hf, gdn_sizes
+from areal_mega.models.qwen3_5 import (
+    gated_qkv_hf_to_mcore,
+    gated_qkv_mcore_to_hf,
+    gdn_hf_to_mcore,
+    gdn_mcore_to_hf,
+    gdn_sizes,
+)
 
 CFG = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
            head_dim=16, intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4,
            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
 
 
-@pytest.fixture(scope="module")
-def layers():
+def _megatron_world_of_one() -> None:
     from areal_mega.megatron import cpu_compat
     from areal_mega.megatron.compat import enable_torch_gated_delta_net
     from areal_mega.megatron.parallel_state import init_process_group_for_script
@@ -29,13 +34,17 @@ def layers():
     cpu_compat.apply()
     init_process_group_for_script()
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(1, 1)
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    model_parallel_cuda_manual_seed(1)
+        model_parallel_cuda_manual_seed(1)
     enable_torch_gated_delta_net()
+
+
+@pytest.fixture(scope="module")
+def layers():
+    _megatron_world_of_one()
     import torch.nn.functional as F
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -162,3 +171,63 @@ def _unpacked(mc, row):
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
     return GatedDeltaNet.forward(mc, row.transpose(0, 1).contiguous(), None)[0].transpose(0, 1)
+
+
+def test_gated_attention_layer_matches_hf():
+    """Qwen3.5's full-attention layer: HF q_proj rows per head [q; gate] -> megatron's
+    attention_output_gate layout, zero-centred q/k norms, partial rotary (0.25; text-only mrope =
+    identical position streams = plain RoPE), causal. Controls: no RoPE, q/gate swapped."""
+    _megatron_world_of_one()
+    import torch.nn.functional as F
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import build_module
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5TextRotaryEmbedding
+
+    from areal_mega.megatron.linear_attention import ZeroCenteredRMSNorm
+    from areal_mega.megatron.model import packed_causal_mask
+
+    torch.manual_seed(0)
+    hc = Qwen3_5TextConfig(**CFG)
+    hc._attn_implementation = "eager"
+    hf = Qwen3_5Attention(hc, layer_idx=3).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    tcfg = TransformerConfig(
+        num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, ffn_hidden_size=96,
+        normalization="RMSNorm", layernorm_epsilon=1e-6, activation_func=F.silu, gated_linear_unit=True,
+        add_bias_linear=False, params_dtype=torch.float32, use_cpu_initialization=True, attention_output_gate=True,
+        qk_layernorm=True)
+    sa = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True).submodules.self_attention
+    sa.submodules.q_layernorm = sa.submodules.k_layernorm = ZeroCenteredRMSNorm
+    sa.params = {"attn_mask_type": AttnMaskType.causal}
+    mc = build_module(sa, config=tcfg, layer_number=4).eval()
+    h = hf.state_dict()
+    qkv = gated_qkv_hf_to_mcore(h["q_proj.weight"], h["k_proj.weight"], h["v_proj.weight"], 2, 16)
+    mc.load_state_dict({"linear_qkv.weight": qkv, "linear_proj.weight": h["o_proj.weight"],
+                        "q_layernorm.weight": h["q_norm.weight"], "k_layernorm.weight": h["k_norm.weight"]}, strict=False)
+    back = gated_qkv_mcore_to_hf(mc.linear_qkv.weight.data, 2, 16)
+    assert all(torch.equal(a, h[f"{n}_proj.weight"]) for a, n in zip(back, "qkv"))  # round trip bit-exact
+    S = 29
+    x = torch.randn(1, S, 64)
+    cos, sin = Qwen3_5TextRotaryEmbedding(hc)(x, torch.arange(S)[None])
+    remb = RotaryEmbedding(kv_channels=16, rotary_percent=0.25, rotary_base=hc.rope_parameters["rope_theta"])(S)
+    mask = packed_causal_mask(torch.tensor([0, S]))
+
+    def run(emb):
+        return mc(x.transpose(0, 1).contiguous(), mask, rotary_pos_emb=emb)[0].transpose(0, 1)
+
+    with torch.no_grad():
+        ref = hf(x, (cos, sin), torch.full((S, S), float("-inf")).triu(1)[None, None])[0]
+        tol = 1e-5 * ref.abs().max().item()  # fp32, reductions over <= 64 terms: ~64 * 2**-24 relative
+        err = (run(remb) - ref).abs().max().item()
+        print(f"gated attention: max|mc-hf|={err:.2e} bound={tol:.2e}")
+        assert err <= tol
+        assert (run(None) - ref).abs().max().item() > 100 * tol  # RoPE is applied
+        swapped = h["q_proj.weight"].view(4, 2, 16, 64).flip(1).reshape(-1, 64)  # q <-> gate per head
+        mc.linear_qkv.weight.data.copy_(gated_qkv_hf_to_mcore(swapped, h["k_proj.weight"], h["v_proj.weight"], 2, 16))
+        assert (run(remb) - ref).abs().max().item() > 100 * tol

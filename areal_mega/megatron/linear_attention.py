@@ -44,3 +44,19 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         outs = [super(PackedGatedDeltaNet, self).forward(hidden_states[s:e], None, *args, **kwargs)[0]
                 for s, e in zip(starts, ends)]
         return torch.cat(outs, dim=0), None
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm with weight stored as w and applied as (1 + w), in fp32 (Qwen3.5 / Qwen3-Next's
+    Qwen3_5RMSNorm); megatron's local torch norm refuses ``layernorm_zero_centered_gamma``, and
+    storing 1 + w instead would make the HF round trip inexact."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)

@@ -40,3 +40,24 @@ def gdn_sizes(c: dict) -> tuple[int, int, int, int]:
     kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
     vd = c["linear_num_value_heads"] * c["linear_value_head_dim"]
     return (2 * kd + vd, vd, c["linear_num_value_heads"], c["linear_num_value_heads"])
+
+
+def gated_qkv_hf_to_mcore(q_proj: torch.Tensor, k_proj: torch.Tensor, v_proj: torch.Tensor,
+                          num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """HF gated attention's q_proj (rows per head [q; gate]) + k/v -> megatron's ``linear_qkv``
+    with ``attention_output_gate``: rows per query group [q heads; gate heads; k; v] (TP=1)."""
+    h = q_proj.shape[-1]
+    qg = q_proj.view(num_kv_heads, -1, 2, head_dim, h)  # [group, head in group, (q, gate), d, h]
+    k, v = k_proj.view(num_kv_heads, 1, head_dim, h), v_proj.view(num_kv_heads, 1, head_dim, h)
+    per_group = [qg[:, :, 0].flatten(1, 2), qg[:, :, 1].flatten(1, 2), k.flatten(1, 2), v.flatten(1, 2)]
+    return torch.cat(per_group, dim=1).reshape(-1, h)
+
+
+def gated_qkv_mcore_to_hf(w: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Inverse of :func:`gated_qkv_hf_to_mcore`: (q_proj, k_proj, v_proj)."""
+    h = w.shape[-1]
+    g = w.view(num_kv_heads, -1, head_dim, h)
+    hpg = (g.shape[1] - 2) // 2
+    q, gate, k, v = g[:, :hpg], g[:, hpg:2 * hpg], g[:, 2 * hpg], g[:, 2 * hpg + 1]
+    q_proj = torch.stack([q, gate], dim=2).reshape(-1, h)
+    return q_proj, k.reshape(-1, h), v.reshape(-1, h)
