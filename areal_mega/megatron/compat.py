@@ -146,7 +146,7 @@ ENTRIES: dict[int, Entry] = {
         "calls fla's l2norm / chunk_gated_delta_rule (enable_torch_gated_delta_net puts in the "
         "file's own torch_chunk_gated_delta_rule and a torch l2norm equal to fla's)",
         ">=0.16.1",
-        "tests/test_qwen3_5.py::test_gdn_layer_matches_hf",
+        "tests/test_qwen3_5.py::test_whole_text_model_logprobs_match_hf_packed",
     ),
 }
 

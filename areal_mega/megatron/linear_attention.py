@@ -60,3 +60,31 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+def qwen3_5_block_spec(layer_types: list[str]):
+    """The hybrid decoder block (local spec): gated DeltaNet layers and gated full-attention
+    layers per HF ``layer_types``, every RMSNorm zero-centred except GDN's gated out_norm."""
+    import copy
+
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    b = LocalSpecProvider()
+    specs = []
+    for t in layer_types:
+        if t not in ("linear_attention", "full_attention"):
+            raise ValueError(f"layer_types: {t!r} is not linear_attention or full_attention")
+        s = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True))
+        s.submodules.input_layernorm = s.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
+        attn = s.submodules.self_attention
+        if t == "linear_attention":
+            s.submodules.self_attention = ModuleSpec(module=PackedGatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+                in_proj=b.column_parallel_linear(), out_norm=b.layer_norm(rms_norm=True), out_proj=b.row_parallel_linear()))
+        else:
+            attn.submodules.q_layernorm = attn.submodules.k_layernorm = ZeroCenteredRMSNorm
+        specs.append(s)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=ZeroCenteredRMSNorm)

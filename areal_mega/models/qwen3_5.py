@@ -61,3 +61,57 @@ def gated_qkv_mcore_to_hf(w: torch.Tensor, num_kv_heads: int, head_dim: int) -> 
     q, gate, k, v = g[:, :hpg], g[:, hpg:2 * hpg], g[:, 2 * hpg], g[:, 2 * hpg + 1]
     q_proj = torch.stack([q, gate], dim=2).reshape(-1, h)
     return q_proj, k.reshape(-1, h), v.reshape(-1, h)
+
+
+def hf_to_mcore(hf: dict[str, torch.Tensor], c: dict, padded_vocab: int) -> dict[str, torch.Tensor]:
+    """A whole Qwen3.5 text model's HF state dict -> the hybrid GPTModel's (TP=1, PP=1), vocab
+    rows zero-padded to ``padded_vocab``. Layer kinds from ``c["layer_types"]``."""
+    def pad(w):
+        return torch.cat([w, w.new_zeros(padded_vocab - w.shape[0], *w.shape[1:])])
+
+    out = {"embedding.word_embeddings.weight": pad(hf["model.embed_tokens.weight"]),
+           "decoder.final_layernorm.weight": hf["model.norm.weight"],
+           "output_layer.weight": pad(hf.get("lm_head.weight", hf["model.embed_tokens.weight"]))}
+    for i, kind in enumerate(c["layer_types"]):
+        H, M = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[M + "input_layernorm.weight"] = hf[H + "input_layernorm.weight"]
+        out[M + "pre_mlp_layernorm.weight"] = hf[H + "post_attention_layernorm.weight"]
+        out[M + "mlp.linear_fc1.weight"] = torch.cat([hf[H + "mlp.gate_proj.weight"], hf[H + "mlp.up_proj.weight"]])
+        out[M + "mlp.linear_fc2.weight"] = hf[H + "mlp.down_proj.weight"]
+        if kind == "linear_attention":
+            la = {k[len(H + "linear_attn."):]: v for k, v in hf.items() if k.startswith(H + "linear_attn.")}
+            out.update({M + "self_attention." + k: v for k, v in gdn_hf_to_mcore(la).items()})
+        else:
+            A = H + "self_attn."
+            out[M + "self_attention.linear_qkv.weight"] = gated_qkv_hf_to_mcore(
+                hf[A + "q_proj.weight"], hf[A + "k_proj.weight"], hf[A + "v_proj.weight"],
+                c["num_key_value_heads"], c["head_dim"])
+            out[M + "self_attention.linear_proj.weight"] = hf[A + "o_proj.weight"]
+            out[M + "self_attention.q_layernorm.weight"] = hf[A + "q_norm.weight"]
+            out[M + "self_attention.k_layernorm.weight"] = hf[A + "k_norm.weight"]
+    return out
+
+
+def mcore_to_hf(mc: dict[str, torch.Tensor], c: dict) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`hf_to_mcore` (vocab padding dropped; lm_head kept unless tied)."""
+    V, inv = c["vocab_size"], {}
+    inv["model.embed_tokens.weight"] = mc["embedding.word_embeddings.weight"][:V]
+    inv["model.norm.weight"] = mc["decoder.final_layernorm.weight"]
+    if not c.get("tie_word_embeddings", False):
+        inv["lm_head.weight"] = mc["output_layer.weight"][:V]
+    for i, kind in enumerate(c["layer_types"]):
+        H, M = f"model.layers.{i}.", f"decoder.layers.{i}."
+        inv[H + "input_layernorm.weight"] = mc[M + "input_layernorm.weight"]
+        inv[H + "post_attention_layernorm.weight"] = mc[M + "pre_mlp_layernorm.weight"]
+        inv[H + "mlp.gate_proj.weight"], inv[H + "mlp.up_proj.weight"] = mc[M + "mlp.linear_fc1.weight"].chunk(2)
+        inv[H + "mlp.down_proj.weight"] = mc[M + "mlp.linear_fc2.weight"]
+        if kind == "linear_attention":
+            sa = {k[len(M + "self_attention."):]: v for k, v in mc.items() if k.startswith(M + "self_attention.")}
+            inv.update({H + "linear_attn." + k: v for k, v in gdn_mcore_to_hf(sa, gdn_sizes(c)).items()})
+        else:
+            A, S = H + "self_attn.", M + "self_attention."
+            q, k, v = gated_qkv_mcore_to_hf(mc[S + "linear_qkv.weight"], c["num_key_value_heads"], c["head_dim"])
+            inv.update({A + "q_proj.weight": q, A + "k_proj.weight": k, A + "v_proj.weight": v,
+                        A + "o_proj.weight": mc[S + "linear_proj.weight"],
+                        A + "q_norm.weight": mc[S + "q_layernorm.weight"], A + "k_norm.weight": mc[S + "k_layernorm.weight"]})
+    return inv
