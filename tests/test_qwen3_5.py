@@ -302,3 +302,20 @@ def test_whole_text_model_logprobs_match_hf_packed():
         bad = (lp() - ref).abs().max().item()
         print(f"qwen3_5 control (layer 1 A_log <-> dt_bias): {bad:.2e}")
         assert bad > 100 * tol
+
+
+@LAYER
+def test_text_model_tp2_logprobs_match_hf():
+    """tests/dist/qwen3_5_tp.py: the whole text model at TP2 (gloo, 2 ranks), each rank loading
+    models/qwen3_5.tp_shard of the mapping; control: one rank's fused in_proj rows reversed."""
+    import re
+
+    from tests.support.launch import child_env, run_checked, torchrun_cmd
+
+    proc = run_checked(torchrun_cmd(2, "tests/dist/qwen3_5_tp.py"), timeout_s=600,
+                       env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
+    m = re.search(r"QWEN35_TP2 err=(\S+) control=(\S+)", proc.stdout)
+    assert m, proc.stdout[-2000:]
+    err, bad = float(m[1]), float(m[2])
+    assert err <= 1e-4, err  # the bound of the TP1 whole-model row (TP2 adds one all-reduce per layer)
+    assert bad > 100 * 1e-4, bad

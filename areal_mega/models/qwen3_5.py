@@ -115,3 +115,33 @@ def mcore_to_hf(mc: dict[str, torch.Tensor], c: dict) -> dict[str, torch.Tensor]
                         A + "o_proj.weight": mc[S + "linear_proj.weight"],
                         A + "q_norm.weight": mc[S + "q_layernorm.weight"], A + "k_norm.weight": mc[S + "k_layernorm.weight"]})
     return inv
+
+
+def tp_shard(mc: dict[str, torch.Tensor], c: dict, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """This TP rank's slice of a TP=1 megatron state dict (:func:`hf_to_mcore`'s output). Fused
+    tensors are split part by part: in_proj [qkv; z; b; a] with qkv itself [q; k; v] (so is
+    conv1d's channel axis), fc1 [gate; up], the gated qkv by whole query groups."""
+    def rows(t, dim=0):
+        return t.chunk(tp, dim)[rank]
+
+    def parts(t, sizes):
+        return torch.cat([rows(p) for p in torch.split(t, list(sizes))])
+
+    kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    vd = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    nv = c["linear_num_value_heads"]
+    out = {}
+    for k, t in mc.items():
+        if k.endswith(("layernorm.weight", "out_norm.weight")):
+            out[k] = t
+        elif k.endswith(("linear_fc2.weight", "out_proj.weight", "linear_proj.weight")):
+            out[k] = rows(t, 1)
+        elif k.endswith("linear_fc1.weight"):
+            out[k] = parts(t, (t.shape[0] // 2,) * 2)
+        elif k.endswith("in_proj.weight"):
+            out[k] = parts(t, (kd, kd, vd, vd, nv, nv))
+        elif k.endswith("conv1d.weight"):
+            out[k] = parts(t, (kd, kd, vd))
+        else:  # embeddings, output layer, gated qkv (whole groups), A_log, dt_bias
+            out[k] = rows(t)
+    return out
