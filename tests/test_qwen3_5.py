@@ -319,3 +319,29 @@ def test_text_model_tp2_logprobs_match_hf():
     err, bad = float(m[1]), float(m[2])
     assert err <= 1e-4, err  # the bound of the TP1 whole-model row (TP2 adds one all-reduce per layer)
     assert bad > 100 * 1e-4, bad
+
+
+@LAYER
+def test_vl_checkpoint_gives_the_text_model():
+    """A tiny Qwen3_5ForConditionalGeneration: its language model, split off, loads strictly into
+    Qwen3_5ForCausalLM with the same text logits; the vision tensors come back untouched."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+    from areal_mega.models.qwen3_5 import split_vl_checkpoint
+
+    torch.manual_seed(0)
+    vc = Qwen3_5Config(text_config=CFG, vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=16,
+        patch_size=4, temporal_patch_size=1, spatial_merge_size=1))
+    vl = Qwen3_5ForConditionalGeneration(vc).eval()
+    sd = vl.state_dict()
+    text, lm, vision = split_vl_checkpoint(vc.to_dict(), sd)
+    assert vision and all(k.startswith("model.visual.") and vision[k] is sd[k] for k in vision)
+    tm = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{k: v for k, v in text.items() if k != "model_type"})).eval()
+    tm.load_state_dict(lm, strict=True)
+    ids = torch.randint(0, 300, (1, 11))
+    with torch.no_grad():
+        assert torch.equal(tm(ids).logits, vl(input_ids=ids).logits)
+    with pytest.raises(ValueError, match="model_type"):
+        split_vl_checkpoint({"model_type": "qwen3"}, {})

@@ -145,3 +145,27 @@ def tp_shard(mc: dict[str, torch.Tensor], c: dict, tp: int, rank: int) -> dict[s
         else:  # embeddings, output layer, gated qkv (whole groups), A_log, dt_bias
             out[k] = rows(t)
     return out
+
+
+def split_vl_checkpoint(c: dict, hf: dict[str, torch.Tensor]) -> tuple[dict, dict, dict]:
+    """Released Qwen3.5 checkpoints are vision-language (model_type ``qwen3_5``): the text model
+    is ``model.language_model.*`` + ``lm_head``, configured by ``text_config``. Decision: text-only
+    RL; the vision tower (``model.visual.*``) is returned untouched, frozen, for the export to
+    write back. Returns (text config, the text model in Qwen3_5ForCausalLM names, the vision tensors).
+    A ``qwen3_5_text`` config/checkpoint passes through with no vision tensors."""
+    if c.get("model_type") == "qwen3_5_text":
+        return c, hf, {}
+    if c.get("model_type") != "qwen3_5" or "text_config" not in c:
+        raise ValueError(f"model_type: {c.get('model_type')!r} is not a Qwen3.5 config (qwen3_5 or qwen3_5_text)")
+    text = {**c["text_config"], "tie_word_embeddings": c.get("tie_word_embeddings", False)}
+    lm, vision = {}, {}
+    for k, t in hf.items():
+        if k.startswith("model.language_model."):
+            lm["model." + k[len("model.language_model."):]] = t
+        elif k == "lm_head.weight":
+            lm[k] = t
+        elif k.startswith("model.visual."):
+            vision[k] = t
+        else:
+            raise ValueError(f"checkpoint: tensor {k!r} is neither the language model nor the vision tower")
+    return text, lm, vision
