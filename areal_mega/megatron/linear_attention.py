@@ -1,4 +1,4 @@
-"""Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention) over packed rows.
+"""Qwen3.5 / Qwen3-Next hybrid block on the local spec, and gated DeltaNet over packed rows.
 
 The learner packs several sequences into one row with a block-diagonal causal mask
 (model.packed_causal_mask). Softmax attention honours the mask; a recurrence does not: megatron-core

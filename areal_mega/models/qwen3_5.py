@@ -1,14 +1,14 @@
-"""Qwen3.5 / Qwen3-Next gated DeltaNet (linear attention) <-> megatron-core's GatedDeltaNet.
+"""Qwen3.5 (text) HF <-> megatron-core names and shapes: gated DeltaNet, gated attention, whole model.
 
-Status (issue #38, item 1): the linear-attention LAYER mapping only. The full family adapter
-(registered in FAMILIES) is not done yet; docs/engine.md "Qwen3.5 (partial)" says what is missing.
+Status (issue #38): TP1 and TP2 exact vs transformers (tests/test_qwen3_5.py); NOT yet a
+registered family (no ModelAdapter in FAMILIES, so no live sync / conversion tools / PP):
+docs/engine.md "Qwen3.5 / Qwen3-Next".
 
-Layout (transformers 5.19 Qwen3_5GatedDeltaNet vs megatron-core 0.16.1 GatedDeltaNet, TP=1):
-megatron fuses HF's four input projections into one ``in_proj`` = [qkv; z; b; a] (rows); qkv
-rows are [q (all key heads); k; v] in both. ``conv1d`` [conv_dim, 1, kernel], ``A_log``,
-``dt_bias`` keep their names; HF's gated RMSNorm ``norm`` (plain weight, not 1+w) is megatron's
-``out_norm``. Under TP each in_proj shard is [qkv_r; z_r; b_r; a_r] (every part split per
-shard, like SwiGLU's gate/up) -- not done here yet (TP=1 only).
+Layout (transformers 5.19 vs megatron-core 0.16.1, TP=1): megatron's GatedDeltaNet fuses HF's
+four input projections into one ``in_proj`` = rows [qkv; z; b; a], qkv rows [q; k; v] in both;
+``conv1d``, ``A_log``, ``dt_bias`` keep their names; HF's gated RMSNorm ``norm`` (plain weight,
+not 1 + w) is ``out_norm``. Gated attention: HF q_proj rows per head [q; gate], megatron's
+``attention_output_gate`` rows per query group [q heads; gate heads; k; v].
 """
 
 from __future__ import annotations
