@@ -140,6 +140,14 @@ ENTRIES: dict[int, Entry] = {
         ">=0.16.1",
         "tests/test_moe_families_plan.py::test_refusals_name_the_key",
     ),
+    13: Entry(
+        "gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention) without flash-linear-attention "
+        "(triton, GPU only): GatedDeltaNet.__init__ raises 'FLA is not installed' and its forward "
+        "calls fla's l2norm / chunk_gated_delta_rule (enable_torch_gated_delta_net puts in the "
+        "file's own torch_chunk_gated_delta_rule and a torch l2norm equal to fla's)",
+        ">=0.16.1",
+        "tests/test_qwen3_5.py::test_whole_text_model_logprobs_match_hf_packed",
+    ),
 }
 
 
@@ -495,3 +503,19 @@ def block_spec_with_sp_final_norm(layer_specs: list[Any], tcfg: Any, vp_stage: i
     n = get_num_layers_to_build(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
     off = get_transformer_layer_offset(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=list(layer_specs[off:off + n]), layer_norm=SequenceParallelRMSNorm)
+
+
+def _torch_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """fla.modules.l2norm's formula (transformers' Qwen3.5 fallback uses the same)."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def enable_torch_gated_delta_net() -> None:
+    """Entry 13: run megatron-core's GatedDeltaNet on its pure-torch delta rule when fla is absent."""
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    if not applies(13) or gdn.HAVE_FLA:
+        return
+    gdn.l2norm = _torch_l2norm
+    gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
+    gdn.HAVE_FLA = True

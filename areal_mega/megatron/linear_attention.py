@@ -1,0 +1,90 @@
+"""Qwen3.5 / Qwen3-Next hybrid block on the local spec, and gated DeltaNet over packed rows.
+
+The learner packs several sequences into one row with a block-diagonal causal mask
+(model.packed_causal_mask). Softmax attention honours the mask; a recurrence does not: megatron-core
+0.16.1's GatedDeltaNet ignores ``attention_mask`` and refuses ``packed_seq_params``, so its conv
+window and recurrent state would run across sequence boundaries. :class:`PackedGatedDeltaNet` reads
+the boundaries off the mask (token i starts a sequence iff it may not see token i-1) and runs the
+layer once per sequence, so every sequence starts from a zero conv/recurrent state. Trailing
+one-token "sequences" (padding attends only to itself) are merged: they follow every real token,
+so merging them changes nothing that is read. Cost: one layer call per packed sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+
+def segment_starts(attention_mask: torch.Tensor | None, seq_len: int) -> list[int]:
+    """Start offsets of the packed sequences in a [.., T, T] mask (True = masked); [0] when None."""
+    if attention_mask is None:
+        return [0]
+    m = attention_mask.reshape(-1, seq_len, seq_len)[0]
+    idx = torch.arange(1, seq_len)
+    starts = [0] + (idx[m[idx, idx - 1]]).tolist()
+    ends = starts[1:] + [seq_len]
+    j = len(starts)
+    while j > 0 and ends[j - 1] - starts[j - 1] == 1:
+        j -= 1  # trailing one-token segments = padding: one segment (see the module docstring)
+    return starts[: j + 1]
+    return starts
+
+
+class PackedGatedDeltaNet(GatedDeltaNet):
+    """megatron-core's GatedDeltaNet with its state reset at every packed-sequence boundary."""
+
+    def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        if self.sp_size != 1:
+            raise ValueError("sequence_parallel: not supported with gated DeltaNet layers (set it false)")
+        starts = segment_starts(attention_mask, hidden_states.shape[0])
+        if len(starts) == 1:
+            return super().forward(hidden_states, None, *args, **kwargs)
+        ends = starts[1:] + [hidden_states.shape[0]]
+        outs = [super(PackedGatedDeltaNet, self).forward(hidden_states[s:e], None, *args, **kwargs)[0]
+                for s, e in zip(starts, ends)]
+        return torch.cat(outs, dim=0), None
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm with weight stored as w and applied as (1 + w), in fp32 (Qwen3.5 / Qwen3-Next's
+    Qwen3_5RMSNorm); megatron's local torch norm refuses ``layernorm_zero_centered_gamma``, and
+    storing 1 + w instead would make the HF round trip inexact."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+def qwen3_5_block_spec(layer_types: list[str]):
+    """The hybrid decoder block (local spec): gated DeltaNet layers and gated full-attention
+    layers per HF ``layer_types``, every RMSNorm zero-centred except GDN's gated out_norm."""
+    import copy
+
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    b = LocalSpecProvider()
+    specs = []
+    for t in layer_types:
+        if t not in ("linear_attention", "full_attention"):
+            raise ValueError(f"layer_types: {t!r} is not linear_attention or full_attention")
+        s = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True))
+        s.submodules.input_layernorm = s.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
+        attn = s.submodules.self_attention
+        if t == "linear_attention":
+            s.submodules.self_attention = ModuleSpec(module=PackedGatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+                in_proj=b.column_parallel_linear(), out_norm=b.layer_norm(rms_norm=True), out_proj=b.row_parallel_linear()))
+        else:
+            attn.submodules.q_layernorm = attn.submodules.k_layernorm = ZeroCenteredRMSNorm
+        specs.append(s)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=ZeroCenteredRMSNorm)
