@@ -40,6 +40,8 @@ def _megatron_world_of_one() -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not ps.model_parallel_is_initialized():
+        if ps._GLOBAL_MEMORY_BUFFER is not None:  # set alone by an earlier test (test_core_attention)
+            ps.destroy_global_memory_buffer()
         ps.initialize_model_parallel(1, 1)
         model_parallel_cuda_manual_seed(1)
     enable_torch_gated_delta_net()
