@@ -47,6 +47,22 @@ def _megatron_world_of_one() -> None:
     enable_torch_gated_delta_net()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _world_released():
+    """What this module's megatron world of one sets up is torn down after it: later modules
+    (test_workflow) expect no default process group in the pytest process."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    had_group = dist.is_initialized()
+    yield
+    if not had_group:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def layers():
     _megatron_world_of_one()
