@@ -101,3 +101,14 @@ def test_eval_items_are_checked_like_training_samples():
     with pytest.raises(ValueError, match="eval_data: sample 2: tests\\[0\\]"):
         check_samples(code, [good, empty], source="eval_data")
     assert check_samples(RewardConfig(kind="math"), [empty]) == 0  # control: no code reward, no check
+
+
+def test_a_source_without_listed_samples_is_not_read_unless_the_reward_runs_code():
+    """A prompt source whose dataset lists no samples (examples/arithmetic_source.py) meets no
+    check when the reward runs no code (the trainer's start-up called it for every reward)."""
+    import types
+
+    stream = types.SimpleNamespace(dataset=object(), heldout=lambda: [])
+    assert check_prompt_source(RewardConfig(kind="math"), stream) == 0
+    with pytest.raises(AttributeError):  # control: with a code reward it does read the samples
+        check_prompt_source(RewardConfig(kind="code"), stream)

@@ -69,8 +69,8 @@ def check_prompt_source(reward_cfg: Any, prompts: Any, allow_empty_output: bool 
     """At start-up, when the reward runs code: ``check_tests`` on every sample a listed prompt
     source holds (training and held-out; a user's stream is checked as it is scored). The
     number of samples checked."""
-    if not hasattr(prompts, "dataset"):
-        return 0
+    if not _scores_code(reward_cfg) or not hasattr(prompts, "dataset"):
+        return 0  # the reward runs no code (a generated source's dataset need not list samples)
     return check_samples(reward_cfg, [*prompts.dataset.samples, *prompts.heldout()], allow_empty_output)
 
 
