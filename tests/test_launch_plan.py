@@ -794,8 +794,8 @@ def test_supervisor_a_dying_node_stops_its_whole_server(tmp_path):
 
     def announce(name: str) -> list[str]:  # an engine's node 0: writes its address file, then serves
         f = tmp_path / f"{name}.json"
-        return [_sys.executable, "-c", f"import json, time; open({str(f)!r}, 'w').write(json.dumps("
-                f"{{'host': 'h', 'port': 1, 'url': 'http://h:1'}})); time.sleep(60)"], str(f)
+        return [_sys.executable, "-c", f"import json; open({str(f)!r}, 'w').write(json.dumps("
+                f"{{'host': 'h', 'port': 1, 'url': 'http://h:1'}})); import threading; threading.Event().wait()"], str(f)
 
     def spec(name, argv, server, addr=None, role="engine"):
         return ProcSpec(name=name, role=role, node="localhost", argv=tuple(argv), env={}, num_gpus=0,
@@ -803,7 +803,9 @@ def test_supervisor_a_dying_node_stops_its_whole_server(tmp_path):
 
     (a0, f0), (a1, f1) = announce("engine0"), announce("engine1")
     engines = (spec("engine0", a0, "engine0", f0),
-               spec("engine0.node1", [_sys.executable, "-c", "import time; time.sleep(1.5); raise SystemExit(9)"], "engine0"),
+               # node 1 dies once node 0 has announced itself (a condition, not a delay)
+               spec("engine0.node1", [_sys.executable, "-c", f"import os, time\nwhile not os.path.exists({f0!r}): "
+                                                              "time.sleep(0.05)\nraise SystemExit(9)"], "engine0"),
                spec("engine1", a1, "engine1", f1))
     # the learner ends once the launcher has had time to see the crash (a file the test writes)
     done = tmp_path / "learner_may_exit"
