@@ -79,7 +79,7 @@ test-heavy:
 # (client.segment_tokens) keeps its segments (docs/resume.md; marker heavy; ~5 min on 2 cores).
 test-resume-inflight:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
-	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -s tests/test_trainer_resume.py tests/test_inference_segments_sglang.py -k "in_flight or sigkilled" $(PYTEST_ARGS)
+	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -s tests/test_trainer_resume.py tests/test_inference_segments_sglang.py -k "in_flight or sigkilled or snapshot" $(PYTEST_ARGS)
 
 # No process starts in this tier (no SGLang either): --audit-processes fails it if one does.
 test-fast:

@@ -100,6 +100,9 @@ class ExperimentConfig:
         if scores_steps and self.algorithm.process_weight == 0:
             raise ValueError("reward.step_scoring: the step scores would be unused with algorithm.process_weight 0")
         check_extra_paths(self, {"data.path": self.data.path, "output_dir": self.output_dir})
+        if self.trainer.rollout_snapshot_every and not self.rollout.save_in_flight:
+            raise ValueError("trainer.rollout_snapshot_every: snapshots save the episodes in flight; "
+                             "it needs rollout.save_in_flight: true")
         if self.trainer.study_delay and self.rollout.max_staleness != self.trainer.study_delay:
             raise ValueError(f"trainer.study_delay: {self.trainer.study_delay} needs rollout.max_staleness equal to it "
                              f"(got {self.rollout.max_staleness}): the servers' version lags the learner's by the delay")

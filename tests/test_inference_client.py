@@ -1,4 +1,4 @@
-"""Client logic against in-process fake SGLang servers (tests/support/fake_sglang.py): launch
+"""Client logic against in-process fake SGLang servers (areal_mega/inference/fake_server.py): launch
 command, config errors, interruptible generation, failover, API key, load balancing.
 No SGLang needed; runtime ~3 s. The same features are tested on real SGLang in
 tests/test_inference_sglang.py."""
@@ -14,7 +14,7 @@ from areal_mega.api.io import GenerationRequest, SamplingParams
 from areal_mega.config import ConfigError, from_dict
 from areal_mega.inference import (InferenceConfig, InferenceError, InferencePool, InferenceServerError,
                                   SGLangServerConfig)
-from tests.support.fake_sglang import FakeSGLang, serve
+from areal_mega.inference.fake_server import FakeSGLang, serve
 from areal_mega.inference import sglang_api
 from areal_mega.inference.server import build_launch_command
 
@@ -318,7 +318,7 @@ def test_routes_survive_an_interruption_first_call_wins():
     request aborted by a pause and resumed under version 1 keeps the rows of its first call (the
     forward that first fed those tokens) and takes only the new rows from the resumed call --
     the fake routes every token by (token + layer + version), so a wrong merge shows."""
-    from tests.support.fake_sglang import FAKE_ROUTE_EXPERTS as E
+    from areal_mega.inference.fake_server import FAKE_ROUTE_EXPERTS as E
 
     async def body(pool, fakes):
         prompt = [5, 6, 7]

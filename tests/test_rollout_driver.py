@@ -1,5 +1,5 @@
 """RolloutService (the trainer's generation side, ``areal_mega/rollout/service.py``) against
-in-process fake SGLang servers (tests/support/fake_sglang.py): its interface (next batch, begin
+in-process fake SGLang servers (areal_mega/inference/fake_server.py): its interface (next batch, begin
 update -> targets, end update(version, synced), close), the one version counter, and the case the
 e2e failover test cannot force: the whole pool restarted while the learner waits for a batch.
 ~5 s. The same paths on real SGLang and megatron learners: tests/test_trainer_failover.py."""
@@ -16,7 +16,7 @@ from areal_mega.config import from_dict
 from areal_mega.inference import InferenceConfig
 from areal_mega.rollout.config import RolloutConfig
 from areal_mega.rollout.service import RolloutService
-from tests.support.fake_sglang import FakeSGLang, serve
+from areal_mega.inference.fake_server import FakeSGLang, serve
 from tests.test_rl_rollout import GroupWorkflow, dataset
 
 pytestmark = pytest.mark.timeout(60)

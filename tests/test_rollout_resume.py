@@ -10,7 +10,7 @@
   returned are kept and the request continues on the other server, the output identical to an
   undisturbed one.
 
-The fake is deterministic (tests/support/fake_sglang.py): token k of a call is a function of
+The fake is deterministic (areal_mega/inference/fake_server.py): token k of a call is a function of
 its prompt and k, so "continued, not regenerated" is checkable token for token.
 """
 
@@ -32,7 +32,7 @@ from areal_mega.inference.client import InferencePool
 from areal_mega.rollout.config import RolloutConfig
 from areal_mega.rollout.journal import call_key
 from areal_mega.rollout.service import RolloutService
-from tests.support.fake_sglang import FakeSGLang, serve
+from areal_mega.inference.fake_server import FakeSGLang, serve
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -313,3 +313,95 @@ def test_a_sample_json_cannot_hold_is_given_back_not_saved():
     state = c.checkpoint_state()
     assert [e["uid"] for e in state["episodes"]] == ["u0"] and c.in_flight_positions() == [(0, 1)]
     json.dumps(state)
+
+
+@pytest.mark.parametrize("from_snapshot", [True, False])
+def test_a_snapshot_between_checkpoints_keeps_what_the_checkpoints_weights_sampled(from_snapshot: bool):
+    """trainer.rollout_snapshot_every: learner checkpoint at version 0, a batch trained (lost with
+    the kill), a weight sync to 1, then a snapshot. Resumed from checkpoint 0 with the snapshot:
+    the lost batch's episodes and the ones in flight continue from their version-0 tokens (the
+    lost batch's calls are never asked again), tokens of version 1 -- sampled by weights the
+    resumed run never has -- are cut and generated again, episodes admitted at 1 run again from
+    the prompt; every prompt of the epoch is trained once in the resumed run. Control: resumed
+    from the checkpoint alone, the lost batch is generated again."""
+    f = Fakes(2, token_delay_s=0.004)
+    # two at a time: the third and fourth episodes (admitted at 0) run across the sync to 1
+    cfg = RolloutConfig(batch_size=2, max_staleness=1, max_concurrent=2, show_progress=False)
+    trained: list = []
+    try:
+        svc = RolloutService(f.config(), server_wait_s=0)
+        try:
+            svc.start(Turns(TURNS), Prompts(), cfg, keep_trained=True)
+            base = svc.checkpoint_state()  # the learner checkpoint (step 0): nothing generated yet
+            lost = svc.next_batch()  # step 1 trains it, then the kill: not in the resumed timeline
+            f.sync(svc, 1)
+            for _ in range(100):  # snapshot until one holds a version-1 token of a version-0 episode
+                f.wait_tokens(10)
+                snap = svc.checkpoint_state(since_checkpoint=True)
+                eps = snap["rollout"]["episodes"]
+                if any(e["admit_version"] == 0 and 1 in c["vers"] for e in eps for c in e["calls"]) and \
+                        any(e["admit_version"] == 1 for e in eps):
+                    break
+            else:
+                pytest.fail("no snapshot caught a version-0 episode with version-1 tokens")
+        finally:
+            svc.close()
+        seen_requests = [len(fk.requests) for fk in f.fakes]
+        state = snap if from_snapshot else base
+        src = Prompts()
+        src.load_state_dict(state["prompts"])
+        for fk in f.fakes:
+            fk.weight_version = "0"  # the servers re-synced to the checkpoint's weights
+        svc = RolloutService(f.config(), server_wait_s=0)
+        try:
+            svc.start(Turns(TURNS), src, cfg, restore=state.get("rollout"))
+            while len({p for b in trained for p in _positions(b) if p[0] == 0}) < N_PROMPTS:
+                trained.append(svc.next_batch())
+                f.sync(svc, trained[-1].version + 1)
+                assert len(trained) < 3 * N_PROMPTS, "epoch 0 never completed"
+            counts = dict(svc.controller.resume_counts)
+        finally:
+            svc.close()
+        run2 = [r for fk, n in zip(f.fakes, seen_requests) for r in fk.requests[n:]]
+    finally:
+        f.close()
+
+    seen = collections.Counter(p for b in trained for p in _positions(b) if p[0] == 0)
+    assert sorted(seen) == [(0, i) for i in range(N_PROMPTS)] and max(seen.values()) == 1, seen
+    for b in trained:
+        for t in b.trajectories:
+            for prompt, out in t.info["calls"]:
+                assert out == expected(prompt, len(out)) and len(out) == MAX_NEW
+    asked = {call_key(r["input_ids"], r["sampling_params"]["max_new_tokens"]) for r in run2}
+    lost_calls = {call_key(p, MAX_NEW) for t in lost.trajectories for p, _ in t.info["calls"]}
+    if not from_snapshot:  # control: the lost batch's calls are generated again
+        assert lost_calls <= asked and counts.get("replayed_tokens", 0) == 0
+        return
+    assert not lost_calls & asked  # answered from the snapshot, never generated again
+    eps = snap["rollout"]["episodes"]
+    old = [v for e in eps if e["admit_version"] == 0 for c in e["calls"] for v in c["vers"]]
+    new_tokens = sum(len(c["vers"]) for e in eps if e["admit_version"] == 1 for c in e["calls"])
+    assert counts["cut_tokens"] == sum(v > 0 for v in old) > 0
+    assert counts["replayed_tokens"] == sum(v == 0 for v in old) > 0
+    assert counts["dropped_newer"] == sum(e["admit_version"] == 1 for e in eps) > 0
+    assert counts["lost_tokens"] == counts["cut_tokens"] + new_tokens
+    assert {u for u in lost.episode_ids} <= {u for b in trained for u in b.episode_ids}  # same episodes, trained now
+
+
+def test_snapshot_file_belongs_to_one_checkpoint_and_needs_save_in_flight(tmp_path, capsys):
+    """The snapshot is used only on top of the learner checkpoint it was taken on (one taken on
+    checkpoint 3 is ignored when resuming from 6, said in one line); the option needs
+    rollout.save_in_flight (one line at start-up)."""
+    from areal_mega.experiment import ExperimentConfig
+    from areal_mega.trainer.run_state import read_rollout_snapshot, remove_rollout_snapshot, write_rollout_snapshot
+
+    state = {"prompts": {"epoch": 0}, "rollout": {"version": 4, "episodes": []}}
+    n = write_rollout_snapshot(tmp_path, base_step=3, step=4, state=state)
+    assert n == (tmp_path / "rollout_snapshot.json").stat().st_size
+    assert read_rollout_snapshot(tmp_path, 3) == state
+    assert read_rollout_snapshot(tmp_path, 6) is None and "ignoring" in capsys.readouterr().err
+    remove_rollout_snapshot(tmp_path)
+    assert read_rollout_snapshot(tmp_path, 3) is None
+    with pytest.raises(ValueError, match="trainer.rollout_snapshot_every.*save_in_flight"):
+        from_dict(ExperimentConfig, {"model_path": "m", "trainer": {"rollout_snapshot_every": 1},
+                                     "rollout": {"save_in_flight": False}}).validate()

@@ -162,7 +162,7 @@ INFLIGHT = ["rollout.max_staleness=1", "workflow.sampling.max_new_tokens=192", "
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("kind", ["single_turn", "multi_turn"])
+@pytest.mark.parametrize("kind", ["single_turn", "multi_turn", "agent"])
 def test_kill9_with_long_completions_in_flight_trains_the_saved_tokens(tmp_path: Path, kind: str):
     """kill -9 of the whole tree right after a checkpoint that saved episodes mid-generation
     (rollout.save_in_flight; a checkpoint every step, the first one holding a partial call --
@@ -172,18 +172,23 @@ def test_kill9_with_long_completions_in_flight_trains_the_saved_tokens(tmp_path:
     once, no episode twice, and the staleness bound holds on every trained token
     (``staleness/max``; the controller's own check raises otherwise). multi_turn: three attempts
     per sample (the random model is always wrong), 40 tokens each (the tiny model's context is
-    256), an episode saved after turn two resumes at turn three."""
+    256), an episode saved after turn two resumes at turn three; agent: the same with the
+    OpenAI-style calculator agent (three chat calls: the random model never answers), its replay
+    never diverging from the saved turns."""
     work = tmp_path / "task"
     write_tiny_task(work)
     extra = [*INFLIGHT, "trainer.save_every=1"]
     if kind == "multi_turn":
         extra += ["workflow.kind=multi_turn", "workflow.max_turns=3", "workflow.sampling.max_new_tokens=40"]
+    if kind == "agent":  # the OpenAI-style calculator agent: the random model never answers, so 3 calls
+        extra += ["workflow.kind=agent", "workflow.max_turns=3", "workflow.sampling.max_new_tokens=24",
+                  "workflow.options.function=areal_mega.workflows.examples.calculator_agent:calculator_agent"]
     cmd = _command(tmp_path, work, "run", procs.free_port(), *extra)
     log = tmp_path / "run.log"
     out = tmp_path / "run"
 
     def wanted(eps: list[dict]) -> bool:
-        if kind == "multi_turn":
+        if kind != "single_turn":  # an episode past its second turn
             return any(sum(c["finish"] is not None for c in e["calls"]) >= 2 for e in eps)
         return any(c["finish"] is None and c["ids"] for e in eps for c in e["calls"])
 
@@ -229,6 +234,64 @@ def test_kill9_with_long_completions_in_flight_trains_the_saved_tokens(tmp_path:
     assert replayed == saved_tokens > 0
     assert sum(r.get("rollout/resume/lost_tokens", 0) for r in resumed) == 0
     assert sum(r.get("rollout/resume/dropped_stale", 0) for r in resumed) == 0
+    assert sum(r.get("rollout/resume/diverged", 0) for r in resumed) == 0  # the replay followed the saved turns
+    assert all(r["staleness/max"] <= 1 for r in rows), [r["staleness/max"] for r in rows]
+    prompts = _rows(out / "prompts.jsonl")
+    assert [r["version"] for r in prompts] == list(range(STEPS))
+    seen = Counter((e, i) for r in prompts for e, i, _ in r["prompts"])
+    assert max(seen.values()) == 1, [k for k, n in seen.items() if n > 1]
+    episodes = [u for r in prompts for u in r.get("episodes", [])]
+    assert len(episodes) == len(set(episodes)) == sum(len(r["prompts"]) for r in prompts)
+
+
+@pytest.mark.heavy
+def test_kill9_between_checkpoints_resumes_the_in_flight_snapshot(tmp_path: Path):
+    """trainer.rollout_snapshot_every: 1 with a learner checkpoint every 3 steps; kill -9 of the
+    whole tree once a snapshot exists, the same command again: it resumes from the snapshot's
+    learner checkpoint and the snapshot's tokens of that checkpoint's versions are trained, not
+    generated again (``replayed_tokens``); newer ones are cut (``cut_tokens``), episodes admitted
+    later run again from the prompt (``dropped_newer``); every prompt trained once, no episode
+    twice, the staleness bound holds."""
+    work = tmp_path / "task"
+    write_tiny_task(work)
+    cmd = _command(tmp_path, work, "run", procs.free_port(), *INFLIGHT, "trainer.save_every=3",
+                   "trainer.rollout_snapshot_every=1")
+    log, out = tmp_path / "run.log", tmp_path / "run"
+    snap_file = out / "checkpoints" / "rollout_snapshot.json"
+    proc = _start(cmd, log)
+    try:
+        # one past the learner checkpoint at step 3: the kill falls between two checkpoints
+        _wait(lambda: snap_file.exists() and json.loads(snap_file.read_text())["base_step"] == 3, proc, log, 1500,
+              "a rollout snapshot on checkpoint 3")
+        _kill_tree_now(proc)
+    finally:
+        if proc.poll() is None:
+            procs.stop_tree(proc)
+    snap = json.loads(snap_file.read_text())  # the last one written before the kill
+    snap_bytes = snap_file.stat().st_size
+    base, eps = snap["base_step"], snap["rollout"]["episodes"]
+    proc = _start(cmd, log)
+    try:
+        assert proc.wait(timeout=1500) == 0, log.read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            procs.stop_tree(proc)
+    learner_log = (tmp_path / "run-run" / "logs" / "learner0.log").read_text()
+    assert f"(step {snap['step']} on checkpoint {base})" in learner_log, learner_log[-4000:]
+    old = [v for e in eps if e["admit_version"] <= base for c in e["calls"] for v in c["vers"]]
+    rows = _rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    resumed = [r for r in rows if r["step"] > base]
+    got = Counter()
+    for r in resumed:
+        got.update({k.rsplit("/", 1)[1]: v for k, v in r.items() if k.startswith("rollout/resume/")})
+    print(json.dumps({"snapshot_step": snap["step"], "base_step": base, "snapshot_bytes": snap_bytes,
+                      "snapshot_s": [r["time/snapshot_s"] for r in rows if "time/snapshot_s" in r], "snapshot_episodes": len(eps),
+                      "snapshot_tokens_at_or_before_base": sum(v <= base for v in old),
+                      "snapshot_tokens_newer": sum(v > base for v in old), "resume_counts": got}))
+    assert got["replayed_tokens"] == sum(v <= base for v in old) > 0
+    assert got["cut_tokens"] == sum(v > base for v in old)
+    assert got["dropped_newer"] == sum(e["admit_version"] > base for e in eps)
     assert all(r["staleness/max"] <= 1 for r in rows), [r["staleness/max"] for r in rows]
     prompts = _rows(out / "prompts.jsonl")
     assert [r["version"] for r in prompts] == list(range(STEPS))

@@ -1,5 +1,5 @@
 """The transports' shared frame without SGLang or megatron (world of one, gloo; in-process fake
-servers, tests/support/fake_sglang.py): the factory's one choice per mode, a whole disk sync
+servers, areal_mega/inference/fake_server.py): the factory's one choice per mode, a whole disk sync
 (what the servers are asked, what lands on disk), targets, and the check's failure before
 anything is sent. ~2 s. Broadcast and reshard against real servers: test_weight_sync_sglang.py,
 test_weight_sync_reshard_sglang.py; broadcast into stand-in receivers: test_tools.py."""

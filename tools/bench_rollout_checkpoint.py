@@ -2,7 +2,7 @@
 
 The cost of one rollout checkpoint (``RolloutService.checkpoint_state``, rollout.save_in_flight;
 docs/resume.md): ``episodes`` single-turn episodes of ``group_size`` samples in flight on stub
-SGLang servers (tests/support/fake_sglang.py, in this process: the client, the controller and
+SGLang servers (areal_mega/inference/fake_server.py, in this process: the client, the controller and
 the stubs share one core), checkpointed ``repeats`` times once about half of their tokens are
 generated. Each checkpoint aborts every request, takes the state and resumes them. Prints ONE
 JSON line:
@@ -34,7 +34,7 @@ from areal_mega.config import from_dict  # noqa: E402
 from areal_mega.inference import InferenceConfig  # noqa: E402
 from areal_mega.rollout.config import RolloutConfig  # noqa: E402
 from areal_mega.rollout.service import RolloutService  # noqa: E402
-from tests.support.fake_sglang import FakeSGLang, serve  # noqa: E402
+from areal_mega.inference.fake_server import FakeSGLang, serve  # noqa: E402
 
 
 class _Samples(RolloutWorkflow):

@@ -1,7 +1,7 @@
 """L=$(tools/env/make_venv.sh learner) && PYTHONPATH=. $L/bin/python tools/bench_rollout_client.py --num-requests 8192
 
 Overhead of the inference client itself (areal_mega.inference.InferencePool), not of a model:
-a stub SGLang server (tests/support/fake_sglang.py, in a subprocess on its own core) answers at
+a stub SGLang server (areal_mega/inference/fake_server.py, in a subprocess on its own core) answers at
 once, but holds every /generate call until all N have arrived, so N requests are really in
 flight at the same time. The client runs pinned to one core. Prints ONE JSON line:
 
@@ -93,7 +93,7 @@ def main() -> None:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     stub = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.fake_sglang", "--port", str(port),
+        [sys.executable, "-m", "areal_mega.inference.fake_server", "--port", str(port),
          "--hold-until", str(args.num_requests)],
         env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )

@@ -89,6 +89,7 @@ class RolloutController:
         version: int | PolicyVersion = 0,
         accept: Callable[[list[Trajectory]], bool] | None = None,
         progress_stream: TextIO | None = None,
+        keep_trained: bool = False,
     ) -> None:
         config.validate()
         self.engine = engine
@@ -135,11 +136,18 @@ class RolloutController:
         # journal, uid, data); resumed ones wait in _resumed for admission before anything new.
         self._episodes: dict[int, dict[str, Any]] = {}
         self._resumed: collections.deque[dict[str, Any]] = collections.deque()
+        # keep_trained (trainer.rollout_snapshot_every): the episodes handed out in batches since
+        # the last learner checkpoint, (seq, position, saved record or None if not saveable) --
+        # a run resumed from that checkpoint has not trained them.
+        self._keep_trained = keep_trained
+        self._trained: list[tuple[int, tuple[int, int] | None, dict[str, Any] | None]] = []
         self.resume_counts: collections.Counter[str] = collections.Counter()
         """Totals since the start: ``restored`` episodes, ``replayed_tokens`` (generated before the
         checkpoint, trained without generating them again), ``continued_calls``, ``restarted``
         (workflow not replayable), ``diverged``, ``dropped_stale`` (older than max_staleness
-        allows at resume: prompt generated again), ``lost_tokens`` (saved, never trained)."""
+        allows at resume: prompt generated again), ``dropped_newer`` (admitted after the resumed
+        checkpoint, in a snapshot: prompt generated again), ``cut_tokens`` (newer than the resumed
+        checkpoint: generated again), ``lost_tokens`` (saved, never trained)."""
         self._resume_since_batch: collections.Counter[str] = collections.Counter()
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -198,35 +206,51 @@ class RolloutController:
         batch.positions = [r.pos for r in taken]
         batch.prompt_ids = [r.prompt_id for r in taken]
         batch.episode_ids = [r.saved["uid"] if r.saved else None for r in taken]
+        if self._keep_trained:
+            self._trained += [(r.seq, r.pos, self._record(r.seq, r.saved) if self._saveable(r.saved) else None)
+                              for r in taken]
+            self._trained += [(seq, tuple(rec["pos"]) if rec["pos"] is not None else None, None)
+                              for seq, rec in self._skipped]  # given back: tried again on resume
         batch.skipped, self._skipped = [rec for _, rec in self._skipped], []
         self._notify()
         return batch
 
-    def in_flight_positions(self) -> list[tuple[int, int]]:
+    def in_flight_positions(self, since_checkpoint: bool = False) -> list[tuple[int, int]]:
         """Prompt positions drawn but not yet handed out in a batch (running or ready episodes,
         unless ``save_in_flight``: then ``checkpoint_state`` saves those), oldest admission first:
-        what a checkpoint gives back to the stream. Loop thread only."""
-        held = [(seq, pos) for seq, pos in self._positions.items() if not self._saveable(self._episodes.get(seq))]
+        what a checkpoint gives back to the stream. ``since_checkpoint`` (a snapshot): also those
+        handed out since the last learner checkpoint that the snapshot cannot save whole. Loop
+        thread only."""
+        held = [(seq, pos) for seq, pos, rec in self._trained if rec is None] if since_checkpoint else []
+        held += [(seq, pos) for seq, pos in self._positions.items() if not self._saveable(self._episodes.get(seq))]
         held += [(r.seq, r.pos) for r in self._ready if not self._saveable(r.saved)]
         held += [(seq, pos) for seq, pos, _, _ in self._retry]
         held += [(seq, tuple(rec["pos"]) if rec["pos"] is not None else None) for seq, rec in self._skipped]
         return [pos for _, pos in sorted(held) if pos is not None]
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, since_checkpoint: bool = False) -> dict[str, Any]:
         """The episodes generated and not yet trained (``save_in_flight``), oldest admission
         first: finished ones (ready) and running ones with their calls so far (``EpisodeJournal``;
         take it with the pool paused in abort mode so in-flight calls hold all their tokens).
-        JSON-able. Loop thread only."""
+        ``since_checkpoint`` (a snapshot between learner checkpoints, ``keep_trained``): also the
+        episodes handed out since the last learner checkpoint; without it (a learner checkpoint)
+        that checkpoint becomes the one they are counted from. JSON-able. Loop thread only."""
         if not self.config.save_in_flight:
             return {"episodes": []}
-        eps = [{**e["saved"], "seq": seq, "calls": e["journal"].snapshot()} for seq, e in self._episodes.items()
-               if self._saveable(e)]
-        eps += [{**r.saved, "seq": r.seq, "calls": r.saved["journal"].snapshot()} for r in self._ready
-                if self._saveable(r.saved)]
+        eps = [self._record(seq, e["saved"]) for seq, e in self._episodes.items() if self._saveable(e)]
+        eps += [self._record(r.seq, r.saved) for r in self._ready if self._saveable(r.saved)]
         eps += [e for e in self._resumed]  # restored, not yet admitted again
-        eps = sorted(eps, key=lambda e: e["seq"])
-        return {"version": self.staleness.version,
-                "episodes": [{k: v for k, v in e.items() if k not in ("journal", "jsonable")} for e in eps]}
+        if since_checkpoint:
+            eps += [rec for _, _, rec in self._trained if rec is not None]
+        else:
+            self._trained = []
+        return {"version": self.staleness.version, "episodes": sorted(eps, key=lambda e: e["seq"])}
+
+    @staticmethod
+    def _record(seq: int, saved: dict[str, Any]) -> dict[str, Any]:
+        """An episode as a checkpoint saves it: its record and its calls so far (JSON-able)."""
+        rec = {k: v for k, v in saved.items() if k not in ("journal", "jsonable")}
+        return {**rec, "seq": seq, "calls": saved["journal"].snapshot()}
 
     @staticmethod
     def _saveable(ep: dict[str, Any] | None) -> bool:
@@ -236,15 +260,27 @@ class RolloutController:
 
     def restore(self, state: dict[str, Any] | None) -> None:
         """Before ``astart``: the episodes ``checkpoint_state`` saved run first, continued from
-        their calls. An episode admitted before ``version - max_staleness`` (its tokens could not
-        be trained within the bound) is dropped and its prompt runs again (``dropped_stale``); one
-        of a workflow that is not ``replayable`` (or with MoE routes captured) restarts."""
+        their calls. What the resumed weights never sampled (a snapshot taken after the resumed
+        checkpoint) goes: an episode admitted after the resumed version is dropped and its prompt
+        runs again (``dropped_newer``); a call is cut at its first token of a newer version, the
+        later calls dropped (``cut_tokens``: the replay goes live there). An episode admitted
+        before ``version - max_staleness`` (its tokens could not be trained within the bound) is
+        dropped and its prompt runs again (``dropped_stale``); one of a workflow that is not
+        ``replayable`` (or with MoE routes captured) restarts."""
         eps = (state or {}).get("episodes") or []
-        oldest_allowed = self.staleness.version - self.config.max_staleness
+        version = self.staleness.version
+        oldest_allowed = version - self.config.max_staleness
         for e in sorted(eps, key=lambda e: e["seq"]):
             vers = [v for c in e["calls"] for v in c["vers"]]
-            if e["admit_version"] < oldest_allowed or any(v > self.staleness.version for v in vers):
-                self.resume_counts["dropped_stale"] += 1
+            if e["admit_version"] <= version:
+                e = {**e, "calls": _cut_calls(e["calls"], version)}
+                cut = len(vers) - sum(len(c["vers"]) for c in e["calls"])
+                vers = [v for c in e["calls"] for v in c["vers"]]
+                if cut:
+                    self.resume_counts["cut_tokens"] += cut
+                    self.resume_counts["lost_tokens"] += cut
+            if e["admit_version"] < oldest_allowed or e["admit_version"] > version:
+                self.resume_counts["dropped_stale" if e["admit_version"] < oldest_allowed else "dropped_newer"] += 1
                 self.resume_counts["lost_tokens"] += len(vers)
                 pos = tuple(e["pos"]) if e["pos"] is not None else None
                 self._retry.append((e["seq"], pos, e["data"], e["attempt"]))
@@ -545,3 +581,19 @@ class RolloutController:
 
     def snapshot(self) -> dict[str, int]:
         return {**self.staleness.snapshot(), "ready": len(self._ready), "epoch": self.epoch}
+
+
+def _cut_calls(calls: list[dict[str, Any]], version: int) -> list[dict[str, Any]]:
+    """Saved calls up to their first token newer than ``version``: that call becomes one in
+    flight holding the tokens before it (continued on resume), the later calls are dropped."""
+    out = []
+    for c in calls:
+        j = next((i for i, v in enumerate(c["vers"]) if v > version), None)
+        if j is None:
+            out.append(c)
+            continue
+        if j:
+            out.append({**c, "ids": c["ids"][:j], "lps": c["lps"][:j], "vers": c["vers"][:j], "finish": None})
+        break
+    return out
+

@@ -64,12 +64,13 @@ class RolloutService(GenerationService):
         return self._version.get()
 
     def start(self, workflow: RolloutWorkflow, dataset: Iterable[dict[str, Any]], cfg: RolloutConfig,
-              restore: dict[str, Any] | None = None) -> None:
+              restore: dict[str, Any] | None = None, keep_trained: bool = False) -> None:
         """Begin generating at the current version (which the servers hold); ``restore``: a
-        checkpoint's ``checkpoint_state()["rollout"]``, whose episodes continue first."""
+        checkpoint's ``checkpoint_state()["rollout"]``, whose episodes continue first;
+        ``keep_trained``: snapshots between learner checkpoints will be asked for."""
 
         async def start() -> RolloutController:
-            c = RolloutController(self.pool, workflow, dataset, cfg, version=self._version)
+            c = RolloutController(self.pool, workflow, dataset, cfg, version=self._version, keep_trained=keep_trained)
             c.restore(restore)
             await c.astart()
             return c
@@ -153,19 +154,21 @@ class RolloutService(GenerationService):
             self._stop_loop()
 
     # -- what the trainer reads besides batches ----------------------------------------------------
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, since_checkpoint: bool = False) -> dict[str, Any]:
         """What a checkpoint saves of the generation side, taken in one go on the controller's
         loop (the only thread that draws prompts: none is drawn between the reads, it would be lost
         on resume): ``prompts`` (the prompt stream's ``state_dict`` with the prompts drawn and not
         yet in a batch given back, less the episodes saved whole) and ``rollout`` (the
         controller's ``checkpoint_state``: generated, not yet trained). In-flight requests are
         aborted first, the way a weight sync in ``client.pause_mode`` abort pauses them (whatever
-        the mode set), so each holds every token it has; they continue once the state is taken."""
+        the mode set), so each holds every token it has; they continue once the state is taken.
+        ``since_checkpoint``: a snapshot between learner checkpoints (the controller's
+        ``checkpoint_state``), which also holds what was handed out since the last one."""
         assert self.controller is not None, "start() first"
         c = self.controller
 
         def prompts() -> dict[str, Any] | None:  # None: a plain iterable, no position to keep
-            return c.dataset.state_dict(c.in_flight_positions()) if isinstance(c.dataset, PromptSource) else None
+            return c.dataset.state_dict(c.in_flight_positions(since_checkpoint)) if isinstance(c.dataset, PromptSource) else None
 
         async def get() -> dict[str, Any]:
             if not c.config.save_in_flight:
@@ -173,7 +176,7 @@ class RolloutService(GenerationService):
             await self.pool.pause(mode="abort")
             try:
                 await self.pool.settle()
-                return {"prompts": prompts(), "rollout": c.checkpoint_state()}
+                return {"prompts": prompts(), "rollout": c.checkpoint_state(since_checkpoint)}
             finally:
                 await self.pool.resume()
 

@@ -36,6 +36,12 @@ class TrainerLoopConfig:
     checkpoint and exits 0 -- for preemption notices and operators (the launcher creates
     ``<run_dir>/STOP`` on SIGUSR1/SIGTERM). SIGTERM/SIGUSR1 to a learner rank do the same.
     Empty = only the signals."""
+    rollout_snapshot_every: int = 0
+    """Between learner checkpoints, snapshot the generation side every this many steps to
+    ``<output_dir>/checkpoints/rollout_snapshot.json`` (MBs, not the weights' GBs): a run resumed
+    from the last learner checkpoint also continues the episodes handed out or generated since
+    it, cut at their first token newer than that checkpoint (docs/resume.md). 0 = only at
+    learner checkpoints. Needs ``rollout.save_in_flight``."""
     study_delay: int = 0
     """Experiments only (the staleness study, docs/staleness.md): the servers are given the
     weights of ``study_delay`` versions ago, so with ``rollout.max_staleness`` equal to it every
@@ -53,7 +59,7 @@ class TrainerLoopConfig:
                              "set trainer.study_opt_in: true to ask for it")
         if self.num_steps < 0:
             raise ValueError(f"num_steps: must be >= 0, got {self.num_steps}")
-        if self.save_every < 0 or self.eval_every < 0:
-            raise ValueError("save_every / eval_every: must be >= 0")
+        if self.save_every < 0 or self.eval_every < 0 or self.rollout_snapshot_every < 0:
+            raise ValueError("save_every / eval_every / rollout_snapshot_every: must be >= 0")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"backend: {self.backend!r} is not one of auto, nccl, gloo")

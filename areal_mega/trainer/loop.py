@@ -45,6 +45,9 @@ def run(trainer: Trainer) -> int:
         if trainer.should_save(step + 1) or stop:
             with m.phase("save"):  # timed into the next step's record
                 trainer.save(step + 1)
+        elif trainer.should_snapshot(step + 1):  # the generation side alone, between checkpoints
+            with m.phase("snapshot"):
+                trainer.snapshot(step + 1)
         if stop:  # no evaluation: a preemption's grace period is for the checkpoint
             trainer.announce_stop(step + 1)
             break

@@ -10,6 +10,7 @@ and torch generator states), staged and committed as one directory by the engine
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -21,14 +22,52 @@ import torch.distributed as dist
 
 from areal_mega.megatron.checkpoint import METADATA_FILE, find_resume_checkpoint, staged, step_dir_name, update_latest
 
-__all__ = ["RUN_STATE_FILE", "read_run_state", "resume_run", "resume_run_checkpoint", "rng_state",
-           "save_run_checkpoint", "set_rng_state"]
+__all__ = ["RUN_STATE_FILE", "read_rollout_snapshot", "read_run_state", "resume_run", "resume_run_checkpoint",
+           "remove_rollout_snapshot", "rng_state", "save_run_checkpoint", "set_rng_state", "write_rollout_snapshot"]
 
 
 RUN_STATE_FILE = "run_state.json"
 """Rank 0's run state in a trainer checkpoint (prompt stream position, prompts to give back)."""
 ROLLOUT_STATE_FILE = "rollout_state.json"
 """The run state's ``rollout`` part (episodes generated, not yet trained), compact: it holds tokens."""
+SNAPSHOT_FILE = "rollout_snapshot.json"
+"""Beside the checkpoints: the generation side between learner checkpoints
+(``trainer.rollout_snapshot_every``, docs/resume.md)."""
+
+
+def write_rollout_snapshot(root: str | Path, base_step: int, step: int, state: dict[str, Any]) -> int:
+    """Rank 0: ``root/rollout_snapshot.json`` = the generation side's state at ``step`` (the
+    service's ``checkpoint_state(since_checkpoint=True)``) on top of learner checkpoint
+    ``base_step``, written atomically. Returns its bytes."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    data = json.dumps({"base_step": base_step, "step": step, **state}, separators=(",", ":"))
+    tmp = root / (SNAPSHOT_FILE + ".tmp")
+    tmp.write_text(data)
+    os.replace(tmp, root / SNAPSHOT_FILE)
+    return len(data)
+
+
+def read_rollout_snapshot(root: str | Path, base_step: int) -> dict[str, Any] | None:
+    """The snapshot taken on top of learner checkpoint ``base_step`` (``prompts`` and
+    ``rollout``, to use instead of the checkpoint's), or None: there is none, or it belongs to
+    another checkpoint (said in one line)."""
+    path = Path(root) / SNAPSHOT_FILE
+    if not path.is_file():
+        return None
+    snap = json.loads(path.read_text())
+    if snap.get("base_step") != base_step or snap.get("step", 0) <= base_step:
+        print(f"resume: ignoring {path} (taken on checkpoint {snap.get('base_step')}, resuming from {base_step})",
+              file=sys.stderr, flush=True)
+        return None
+    print(f"resume: the generation side continues from {path} (step {snap['step']} on checkpoint {base_step})",
+          file=sys.stderr, flush=True)
+    return {"prompts": snap.get("prompts"), "rollout": snap.get("rollout")}
+
+
+def remove_rollout_snapshot(root: str | Path) -> None:
+    """After a learner checkpoint (a snapshot is on top of the one before) or on a fresh start."""
+    (Path(root) / SNAPSHOT_FILE).unlink(missing_ok=True)
 
 
 def rng_state() -> dict[str, Any]:

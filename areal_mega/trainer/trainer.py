@@ -28,7 +28,8 @@ from areal_mega.megatron.parallel_state import ModelParallelGroups
 from areal_mega.rollout.batch import broadcast_batch, split_minibatches, to_engine_alignment, trajectories_to_batch
 from areal_mega.rollout.service import RolloutService
 from areal_mega.trainer.critic import CriticEngine
-from areal_mega.trainer.run_state import resume_run, save_run_checkpoint
+from areal_mega.trainer.run_state import (read_rollout_snapshot, remove_rollout_snapshot, resume_run,
+                                          save_run_checkpoint, write_rollout_snapshot)
 from areal_mega.trainer.runlog import cut_logs_past
 from areal_mega.utils.metrics import Metrics
 from areal_mega.utils.stats import reduce_stats
@@ -110,6 +111,13 @@ class Trainer:
             self.start_step, run_state = resume_run(out / "checkpoints", self.actor, self.critic, group=self.ctrl_group)
         if self.is_driver:
             out.mkdir(parents=True, exist_ok=True)
+            # Between learner checkpoints the generation side may have been snapshotted on top of
+            # this one (trainer.rollout_snapshot_every): it continues from there (docs/resume.md).
+            snap = read_rollout_snapshot(out / "checkpoints", self.start_step) if cfg.trainer.resume else None
+            if snap is not None:
+                run_state = {**(run_state or {}), **snap}
+            else:
+                remove_rollout_snapshot(out / "checkpoints")
             # Records past the checkpoint (a killed run's last steps) are redone: move them out.
             for name, n in cut_logs_past(out, self.start_step).items():
                 print(f"trainer: {n} record(s) of {name} past checkpoint {self.start_step} moved to "
@@ -126,7 +134,9 @@ class Trainer:
             run_state = run_state or {}
             if run_state.get("prompts") is not None:
                 self.prompts.load_state_dict(run_state["prompts"])
-            self.generation.start(self.episodes.workflow, self.prompts, cfg.rollout, restore=run_state.get("rollout"))
+            self.generation.start(self.episodes.workflow, self.prompts, cfg.rollout, restore=run_state.get("rollout"),
+                                  keep_trained=cfg.trainer.rollout_snapshot_every > 0)
+        self._base_step = self.start_step  # the learner checkpoint a snapshot is taken on
 
     # ------------------------------------------------------------------ loop pieces
     def next_batch(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -319,6 +329,18 @@ class Trainer:
         t = self.cfg.trainer
         return (t.eval_every > 0 and step % t.eval_every == 0) or (t.eval_at_end and step == t.num_steps)
 
+    def should_snapshot(self, step: int) -> bool:
+        every = self.cfg.trainer.rollout_snapshot_every
+        return every > 0 and step % every == 0
+
+    def snapshot(self, step: int) -> None:
+        """Rank 0: the generation side (prompt stream, episodes generated or handed out since the
+        last learner checkpoint) to ``checkpoints/rollout_snapshot.json``, on top of that
+        checkpoint (docs/resume.md). Not collective: the other ranks hold no generation state."""
+        if self.generation is not None:
+            state = self.generation.checkpoint_state(since_checkpoint=True)
+            write_rollout_snapshot(Path(self.cfg.output_dir) / "checkpoints", self._base_step, step, state)
+
     def save(self, step: int) -> None:
         """``checkpoints/stepNNNNNN`` (actor + ``critic/``) in the one checkpoint format, staged
         and renamed into place, then ``checkpoints/latest`` moved to it (both atomic)."""
@@ -327,6 +349,9 @@ class Trainer:
             run_state = {"step": step, **self.generation.checkpoint_state()}
         save_run_checkpoint(Path(self.cfg.output_dir) / "checkpoints", step, self.actor, self.critic,
                             extra={"model_path": self.cfg.model_path}, run_state=run_state)
+        if self.generation is not None:  # the snapshot was on top of the checkpoint before
+            remove_rollout_snapshot(Path(self.cfg.output_dir) / "checkpoints")
+        self._base_step = step
         dist.barrier(group=self.ctrl_group)
 
     def evaluate(self, step: int) -> None:

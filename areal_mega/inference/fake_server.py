@@ -11,7 +11,7 @@ requests with their partial tokens, like SGLang.
 The fake knows where the original prompt ends because every resubmission carries the same rid
 prefix ``<rid>-<attempt>``; the first attempt registers the prompt length.
 
-    python -m tests.support.fake_sglang --port 30000      # stand-alone, for benchmarks
+    python -m areal_mega.inference.fake_server --port 30000      # stand-alone, for benchmarks
 """
 
 from __future__ import annotations
