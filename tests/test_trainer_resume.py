@@ -27,6 +27,7 @@ import pytest
 
 from areal_mega.utils import procs
 from tests.support.launch import REPO, SGLANG_PYTHON, child_env, needs_sglang
+from tests.support.agents import TINY_CHAT_TEMPLATE
 from tests.support.models import write_tiny_task
 
 pytestmark = [pytest.mark.slow, needs_sglang, pytest.mark.timeout(1800)]
@@ -172,17 +173,18 @@ def test_kill9_with_long_completions_in_flight_trains_the_saved_tokens(tmp_path:
     once, no episode twice, and the staleness bound holds on every trained token
     (``staleness/max``; the controller's own check raises otherwise). multi_turn: three attempts
     per sample (the random model is always wrong), 40 tokens each (the tiny model's context is
-    256), an episode saved after turn two resumes at turn three; agent: the same with the
-    OpenAI-style calculator agent (three chat calls: the random model never answers), its replay
-    never diverging from the saved turns."""
+    256), an episode saved after turn two resumes at turn three; agent: the same with an agent
+    written against the OpenAI client (three chat calls), its replay never diverging from the
+    saved turns."""
     work = tmp_path / "task"
     write_tiny_task(work)
     extra = [*INFLIGHT, "trainer.save_every=1"]
     if kind == "multi_turn":
         extra += ["workflow.kind=multi_turn", "workflow.max_turns=3", "workflow.sampling.max_new_tokens=40"]
-    if kind == "agent":  # the OpenAI-style calculator agent: the random model never answers, so 3 calls
-        extra += ["workflow.kind=agent", "workflow.max_turns=3", "workflow.sampling.max_new_tokens=24",
-                  "workflow.options.function=areal_mega.workflows.examples.calculator_agent:calculator_agent"]
+    if kind == "agent":  # an agent written against the OpenAI client, three chat calls per episode
+        (work / "model" / "chat_template.jinja").write_text(TINY_CHAT_TEMPLATE)
+        extra += ["workflow.kind=agent", "workflow.max_turns=3", "workflow.sampling.max_new_tokens=40",
+                  "workflow.options.function=tests.support.agents:three_calls"]
     cmd = _command(tmp_path, work, "run", procs.free_port(), *extra)
     log = tmp_path / "run.log"
     out = tmp_path / "run"

@@ -134,12 +134,13 @@ class InferenceClientConfig:
     """How many restarts of one server are attempted before it is left out for good."""
     initial_version: int = 0
     """Policy version of the weights the servers start with (passed as ``--weight-version``)."""
-    segment_tokens: int = 0
+    segment_tokens: int = 8192
     """Ask a server for at most this many new tokens per /generate call, continuing the request
     (prompt + tokens so far) until it ends: a server that dies mid-request then costs at most
     one segment; the tokens of the segments it returned are kept and generation continues on
     another server. 0 = one call per request (a dead server's in-progress call is lost whole).
-    Each segment re-sends the prefix (a prefix-cache hit on the server)."""
+    Each segment re-sends the prefix (a prefix-cache hit on the server): the default leaves
+    requests of up to 8192 tokens one call and bounds a 32k-token trace's loss to a quarter."""
 
     def validate(self) -> None:
         for key in ("request_timeout_s", "connect_timeout_s", "control_timeout_s",
