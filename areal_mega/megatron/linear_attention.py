@@ -28,7 +28,6 @@ def segment_starts(attention_mask: torch.Tensor | None, seq_len: int) -> list[in
     while j > 0 and ends[j - 1] - starts[j - 1] == 1:
         j -= 1  # trailing one-token segments = padding: one segment (see the module docstring)
     return starts[: j + 1]
-    return starts
 
 
 class PackedGatedDeltaNet(GatedDeltaNet):
@@ -62,9 +61,10 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         return (y * (1.0 + self.weight.float())).type_as(x)
 
 
-def qwen3_5_block_spec(layer_types: list[str]):
+def qwen3_5_block_spec(layer_types, tcfg=None, vp_stage: int | None = None, pp_rank: int | None = None):
     """The hybrid decoder block (local spec): gated DeltaNet layers and gated full-attention
-    layers per HF ``layer_types``, every RMSNorm zero-centred except GDN's gated out_norm."""
+    layers per HF ``layer_types`` (one per GLOBAL layer), every RMSNorm zero-centred except GDN's
+    gated out_norm. With ``tcfg``: only the layers of that pipeline chunk (megatron's split)."""
     import copy
 
     from megatron.core.models.backends import LocalSpecProvider
@@ -87,4 +87,11 @@ def qwen3_5_block_spec(layer_types: list[str]):
         else:
             attn.submodules.q_layernorm = attn.submodules.k_layernorm = ZeroCenteredRMSNorm
         specs.append(s)
+    if tcfg is not None:
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        n = get_num_layers_to_build(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
+        off = get_transformer_layer_offset(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
+        specs = specs[off:off + n]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=ZeroCenteredRMSNorm)
