@@ -325,6 +325,8 @@ def test_whole_text_model_logprobs_match_hf_packed(tmp_path):
         ps.destroy_model_parallel()
     groups = init_model_parallel(ParallelLayout(world_size=1), backend="gloo")
     try:
+        with pytest.raises(ValueError, match="^actor.model.layer_spec: te is not supported for qwen3_5_text"):
+            build_model(tmp_path, groups, MegatronModelConfig(layer_spec="te"))
         model = build_model(tmp_path, groups, MegatronModelConfig())
         load_hf_weights(model, tmp_path)
         (mc,) = model.chunks
