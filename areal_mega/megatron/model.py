@@ -359,6 +359,21 @@ def check_context_parallel(layout, spec_name: str, attention: str | None = None,
                          "yet (MLA's RoPE under CP is untested); set parallel.context_parallel: 1")
 
 
+def check_linear_attention(arch: ModelArch, cfg: MegatronModelConfig, lay) -> None:
+    """Refuse, naming the key, what a hybrid (gated DeltaNet) model cannot run: its block is built
+    on the local spec (megatron/linear_attention.py), PackedGatedDeltaNet has no sequence
+    parallelism ("auto" resolves to off for it) and megatron-core 0.16.1's GDN no context parallelism."""
+    if arch.linear is None:
+        return
+    if cfg.layer_spec == "te" or (cfg.sequence_parallel is True and lay.tp > 1):
+        key, val = ("layer_spec", "te") if cfg.layer_spec == "te" else ("sequence_parallel", "true")
+        raise ValueError(f"actor.model.{key}: {val} is not supported for {arch.model_type} "
+                         "(gated DeltaNet layers run on the local spec without sequence parallelism)")
+    if lay.cp > 1:
+        raise ValueError(f"parallel.context_parallel: {lay.cp} > 1 is not supported for {arch.model_type} "
+                         "(megatron-core 0.16.1's GatedDeltaNet has no context parallelism)")
+
+
 def model_adapter(hf_config: Any, cfg: MegatronModelConfig) -> Any:
     """The adapter of ``cfg.family`` (``areal_mega.kinds``, family "model") over ``hf_config``, else
     the registry's for its ``model_type``."""
@@ -398,16 +413,8 @@ def build_model(
             key = "moe_aux_loss_coef" if cfg.moe_aux_loss_coef > 0 else "moe_routing_replay"
             raise ValueError(f"actor.model.{key}: set, but it {dense}")
     hybrid = arch.linear is not None
-    if hybrid:  # Qwen3.5: the hybrid block is on the local spec; GDN has no CP / SP (megatron/linear_attention.py)
-        bad = [(k, v) for k, v in (("layer_spec", cfg.layer_spec if cfg.layer_spec == "te" else None),
-                                   ("sequence_parallel", True if cfg.sequence_parallel is True and lay.tp > 1 else None))
-               if v is not None]
-        if bad:
-            raise ValueError(f"actor.model.{bad[0][0]}: {bad[0][1]} is not supported for {arch.model_type} "
-                             "(gated DeltaNet layers run on the local spec without sequence parallelism)")
-        if lay.cp > 1:
-            raise ValueError(f"parallel.context_parallel: {lay.cp} > 1 is not supported for {arch.model_type} "
-                             "(megatron-core 0.16.1's GatedDeltaNet has no context parallelism)")
+    check_linear_attention(arch, cfg, lay)
+    if hybrid:
         compat.enable_torch_gated_delta_net()  # compat entry 13
     spec_name = "local" if hybrid else resolve_layer_spec(cfg.layer_spec)
     check_context_parallel(lay, spec_name, cp_comm_type=cfg.cp_comm_type, vpp=lay.vpp, mla=arch.mla is not None)

@@ -13,12 +13,15 @@ not 1 + w) is ``out_norm``. Gated attention: HF q_proj rows per head [q; gate], 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from areal_mega.models.base import Block, _Rule, LinearAttnArch, McoreParam, ModelAdapter, ModelArch, StagePlan
 from areal_mega.models.qwen3 import _DENSE, _INERT, refuse_unknown_keys
 from areal_mega.models.registry import register_family
 
+logger = logging.getLogger(__name__)
 _PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 _SAME = {"conv1d.weight": "conv1d.weight", "A_log": "A_log", "dt_bias": "dt_bias",
          "norm.weight": "out_norm.weight", "out_proj.weight": "out_proj.weight"}
@@ -70,7 +73,9 @@ def gated_qkv_mcore_to_hf(w: torch.Tensor, num_kv_heads: int, head_dim: int) -> 
 # ---- the registered families (one adapter: live sync, conversion tools, loading) -----------------
 
 _LINEAR = {"linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-           "linear_num_value_heads", "layer_types", "partial_rotary_factor"}
+           "linear_num_value_heads", "layer_types", "partial_rotary_factor",
+           # written by the released checkpoints' configs; checked below
+           "full_attention_interval", "attn_output_gate", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"}
 _ROPE_OK = {"rope_type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
 
 
@@ -96,6 +101,16 @@ class Qwen3_5TextAdapter(ModelAdapter):
         n = int(c["num_hidden_layers"])
         if len(kinds) != n or set(kinds) - {"linear_attention", "full_attention"}:
             raise ValueError(f"layer_types: need {n} entries of linear_attention / full_attention, got {list(kinds)}")
+        every = c.get("full_attention_interval")
+        if every is not None and kinds != tuple("full_attention" if (i + 1) % int(every) == 0 else "linear_attention"
+                                               for i in range(n)):
+            raise ValueError(f"full_attention_interval: {every} disagrees with layer_types")
+        if c.get("attn_output_gate", True) is not True:
+            raise ValueError("attn_output_gate: false (ungated full attention) is not supported for "
+                             f"{self.model_type}; only true")
+        if int(c.get("mtp_num_hidden_layers") or 0):
+            logger.warning("%s: mtp_num_hidden_layers=%s multi-token-prediction layer(s) dropped (not built, trained, "
+                           "synced or exported; see docs/engine.md)", self.model_type, c["mtp_num_hidden_layers"])
         arch = super().parse_config({**c, "layer_types": None})
         lin = LinearAttnArch(kinds, int(c["linear_conv_kernel_dim"]), int(c["linear_key_head_dim"]),
                              int(c["linear_value_head_dim"]), int(c["linear_num_key_heads"]),
