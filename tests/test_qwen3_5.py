@@ -503,3 +503,79 @@ def test_adapter_tp_pieces_agree():
                 assert torch.equal(src, dst), (prm.name, r, blk)
         assert torch.equal(ad.merge_tp(prm, shards), canon), prm.name
     assert {"parts", "gated_qkv", "gate_up", "vocab", "none"} <= fusions
+
+
+# SGLang 0.5.23's loader rules (qwen3_5.py load_weights' stacked_params_mapping), written out here
+# independently of the adapter: HF module -> (SGLang fused parameter, part index).
+_SGLANG_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                 "in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1),
+                 "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
+
+
+def _sglang_reference(ckpt: dict) -> dict:
+    """What SGLang's TP1 parameters must hold after loading the checkpoint's language model."""
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for n, t in ckpt.items():
+        if n.startswith("model.visual."):
+            continue
+        n = n.replace("model.language_model.", "model.").replace(".self_attn.", ".")
+        prefix, module, leaf = n.rsplit(".", 2) if n.count(".") >= 2 else ("", "", n)
+        if module in _SGLANG_FUSED:
+            fused, i = _SGLANG_FUSED[module]
+            parts.setdefault(f"{prefix}.{fused}.{leaf}", {})[i] = t
+        else:
+            out[n] = t
+    out.update({k: torch.cat([v[i] for i in sorted(v)]) for k, v in parts.items()})
+    return out
+
+
+@LAYER
+def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
+    """SGLang cannot serve Qwen3.5 on CPU (docs/engine.md: sgl_kernel's CPU causal_conv1d), so the
+    sync is checked against SGLang's own loader instead: the stream the learner's export sends at
+    TP2 (text model and VL checkpoint) goes through SGLang 0.5.23's Qwen3_5ForCausalLM /
+    Qwen3_5ForConditionalGeneration ``load_weights`` in-process (tests/support/sglang_qwen3_5_load.py);
+    every language-model parameter must be written and equal the checkpoint mapped by SGLang's
+    loader rules (bit for bit), the vision tower untouched. Controls: a stream missing one tensor
+    leaves its parameter unwritten; in_proj_z rows reversed make its fused parameter differ."""
+    import json
+
+    from areal_mega.megatron.model import HFCheckpointReader
+    from tests.support.launch import SGLANG_PYTHON, child_env, run_checked
+
+    if not SGLANG_PYTHON:
+        pytest.skip("AREAL_MEGA_SGLANG_PYTHON not set (run through make test-families-serve)")
+    work, ref, _ = layouts
+    jobs = []
+    for name in ref:
+        cfg = json.loads((work / name / "config.json").read_text())
+        # released configs carry full_attention_interval (transformers' save_pretrained does not);
+        # SGLang 0.5.23 derives its layer kinds from it (configs/qwen3_next.py layers_block_type)
+        (cfg if name == "text" else cfg["text_config"])["full_attention_interval"] = 4
+        (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
+        jobs.append({"label": name, "config": str(tmp_path / f"{name}.json"), "stream": str(work / f"{name}_sync_tp2.pt")})
+    stream = torch.load(work / "text_sync_tp2.pt")
+    drop, flip = "model.layers.1.linear_attn.in_proj_b.weight", "model.layers.0.linear_attn.in_proj_z.weight"
+    torch.save([(n, t) for n, t in stream if n != drop], tmp_path / "dropped.pt")
+    torch.save([(n, t.flip(0) if n == flip else t) for n, t in stream], tmp_path / "flipped.pt")
+    for label in ("dropped", "flipped"):
+        jobs.append({"label": label, "config": str(tmp_path / "text.json"), "stream": str(tmp_path / f"{label}.pt")})
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    run_checked([SGLANG_PYTHON, "tests/support/sglang_qwen3_5_load.py", "--jobs", tmp_path / "jobs.json",
+                 "--out", tmp_path / "out.pt"], timeout_s=600, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
+    res = torch.load(tmp_path / "out.pt")
+    for name in ref:
+        disk = HFCheckpointReader(work / name)
+        want = _sglang_reference({n: disk.read(n) for n in disk.names()})
+        got = res[name]
+        lm = {n for n in got if not n.startswith("visual.")}
+        assert lm == set(want), sorted(lm ^ set(want))[:5]
+        for n in lm:  # vocab rows past the checkpoint's (SGLang's padding) are not the sync's
+            assert torch.equal(got[n][: want[n].shape[0]], want[n]), (name, n)
+        vision = [n for n in got if n.startswith("visual.")]
+        assert bool(vision) == (name == "vl") and all(got[n].isnan().all() for n in vision)
+    assert res["dropped"]["model.layers.1.linear_attn.in_proj_ba.weight"].isnan().any()
+    fused = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    assert not torch.equal(res["flipped"][fused], res["text"][fused])

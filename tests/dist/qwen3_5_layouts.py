@@ -7,7 +7,8 @@ LAYOUTS (tp, pp; dp fills the rest), records on rank 0 into R.pt:
 
 * logits[model][layout]: packed-batch logits (last stage, TP-gathered);
 * export[model][layout]: per exporting rank (pp, tp, dp, #bit-identical to the HF file,
-  #differing, names) from ModelAdapter.export_hf -- the weight-sync code path;
+  #differing, names) from ModelAdapter.export_hf -- the weight-sync code path; at TP2 the
+  sender's stream is also saved as W/<model>_sync_tp2.pt (tests/support/sglang_qwen3_5_load.py);
 * negative[control]: logits with one block dropped or mis-mapped at load (NEGATIVE);
 * W/<model>_ckpt, W/<model>_hf: HF -> megatron (PP2) -> HF (TP2) by the conversion tools' main().
 
@@ -87,11 +88,14 @@ def main() -> None:
             c = groups.coords
             row = None
             if lay.exports(groups.rank):
-                same, diff, names = 0, 0, []
+                same, diff, names, stream = 0, 0, [], []
                 for n, t in export_hf_weights(model):
                     names.append(n)
+                    stream.append((n, t))
                     same, diff = (same + 1, diff) if torch.equal(t, hf_file.read(n)) else (same, diff + 1)
                 row = (c.pp, c.tp, c.dp, same, diff, names)
+                if (tp, pp) == (2, 1) and groups.rank == 0:  # what a broadcast sync sends, gathered over TP2
+                    torch.save(stream, work / f"{name}_sync_tp2.pt")
             res["export"][name][key] = gather(row)
             for control, (m, lay_key, suffix, how) in NEGATIVE.items():
                 if m == name and lay_key == (tp, pp):
