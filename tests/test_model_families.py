@@ -17,7 +17,7 @@ from tests.support.models import tiny_config
 # "planned" (a layout, a runtime sync refused: sglang_not_synced), "none" (no layout: broadcast).
 SGLANG = {"llama": "synced", "qwen2": "synced", "qwen3": "synced", "qwen3_moe": "synced",
           "deepseek_v3": "synced", "mixtral": "none", "qwen2_moe": "none", "glm4_moe": "none",
-          "qwen3_5_text": "none", "qwen3_5": "none"}
+          "qwen3_5_text": "none", "qwen3_5": "none", "qwen3_5_moe_text": "none", "qwen3_5_moe": "none"}
 TINY_MOE = {  # tiny configs of the families tiny_config leaves dense (tests/test_moe_families_plan.py's)
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -33,13 +33,18 @@ LIKE = "tiny_llama_like"
 
 
 def _qwen3_5_config(family: str) -> dict:
-    """Qwen3.5's tiny configs (tests/test_qwen3_5.py), text or vision-language, as HF writes them."""
+    """Qwen3.5's tiny configs (tests/test_qwen3_5.py), text or vision-language, dense or MoE, as HF
+    writes them."""
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
 
-    from tests.test_qwen3_5 import CFG, VISION
+    from tests.test_qwen3_5 import CFG, MOE, VISION
 
-    return (Qwen3_5TextConfig(**CFG) if family == "qwen3_5_text" else
-            Qwen3_5Config(text_config=CFG, vision_config=VISION)).to_dict()
+    moe = {**{k: v for k, v in CFG.items() if k != "intermediate_size"}, **MOE}
+    return {"qwen3_5_text": lambda: Qwen3_5TextConfig(**CFG),
+            "qwen3_5": lambda: Qwen3_5Config(text_config=CFG, vision_config=VISION),
+            "qwen3_5_moe_text": lambda: Qwen3_5MoeTextConfig(**moe),
+            "qwen3_5_moe": lambda: Qwen3_5MoeConfig(text_config=moe, vision_config=VISION)}[family]().to_dict()
 
 
 def _sglang_status(cls: type[ModelAdapter]) -> str:

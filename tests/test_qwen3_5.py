@@ -264,14 +264,23 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
               num_position_embeddings=16, patch_size=4, temporal_patch_size=1, spatial_merge_size=1)
 
 
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
 def _tiny(kind: str = "text", seed: int = 0):
-    """A tiny random Qwen3_5ForCausalLM ("text") or Qwen3_5ForConditionalGeneration ("vl"), fp32,
-    eager attention, weights moved off HF's init (norms 0/1, dt_bias 1) by 0.1 x N(0, 1)."""
+    """A tiny random Qwen3_5ForCausalLM ("text"), Qwen3_5ForConditionalGeneration ("vl") or
+    Qwen3_5MoeForCausalLM ("moe": 8 experts top-2 + a gated shared expert), fp32, eager attention,
+    weights moved off HF's init (norms 0/1, dt_bias 1, router 0) by 0.1 x N(0, 1)."""
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
     torch.manual_seed(seed)
-    if kind == "text":
+    if kind == "moe":
+        m = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{k: v for k, v in CFG.items() if k != "intermediate_size"},
+                                                       **MOE))
+    elif kind == "text":
         m = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**CFG))
     else:
         m = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=CFG, vision_config=VISION))
@@ -363,7 +372,7 @@ def layouts(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("qwen3_5_layouts")
     ref = {}
-    for kind, seed in (("text", 0), ("vl", 1)):
+    for kind, seed in (("text", 0), ("vl", 1), ("moe", 2)):
         m = _tiny(kind, seed)
         m.save_pretrained(work / kind)
         ref[kind] = _packed_reference(m)
@@ -375,14 +384,15 @@ def layouts(tmp_path_factory):
 
 @LAYER
 def test_layouts_logprobs_match_hf(layouts):
-    """TP1 (x DP2), TP2, PP2 for qwen3_5_text and the qwen3_5 VL checkpoint, vs HF per sequence."""
-    from tests.dist.qwen3_5_layouts import LAYOUTS, key_of
+    """TP1 (x DP2), TP2, PP2 for qwen3_5_text, the qwen3_5 VL checkpoint and qwen3_5_moe_text
+    (also EP2), vs HF per sequence."""
+    from tests.dist.qwen3_5_layouts import key_of, layouts_of
     from tests.support.models import packed_logprobs
 
     _, ref, res = layouts
     table = {}
     for name, r in ref.items():
-        assert set(res["logits"][name]) == {key_of(*lay) for lay in LAYOUTS}
+        assert set(res["logits"][name]) == {key_of(*lay) for lay in layouts_of(name)}
         hf_lp = packed_logprobs(r["logits"], r["input_ids"], r["cu_seqlens"])
         tol = logprob_tol(r["logits"])
         for key, lg in res["logits"][name].items():
@@ -422,9 +432,9 @@ def test_layouts_export_bit_exact_each_tensor_once(layouts):
         assert bool(vision) == (name == "vl") and set(names) == disk - vision
         for key, rows in res["export"][name].items():
             seen = []
-            for pp, tp, dp, same, diff, got in [r for r in rows if r is not None]:
+            for pp, sender, same, diff, got in [r for r in rows if r is not None]:
                 assert diff == 0, f"{name} {key} stage {pp}: {diff} tensors differ"
-                if tp == 0 and dp == 0:
+                if sender:
                     assert same == len(got)
                     seen += got
             assert sorted(seen) == sorted(names), (name, key)
@@ -438,8 +448,10 @@ def test_conversion_tools_roundtrip_bit_exact(layouts):
 
     from areal_mega.megatron.model import HFCheckpointReader
 
-    work, ref, _ = layouts
-    for name in ref:
+    from tests.dist.qwen3_5_layouts import ROUNDTRIP
+
+    work, _, _ = layouts
+    for name in ROUNDTRIP:
         a, b = HFCheckpointReader(work / name), HFCheckpointReader(work / f"{name}_hf")
         assert sorted(a.names()) == sorted(b.names()), name
         bad = [n for n in a.names() if not torch.equal(a.read(n), b.read(n))]
@@ -466,8 +478,25 @@ def test_vl_adapter_maps_the_language_model_only():
     text = get_adapter(text_cfg)
     assert {**ad.arch.__dict__, "model_type": "", "architecture": ""} == \
         {**text.arch.__dict__, "model_type": "", "architecture": ""}
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
+
+    moe_text = {**{k: v for k, v in CFG.items() if k != "intermediate_size"}, **MOE}
+    with torch.device("meta"):  # the MoE VL checkpoint: its language model, experts one tensor each on disk
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
+
+        vm = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=moe_text, vision_config=VISION))
+    mad = get_adapter(vm.config.to_dict())
+    per_expert = {n for n in mad.hf_names() if ".mlp.experts." in n}
+    assert len(per_expert) == 4 * 8 * 3 and mad.arch.moe_shared_expert_gate and mad.arch.moe_norm_topk_prob
+    fused = {k for k in vm.state_dict() if not k.startswith("model.visual.")}  # transformers fuses on load
+    assert set(mad.hf_names()) - per_expert == {k for k in fused if ".mlp.experts." not in k}
     with pytest.raises(ValueError, match="^foo: config key not implemented"):
         get_adapter({**vl.config.to_dict(), "foo": 1})
+    with pytest.raises(ValueError, match="^full_attention_interval: 2 disagrees with layer_types"):
+        get_adapter({**text_cfg, "full_attention_interval": 2})
+    with pytest.raises(ValueError, match="^attn_output_gate: false"):
+        get_adapter({**text_cfg, "attn_output_gate": False})
+    assert get_adapter({**text_cfg, "full_attention_interval": 4, "mtp_num_hidden_layers": 1}).arch == text.arch
     with pytest.raises(ValueError, match="^rope_parameters.rope_type"):
         get_adapter({**text_cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
 
@@ -549,7 +578,7 @@ def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
         pytest.skip("AREAL_MEGA_SGLANG_PYTHON not set (run through make test-families-serve)")
     work, ref, _ = layouts
     jobs = []
-    for name in ref:
+    for name in ("text", "vl"):
         cfg = json.loads((work / name / "config.json").read_text())
         # released configs carry full_attention_interval (transformers' save_pretrained does not);
         # SGLang 0.5.23 derives its layer kinds from it (configs/qwen3_next.py layers_block_type)
@@ -566,7 +595,7 @@ def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
     run_checked([SGLANG_PYTHON, "tests/support/sglang_qwen3_5_load.py", "--jobs", tmp_path / "jobs.json",
                  "--out", tmp_path / "out.pt"], timeout_s=600, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
     res = torch.load(tmp_path / "out.pt")
-    for name in ref:
+    for name in ("text", "vl"):
         disk = HFCheckpointReader(work / name)
         want = _sglang_reference({n: disk.read(n) for n in disk.names()})
         got = res[name]
@@ -579,3 +608,42 @@ def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
     assert res["dropped"]["model.layers.1.linear_attn.in_proj_ba.weight"].isnan().any()
     fused = "model.layers.0.linear_attn.in_proj_qkvz.weight"
     assert not torch.equal(res["flipped"][fused], res["text"][fused])
+
+
+@LAYER
+def test_tp2_out_norm_gradient_matches_hf(layouts):
+    """Compat entry 14: at TP2 the DeltaNet out_norm's gradient (of the packed log-prob sum) equals
+    HF's on every TP rank; without the entry (megatron's own _apply_gated_norm) each rank holds only
+    its heads' part -- far off (control)."""
+    from transformers import AutoModelForCausalLM
+
+    work, ref, res = layouts
+    r = ref["text"]
+    hf = AutoModelForCausalLM.from_pretrained(work / "text", dtype=torch.float32, attn_implementation="eager")
+    ids, cu = r["input_ids"], r["cu_seqlens"]
+    total = 0.0
+    for i in range(len(cu) - 1):
+        x = ids[cu[i]: cu[i + 1]]
+        lp = torch.log_softmax(hf(x[None]).logits[0].float(), -1)
+        total = total + lp[:-1].gather(-1, x[1:, None]).sum()
+    total.backward()
+    want = hf.model.layers[0].linear_attn.norm.weight.grad
+    # fp32; a sum of ~60 log-probs' gradients, each through 4 layers of <= 128-term reductions:
+    # 1e-4 relative to the largest entry is ~100x fp32_tol(128, |grad|, ops 14) and far below the control
+    tol = 1e-4 * want.abs().max().item()
+    for fixed, unfixed in res["grad"]:
+        err, bad = (fixed - want).abs().max().item(), (unfixed - want).abs().max().item()
+        print(f"out_norm grad at TP2: max|mc-hf|={err:.2e} bound={tol:.2e} control (no entry 14)={bad:.2e}")
+        assert err <= tol and bad > 100 * tol
+
+
+def test_memory_model_counts_the_hybrid_params():
+    """simulator/memory.py's parameter count of a hybrid (dense and MoE) equals transformers'
+    (the count tools/check_memory_model.py's q35_* rows show equal to the engine's tensors)."""
+    from areal_mega.models import get_adapter
+    from areal_mega.simulator.memory import total_params
+
+    for kind in ("text", "moe"):
+        with torch.device("meta"):
+            m = _tiny(kind)
+        assert total_params(get_adapter(m.config.to_dict()).arch) == sum(p.numel() for p in m.parameters()), kind

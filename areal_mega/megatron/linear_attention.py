@@ -31,7 +31,23 @@ def segment_starts(attention_mask: torch.Tensor | None, seq_len: int) -> list[in
 
 
 class PackedGatedDeltaNet(GatedDeltaNet):
-    """megatron-core's GatedDeltaNet with its state reset at every packed-sequence boundary."""
+    """megatron-core's GatedDeltaNet with its state reset at every packed-sequence boundary, and
+    (compat entry 14) its out_norm's gradient summed over TP."""
+
+    def _apply_gated_norm(self, x, gate):
+        from areal_mega.megatron import compat
+
+        if self.tp_size == 1 or not compat.applies(14):
+            return super()._apply_gated_norm(x, gate)
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        # megatron's _apply_gated_norm, with out_norm's weight (shared by every value head, each TP
+        # rank holding some heads) passed through an identity whose backward all-reduces over TP
+        n = self.out_norm
+        w = copy_to_tensor_model_parallel_region(n.weight, group=self.pg_collection.tp)
+        y = torch.nn.functional.rms_norm(x.reshape(-1, x.shape[-1]), n.normalized_shape, w, n.eps)
+        y = y * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())
+        return y.to(x.dtype)
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         if self.sp_size != 1:
@@ -61,10 +77,12 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         return (y * (1.0 + self.weight.float())).type_as(x)
 
 
-def qwen3_5_block_spec(layer_types, tcfg=None, vp_stage: int | None = None, pp_rank: int | None = None):
+def qwen3_5_block_spec(layer_types, tcfg=None, vp_stage: int | None = None, pp_rank: int | None = None,
+                       num_experts: int | None = None):
     """The hybrid decoder block (local spec): gated DeltaNet layers and gated full-attention
     layers per HF ``layer_types`` (one per GLOBAL layer), every RMSNorm zero-centred except GDN's
-    gated out_norm. With ``tcfg``: only the layers of that pipeline chunk (megatron's split)."""
+    gated out_norm; ``num_experts``: every layer's MLP is megatron's MoE layer (SequentialMLP
+    experts). With ``tcfg``: only the layers of that pipeline chunk (megatron's split)."""
     import copy
 
     from megatron.core.models.backends import LocalSpecProvider
@@ -78,7 +96,8 @@ def qwen3_5_block_spec(layer_types, tcfg=None, vp_stage: int | None = None, pp_r
     for t in layer_types:
         if t not in ("linear_attention", "full_attention"):
             raise ValueError(f"layer_types: {t!r} is not linear_attention or full_attention")
-        s = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True))
+        s = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True, num_experts=num_experts,
+                                                   moe_grouped_gemm=False))
         s.submodules.input_layernorm = s.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
         attn = s.submodules.self_attention
         if t == "linear_attention":

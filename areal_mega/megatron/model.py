@@ -372,6 +372,10 @@ def check_linear_attention(arch: ModelArch, cfg: MegatronModelConfig, lay) -> No
     if lay.cp > 1:
         raise ValueError(f"parallel.context_parallel: {lay.cp} > 1 is not supported for {arch.model_type} "
                          "(megatron-core 0.16.1's GatedDeltaNet has no context parallelism)")
+    if arch.is_moe and lay.tp > 1:
+        raise ValueError(f"parallel.tensor_parallel: {lay.tp} > 1 is not supported for {arch.model_type} (megatron's "
+                         "MoE layer needs sequence parallelism at TP > 1, which its gated DeltaNet layers lack here); "
+                         "shard the experts with parallel.expert_parallel")
 
 
 def model_adapter(hf_config: Any, cfg: MegatronModelConfig) -> Any:
@@ -459,7 +463,8 @@ def build_model(
         m = GPTModel(
             config=tcfg,
             transformer_layer_spec=(
-                qwen3_5_block_spec(arch.linear.layer_types, tcfg, c if lay.vpp else None, pp_rank) if hybrid else
+                qwen3_5_block_spec(arch.linear.layer_types, tcfg, c if lay.vpp else None, pp_rank,
+                                   num_experts=arch.num_experts) if hybrid else
                 compat.block_spec_with_sp_final_norm(layer_specs, tcfg, c if lay.vpp else None, pp_rank)
                 if spec_name == "local" else
                 # TE: megatron's own per-layer specs from moe_layer_freq (dense / MoE layers)

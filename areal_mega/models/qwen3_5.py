@@ -143,8 +143,11 @@ class Qwen3_5TextAdapter(ModelAdapter):
                 _Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), None, "none"),
                 _Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), 1, "none"),
             ]
+        rules.append(_Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), None, "none"))
+        if self.arch.is_moe:  # router, gated shared expert (base rules; routed experts: expert_params)
+            return rules + [r for r in super().layer_rules("local", layer)
+                            if r.mcore.startswith("mlp.") and not r.mcore.startswith("mlp.linear_fc")]
         return rules + [
-            _Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), None, "none"),
             _Rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0, "gate_up"),
             _Rule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), 1, "none"),
         ]
@@ -326,3 +329,44 @@ class Qwen3_5Adapter(Qwen3_5TextAdapter):
 
         r = HFCheckpointReader(source_dir)
         return {n: r.read(n) for n in r.names() if n.startswith("model.visual.")}
+
+
+_MOE_KEYS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+             "router_aux_loss_coef", "output_router_logits"}
+
+
+@register_family
+class Qwen3_5MoeTextAdapter(Qwen3_5TextAdapter):
+    """Qwen3.5-MoE text model (Qwen3_5MoeForCausalLM): the same hybrid blocks, every layer's MLP a
+    softmax top-k router (always renormalised: HF's Qwen3_5MoeTopKRouter) over E SwiGLU experts plus
+    one shared expert gated by sigmoid(x . w) (megatron's moe_shared_expert_gate, as Qwen2-MoE).
+    Checkpoints keep one tensor per expert (transformers fuses them on load only)."""
+
+    model_type = "qwen3_5_moe_text"
+    architecture = "Qwen3_5MoeForCausalLM"
+    hf_shared = "mlp.shared_expert"
+    known_keys = Qwen3_5TextAdapter.known_keys | _MOE_KEYS
+
+    def parse_config(self, c: dict) -> ModelArch:
+        missing = [k for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                               "shared_expert_intermediate_size") if c.get(k) is None]
+        if missing:
+            raise ValueError(f"hf config: missing required MoE key(s) {missing}")
+        e, k = int(c["num_experts"]), int(c["num_experts_per_tok"])
+        if not 2 <= k <= e:  # top-1 renormalised is a constant 1, which megatron's router does not do
+            raise ValueError(f"num_experts_per_tok: {k} is not in [2, num_experts({e})]")
+        # no dense MLP: megatron's ffn_hidden_size (unused by MoE layers) = the experts' width
+        arch = super().parse_config({**c, "intermediate_size": c.get("intermediate_size", c["moe_intermediate_size"])})
+        return ModelArch(**{**arch.__dict__, "num_experts": e, "moe_topk": k,
+                            "moe_ffn_hidden_size": int(c["moe_intermediate_size"]), "moe_norm_topk_prob": True,
+                            "moe_shared_ffn_hidden_size": int(c["shared_expert_intermediate_size"]),
+                            "moe_shared_expert_gate": True})
+
+
+@register_family
+class Qwen3_5MoeAdapter(Qwen3_5Adapter, Qwen3_5MoeTextAdapter):
+    """The released Qwen3.5-MoE checkpoints (Qwen3_5MoeForConditionalGeneration): as
+    :class:`Qwen3_5Adapter` (language model only, vision tower copied through exports)."""
+
+    model_type = "qwen3_5_moe"
+    architecture = "Qwen3_5MoeForConditionalGeneration"

@@ -90,12 +90,15 @@ class ParamCount:
         layers = moe * (self.layer_sharded + self.layer_replicated + self.layer_replicated_weights + self.layer_expert)
         layers += num_dense * (self.dense_layer_sharded + self.dense_layer_replicated
                                + self.dense_layer_replicated_weights)
-        layers += num_linear * (self.linear_layer_sharded + self.linear_layer_replicated)
+        # a hybrid MoE model's DeltaNet layers have the router and experts of its MoE layers too
+        layers += num_linear * (self.linear_layer_sharded + self.linear_layer_replicated + self.layer_replicated_weights
+                                + self.layer_expert)
         return layers + self.embedding + self.output + self.final_norm
 
-    def active(self, num_layers: int, num_dense: int = 0) -> int:
+    def active(self, num_layers: int, num_dense: int = 0, num_linear: int = 0) -> int:
         """Parameters one token passes through (MoE: k experts of E; dense: all)."""
-        return self.total(num_layers, num_dense) - (num_layers - num_dense) * (self.layer_expert - self.layer_active_expert)
+        return (self.total(num_layers, num_dense, num_linear)
+                - (num_layers - num_dense) * (self.layer_expert - self.layer_active_expert))
 
 
 def _attention_params(m: ModelArch, spec: str) -> tuple[int, int, int]:
@@ -127,6 +130,14 @@ def count_params(m: ModelArch, vocab: int | None = None, spec: str = "te") -> Pa
     attn, norms, rep = _attention_params(m, spec)
     emb = (vocab or m.vocab_size) * h
     mlp = 3 * h * f
+    lin = {}
+    if m.linear is not None:  # megatron's GatedDeltaNet: in_proj [qkv; z; b; a], depthwise conv1d, A_log, dt_bias
+        g = m.linear
+        kd, vd, nv = g.key_dim, g.value_dim, g.num_value_heads
+        conv = 2 * kd + vd
+        gdn = h * (conv + vd + 2 * nv) + conv * g.conv_kernel + 2 * nv + vd * h
+        mlp_part = 3 * h * (m.moe_shared_ffn_hidden_size or 0) if m.num_experts else mlp  # + router, experts: total()
+        lin = dict(linear_layer_sharded=gdn + mlp_part, linear_layer_replicated=2 * h + g.value_head_dim)
     if m.num_experts:
         expert = 3 * h * m.moe_ffn_hidden_size
         shared = 3 * h * (m.moe_shared_ffn_hidden_size or 0)
@@ -136,14 +147,7 @@ def count_params(m: ModelArch, vocab: int | None = None, spec: str = "te") -> Pa
                           embedding=emb, output=0 if m.tie_word_embeddings else emb, final_norm=h,
                           layer_expert=m.num_experts * expert, layer_active_expert=m.moe_topk * expert,
                           dense_layer_sharded=attn + mlp, dense_layer_replicated=norms,
-                          dense_layer_replicated_weights=rep)
-    lin = {}
-    if m.linear is not None:  # megatron's GatedDeltaNet: in_proj [qkv; z; b; a], depthwise conv1d, A_log, dt_bias
-        g = m.linear
-        kd, vd, nv = g.key_dim, g.value_dim, g.num_value_heads
-        conv = 2 * kd + vd
-        gdn = h * (conv + vd + 2 * nv) + conv * g.conv_kernel + 2 * nv + vd * h
-        lin = dict(linear_layer_sharded=gdn + mlp, linear_layer_replicated=2 * h + g.value_head_dim)
+                          dense_layer_replicated_weights=rep, **lin)
     return ParamCount(layer_sharded=attn + mlp, layer_replicated=norms, layer_replicated_weights=rep, embedding=emb,
                       output=0 if m.tie_word_embeddings else emb, final_norm=h, **lin)
 
@@ -412,7 +416,7 @@ def layer_bytes_per_token(m: ModelArch, s: LearnerSettings, t: int, cp: int = 1,
     h, f, d, a, b = m.hidden_size, _active_mlp_width(m, dense), m.head_dim, m.num_heads, s.b
     sig = t if s.sequence_parallel else 1
     if linear:
-        mlp = 5 * b * f / t
+        mlp = 5 * b * f / t + _dispatch_bytes_per_token(m, s, dense)
         return 2 * (8 * h + 4) / sig + 2 * b * h / sig + _gdn_bytes_per_token(m, s, t) + mlp
     rope = 4 * b * d
     attn, _ = _attention_mask_terms(m, s, t, cp)
@@ -553,7 +557,8 @@ def stage_state(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, stage:
     layers = len(ids) - dense - linear  # MoE layers (all softmax-attention layers of a dense model)
     sharded = (layers * pc.layer_sharded + dense * pc.dense_layer_sharded + linear * pc.linear_layer_sharded) // t
     norms = layers * pc.layer_replicated + dense * pc.dense_layer_replicated + linear * pc.linear_layer_replicated
-    replicated = layers * pc.layer_replicated_weights + dense * pc.dense_layer_replicated_weights  # router, ...
+    replicated = ((layers + linear) * pc.layer_replicated_weights  # router, ... (a hybrid MoE's DeltaNet layers too)
+                  + dense * pc.dense_layer_replicated_weights)
     head = 0
     if stage == 0:
         sharded += pc.embedding // t
@@ -564,7 +569,7 @@ def stage_state(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, stage:
         else:
             # Tied embeddings under PP: the last stage holds its own copy of the embedding.
             sharded += (pc.output or (pc.embedding if p > 1 else 0)) // t
-    experts = layers * pc.layer_expert // (layout.ep * layout.etp)  # MoE: this GPU's share of the experts
+    experts = (layers + linear) * pc.layer_expert // (layout.ep * layout.etp)  # MoE: this GPU's share of the experts
     nb = _norm_bytes(s)
     # Qwen3.5's zero-centred norms (megatron/linear_attention.py) are in the params' dtype; the
     # gated DeltaNet's out_norm is megatron's local norm like every other family's
@@ -738,10 +743,10 @@ def estimate_engine(m: ModelArch, *, tp: int, max_total_tokens: int | None, mem_
     moe = m.num_layers - dense - linear
     # MoE experts are sharded over the server's TP ranks too (SGLang's default expert TP)
     sharded = (moe * (pc.layer_sharded + pc.layer_expert) + dense * pc.dense_layer_sharded
-               + linear * pc.linear_layer_sharded + pc.embedding + pc.output)
+               + linear * (pc.linear_layer_sharded + pc.layer_expert) + pc.embedding + pc.output)
     replicated = (moe * (pc.layer_replicated + pc.layer_replicated_weights)
                   + dense * (pc.dense_layer_replicated + pc.dense_layer_replicated_weights)
-                  + linear * pc.linear_layer_replicated + pc.final_norm)
+                  + linear * (pc.linear_layer_replicated + pc.layer_replicated_weights) + pc.final_norm)
     weights = 2.0 * (sharded / tp + replicated)
     if quantization == "fp8":
         linear = sharded - pc.embedding - pc.output
