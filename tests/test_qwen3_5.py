@@ -268,8 +268,9 @@ MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, share
 
 
 def _tiny(kind: str = "text", seed: int = 0):
-    """A tiny random Qwen3_5ForCausalLM ("text"), Qwen3_5ForConditionalGeneration ("vl") or
-    Qwen3_5MoeForCausalLM ("moe": 8 experts top-2 + a gated shared expert), fp32, eager attention,
+    """A tiny random Qwen3_5ForCausalLM ("text"), Qwen3_5ForConditionalGeneration ("vl"),
+    Qwen3_5MoeForCausalLM ("moe": 8 experts top-2 + a gated shared expert) or Qwen3NextForCausalLM
+    ("moe_next": the same MoE, layer 1 a dense MLP, in_proj fused per key-head group), fp32, eager attention,
     weights moved off HF's init (norms 0/1, dt_bias 1, router 0) by 0.1 x N(0, 1)."""
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
@@ -277,7 +278,12 @@ def _tiny(kind: str = "text", seed: int = 0):
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
     torch.manual_seed(seed)
-    if kind == "moe":
+    if kind == "moe_next":
+        from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
+
+        m = Qwen3NextForCausalLM(Qwen3NextConfig(**CFG, **MOE, mlp_only_layers=[1]))
+    elif kind == "moe":
         m = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{k: v for k, v in CFG.items() if k != "intermediate_size"},
                                                        **MOE))
     elif kind == "text":
@@ -372,7 +378,7 @@ def layouts(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("qwen3_5_layouts")
     ref = {}
-    for kind, seed in (("text", 0), ("vl", 1), ("moe", 2)):
+    for kind, seed in (("text", 0), ("vl", 1), ("moe", 2), ("moe_next", 3)):
         m = _tiny(kind, seed)
         m.save_pretrained(work / kind)
         ref[kind] = _packed_reference(m)
@@ -384,8 +390,8 @@ def layouts(tmp_path_factory):
 
 @LAYER
 def test_layouts_logprobs_match_hf(layouts):
-    """TP1 (x DP2), TP2, PP2 for qwen3_5_text, the qwen3_5 VL checkpoint and qwen3_5_moe_text
-    (also EP2), vs HF per sequence."""
+    """TP1 (x DP2), TP2, PP2 for qwen3_5_text and the qwen3_5 VL checkpoint; TP1 (x DP2), PP2, EP2
+    for qwen3_5_moe_text and qwen3_next; vs HF per sequence."""
     from tests.dist.qwen3_5_layouts import key_of, layouts_of
     from tests.support.models import packed_logprobs
 
@@ -502,16 +508,24 @@ def test_vl_adapter_maps_the_language_model_only():
 
 
 def test_adapter_tp_pieces_agree():
-    """Pure (no megatron): for every parameter of the qwen3_5_text plan at TP2, the rank's shard read
-    through hf_slices + from_hf (loading) == split_tp of the canonical tensor; merge_tp of the shards
-    == canonical; to_hf(canonical) == the HF tensors (export); every shard_blocks box (the reshard
-    planner's view) holds exactly the HF values it names."""
+    """Pure (no megatron): for every parameter of the qwen3_5_text and qwen3_next plans at TP2, the
+    rank's shard read through hf_slices + from_hf (loading) == split_tp of the canonical tensor;
+    merge_tp of the shards == canonical; to_hf(canonical) == the HF tensors (export); every
+    shard_blocks box (the reshard planner's view) holds exactly the HF values it names."""
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
 
     from areal_mega.models import get_adapter
+
+    fusions = set()
+    for cfg in (Qwen3_5TextConfig(**CFG).to_dict(), Qwen3NextConfig(**CFG, **MOE, mlp_only_layers=[1]).to_dict()):
+        fusions |= _tp2_pieces_agree(get_adapter(cfg))
+    assert {"parts", "gated_qkv", "gate_up", "vocab", "none", "grouped"} <= fusions
+
+
+def _tp2_pieces_agree(ad) -> set:
     from areal_mega.parallel import ParallelConfig, ParallelLayout
 
-    ad = get_adapter(Qwen3_5TextConfig(**CFG).to_dict())
     g = torch.Generator().manual_seed(0)
     hf = {n: torch.randn(ad.hf_shape(n), generator=g) for n in ad.hf_names()}
     fusions = set()
@@ -531,7 +545,7 @@ def test_adapter_tp_pieces_agree():
                 dst = shard[tuple(slice(s, s + (b - a)) for s, (a, b) in zip(blk.local_start, blk.hf_box))]
                 assert torch.equal(src, dst), (prm.name, r, blk)
         assert torch.equal(ad.merge_tp(prm, shards), canon), prm.name
-    assert {"parts", "gated_qkv", "gate_up", "vocab", "none"} <= fusions
+    return fusions
 
 
 # SGLang 0.5.23's loader rules (qwen3_5.py load_weights' stacked_params_mapping), written out here
@@ -643,7 +657,7 @@ def test_memory_model_counts_the_hybrid_params():
     from areal_mega.models import get_adapter
     from areal_mega.simulator.memory import total_params
 
-    for kind in ("text", "moe"):
+    for kind in ("text", "moe", "moe_next"):
         with torch.device("meta"):
             m = _tiny(kind)
         assert total_params(get_adapter(m.config.to_dict()).arch) == sum(p.numel() for p in m.parameters()), kind

@@ -78,11 +78,11 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
 
 
 def qwen3_5_block_spec(layer_types, tcfg=None, vp_stage: int | None = None, pp_rank: int | None = None,
-                       num_experts: int | None = None):
+                       num_experts: int | None = None, dense_layers: tuple[int, ...] = ()):
     """The hybrid decoder block (local spec): gated DeltaNet layers and gated full-attention
     layers per HF ``layer_types`` (one per GLOBAL layer), every RMSNorm zero-centred except GDN's
-    gated out_norm; ``num_experts``: every layer's MLP is megatron's MoE layer (SequentialMLP
-    experts). With ``tcfg``: only the layers of that pipeline chunk (megatron's split)."""
+    gated out_norm; ``num_experts``: every layer's MLP but ``dense_layers``' is megatron's MoE layer
+    (SequentialMLP experts). With ``tcfg``: only the layers of that pipeline chunk (megatron's split)."""
     import copy
 
     from megatron.core.models.backends import LocalSpecProvider
@@ -93,10 +93,11 @@ def qwen3_5_block_spec(layer_types, tcfg=None, vp_stage: int | None = None, pp_r
 
     b = LocalSpecProvider()
     specs = []
-    for t in layer_types:
+    for i, t in enumerate(layer_types):
         if t not in ("linear_attention", "full_attention"):
             raise ValueError(f"layer_types: {t!r} is not linear_attention or full_attention")
-        s = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True, num_experts=num_experts,
+        experts = None if i in dense_layers else num_experts
+        s = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True, num_experts=experts,
                                                    moe_grouped_gemm=False))
         s.submodules.input_layernorm = s.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
         attn = s.submodules.self_attention

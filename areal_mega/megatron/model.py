@@ -464,7 +464,7 @@ def build_model(
             config=tcfg,
             transformer_layer_spec=(
                 qwen3_5_block_spec(arch.linear.layer_types, tcfg, c if lay.vpp else None, pp_rank,
-                                   num_experts=arch.num_experts) if hybrid else
+                                   num_experts=arch.num_experts, dense_layers=arch.dense_layers) if hybrid else
                 compat.block_spec_with_sp_final_norm(layer_specs, tcfg, c if lay.vpp else None, pp_rank)
                 if spec_name == "local" else
                 # TE: megatron's own per-layer specs from moe_layer_freq (dense / MoE layers)

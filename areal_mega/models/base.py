@@ -21,10 +21,11 @@ from areal_mega.parallel import ParallelLayout
 if TYPE_CHECKING:
     from areal_mega.weight_sync.sglang_layout import EngineRank
 
-Fusion = Literal["none", "qkv", "gate_up", "vocab", "parts", "gated_qkv"]
+Fusion = Literal["none", "qkv", "gate_up", "vocab", "parts", "gated_qkv", "grouped"]
 """How a megatron tensor holds its HF tensors: "parts" = rows concatenated part by part, each part
 split over TP on its own (a family's ``row_parts``); "gated_qkv" = q, its output gate, k, v per
-query group (Qwen3.5's gated attention; models/qwen3_5.py)."""
+query group (Qwen3.5's gated attention); "grouped" = HF rows per key-head group [q; k; v; z] and
+[b; a] regrouped part by part (Qwen3-Next's in_proj_qkvz / in_proj_ba; models/qwen3_5.py)."""
 LayerSpec = Literal["local", "te"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -144,7 +144,7 @@ class Qwen3_5TextAdapter(ModelAdapter):
                 _Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), 1, "none"),
             ]
         rules.append(_Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), None, "none"))
-        if self.arch.is_moe:  # router, gated shared expert (base rules; routed experts: expert_params)
+        if self.arch.is_moe_layer(layer):  # router, gated shared expert (base rules; routed experts: expert_params)
             return rules + [r for r in super().layer_rules("local", layer)
                             if r.mcore.startswith("mlp.") and not r.mcore.startswith("mlp.linear_fc")]
         return rules + [
@@ -192,11 +192,35 @@ class Qwen3_5TextAdapter(ModelAdapter):
         (megatron's GatedDeltaNet shard = [q_r; k_r; v_r; z_r; b_r; a_r], conv1d [q_r; k_r; v_r])."""
         g = self.arch.linear
         kd, vd, nv = g.key_dim, g.value_dim, g.num_value_heads
+        if prm.fusion == "grouped":  # the canonical rows [q; k; v; z] and [b; a] of its two HF tensors
+            return [(kd, kd, vd, vd), (nv, nv)]
         if prm.name.endswith("in_proj.weight"):
             return [(kd, kd, vd), (vd,), (nv,), (nv,)]
         return [(kd, kd, vd)]
 
+    def _groups(self, t: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        """Rows [part 0 of every key-head group; part 1 ...] (megatron) from rows per group [part 0;
+        part 1; ...] (Qwen3-Next's in_proj_qkvz / in_proj_ba), for however many groups ``t`` holds."""
+        g = t.shape[0] // sum(sizes)
+        return torch.cat([p.reshape(-1, *t.shape[1:]) for p in torch.split(t.view(g, sum(sizes), *t.shape[1:]), sizes, 1)])
+
+    def _ungroup(self, t: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        """Inverse of :meth:`_groups`."""
+        g = t.shape[0] // sum(sizes)
+        parts = torch.split(t, [g * s for s in sizes])
+        return torch.cat([p.view(g, s, *t.shape[1:]) for p, s in zip(parts, sizes)], 1).reshape(t.shape)
+
+    def _group_sizes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Rows per key-head group of in_proj_qkvz (q, k, v, z) and in_proj_ba (b, a)."""
+        g = self.arch.linear
+        r = g.num_value_heads // g.num_key_heads
+        return (g.key_head_dim, g.key_head_dim, r * g.value_head_dim, r * g.value_head_dim), (r, r)
+
     def to_hf(self, prm, canon):
+        if prm.fusion == "grouped":
+            g = self.arch.linear
+            qkvz, ba = torch.split(canon, [2 * g.key_dim + 2 * g.value_dim, 2 * g.num_value_heads])
+            return [self._ungroup(qkvz, self._group_sizes()[0]), self._ungroup(ba, self._group_sizes()[1])]
         if prm.fusion == "parts":
             return list(torch.split(canon, [sum(p) for p in self.row_parts(prm)], dim=0))
         if prm.fusion == "gated_qkv":
@@ -204,6 +228,9 @@ class Qwen3_5TextAdapter(ModelAdapter):
         return super().to_hf(prm, canon)
 
     def from_hf(self, prm, hf, shape=None):
+        if prm.fusion == "grouped":  # whole tensors or a TP rank's whole key-head groups: same rule
+            (a, b), (qkvz, ba) = self._group_sizes(), hf
+            return torch.cat([self._groups(qkvz, a), self._groups(ba, b)])
         if prm.fusion == "parts":  # whole tensors, or hf_slices' per-part TP slices: rows in shard order
             return torch.cat(hf, dim=0)
         if prm.fusion == "gated_qkv":
@@ -223,19 +250,22 @@ class Qwen3_5TextAdapter(ModelAdapter):
         return out
 
     def hf_slices(self, prm, tp, tp_rank):
+        if prm.fusion == "grouped" and tp > 1:  # a rank's shard = whole key-head groups = contiguous rows
+            return [(n, 0, tp_rank * self.hf_shape(n)[0] // tp, (tp_rank + 1) * self.hf_shape(n)[0] // tp)
+                    for n in prm.hf_names]
         if prm.fusion != "parts" or tp == 1:
             return super().hf_slices(prm, tp, tp_rank)
         return [(n, 0, s, s + r) for n, s, r, _ in self._part_ranges(prm, tp, tp_rank)]
 
     def merge_tp(self, prm, shards):
-        if prm.fusion != "parts" or len(shards) == 1:
+        if prm.fusion not in ("parts", "grouped") or len(shards) == 1:
             return ModelAdapter.merge_tp(prm, shards)
         tp = len(shards)
         pieces = self._part_ranges(prm, tp, 0)
         return torch.cat([s.narrow(0, lo, r) for _, _, r, lo in pieces for s in shards], dim=0)
 
     def split_tp(self, prm, canon, tp, tp_rank):
-        if prm.fusion != "parts" or tp == 1:
+        if prm.fusion not in ("parts", "grouped") or tp == 1:
             return ModelAdapter.split_tp(prm, canon, tp, tp_rank)
         base, rows = 0, []
         for parts in self.row_parts(prm):
@@ -245,6 +275,17 @@ class Qwen3_5TextAdapter(ModelAdapter):
         return torch.cat(rows, dim=0)
 
     def shard_blocks(self, prm, tp, tp_rank):
+        if prm.fusion == "grouped":  # per key-head group and part: HF rows -> the shard's part rows
+            out, local = [], 0
+            for n, sizes in zip(prm.hf_names, self._group_sizes()):
+                groups = self.arch.linear.num_key_heads // tp
+                h = self.hf_shape(n)[1]
+                for i, sz in enumerate(sizes):
+                    for j in range(groups):
+                        start = (tp_rank * groups + j) * sum(sizes) + sum(sizes[:i])
+                        out.append(Block(n, ((start, start + sz), (0, h)), (local + j * sz, 0)))
+                    local += groups * sz
+            return out
         if prm.fusion == "parts" and tp > 1:
             out = []
             for n, s, r, lo in self._part_ranges(prm, tp, tp_rank):
@@ -370,3 +411,41 @@ class Qwen3_5MoeAdapter(Qwen3_5Adapter, Qwen3_5MoeTextAdapter):
 
     model_type = "qwen3_5_moe"
     architecture = "Qwen3_5MoeForConditionalGeneration"
+
+
+@register_family
+class Qwen3NextAdapter(Qwen3_5MoeTextAdapter):
+    """Qwen3-Next (Qwen3NextForCausalLM): Qwen3.5-MoE's blocks with the DeltaNet's input
+    projections fused per key-head group -- in_proj_qkvz rows per group [q; k; v; z] (the group's
+    value heads), in_proj_ba [b; a] -- regrouped into megatron's [q; k; v; z; b; a] ("grouped"
+    fusion: a TP rank's whole key-head groups are contiguous rows of both); norm_topk_prob and
+    dense layers (decoder_sparse_step, mlp_only_layers) as Qwen2-MoE."""
+
+    model_type = "qwen3_next"
+    architecture = "Qwen3NextForCausalLM"
+    known_keys = Qwen3_5MoeTextAdapter.known_keys | {"norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"}
+
+    def parse_config(self, c: dict) -> ModelArch:
+        arch = super().parse_config(c)
+        n, k = arch.num_layers, arch.moe_topk
+        norm = bool(c.get("norm_topk_prob", True))
+        step, only = int(c.get("decoder_sparse_step", 1)), set(c.get("mlp_only_layers") or [])
+        dense = tuple(i for i in range(n) if i in only or (i + 1) % step != 0)  # HF Qwen3NextDecoderLayer's rule
+        if dense and c.get("intermediate_size") is None:
+            raise ValueError("intermediate_size: needed by the dense layers (mlp_only_layers / decoder_sparse_step)")
+        return ModelArch(**{**arch.__dict__, "moe_norm_topk_prob": norm, "dense_layers": dense,
+                            "ffn_hidden_size": int(c.get("intermediate_size") or arch.ffn_hidden_size)})
+
+    def layer_rules(self, spec="local", layer=0):
+        rules = super().layer_rules(spec, layer)
+        if not self.arch.linear.is_linear(layer):
+            return rules
+        i = next(j for j, r in enumerate(rules) if r.mcore == "self_attention.in_proj.weight")
+        rules[i] = _Rule("self_attention.in_proj.weight",
+                         ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"), 0, "grouped")
+        return rules
+
+    def _leaf_shapes(self):
+        g, h = self.arch.linear, self.arch.hidden_size
+        return {**super()._leaf_shapes(), "linear_attn.in_proj_qkvz.weight": (2 * g.key_dim + 2 * g.value_dim, h),
+                "linear_attn.in_proj_ba.weight": (2 * g.num_value_heads, h)}

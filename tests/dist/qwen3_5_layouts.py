@@ -2,7 +2,8 @@
 
 Qwen3.5 through the model registry (build_model / load_hf_weights / export_hf_weights), 2 gloo
 ranks: for each tiny HF model in W (written by tests/test_qwen3_5.py: the text model ``text`` and
-the vision-language checkpoint ``vl``, the MoE text model ``moe``; HF reference logits in W/ref.pt)
+the vision-language checkpoint ``vl``, the MoE text model ``moe``, Qwen3-Next ``moe_next``; HF
+reference logits in W/ref.pt)
 and each layout of LAYOUTS (tp, pp; dp fills the rest; MoE models also MOE_LAYOUTS, EP2), records
 on rank 0 into R.pt:
 
@@ -46,10 +47,12 @@ NEGATIVE = {
     # EP2: one layer's router read as zeros (uniform routing, ties broken by index)
     "moe_ep2_router_dropped": ("moe", (1, 1, 2), "layers.1.mlp.gate.weight", "zero"),
     "moe_pp2_shared_expert_gate_dropped": ("moe", (1, 2), "layers.3.mlp.shared_expert_gate.weight", "zero"),
+    # Qwen3-Next: its per-key-group fused in_proj_ba rows reversed (the "grouped" fusion mis-mapped)
+    "next_ep2_in_proj_ba_mismapped": ("moe_next", (1, 1, 2), "layers.0.linear_attn.in_proj_ba.weight", "flip"),
 }
 
 
-ROUNDTRIP = ("text", "vl", "moe")
+ROUNDTRIP = ("text", "vl", "moe", "moe_next")
 """Converted HF -> megatron (PP2; the MoE model EP2) -> HF (TP2; the MoE model PP2) by the tools."""
 
 
