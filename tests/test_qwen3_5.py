@@ -1,11 +1,15 @@
-"""Qwen3.5's gated DeltaNet layer: megatron-core 0.16.1 GatedDeltaNet (torch delta rule, compat
-entry 13) vs transformers 5.19 Qwen3_5GatedDeltaNet, fp32, CPU, one process (TP1).
+"""Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (gated DeltaNet hybrids) vs transformers 5.19, fp32, CPU.
 
-Pins: HF's torch_chunk_gated_delta_rule (use_qk_l2norm_in_kernel=True) and torch causal conv1d
-fallback; megatron's in_proj [qkv; z; b; a] fusion. A negative control (z/b parts swapped in the
-fused in_proj) is far off; the mapping round trip is bit-exact. Packing: megatron's GatedDeltaNet
-raises NotImplementedError for packed_seq_params (0.16.1), so the recurrent state cannot yet be
-reset at sequence boundaries inside one row -- asserted here so the day it changes is seen.
+* Layer level (megatron-core 0.16.1 GatedDeltaNet on its torch delta rule, compat entry 13; the
+  gated attention): outputs equal HF's, packed rows reset the recurrent state at every sequence
+  boundary (PackedGatedDeltaNet: megatron's GDN refuses packed_seq_params, pinned here).
+* Through the model registry (build_model / load_hf_weights / export_hf_weights): the text model
+  at TP1 in this process (make test's row); TP1 x DP2, TP2, PP2 (dense, VL) and EP2 (MoE, Qwen3-Next)
+  in one 2-rank launch (tests/dist/qwen3_5_layouts.py) with negative controls, export bit-exact,
+  the conversion tools' round trip, compat entry 14 (out_norm gradient at TP2 = HF's), and the
+  sync stream loaded by SGLang's own model classes (no server: SGLang cannot serve it on CPU).
+* Pure: the adapters' TP pieces agree, the VL adapters name the language model only, the memory
+  model counts the parameters transformers does. Numbers: docs/engine.md "Qwen3.5".
 """
 
 from __future__ import annotations
@@ -13,13 +17,35 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_mega.models.qwen3_5 import (
-    gated_qkv_hf_to_mcore,
-    gated_qkv_mcore_to_hf,
-    gdn_hf_to_mcore,
-    gdn_mcore_to_hf,
-    gdn_sizes,
-)
+from areal_mega.models.qwen3_5 import _PARTS, gated_qkv_hf_to_mcore, gated_qkv_mcore_to_hf
+
+# One DeltaNet layer's HF <-> megatron tensors (keys relative to the module), for the layer-level
+# checks below; the whole-model mapping is the adapter's (its "parts" fusion).
+_SAME = {"conv1d.weight": "conv1d.weight", "A_log": "A_log", "dt_bias": "dt_bias",
+         "norm.weight": "out_norm.weight", "out_proj.weight": "out_proj.weight"}
+
+
+def gdn_hf_to_mcore(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One HF ``linear_attn`` module's tensors (keys relative to it) -> megatron GatedDeltaNet's."""
+    out = {"in_proj.weight": torch.cat([hf[f"{p}.weight"] for p in _PARTS], dim=0)}
+    out.update({m: hf[h] for h, m in _SAME.items()})
+    return out
+
+
+def gdn_mcore_to_hf(mc: dict[str, torch.Tensor], sizes: tuple[int, int, int, int]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`gdn_hf_to_mcore`; ``sizes`` = rows of (qkv, z, b, a):
+    (2 * key_dim + value_dim, value_dim, num_v_heads, num_v_heads)."""
+    out = {f"{p}.weight": t for p, t in zip(_PARTS, torch.split(mc["in_proj.weight"], list(sizes), dim=0))}
+    out.update({h: mc[m] for h, m in _SAME.items()})
+    return out
+
+
+def gdn_sizes(c: dict) -> tuple[int, int, int, int]:
+    """Row counts of HF's (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) from a qwen3_5 text config."""
+    kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    vd = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    return (2 * kd + vd, vd, c["linear_num_value_heads"], c["linear_num_value_heads"])
+
 
 # The layer-level checks run in `make test-families-serve` (the families target); `make test` keeps
 # the one whole-model row (test_whole_text_model_logprobs_match_hf_packed), which covers them all.

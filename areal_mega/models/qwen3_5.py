@@ -23,32 +23,6 @@ from areal_mega.models.registry import register_family
 
 logger = logging.getLogger(__name__)
 _PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-_SAME = {"conv1d.weight": "conv1d.weight", "A_log": "A_log", "dt_bias": "dt_bias",
-         "norm.weight": "out_norm.weight", "out_proj.weight": "out_proj.weight"}
-
-
-def gdn_hf_to_mcore(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One HF ``linear_attn`` module's tensors (keys relative to it) -> megatron GatedDeltaNet's."""
-    out = {"in_proj.weight": torch.cat([hf[f"{p}.weight"] for p in _PARTS], dim=0)}
-    out.update({m: hf[h] for h, m in _SAME.items()})
-    return out
-
-
-def gdn_mcore_to_hf(mc: dict[str, torch.Tensor], sizes: tuple[int, int, int, int]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`gdn_hf_to_mcore`; ``sizes`` = rows of (qkv, z, b, a):
-    (2 * key_dim + value_dim, value_dim, num_v_heads, num_v_heads)."""
-    out = {f"{p}.weight": t for p, t in zip(_PARTS, torch.split(mc["in_proj.weight"], list(sizes), dim=0))}
-    out.update({h: mc[m] for h, m in _SAME.items()})
-    return out
-
-
-def gdn_sizes(c: dict) -> tuple[int, int, int, int]:
-    """Row counts of HF's (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) from a qwen3_5 text config."""
-    kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
-    vd = c["linear_num_value_heads"] * c["linear_value_head_dim"]
-    return (2 * kd + vd, vd, c["linear_num_value_heads"], c["linear_num_value_heads"])
-
-
 def gated_qkv_hf_to_mcore(q_proj: torch.Tensor, k_proj: torch.Tensor, v_proj: torch.Tensor,
                           num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """HF gated attention's q_proj (rows per head [q; gate]) + k/v -> megatron's ``linear_qkv``
