@@ -16,7 +16,9 @@ from tests.support.models import tiny_config
 # What each built-in family's adapter says about a reshard sync into SGLang: "synced" (a layout),
 # "planned" (a layout, a runtime sync refused: sglang_not_synced), "none" (no layout: broadcast).
 SGLANG = {"llama": "synced", "qwen2": "synced", "qwen3": "synced", "qwen3_moe": "synced",
-          "deepseek_v3": "synced", "mixtral": "none", "qwen2_moe": "none", "glm4_moe": "none"}
+          "deepseek_v3": "synced", "mixtral": "none", "qwen2_moe": "none", "glm4_moe": "none",
+          "qwen3_5_text": "none", "qwen3_5": "none", "qwen3_5_moe_text": "none", "qwen3_5_moe": "none",
+          "qwen3_next": "none"}
 TINY_MOE = {  # tiny configs of the families tiny_config leaves dense (tests/test_moe_families_plan.py's)
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -31,6 +33,23 @@ TINY_MOE = {  # tiny configs of the families tiny_config leaves dense (tests/tes
 LIKE = "tiny_llama_like"
 
 
+def _qwen3_5_config(family: str) -> dict:
+    """Qwen3.5's tiny configs (tests/test_qwen3_5.py), text or vision-language, dense or MoE, as HF
+    writes them."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+
+    from tests.test_qwen3_5 import CFG, MOE, VISION
+
+    moe = {**{k: v for k, v in CFG.items() if k != "intermediate_size"}, **MOE}
+    return {"qwen3_5_text": lambda: Qwen3_5TextConfig(**CFG),
+            "qwen3_5": lambda: Qwen3_5Config(text_config=CFG, vision_config=VISION),
+            "qwen3_5_moe_text": lambda: Qwen3_5MoeTextConfig(**moe),
+            "qwen3_5_moe": lambda: Qwen3_5MoeConfig(text_config=moe, vision_config=VISION),
+            "qwen3_next": lambda: Qwen3NextConfig(**CFG, **MOE)}[family]().to_dict()
+
+
 def _sglang_status(cls: type[ModelAdapter]) -> str:
     return "none" if cls.sglang_layout is None else ("planned" if cls.sglang_not_synced else "synced")
 
@@ -39,10 +58,11 @@ def _sglang_status(cls: type[ModelAdapter]) -> str:
 def test_each_built_in_family_owns_its_sglang_facts(family):
     """Every family's adapter answers for SGLang, and the reshard checks read that answer: a layout
     of TP2 ranks (or the one-line refusal naming the family), a sync (or the refusal saying why)."""
-    assert set(FAMILIES) == set(SGLANG)  # the eight built-ins, nothing left registered by a test
+    assert set(FAMILIES) == set(SGLANG)  # the built-ins, nothing left registered by a test
     cls = adapter_class(family)
     assert cls.model_type == family and _sglang_status(cls) == SGLANG[family]
-    adapter = get_adapter(tiny_config(family, **TINY_MOE.get(family, {})))
+    adapter = get_adapter(_qwen3_5_config(family) if family.startswith(("qwen3_5", "qwen3_next")) else
+                          tiny_config(family, **TINY_MOE.get(family, {})))
     if SGLANG[family] == "none":
         with pytest.raises(ValueError, match=f"no SGLang layout for model_type '{family}' .*use broadcast$"):
             check_supported(adapter)

@@ -1,11 +1,15 @@
-"""Qwen3.5's gated DeltaNet layer: megatron-core 0.16.1 GatedDeltaNet (torch delta rule, compat
-entry 13) vs transformers 5.19 Qwen3_5GatedDeltaNet, fp32, CPU, one process (TP1).
+"""Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (gated DeltaNet hybrids) vs transformers 5.19, fp32, CPU.
 
-Pins: HF's torch_chunk_gated_delta_rule (use_qk_l2norm_in_kernel=True) and torch causal conv1d
-fallback; megatron's in_proj [qkv; z; b; a] fusion. A negative control (z/b parts swapped in the
-fused in_proj) is far off; the mapping round trip is bit-exact. Packing: megatron's GatedDeltaNet
-raises NotImplementedError for packed_seq_params (0.16.1), so the recurrent state cannot yet be
-reset at sequence boundaries inside one row -- asserted here so the day it changes is seen.
+* Layer level (megatron-core 0.16.1 GatedDeltaNet on its torch delta rule, compat entry 13; the
+  gated attention): outputs equal HF's, packed rows reset the recurrent state at every sequence
+  boundary (PackedGatedDeltaNet: megatron's GDN refuses packed_seq_params, pinned here).
+* Through the model registry (build_model / load_hf_weights / export_hf_weights): the text model
+  at TP1 in this process (make test's row); TP1 x DP2, TP2, PP2 (dense, VL) and EP2 (MoE, Qwen3-Next)
+  in one 2-rank launch (tests/dist/qwen3_5_layouts.py) with negative controls, export bit-exact,
+  the conversion tools' round trip, compat entry 14 (out_norm gradient at TP2 = HF's), and the
+  sync stream loaded by SGLang's own model classes (no server: SGLang cannot serve it on CPU).
+* Pure: the adapters' TP pieces agree, the VL adapters name the language model only, the memory
+  model counts the parameters transformers does. Numbers: docs/engine.md "Qwen3.5".
 """
 
 from __future__ import annotations
@@ -13,13 +17,35 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_mega.models.qwen3_5 import (
-    gated_qkv_hf_to_mcore,
-    gated_qkv_mcore_to_hf,
-    gdn_hf_to_mcore,
-    gdn_mcore_to_hf,
-    gdn_sizes,
-)
+from areal_mega.models.qwen3_5 import _PARTS, gated_qkv_hf_to_mcore, gated_qkv_mcore_to_hf
+
+# One DeltaNet layer's HF <-> megatron tensors (keys relative to the module), for the layer-level
+# checks below; the whole-model mapping is the adapter's (its "parts" fusion).
+_SAME = {"conv1d.weight": "conv1d.weight", "A_log": "A_log", "dt_bias": "dt_bias",
+         "norm.weight": "out_norm.weight", "out_proj.weight": "out_proj.weight"}
+
+
+def gdn_hf_to_mcore(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One HF ``linear_attn`` module's tensors (keys relative to it) -> megatron GatedDeltaNet's."""
+    out = {"in_proj.weight": torch.cat([hf[f"{p}.weight"] for p in _PARTS], dim=0)}
+    out.update({m: hf[h] for h, m in _SAME.items()})
+    return out
+
+
+def gdn_mcore_to_hf(mc: dict[str, torch.Tensor], sizes: tuple[int, int, int, int]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`gdn_hf_to_mcore`; ``sizes`` = rows of (qkv, z, b, a):
+    (2 * key_dim + value_dim, value_dim, num_v_heads, num_v_heads)."""
+    out = {f"{p}.weight": t for p, t in zip(_PARTS, torch.split(mc["in_proj.weight"], list(sizes), dim=0))}
+    out.update({h: mc[m] for h, m in _SAME.items()})
+    return out
+
+
+def gdn_sizes(c: dict) -> tuple[int, int, int, int]:
+    """Row counts of HF's (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) from a qwen3_5 text config."""
+    kd = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    vd = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    return (2 * kd + vd, vd, c["linear_num_value_heads"], c["linear_num_value_heads"])
+
 
 # The layer-level checks run in `make test-families-serve` (the families target); `make test` keeps
 # the one whole-model row (test_whole_text_model_logprobs_match_hf_packed), which covers them all.
@@ -259,107 +285,405 @@ def test_gated_attention_layer_matches_hf():
         assert (run(remb) - ref).abs().max().item() > 100 * tol
 
 
-def test_whole_text_model_logprobs_match_hf_packed():
-    """Qwen3_5ForCausalLM (3 linear + 1 full attention layers) vs the hybrid GPTModel: three
-    sequences packed in one row vs each alone in HF, fp32 log-probs; parameter counts equal;
-    HF -> megatron -> HF bit-exact; control: one DeltaNet layer's A_log/dt_bias swapped."""
-    _megatron_world_of_one()
-    import torch.nn.functional as F
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import TransformerConfig
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
-
-    from areal_mega.megatron.linear_attention import qwen3_5_block_spec
-    from areal_mega.megatron.model import packed_causal_mask
-    from areal_mega.models.qwen3_5 import hf_to_mcore, mcore_to_hf
-
-    torch.manual_seed(0)
-    hc = Qwen3_5TextConfig(**CFG)
-    hc._attn_implementation = "eager"
-    hf = Qwen3_5ForCausalLM(hc).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    c = hc.to_dict()
-    tcfg = TransformerConfig(
-        num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, ffn_hidden_size=96,
-        normalization="RMSNorm", layernorm_epsilon=1e-6, activation_func=F.silu, gated_linear_unit=True,
-        add_bias_linear=False, params_dtype=torch.float32, use_cpu_initialization=True, attention_output_gate=True,
-        qk_layernorm=True, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4)
-    mc = GPTModel(tcfg, qwen3_5_block_spec(c["layer_types"]), vocab_size=384, max_sequence_length=256,
-                  position_embedding_type="rope", rotary_percent=0.25, rotary_base=c["rope_parameters"]["rope_theta"],
-                  share_embeddings_and_output_weights=False).eval()
-    sd = hf_to_mcore(hf.state_dict(), c, 384)
-    missing, unexpected = mc.load_state_dict(sd, strict=False)
-    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
-    assert sum(p.numel() for p in mc.parameters()) - 2 * (384 - 300) * 64 == sum(p.numel() for p in hf.parameters())
-    back = mcore_to_hf({k: v for k, v in mc.state_dict().items() if v is not None}, c)
-    ref_sd = hf.state_dict()
-    assert set(back) == set(ref_sd) and all(torch.equal(back[k], ref_sd[k]) for k in ref_sd)
-
-    torch.manual_seed(3)
-    ids = [torch.randint(0, 300, (n,)) for n in (7, 40, 13)]
-    mask = packed_causal_mask(torch.tensor([0, 7, 47, 60]))
-
-    def lp():
-        return torch.log_softmax(mc(torch.cat(ids)[None], position_ids=None, attention_mask=mask)[0, :, :300], -1)
-
-    with torch.no_grad():
-        ref = torch.cat([torch.log_softmax(hf(x[None]).logits[0], -1) for x in ids])
-        # fp32; log-probs are O(10) over a 300-way softmax after 4 layers of O(64)-term reductions:
-        # 1e-4 absolute is ~100x the measured 5e-6 and far below any mapping error.
-        tol = 1e-4
-        err = (lp() - ref).abs().max().item()
-        print(f"qwen3_5 text model packed log-probs: max|mc-hf|={err:.2e} bound={tol:.0e}")
-        assert err <= tol
-        gdn = mc.decoder.layers[1].self_attention
-        a, d = gdn.A_log.data.clone(), gdn.dt_bias.data.clone()
-        gdn.A_log.data.copy_(d), gdn.dt_bias.data.copy_(a)  # one block mis-mapped
-        bad = (lp() - ref).abs().max().item()
-        print(f"qwen3_5 control (layer 1 A_log <-> dt_bias): {bad:.2e}")
-        assert bad > 100 * tol
+LENS = [7, 40, 13]
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+              num_position_embeddings=16, patch_size=4, temporal_patch_size=1, spatial_merge_size=1)
 
 
-@LAYER
-def test_text_model_tp2_logprobs_match_hf():
-    """tests/dist/qwen3_5_tp.py: the whole text model at TP2 (gloo, 2 ranks), each rank loading
-    models/qwen3_5.tp_shard of the mapping; control: one rank's fused in_proj rows reversed."""
-    import re
-
-    from tests.support.launch import child_env, run_checked, torchrun_cmd
-
-    proc = run_checked(torchrun_cmd(2, "tests/dist/qwen3_5_tp.py"), timeout_s=600,
-                       env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
-    m = re.search(r"QWEN35_TP2 err=(\S+) control=(\S+)", proc.stdout)
-    assert m, proc.stdout[-2000:]
-    err, bad = float(m[1]), float(m[2])
-    assert err <= 1e-4, err  # the bound of the TP1 whole-model row (TP2 adds one all-reduce per layer)
-    assert bad > 100 * 1e-4, bad
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
-@LAYER
-def test_vl_checkpoint_gives_the_text_model():
-    """A tiny Qwen3_5ForConditionalGeneration: its language model, split off, loads strictly into
-    Qwen3_5ForCausalLM with the same text logits; the vision tensors come back untouched."""
+def _tiny(kind: str = "text", seed: int = 0):
+    """A tiny random Qwen3_5ForCausalLM ("text"), Qwen3_5ForConditionalGeneration ("vl"),
+    Qwen3_5MoeForCausalLM ("moe": 8 experts top-2 + a gated shared expert) or Qwen3NextForCausalLM
+    ("moe_next": the same MoE, layer 1 a dense MLP, in_proj fused per key-head group), fp32, eager attention,
+    weights moved off HF's init (norms 0/1, dt_bias 1, router 0) by 0.1 x N(0, 1)."""
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
-    from areal_mega.models.qwen3_5 import split_vl_checkpoint
+    torch.manual_seed(seed)
+    if kind == "moe_next":
+        from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
 
-    torch.manual_seed(0)
-    vc = Qwen3_5Config(text_config=CFG, vision_config=dict(
-        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=16,
-        patch_size=4, temporal_patch_size=1, spatial_merge_size=1))
-    vl = Qwen3_5ForConditionalGeneration(vc).eval()
-    sd = vl.state_dict()
-    text, lm, vision = split_vl_checkpoint(vc.to_dict(), sd)
-    assert vision and all(k.startswith("model.visual.") and vision[k] is sd[k] for k in vision)
-    tm = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{k: v for k, v in text.items() if k != "model_type"})).eval()
-    tm.load_state_dict(lm, strict=True)
-    ids = torch.randint(0, 300, (1, 11))
+        m = Qwen3NextForCausalLM(Qwen3NextConfig(**CFG, **MOE, mlp_only_layers=[1]))
+    elif kind == "moe":
+        m = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{k: v for k, v in CFG.items() if k != "intermediate_size"},
+                                                       **MOE))
+    elif kind == "text":
+        m = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**CFG))
+    else:
+        m = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=CFG, vision_config=VISION))
+    m.config._attn_implementation = "eager"
     with torch.no_grad():
-        assert torch.equal(tm(ids).logits, vl(input_ids=ids).logits)
-    with pytest.raises(ValueError, match="model_type"):
-        split_vl_checkpoint({"model_type": "qwen3"}, {})
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return m.float().eval()
+
+
+def _packed_reference(m, seed: int = 3) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 300, (sum(LENS),), generator=g)
+    cu = torch.tensor([0] + torch.tensor(LENS).cumsum(0).tolist())
+    with torch.no_grad():
+        logits = torch.cat([m(input_ids=ids[cu[i]: cu[i + 1]][None]).logits[0] for i in range(len(LENS))])
+    return {"input_ids": ids, "cu_seqlens": cu, "logits": logits.float()}
+
+
+def logprob_tol(ref_logits: torch.Tensor) -> float:
+    """fp32 log-probs of the same weights two ways (megatron packed, any layout, vs HF per
+    sequence): 4 layers' reductions of up to K = 128 terms (MLP 96, the DeltaNet's 64-token chunks,
+    attention heads 4 x 16) relative to the largest |logit| (tests/support/numerics.py), x 2 for
+    the log-softmax (|d log p| <= 2 max |d logit|)."""
+    from tests.support.numerics import fp32_tol, transformer_reductions
+
+    return 2 * fp32_tol(128, float(ref_logits.abs().max()), ops=transformer_reductions(4) - 1)
+
+
+def test_whole_text_model_logprobs_match_hf_packed(tmp_path):
+    """qwen3_5_text through the model registry (build_model / load_hf_weights / export_hf_weights,
+    TP1): Qwen3_5ForCausalLM (3 DeltaNet + 1 gated attention layers) with three sequences packed
+    in one row vs each alone in HF, fp32 log-probs; parameter counts equal transformers'; the
+    export (weight sync's path) bit-exact; control: one DeltaNet layer's A_log / dt_bias swapped."""
+    from megatron.core import parallel_state as ps
+
+    from areal_mega.megatron import cpu_compat
+    from areal_mega.megatron.model import (
+        HFCheckpointReader, MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights,
+    )
+    from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel, init_process_group_for_script
+    from areal_mega.parallel import ParallelLayout
+    from tests.support.models import packed_logprobs
+
+    hf = _tiny("text")
+    hf.save_pretrained(tmp_path)
+    ref = _packed_reference(hf)
+    cpu_compat.apply()
+    init_process_group_for_script()
+    if ps.model_parallel_is_initialized():  # the layer tests' bare world of one
+        ps.destroy_model_parallel()
+    groups = init_model_parallel(ParallelLayout(world_size=1), backend="gloo")
+    try:
+        with pytest.raises(ValueError, match="^actor.model.layer_spec: te is not supported for qwen3_5_text"):
+            build_model(tmp_path, groups, MegatronModelConfig(layer_spec="te"))
+        model = build_model(tmp_path, groups, MegatronModelConfig())
+        load_hf_weights(model, tmp_path)
+        (mc,) = model.chunks
+        pad = 2 * (model.padded_vocab_size - 300) * 64  # zero vocab-padding rows of embedding + output layer
+        assert sum(p.numel() for p in mc.parameters()) - pad == sum(p.numel() for p in hf.parameters())
+        disk = HFCheckpointReader(tmp_path)
+        out = dict(export_hf_weights(model))
+        assert sorted(out) == sorted(disk.names()) and all(torch.equal(out[n], disk.read(n)) for n in out)
+        ids, cu = ref["input_ids"], ref["cu_seqlens"]
+        hf_lp = packed_logprobs(ref["logits"], ids, cu)
+        tol = logprob_tol(ref["logits"])
+
+        def err():
+            return (packed_logprobs(forward_logits(model, ids, cu), ids, cu) - hf_lp).abs().max().item()
+
+        e = err()
+        print(f"qwen3_5_text TP1 packed log-probs: max|mc-hf|={e:.2e} bound={tol:.2e}")
+        assert e <= tol
+        gdn = mc.decoder.layers[1].self_attention
+        with torch.no_grad():
+            a, d = gdn.A_log.data.clone(), gdn.dt_bias.data.clone()
+            gdn.A_log.data.copy_(d), gdn.dt_bias.data.copy_(a)  # one block mis-mapped
+        bad = err()
+        print(f"qwen3_5 control (layer 1 A_log <-> dt_bias): {bad:.2e}")
+        assert bad > 100 * tol
+    finally:
+        destroy_model_parallel(groups)
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """tests/dist/qwen3_5_layouts.py (2 gloo ranks) over the text model and the VL checkpoint."""
+    from tests.support.launch import child_env, run_checked, torchrun_cmd
+
+    work = tmp_path_factory.mktemp("qwen3_5_layouts")
+    ref = {}
+    for kind, seed in (("text", 0), ("vl", 1), ("moe", 2), ("moe_next", 3)):
+        m = _tiny(kind, seed)
+        m.save_pretrained(work / kind)
+        ref[kind] = _packed_reference(m)
+    torch.save(ref, work / "ref.pt")
+    run_checked(torchrun_cmd(2, "tests/dist/qwen3_5_layouts.py", "--work-dir", work, "--out", work / "results.pt"),
+                timeout_s=1200, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
+    return work, ref, torch.load(work / "results.pt")
+
+
+@LAYER
+def test_layouts_logprobs_match_hf(layouts):
+    """TP1 (x DP2), TP2, PP2 for qwen3_5_text and the qwen3_5 VL checkpoint; TP1 (x DP2), PP2, EP2
+    for qwen3_5_moe_text and qwen3_next; vs HF per sequence."""
+    from tests.dist.qwen3_5_layouts import key_of, layouts_of
+    from tests.support.models import packed_logprobs
+
+    _, ref, res = layouts
+    table = {}
+    for name, r in ref.items():
+        assert set(res["logits"][name]) == {key_of(*lay) for lay in layouts_of(name)}
+        hf_lp = packed_logprobs(r["logits"], r["input_ids"], r["cu_seqlens"])
+        tol = logprob_tol(r["logits"])
+        for key, lg in res["logits"][name].items():
+            d = (packed_logprobs(lg, r["input_ids"], r["cu_seqlens"]) - hf_lp).abs().max().item()
+            table[f"{name}/{key}"] = (d, tol)
+            assert d <= tol, f"{name} {key}: |log-prob diff| {d} > bound {tol}"
+    print("max |log-prob megatron - HF|, bound:", table)
+
+
+@LAYER
+def test_layouts_negative_controls(layouts):
+    from tests.dist.qwen3_5_layouts import NEGATIVE
+    from tests.support.models import packed_logprobs
+
+    _, ref, res = layouts
+    assert set(res["negative"]) == set(NEGATIVE)
+    for control, (name, lg) in res["negative"].items():
+        r = ref[name]
+        d = (packed_logprobs(lg, r["input_ids"], r["cu_seqlens"])
+             - packed_logprobs(r["logits"], r["input_ids"], r["cu_seqlens"])).abs().max().item()
+        print(f"control {control}: {d:.2e}")
+        assert d > 100 * logprob_tol(r["logits"]), (control, d)
+
+
+@LAYER
+def test_layouts_export_bit_exact_each_tensor_once(layouts):
+    """export_hf (live sync / conversion) at every layout: every HF tensor of the language model
+    once, bit-identical; the VL checkpoint's vision tower is not in the plan (not synced)."""
+    from areal_mega.megatron.model import HFCheckpointReader
+    from areal_mega.models import get_adapter
+
+    work, ref, res = layouts
+    for name in ref:
+        names = get_adapter(work / name).hf_names()
+        disk = set(HFCheckpointReader(work / name).names())
+        vision = {n for n in disk if n.startswith("model.visual.")}
+        assert bool(vision) == (name == "vl") and set(names) == disk - vision
+        for key, rows in res["export"][name].items():
+            seen = []
+            for pp, sender, same, diff, got in [r for r in rows if r is not None]:
+                assert diff == 0, f"{name} {key} stage {pp}: {diff} tensors differ"
+                if sender:
+                    assert same == len(got)
+                    seen += got
+            assert sorted(seen) == sorted(names), (name, key)
+
+
+@LAYER
+def test_conversion_tools_roundtrip_bit_exact(layouts):
+    """HF -> megatron (PP2) -> HF (TP2) with tools/convert_*: every tensor bit-exact, the VL
+    checkpoint's vision tower included (copied from the source), the config's model_type kept."""
+    import json
+
+    from areal_mega.megatron.model import HFCheckpointReader
+
+    from tests.dist.qwen3_5_layouts import ROUNDTRIP
+
+    work, _, _ = layouts
+    for name in ROUNDTRIP:
+        a, b = HFCheckpointReader(work / name), HFCheckpointReader(work / f"{name}_hf")
+        assert sorted(a.names()) == sorted(b.names()), name
+        bad = [n for n in a.names() if not torch.equal(a.read(n), b.read(n))]
+        assert not bad, f"{name} not bit-exact: {bad[:5]}"
+        cfg = json.loads((work / f"{name}_hf" / "config.json").read_text())
+        assert cfg["model_type"] == json.loads((work / name / "config.json").read_text())["model_type"]
+
+
+def test_vl_adapter_maps_the_language_model_only():
+    """The released VL checkpoint (model_type qwen3_5): its adapter plans exactly the language
+    model's tensors (``model.language_model.*`` + ``lm_head``; the vision tower is not synced), with
+    the text adapter's architecture; configs it cannot run are refused in one line naming the key."""
+    from areal_mega.models import get_adapter
+
+    with torch.device("meta"):
+        vl = _tiny("vl")
+    sd = vl.state_dict()
+    ad = get_adapter(vl.config.to_dict())
+    assert set(ad.hf_names()) == {k for k in sd if not k.startswith("model.visual.")}
+    assert all(ad.hf_shape(k) == tuple(sd[k].shape) for k in ad.hf_names())
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    text_cfg = Qwen3_5TextConfig(**CFG).to_dict()
+    text = get_adapter(text_cfg)
+    assert {**ad.arch.__dict__, "model_type": "", "architecture": ""} == \
+        {**text.arch.__dict__, "model_type": "", "architecture": ""}
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
+
+    moe_text = {**{k: v for k, v in CFG.items() if k != "intermediate_size"}, **MOE}
+    with torch.device("meta"):  # the MoE VL checkpoint: its language model, experts one tensor each on disk
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
+
+        vm = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=moe_text, vision_config=VISION))
+    mad = get_adapter(vm.config.to_dict())
+    per_expert = {n for n in mad.hf_names() if ".mlp.experts." in n}
+    assert len(per_expert) == 4 * 8 * 3 and mad.arch.moe_shared_expert_gate and mad.arch.moe_norm_topk_prob
+    fused = {k for k in vm.state_dict() if not k.startswith("model.visual.")}  # transformers fuses on load
+    assert set(mad.hf_names()) - per_expert == {k for k in fused if ".mlp.experts." not in k}
+    with pytest.raises(ValueError, match="^foo: config key not implemented"):
+        get_adapter({**vl.config.to_dict(), "foo": 1})
+    with pytest.raises(ValueError, match="^full_attention_interval: 2 disagrees with layer_types"):
+        get_adapter({**text_cfg, "full_attention_interval": 2})
+    with pytest.raises(ValueError, match="^attn_output_gate: false"):
+        get_adapter({**text_cfg, "attn_output_gate": False})
+    assert get_adapter({**text_cfg, "full_attention_interval": 4, "mtp_num_hidden_layers": 1}).arch == text.arch
+    with pytest.raises(ValueError, match="^rope_parameters.rope_type"):
+        get_adapter({**text_cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+
+
+def test_adapter_tp_pieces_agree():
+    """Pure (no megatron): for every parameter of the qwen3_5_text and qwen3_next plans at TP2, the
+    rank's shard read through hf_slices + from_hf (loading) == split_tp of the canonical tensor;
+    merge_tp of the shards == canonical; to_hf(canonical) == the HF tensors (export); every
+    shard_blocks box (the reshard planner's view) holds exactly the HF values it names."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+
+    from areal_mega.models import get_adapter
+
+    fusions = set()
+    for cfg in (Qwen3_5TextConfig(**CFG).to_dict(), Qwen3NextConfig(**CFG, **MOE, mlp_only_layers=[1]).to_dict()):
+        fusions |= _tp2_pieces_agree(get_adapter(cfg))
+    assert {"parts", "gated_qkv", "gate_up", "vocab", "none", "grouped"} <= fusions
+
+
+def _tp2_pieces_agree(ad) -> set:
+    from areal_mega.parallel import ParallelConfig, ParallelLayout
+
+    g = torch.Generator().manual_seed(0)
+    hf = {n: torch.randn(ad.hf_shape(n), generator=g) for n in ad.hf_names()}
+    fusions = set()
+    for prm in ad.plan(ParallelLayout.build(ParallelConfig(tensor_parallel=2), 2))[0].params:
+        fusions.add(prm.fusion)
+        canon = ad.from_hf(prm, [hf[n] for n in prm.hf_names])
+        assert tuple(canon.shape) == prm.shape, prm.name
+        assert all(torch.equal(a, hf[n]) for a, n in zip(ad.to_hf(prm, canon), prm.hf_names)), prm.name
+        shards = []
+        for r in range(2):
+            parts = [hf[n] if d is None else hf[n].narrow(d, a, b - a) for n, d, a, b in ad.hf_slices(prm, 2, r)]
+            shard = ad.from_hf(prm, parts, tuple(ad.split_tp(prm, canon, 2, r).shape))
+            assert torch.equal(shard, ad.split_tp(prm, canon, 2, r)), (prm.name, r)
+            shards.append(shard)
+            for blk in ad.shard_blocks(prm, 2, r):
+                src = hf[blk.hf_name][tuple(slice(a, b) for a, b in blk.hf_box)]
+                dst = shard[tuple(slice(s, s + (b - a)) for s, (a, b) in zip(blk.local_start, blk.hf_box))]
+                assert torch.equal(src, dst), (prm.name, r, blk)
+        assert torch.equal(ad.merge_tp(prm, shards), canon), prm.name
+    return fusions
+
+
+# SGLang 0.5.23's loader rules (qwen3_5.py load_weights' stacked_params_mapping), written out here
+# independently of the adapter: HF module -> (SGLang fused parameter, part index).
+_SGLANG_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                 "in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1),
+                 "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
+
+
+def _sglang_reference(ckpt: dict) -> dict:
+    """What SGLang's TP1 parameters must hold after loading the checkpoint's language model."""
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for n, t in ckpt.items():
+        if n.startswith("model.visual."):
+            continue
+        n = n.replace("model.language_model.", "model.").replace(".self_attn.", ".")
+        prefix, module, leaf = n.rsplit(".", 2) if n.count(".") >= 2 else ("", "", n)
+        if module in _SGLANG_FUSED:
+            fused, i = _SGLANG_FUSED[module]
+            parts.setdefault(f"{prefix}.{fused}.{leaf}", {})[i] = t
+        else:
+            out[n] = t
+    out.update({k: torch.cat([v[i] for i in sorted(v)]) for k, v in parts.items()})
+    return out
+
+
+@LAYER
+def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
+    """SGLang cannot serve Qwen3.5 on CPU (docs/engine.md: sgl_kernel's CPU causal_conv1d), so the
+    sync is checked against SGLang's own loader instead: the stream the learner's export sends at
+    TP2 (text model and VL checkpoint) goes through SGLang 0.5.23's Qwen3_5ForCausalLM /
+    Qwen3_5ForConditionalGeneration ``load_weights`` in-process (tests/support/sglang_qwen3_5_load.py);
+    every language-model parameter must be written and equal the checkpoint mapped by SGLang's
+    loader rules (bit for bit), the vision tower untouched. Controls: a stream missing one tensor
+    leaves its parameter unwritten; in_proj_z rows reversed make its fused parameter differ."""
+    import json
+
+    from areal_mega.megatron.model import HFCheckpointReader
+    from tests.support.launch import SGLANG_PYTHON, child_env, run_checked
+
+    if not SGLANG_PYTHON:
+        pytest.skip("AREAL_MEGA_SGLANG_PYTHON not set (run through make test-families-serve)")
+    work, ref, _ = layouts
+    jobs = []
+    for name in ("text", "vl"):
+        cfg = json.loads((work / name / "config.json").read_text())
+        # released configs carry full_attention_interval (transformers' save_pretrained does not);
+        # SGLang 0.5.23 derives its layer kinds from it (configs/qwen3_next.py layers_block_type)
+        (cfg if name == "text" else cfg["text_config"])["full_attention_interval"] = 4
+        (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
+        jobs.append({"label": name, "config": str(tmp_path / f"{name}.json"), "stream": str(work / f"{name}_sync_tp2.pt")})
+    stream = torch.load(work / "text_sync_tp2.pt")
+    drop, flip = "model.layers.1.linear_attn.in_proj_b.weight", "model.layers.0.linear_attn.in_proj_z.weight"
+    torch.save([(n, t) for n, t in stream if n != drop], tmp_path / "dropped.pt")
+    torch.save([(n, t.flip(0) if n == flip else t) for n, t in stream], tmp_path / "flipped.pt")
+    for label in ("dropped", "flipped"):
+        jobs.append({"label": label, "config": str(tmp_path / "text.json"), "stream": str(tmp_path / f"{label}.pt")})
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    run_checked([SGLANG_PYTHON, "tests/support/sglang_qwen3_5_load.py", "--jobs", tmp_path / "jobs.json",
+                 "--out", tmp_path / "out.pt"], timeout_s=600, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
+    res = torch.load(tmp_path / "out.pt")
+    for name in ("text", "vl"):
+        disk = HFCheckpointReader(work / name)
+        want = _sglang_reference({n: disk.read(n) for n in disk.names()})
+        got = res[name]
+        lm = {n for n in got if not n.startswith("visual.")}
+        assert lm == set(want), sorted(lm ^ set(want))[:5]
+        for n in lm:  # vocab rows past the checkpoint's (SGLang's padding) are not the sync's
+            assert torch.equal(got[n][: want[n].shape[0]], want[n]), (name, n)
+        vision = [n for n in got if n.startswith("visual.")]
+        assert bool(vision) == (name == "vl") and all(got[n].isnan().all() for n in vision)
+    assert res["dropped"]["model.layers.1.linear_attn.in_proj_ba.weight"].isnan().any()
+    fused = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    assert not torch.equal(res["flipped"][fused], res["text"][fused])
+
+
+@LAYER
+def test_tp2_out_norm_gradient_matches_hf(layouts):
+    """Compat entry 14: at TP2 the DeltaNet out_norm's gradient (of the packed log-prob sum) equals
+    HF's on every TP rank; without the entry (megatron's own _apply_gated_norm) each rank holds only
+    its heads' part -- far off (control)."""
+    from transformers import AutoModelForCausalLM
+
+    work, ref, res = layouts
+    r = ref["text"]
+    hf = AutoModelForCausalLM.from_pretrained(work / "text", dtype=torch.float32, attn_implementation="eager")
+    ids, cu = r["input_ids"], r["cu_seqlens"]
+    total = 0.0
+    for i in range(len(cu) - 1):
+        x = ids[cu[i]: cu[i + 1]]
+        lp = torch.log_softmax(hf(x[None]).logits[0].float(), -1)
+        total = total + lp[:-1].gather(-1, x[1:, None]).sum()
+    total.backward()
+    want = hf.model.layers[0].linear_attn.norm.weight.grad
+    # fp32; a sum of ~60 log-probs' gradients, each through 4 layers of <= 128-term reductions:
+    # 1e-4 relative to the largest entry is ~100x fp32_tol(128, |grad|, ops 14) and far below the control
+    tol = 1e-4 * want.abs().max().item()
+    for fixed, unfixed in res["grad"]:
+        err, bad = (fixed - want).abs().max().item(), (unfixed - want).abs().max().item()
+        print(f"out_norm grad at TP2: max|mc-hf|={err:.2e} bound={tol:.2e} control (no entry 14)={bad:.2e}")
+        assert err <= tol and bad > 100 * tol
+
+
+def test_memory_model_counts_the_hybrid_params():
+    """simulator/memory.py's parameter count of a hybrid (dense and MoE) equals transformers'
+    (the count tools/check_memory_model.py's q35_* rows show equal to the engine's tensors)."""
+    from areal_mega.models import get_adapter
+    from areal_mega.simulator.memory import total_params
+
+    for kind in ("text", "moe", "moe_next"):
+        with torch.device("meta"):
+            m = _tiny(kind)
+        assert total_params(get_adapter(m.config.to_dict()).arch) == sum(p.numel() for p in m.parameters()), kind

@@ -162,6 +162,17 @@ FAMILY_CONFIGS = [  # the DeepSeek-V3 model: name, tp, pp, sequence_parallel, re
     ("ds_tp2_spon", 2, 1, True, "none", "uniform", 1, 1),
     ("ds_pp2", 1, 2, False, "none", "uniform", 1, 1),
 ]
+QWEN35 = dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+              max_position_embeddings=1024)
+"""Tiny bf16 Qwen3.5 text model: 3 gated DeltaNet layers + 1 gated attention layer."""
+QWEN35_CONFIGS = [  # name, tp, pp, sequence_parallel, recompute, method, num_layers (SP is refused for it)
+    ("q35_tp1", 1, 1, False, "none", "uniform", 1),
+    ("q35_tp2", 2, 1, False, "none", "uniform", 1),
+    ("q35_pp2", 1, 2, False, "none", "uniform", 1),
+    ("q35_tp1_full", 1, 1, False, "full", "uniform", 1),
+]
 
 
 def _optimizer_tensors(optimizer):
@@ -274,12 +285,19 @@ def main() -> None:
     dist.broadcast_object_list(box, src=0)
     hf_dir = os.path.join(box[0], "tiny_llama")
     ds_dir = os.path.join(box[0], "tiny_deepseek_v3")
+    q35_dir = os.path.join(box[0], "tiny_qwen3_5")
     if dist.get_rank() == 0:
         save_tiny_model(hf_dir, "llama", dtype="bfloat16", **MODEL)
         save_tiny_model(ds_dir, "deepseek_v3", dtype="bfloat16", **DEEPSEEK)
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+        torch.manual_seed(0)
+        Qwen3_5ForCausalLM(Qwen3_5TextConfig(**QWEN35)).to(torch.bfloat16).save_pretrained(q35_dir)
     dist.barrier()
     lines = []
-    runs = [(*c, hf_dir) for c in CONFIGS] + [(*c[:7], 1, ds_dir, c[7]) for c in FAMILY_CONFIGS]
+    runs = ([(*c, hf_dir) for c in CONFIGS] + [(*c[:7], 1, ds_dir, c[7]) for c in FAMILY_CONFIGS]
+            + [(*c, 1, q35_dir) for c in QWEN35_CONFIGS])
     for c in runs:
         if args.only and c[0] not in args.only.split(","):
             continue

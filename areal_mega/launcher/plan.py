@@ -31,7 +31,7 @@ from areal_mega.launcher.config import LaunchConfig
 from areal_mega.parallel import ParallelLayout
 from areal_mega.simulator.memory import (
     GIB, EngineMemory, LearnerMemory, LearnerSettings, estimate_engine, estimate_learner, learner_settings,
-    model_adapter, model_arch, server_nodes,
+    linear_state_bytes_per_request, model_adapter, model_arch, server_nodes,
 )
 from areal_mega.simulator.planner import choose_learner_nodes
 from areal_mega.utils import secrets
@@ -494,6 +494,9 @@ def memory_verdict(exp: ExperimentConfig, layout: ParallelLayout, gpus: int, *, 
 
             check_fp8(model_adapter(exp), tp, _server_ep(srv))
         span = server_nodes(tp, gpus)
+        if m.linear is not None:
+            notes.append(f"servers: gated DeltaNet recurrent state {linear_state_bytes_per_request(m, tp) / 2**20:.1f} "
+                         "MiB per running request per GPU (SGLang's state pool; not in the KV estimate)")
         if gpus and engine_mem.weights > engine_mem.budget and tp >= gpus:
             notes.append(f"one server ({engine_mem.weights * tp / GIB:.0f} GiB of weights, "
                          f"{srv.quantization if srv.quantization != 'none' else srv.dtype}) does not fit "

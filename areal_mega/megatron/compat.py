@@ -148,6 +148,14 @@ ENTRIES: dict[int, Entry] = {
         ">=0.16.1",
         "tests/test_qwen3_5.py::test_whole_text_model_logprobs_match_hf_packed",
     ),
+    14: Entry(
+        "gated DeltaNet at TP > 1: out_norm (one weight shared by all value heads, replicated) gets "
+        "only its rank's heads' gradient, and finalize_model_grads sums it over TP only under "
+        "sequence parallelism -> a wrong gradient and TP copies that drift apart after a step "
+        "(PackedGatedDeltaNet applies the weight through copy_to_tensor_model_parallel_region)",
+        ">=0.16.1",
+        "tests/test_qwen3_5.py::test_tp2_out_norm_gradient_matches_hf",
+    ),
 }
 
 

@@ -29,6 +29,8 @@ def save_hf_checkpoint(model: MegatronModel, out_dir: str, *, hf_config: dict | 
     out = Path(out_dir)
     groups = model.groups
     layout = groups.layout
+    # Rank 0 (stage 0's sender) also writes what megatron does not hold, e.g. a VL checkpoint's vision tower.
+    frozen = model.adapter.frozen_hf_tensors(source_dir) if groups.rank == 0 else {}
     if groups.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -39,6 +41,7 @@ def save_hf_checkpoint(model: MegatronModel, out_dir: str, *, hf_config: dict | 
         from safetensors.torch import save_file
 
         tensors = {n: t.detach().cpu().contiguous() for n, t in export_hf_weights(model) if t is not None}
+        tensors.update(frozen)
         if c.tp == 0 and c.dp == 0 and c.cp == 0:  # the stage's sender holds every tensor
             save_file(tensors, str(out / files[c.pp]), metadata={"format": "pt"})
     if groups.rank == 0:
@@ -55,6 +58,8 @@ def save_hf_checkpoint(model: MegatronModel, out_dir: str, *, hf_config: dict | 
                     for d in t.shape:
                         numel *= d
                     total += numel * torch_dtype(t.dtype).itemsize
+            weight_map.update({n: files[0] for n in frozen})
+            total += sum(t.numel() * t.element_size() for t in frozen.values())
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         if source_dir and Path(source_dir).is_dir():

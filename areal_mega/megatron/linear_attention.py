@@ -28,11 +28,26 @@ def segment_starts(attention_mask: torch.Tensor | None, seq_len: int) -> list[in
     while j > 0 and ends[j - 1] - starts[j - 1] == 1:
         j -= 1  # trailing one-token segments = padding: one segment (see the module docstring)
     return starts[: j + 1]
-    return starts
 
 
 class PackedGatedDeltaNet(GatedDeltaNet):
-    """megatron-core's GatedDeltaNet with its state reset at every packed-sequence boundary."""
+    """megatron-core's GatedDeltaNet with its state reset at every packed-sequence boundary, and
+    (compat entry 14) its out_norm's gradient summed over TP."""
+
+    def _apply_gated_norm(self, x, gate):
+        from areal_mega.megatron import compat
+
+        if self.tp_size == 1 or not compat.applies(14):
+            return super()._apply_gated_norm(x, gate)
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        # megatron's _apply_gated_norm, with out_norm's weight (shared by every value head, each TP
+        # rank holding some heads) passed through an identity whose backward all-reduces over TP
+        n = self.out_norm
+        w = copy_to_tensor_model_parallel_region(n.weight, group=self.pg_collection.tp)
+        y = torch.nn.functional.rms_norm(x.reshape(-1, x.shape[-1]), n.normalized_shape, w, n.eps)
+        y = y * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())
+        return y.to(x.dtype)
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         if self.sp_size != 1:
@@ -62,9 +77,12 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         return (y * (1.0 + self.weight.float())).type_as(x)
 
 
-def qwen3_5_block_spec(layer_types: list[str]):
+def qwen3_5_block_spec(layer_types, tcfg=None, vp_stage: int | None = None, pp_rank: int | None = None,
+                       num_experts: int | None = None, dense_layers: tuple[int, ...] = ()):
     """The hybrid decoder block (local spec): gated DeltaNet layers and gated full-attention
-    layers per HF ``layer_types``, every RMSNorm zero-centred except GDN's gated out_norm."""
+    layers per HF ``layer_types`` (one per GLOBAL layer), every RMSNorm zero-centred except GDN's
+    gated out_norm; ``num_experts``: every layer's MLP but ``dense_layers``' is megatron's MoE layer
+    (SequentialMLP experts). With ``tcfg``: only the layers of that pipeline chunk (megatron's split)."""
     import copy
 
     from megatron.core.models.backends import LocalSpecProvider
@@ -75,10 +93,12 @@ def qwen3_5_block_spec(layer_types: list[str]):
 
     b = LocalSpecProvider()
     specs = []
-    for t in layer_types:
+    for i, t in enumerate(layer_types):
         if t not in ("linear_attention", "full_attention"):
             raise ValueError(f"layer_types: {t!r} is not linear_attention or full_attention")
-        s = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True))
+        experts = None if i in dense_layers else num_experts
+        s = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True, num_experts=experts,
+                                                   moe_grouped_gemm=False))
         s.submodules.input_layernorm = s.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
         attn = s.submodules.self_attention
         if t == "linear_attention":
@@ -87,4 +107,11 @@ def qwen3_5_block_spec(layer_types: list[str]):
         else:
             attn.submodules.q_layernorm = attn.submodules.k_layernorm = ZeroCenteredRMSNorm
         specs.append(s)
+    if tcfg is not None:
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        n = get_num_layers_to_build(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
+        off = get_transformer_layer_offset(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
+        specs = specs[off:off + n]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=ZeroCenteredRMSNorm)

@@ -27,6 +27,7 @@ from areal_mega.megatron import compat, cpu_compat
 from areal_mega.batching.packing import ContextShard, context_shard, cp_padded_length
 from areal_mega.megatron.attention import with_core_attention
 from areal_mega.megatron.context_parallel import context_inputs, gather_tokens, packed_seq_params
+from areal_mega.megatron.linear_attention import qwen3_5_block_spec
 from areal_mega.megatron.parallel_state import ModelParallelGroups, tp_all_gather
 from areal_mega.kinds import resolve
 from areal_mega.models import get_adapter, load_hf_config
@@ -218,7 +219,7 @@ def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: Megatr
         virtual_pipeline_model_parallel_size=lay.vpp,
         context_parallel_size=lay.cp,
         cp_comm_type=cfg.cp_comm_type_for(spec_name) if lay.cp > 1 else None,
-        sequence_parallel=cfg.sequence_parallel_for(lay.tp),
+        sequence_parallel=cfg.sequence_parallel_for(lay.tp) and arch.linear is None,  # GDN: refused in build_model
         params_dtype=dt,
         pipeline_dtype=dt,
         bf16=dt == torch.bfloat16,
@@ -238,8 +239,22 @@ def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: Megatr
         moe_token_dispatcher_type="alltoall",
         **moe_kwargs(arch, lay, cfg, grouped=spec_name == "te"),
         **mla_kwargs(arch),
+        **linear_attention_kwargs(arch),
         **recompute_kwargs(cfg),
     )
+
+
+def linear_attention_kwargs(arch: ModelArch) -> dict[str, Any]:
+    """TransformerConfig fields of a Qwen3.5-style hybrid (gated DeltaNet dims, gated attention)."""
+    g = arch.linear
+    if g is None:
+        return {}
+    return dict(attention_output_gate=arch.attention_output_gate, linear_conv_kernel_dim=g.conv_kernel,
+                linear_key_head_dim=g.key_head_dim, linear_value_head_dim=g.value_head_dim,
+                linear_num_key_heads=g.num_key_heads, linear_num_value_heads=g.num_value_heads,
+                # megatron's own per-layer pattern (1 = linear): makes checkpoints key layers one by one
+                # (TransformerBlock.sharded_state_dict's non_homogeneous_layers), as their tensors differ
+                linear_attention_freq=[int(g.is_linear(i)) for i in range(arch.num_layers)])
 
 
 def mla_kwargs(arch: ModelArch) -> dict[str, Any]:
@@ -344,6 +359,25 @@ def check_context_parallel(layout, spec_name: str, attention: str | None = None,
                          "yet (MLA's RoPE under CP is untested); set parallel.context_parallel: 1")
 
 
+def check_linear_attention(arch: ModelArch, cfg: MegatronModelConfig, lay) -> None:
+    """Refuse, naming the key, what a hybrid (gated DeltaNet) model cannot run: its block is built
+    on the local spec (megatron/linear_attention.py), PackedGatedDeltaNet has no sequence
+    parallelism ("auto" resolves to off for it) and megatron-core 0.16.1's GDN no context parallelism."""
+    if arch.linear is None:
+        return
+    if cfg.layer_spec == "te" or (cfg.sequence_parallel is True and lay.tp > 1):
+        key, val = ("layer_spec", "te") if cfg.layer_spec == "te" else ("sequence_parallel", "true")
+        raise ValueError(f"actor.model.{key}: {val} is not supported for {arch.model_type} "
+                         "(gated DeltaNet layers run on the local spec without sequence parallelism)")
+    if lay.cp > 1:
+        raise ValueError(f"parallel.context_parallel: {lay.cp} > 1 is not supported for {arch.model_type} "
+                         "(megatron-core 0.16.1's GatedDeltaNet has no context parallelism)")
+    if arch.is_moe and lay.tp > 1:
+        raise ValueError(f"parallel.tensor_parallel: {lay.tp} > 1 is not supported for {arch.model_type} (megatron's "
+                         "MoE layer needs sequence parallelism at TP > 1, which its gated DeltaNet layers lack here); "
+                         "shard the experts with parallel.expert_parallel")
+
+
 def model_adapter(hf_config: Any, cfg: MegatronModelConfig) -> Any:
     """The adapter of ``cfg.family`` (``areal_mega.kinds``, family "model") over ``hf_config``, else
     the registry's for its ``model_type``."""
@@ -382,7 +416,11 @@ def build_model(
         if cfg.moe_aux_loss_coef > 0 or cfg.moe_routing_replay != "off":
             key = "moe_aux_loss_coef" if cfg.moe_aux_loss_coef > 0 else "moe_routing_replay"
             raise ValueError(f"actor.model.{key}: set, but it {dense}")
-    spec_name = resolve_layer_spec(cfg.layer_spec)
+    hybrid = arch.linear is not None
+    check_linear_attention(arch, cfg, lay)
+    if hybrid:
+        compat.enable_torch_gated_delta_net()  # compat entry 13
+    spec_name = "local" if hybrid else resolve_layer_spec(cfg.layer_spec)
     check_context_parallel(lay, spec_name, cp_comm_type=cfg.cp_comm_type, vpp=lay.vpp, mla=arch.mla is not None)
     dtype = cfg.dtype or arch.dtype
     tcfg = transformer_config(arch, groups, cfg, dtype, spec_name)
@@ -425,6 +463,8 @@ def build_model(
         m = GPTModel(
             config=tcfg,
             transformer_layer_spec=(
+                qwen3_5_block_spec(arch.linear.layer_types, tcfg, c if lay.vpp else None, pp_rank,
+                                   num_experts=arch.num_experts, dense_layers=arch.dense_layers) if hybrid else
                 compat.block_spec_with_sp_final_norm(layer_specs, tcfg, c if lay.vpp else None, pp_rank)
                 if spec_name == "local" else
                 # TE: megatron's own per-layer specs from moe_layer_freq (dense / MoE layers)

@@ -21,7 +21,11 @@ from areal_mega.parallel import ParallelLayout
 if TYPE_CHECKING:
     from areal_mega.weight_sync.sglang_layout import EngineRank
 
-Fusion = Literal["none", "qkv", "gate_up", "vocab"]
+Fusion = Literal["none", "qkv", "gate_up", "vocab", "parts", "gated_qkv", "grouped"]
+"""How a megatron tensor holds its HF tensors: "parts" = rows concatenated part by part, each part
+split over TP on its own (a family's ``row_parts``); "gated_qkv" = q, its output gate, k, v per
+query group (Qwen3.5's gated attention); "grouped" = HF rows per key-head group [q; k; v; z] and
+[b; a] regrouped part by part (Qwen3-Next's in_proj_qkvz / in_proj_ba; models/qwen3_5.py)."""
 LayerSpec = Literal["local", "te"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -100,6 +104,10 @@ class ModelArch:
     """Multi-latent attention dims (DeepSeek-V3 family); None = standard GQA attention."""
     yarn: "YarnArch | None" = None
     """YaRN rope scaling (DeepSeek-V3 family); None = plain RoPE."""
+    linear: "LinearAttnArch | None" = None
+    """Hybrid linear attention (Qwen3.5 / Qwen3-Next gated DeltaNet layers); None = every layer softmax."""
+    attention_output_gate: bool = False
+    """The softmax-attention output times sigmoid(a gate projected with q) (Qwen3.5's gated attention)."""
 
     @property
     def heads_per_group(self) -> int:
@@ -126,6 +134,30 @@ class MLAArch:
     qk_rope_head_dim: int
     """Per-head query/key dims with RoPE, the key's shared by all heads (qk_pos_emb_head_dim)."""
     v_head_dim: int
+
+
+@dataclass(frozen=True)
+class LinearAttnArch:
+    """Gated DeltaNet dims (HF linear_* keys; megatron-core's GatedDeltaNet) and which layers use it."""
+
+    layer_types: tuple[str, ...]
+    """Per global layer: "linear_attention" (gated DeltaNet) or "full_attention" (gated softmax)."""
+    conv_kernel: int
+    key_head_dim: int
+    value_head_dim: int
+    num_key_heads: int
+    num_value_heads: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    def is_linear(self, layer: int) -> bool:
+        return self.layer_types[layer] == "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -520,6 +552,11 @@ class ModelAdapter:
         """Tensors a server must receive in ONE weight update (the weight-sync planner keeps
         consecutive tensors of one group in one bucket); None: no constraint."""
         return None
+
+    def frozen_hf_tensors(self, source_dir: Any) -> dict[str, torch.Tensor]:
+        """HF tensors not built in megatron that an HF export writes back unchanged, read from the
+        source HF dir (a vision-language checkpoint's vision tower); {} for text models."""
+        return {}
 
     def hf_names(self) -> list[str]:
         """Every tensor of the HF checkpoint, in plan order for a single stage."""

@@ -9,6 +9,7 @@ docs/launch.md ("The memory estimate").
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 __all__ = [
     "DTYPE_BYTES", "EngineMemory", "GIB", "LOGPROB_BYTES_PER_TOKEN", "LearnerMemory", "LearnerSettings",
     "ParamCount", "StageState", "activation_bytes_per_token", "count_params", "estimate_engine",
-    "estimate_learner", "in_flight", "layer_bytes_per_token", "learner_settings", "microbatch_activation_bytes",
+    "estimate_learner", "in_flight", "layer_bytes_per_token", "learner_settings", "linear_state_bytes_per_request",
+    "microbatch_activation_bytes",
     "model_arch", "selective_layer_bytes_per_token", "settings_from_engine_config", "stage_activations",
     "stage_layer_ids", "stage_state", "total_params"
 ]
@@ -39,6 +41,11 @@ LOGPROB_BYTES_PER_TOKEN = 26
 def _num_dense_in(m: ModelArch, layers) -> int:
     """How many of the global layer ids ``layers`` are a MoE model's dense layers (0 for a dense model)."""
     return sum(1 for i in layers if m.num_experts and i in m.dense_layers)
+
+
+def _num_linear_in(m: ModelArch, layers) -> int:
+    """How many of the global layer ids ``layers`` are gated DeltaNet (linear attention) layers."""
+    return sum(1 for i in layers if m.linear is not None and m.linear.is_linear(i))
 
 
 @dataclass(frozen=True)
@@ -70,18 +77,28 @@ class ParamCount:
     router, the shared-expert gate; TE spec: MLA's (duplicated) down projections."""
     dense_layer_replicated_weights: int = 0
     """The same for a MoE model's dense layer (TE spec: MLA's down projections)."""
+    linear_layer_sharded: int = 0
+    """A hybrid model's gated DeltaNet layer (Qwen3.5): in_proj, conv1d, A_log, dt_bias, out_proj
+    and its dense MLP, TP-sharded (the ``layer_*`` fields are then its gated-attention layers)."""
+    linear_layer_replicated: int = 0
+    """A gated DeltaNet layer's norms: the two layer norms and the gated out_norm."""
 
-    def total(self, num_layers: int, num_dense: int = 0) -> int:
-        """``num_layers`` layers of which ``num_dense`` are a MoE model's dense layers."""
-        moe = num_layers - num_dense
+    def total(self, num_layers: int, num_dense: int = 0, num_linear: int = 0) -> int:
+        """``num_layers`` layers of which ``num_dense`` are a MoE model's dense layers and
+        ``num_linear`` a hybrid model's gated DeltaNet layers."""
+        moe = num_layers - num_dense - num_linear
         layers = moe * (self.layer_sharded + self.layer_replicated + self.layer_replicated_weights + self.layer_expert)
         layers += num_dense * (self.dense_layer_sharded + self.dense_layer_replicated
                                + self.dense_layer_replicated_weights)
+        # a hybrid MoE model's DeltaNet layers have the router and experts of its MoE layers too
+        layers += num_linear * (self.linear_layer_sharded + self.linear_layer_replicated + self.layer_replicated_weights
+                                + self.layer_expert)
         return layers + self.embedding + self.output + self.final_norm
 
-    def active(self, num_layers: int, num_dense: int = 0) -> int:
+    def active(self, num_layers: int, num_dense: int = 0, num_linear: int = 0) -> int:
         """Parameters one token passes through (MoE: k experts of E; dense: all)."""
-        return self.total(num_layers, num_dense) - (num_layers - num_dense) * (self.layer_expert - self.layer_active_expert)
+        return (self.total(num_layers, num_dense, num_linear)
+                - (num_layers - num_dense) * (self.layer_expert - self.layer_active_expert))
 
 
 def _attention_params(m: ModelArch, spec: str) -> tuple[int, int, int]:
@@ -92,6 +109,7 @@ def _attention_params(m: ModelArch, spec: str) -> tuple[int, int, int]:
         d = m.head_dim
         qd, kvd = a * d, m.num_kv_heads * d
         attn = h * qd + 2 * h * kvd + qd * h + ((qd + 2 * kvd) if m.qkv_bias else 0)
+        attn += h * qd if m.attention_output_gate else 0  # the gate's rows, projected with q
         return attn, norms + (2 * d if m.qk_layernorm else 0), 0
     # MLA (megatron MLASelfAttention): q down/up (or one q projection), kv down/up, the latent
     # norms; the down projections are column-parallel on the local spec, duplicated with TE.
@@ -112,6 +130,14 @@ def count_params(m: ModelArch, vocab: int | None = None, spec: str = "te") -> Pa
     attn, norms, rep = _attention_params(m, spec)
     emb = (vocab or m.vocab_size) * h
     mlp = 3 * h * f
+    lin = {}
+    if m.linear is not None:  # megatron's GatedDeltaNet: in_proj [qkv; z; b; a], depthwise conv1d, A_log, dt_bias
+        g = m.linear
+        kd, vd, nv = g.key_dim, g.value_dim, g.num_value_heads
+        conv = 2 * kd + vd
+        gdn = h * (conv + vd + 2 * nv) + conv * g.conv_kernel + 2 * nv + vd * h
+        mlp_part = 3 * h * (m.moe_shared_ffn_hidden_size or 0) if m.num_experts else mlp  # + router, experts: total()
+        lin = dict(linear_layer_sharded=gdn + mlp_part, linear_layer_replicated=2 * h + g.value_head_dim)
     if m.num_experts:
         expert = 3 * h * m.moe_ffn_hidden_size
         shared = 3 * h * (m.moe_shared_ffn_hidden_size or 0)
@@ -121,13 +147,14 @@ def count_params(m: ModelArch, vocab: int | None = None, spec: str = "te") -> Pa
                           embedding=emb, output=0 if m.tie_word_embeddings else emb, final_norm=h,
                           layer_expert=m.num_experts * expert, layer_active_expert=m.moe_topk * expert,
                           dense_layer_sharded=attn + mlp, dense_layer_replicated=norms,
-                          dense_layer_replicated_weights=rep)
+                          dense_layer_replicated_weights=rep, **lin)
     return ParamCount(layer_sharded=attn + mlp, layer_replicated=norms, layer_replicated_weights=rep, embedding=emb,
-                      output=0 if m.tie_word_embeddings else emb, final_norm=h)
+                      output=0 if m.tie_word_embeddings else emb, final_norm=h, **lin)
 
 
 def total_params(m: ModelArch) -> int:
-    return count_params(m).total(m.num_layers, _num_dense_in(m, range(m.num_layers)))
+    every = range(m.num_layers)
+    return count_params(m).total(m.num_layers, _num_dense_in(m, every), _num_linear_in(m, every))
 
 
 @dataclass(frozen=True)
@@ -201,10 +228,14 @@ def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayo
     """(actor settings, critic settings or None, KL reference?) from the trainer's own typed
     sections -- ``actor``, ``critic``, ``algorithm`` -- resolved as the trainer resolves them
     (layer_spec "auto" = te on GPU nodes, local on CPU; sequence_parallel at the layout's TP)."""
-    from areal_mega.megatron.model import check_context_parallel  # torch: only when a plan is priced
+    from areal_mega.megatron.model import check_context_parallel, check_linear_attention  # torch: when priced
 
     res = exp.launch.learner.reserved_gib
     s = settings_from_engine_config(exp.actor, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res, vpp=layout.vpp)
+    check_linear_attention(m, exp.actor.model, layout)
+    hybrid = dict(layer_spec="local", sequence_parallel=False, attention="mask")  # as build_model builds it
+    if m.linear is not None:
+        s = dataclasses.replace(s, **hybrid)
     # what cp > 1 cannot run is refused here as at start-up
     check_context_parallel(layout, s.layer_spec, s.attention, cp_comm_type=exp.actor.model.cp_comm_type,
                            vpp=layout.vpp)
@@ -212,6 +243,8 @@ def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayo
     if exp.algorithm.needs_critic:
         critic = settings_from_engine_config(exp.critic, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res,
                                              vpp=layout.vpp)
+        if m.linear is not None:
+            critic = dataclasses.replace(critic, **hybrid)
     return s, critic, exp.algorithm.needs_reference
 
 
@@ -347,13 +380,48 @@ def _dispatch_bytes_per_token(m: ModelArch, s: LearnerSettings, dense: bool = Fa
     return 8 * m.num_experts + 2 * m.moe_topk * s.b * m.hidden_size
 
 
-def layer_bytes_per_token(m: ModelArch, s: LearnerSettings, t: int, cp: int = 1, dense: bool = False) -> float:
+GDN_CHUNK = 64
+"""megatron-core 0.16.1's torch_chunk_gated_delta_rule chunk size (each sequence padded to it)."""
+
+
+def _gdn_bytes_per_token(m: ModelArch, s: LearnerSettings, t: int) -> float:
+    """What one gated DeltaNet layer keeps per token for backward between its in_proj and its
+    out_proj, on the path the learner runs: megatron-core 0.16.1's GatedDeltaNet with the torch
+    chunked delta rule (compat entry 13; flash-linear-attention is not in the learner env). Heads
+    split over TP. In the compute dtype b: the conv input and its SiLU's input, the l2norm's
+    inputs q and k (with their rsqrt), the sigmoid'd beta, the gated norm's input, its output and
+    out_proj's input; fp32: softplus's input and output (g), the gate and its SiLU. The rule,
+    fp32 per value head and padded token (sequence padded to 64): q, k, k_beta, k_beta*exp(g),
+    k_cumdecay, q*exp(g), k*exp(g) (7 x dk), value, v_beta, v_new (3 x dv), six [64, 64]-per-chunk
+    matrices (decay exp and its tril, k_beta k^T, the solved attn, q k^T and its masked form: 64
+    per token each), the forward-substitution loop's row and sub-matrix clones (sum over i < 64 of
+    i + i^2 = 87,360 per chunk: 1,365 per token -- the dominant term, ~5.3 KiB per head and token)
+    and the per-chunk recurrent state (dk x dv per 64 tokens)."""
+    g, b = m.linear, s.b
+    nk, nv, dk, dv = g.num_key_heads / t, g.num_value_heads / t, g.key_head_dim, g.value_head_dim
+    conv = 2 * nk * dk + nv * dv
+    pre = 2 * b * conv + 2 * b * nk * dk + 2 * b * nk + b * nv + 8 * nv
+    loop = sum(i + i * i for i in range(1, GDN_CHUNK)) / GDN_CHUNK
+    rule = 4 * nv * (7 * dk + 3 * dv + 6 * GDN_CHUNK + loop + dk * dv / GDN_CHUNK + 4)
+    post = 3 * b * nv * dv + 8 * nv * dv + 4 * nv
+    T = s.micro_batch_tokens
+    pad = math.ceil(T / GDN_CHUNK) * GDN_CHUNK / T  # one sequence per row; each more pads <= 63 tokens
+    return pre + rule * pad + post
+
+
+def layer_bytes_per_token(m: ModelArch, s: LearnerSettings, t: int, cp: int = 1, dense: bool = False,
+                          linear: bool = False) -> float:
     """Bytes one layer keeps per micro-batch token (of this rank: T / cp of them) for backward
-    without recompute (``dense``: a MoE model's dense layer)."""
+    without recompute (``dense``: a MoE model's dense layer; ``linear``: a gated DeltaNet layer)."""
     h, f, d, a, b = m.hidden_size, _active_mlp_width(m, dense), m.head_dim, m.num_heads, s.b
     sig = t if s.sequence_parallel else 1
+    if linear:
+        mlp = 5 * b * f / t + _dispatch_bytes_per_token(m, s, dense)
+        return 2 * (8 * h + 4) / sig + 2 * b * h / sig + _gdn_bytes_per_token(m, s, t) + mlp
     rope = 4 * b * d
     attn, _ = _attention_mask_terms(m, s, t, cp)
+    if m.attention_output_gate:  # the gate (a heads): its sigmoid's output and the gated product's input
+        attn += 2 * b * a * d / t
     if s.layer_spec == "te":
         norms_linears = 2 * (2 * b * h + 4) / sig
         mlp = 3 * b * f / t
@@ -364,9 +432,12 @@ def layer_bytes_per_token(m: ModelArch, s: LearnerSettings, t: int, cp: int = 1,
 
 
 def selective_layer_bytes_per_token(m: ModelArch, s: LearnerSettings, t: int, cp: int = 1,
-                                    dense: bool = False) -> float:
+                                    dense: bool = False, linear: bool = False) -> float:
     """A layer under selective (core attention) recompute: the attention internals are dropped;
-    its checkpoint keeps rotated q (a heads), k (g heads) and the qkv buffer (v is a view)."""
+    its checkpoint keeps rotated q (a heads), k (g heads) and the qkv buffer (v is a view). A
+    gated DeltaNet layer has no core attention: it keeps everything."""
+    if linear:
+        return layer_bytes_per_token(m, s, t, cp, dense, linear=True)
     b, a, g, d = s.b, m.num_heads, m.num_kv_heads, m.head_dim
     attn, _ = _attention_mask_terms(m, s, t, cp)
     kept = b * (a + g) * d / t + b * (a + 2 * g) * d / t
@@ -395,7 +466,7 @@ def _mlp_half_bytes_per_token(m: ModelArch, s: LearnerSettings, t: int, dense: b
 
 
 def _chunk_bytes(m: ModelArch, s: LearnerSettings, t: int, layers: int, cp: int = 1,
-                 dense: int = 0) -> tuple[float, float]:
+                 dense: int = 0, linear: tuple[bool, ...] = ()) -> tuple[float, float]:
     """(bytes one pipeline chunk of ``layers`` layers (``dense`` of them a MoE model's dense
     layers, first) keeps for one micro-batch after its forward, its peak during the backward's
     rematerialisation), both per micro-batch (the module docstring's terms). Backward runs the
@@ -405,13 +476,14 @@ def _chunk_bytes(m: ModelArch, s: LearnerSettings, t: int, layers: int, cp: int 
     T = s.micro_batch_tokens / cp
     sig = t if s.sequence_parallel else 1
     flags = [i < dense for i in range(layers)]
-    fulls = [layer_bytes_per_token(m, s, t, cp, f) * T for f in flags]
+    lin = list(linear) or [False] * layers  # per layer: a gated DeltaNet layer (hybrid models)
+    fulls = [layer_bytes_per_token(m, s, t, cp, f, la) * T for f, la in zip(flags, lin)]
     mask = T * T if s.attention == "mask" and cp == 1 else 0.0  # one [T, T] mask shared by the layers
     if s.recompute == "none":
         kept = mask + sum(fulls)
         return kept, kept
     if s.recompute == "selective":
-        kept = mask + sum(selective_layer_bytes_per_token(m, s, t, cp, f) * T for f in flags)
+        kept = mask + sum(selective_layer_bytes_per_token(m, s, t, cp, f, la) * T for f, la in zip(flags, lin))
         inner = _attention_mask_terms(m, s, t, cp)[1] * T
         return kept, kept - min(_mlp_half_bytes_per_token(m, s, t, f) for f in flags) * T + inner
     unit_input = s.b * m.hidden_size / sig * T
@@ -436,8 +508,11 @@ def microbatch_activation_bytes(m: ModelArch, s: LearnerSettings, layout: Parall
     T = s.micro_batch_tokens / layout.cp  # this rank's tokens of the row
     sig = t if s.sequence_parallel else 1
     ids = stage_layer_ids(m.num_layers, layout, stage)
-    per = [_chunk_bytes(m, s, t, chunk_layers, layout.cp,
-                        _num_dense_in(m, ids[j * chunk_layers: (j + 1) * chunk_layers])) for j in range(chunks)]
+    per = []
+    for j in range(chunks):
+        cids = ids[j * chunk_layers: (j + 1) * chunk_layers]
+        lin = tuple(m.linear is not None and m.linear.is_linear(i) for i in cids)
+        per.append(_chunk_bytes(m, s, t, chunk_layers, layout.cp, _num_dense_in(m, cids), lin))
     kept = sum(k for k, _ in per)
     peak = max(kept - k + p for k, p in per)  # one chunk rematerialises while the others keep
     if stage == 0:
@@ -478,11 +553,12 @@ def stage_state(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, stage:
     t, p = layout.tp, layout.pp
     pc = count_params(m, _padded_vocab(m, s, t), s.layer_spec)
     ids = stage_layer_ids(m.num_layers, layout, stage)
-    dense = _num_dense_in(m, ids)
-    layers = len(ids) - dense  # MoE layers (all layers of a dense model)
-    sharded = (layers * pc.layer_sharded + dense * pc.dense_layer_sharded) // t
-    norms = layers * pc.layer_replicated + dense * pc.dense_layer_replicated
-    replicated = layers * pc.layer_replicated_weights + dense * pc.dense_layer_replicated_weights  # router, ...
+    dense, linear = _num_dense_in(m, ids), _num_linear_in(m, ids)
+    layers = len(ids) - dense - linear  # MoE layers (all softmax-attention layers of a dense model)
+    sharded = (layers * pc.layer_sharded + dense * pc.dense_layer_sharded + linear * pc.linear_layer_sharded) // t
+    norms = layers * pc.layer_replicated + dense * pc.dense_layer_replicated + linear * pc.linear_layer_replicated
+    replicated = ((layers + linear) * pc.layer_replicated_weights  # router, ... (a hybrid MoE's DeltaNet layers too)
+                  + dense * pc.dense_layer_replicated_weights)
     head = 0
     if stage == 0:
         sharded += pc.embedding // t
@@ -493,9 +569,12 @@ def stage_state(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, stage:
         else:
             # Tied embeddings under PP: the last stage holds its own copy of the embedding.
             sharded += (pc.output or (pc.embedding if p > 1 else 0)) // t
-    experts = layers * pc.layer_expert // (layout.ep * layout.etp)  # MoE: this GPU's share of the experts
+    experts = (layers + linear) * pc.layer_expert // (layout.ep * layout.etp)  # MoE: this GPU's share of the experts
     nb = _norm_bytes(s)
-    weights = (sharded + head + replicated + experts) * s.b + norms * nb
+    # Qwen3.5's zero-centred norms (megatron/linear_attention.py) are in the params' dtype; the
+    # gated DeltaNet's out_norm is megatron's local norm like every other family's
+    zc = norms - linear * m.linear.value_head_dim if m.linear is not None else 0
+    weights = (sharded + head + replicated + experts + zc) * s.b + (norms - zc) * nb
     n = sharded + head + norms + replicated + experts
     if not trainable:
         return StageState(params=n, weights=weights, grads=0, optimizer=0.0)
@@ -506,10 +585,10 @@ def stage_state(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, stage:
         return StageState(params=n + a, weights=weights, grads=4 * a if s.grad_reduce_in_fp32 else a * s.b,
                           optimizer=opt / (layout.dp * layout.cp) if s.distributed_optimizer else float(opt))
     grads = 4 * n if s.grad_reduce_in_fp32 else weights
-    sixteen = (sharded + head + replicated) if s.b == 2 else 0  # params with an fp32 master copy
+    sixteen = (sharded + head + replicated + zc) if s.b == 2 else 0  # params with an fp32 master copy
     opt = 8 * (n - experts) + 4 * sixteen
     if nb == 2:
-        opt += 4 * norms
+        opt += 4 * (norms - zc)
     expert_opt = (8 + (4 if s.b == 2 else 0)) * experts
     if s.distributed_optimizer:  # dense state sharded over dp x cp (megatron's dp_cp group), expert over expert-dp
         optimizer = opt / (layout.dp * layout.cp) + expert_opt / layout.edp
@@ -627,6 +706,19 @@ class EngineMemory:
         )
 
 
+def linear_state_bytes_per_request(m: ModelArch, tp: int, state_bytes: int = 4, conv_bytes: int = 2) -> float:
+    """A hybrid model's recurrent state per sequence on one GPU (serving, and the learner's
+    per-sequence final state): every gated DeltaNet layer's nv x dk x dv state plus its
+    (kernel - 1) x conv_dim conv window, heads split over ``tp``; independent of the length."""
+    g = m.linear
+    if g is None:
+        return 0.0
+    n = _num_linear_in(m, range(m.num_layers))
+    conv = 2 * g.key_dim + g.value_dim
+    return n * (g.num_value_heads * g.key_head_dim * g.value_head_dim * state_bytes
+                + (g.conv_kernel - 1) * conv * conv_bytes) / tp
+
+
 def server_nodes(tp: int, gpus_per_node: int) -> int:
     """Nodes one server of ``tp`` GPUs spans (SGLang --nnodes): 1 when it fits a node, else whole
     nodes (one-line ValueError when ``tp`` is not a multiple of a node's GPUs)."""
@@ -647,12 +739,14 @@ def estimate_engine(m: ModelArch, *, tp: int, max_total_tokens: int | None, mem_
     if m.num_heads % tp:
         raise ValueError(f"inference.server.tp_size: num_attention_heads({m.num_heads}) % tp({tp}) != 0")
     pc = count_params(m)
-    dense = _num_dense_in(m, range(m.num_layers))
-    moe = m.num_layers - dense
+    dense, linear = _num_dense_in(m, range(m.num_layers)), _num_linear_in(m, range(m.num_layers))
+    moe = m.num_layers - dense - linear
     # MoE experts are sharded over the server's TP ranks too (SGLang's default expert TP)
-    sharded = moe * (pc.layer_sharded + pc.layer_expert) + dense * pc.dense_layer_sharded + pc.embedding + pc.output
+    sharded = (moe * (pc.layer_sharded + pc.layer_expert) + dense * pc.dense_layer_sharded
+               + linear * (pc.linear_layer_sharded + pc.layer_expert) + pc.embedding + pc.output)
     replicated = (moe * (pc.layer_replicated + pc.layer_replicated_weights)
-                  + dense * (pc.dense_layer_replicated + pc.dense_layer_replicated_weights) + pc.final_norm)
+                  + dense * (pc.dense_layer_replicated + pc.dense_layer_replicated_weights)
+                  + linear * (pc.linear_layer_replicated + pc.layer_replicated_weights) + pc.final_norm)
     weights = 2.0 * (sharded / tp + replicated)
     if quantization == "fp8":
         linear = sharded - pc.embedding - pc.output
@@ -661,7 +755,9 @@ def estimate_engine(m: ModelArch, *, tp: int, max_total_tokens: int | None, mem_
         per_token = m.num_layers * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * kv_dtype_bytes
     else:  # SGLang replicates KV heads when there are fewer of them than TP ranks.
         kv_heads = max(1, m.num_kv_heads // tp)
-        per_token = 2 * m.num_layers * kv_heads * m.head_dim * kv_dtype_bytes
+        # gated DeltaNet layers keep no KV: a fixed-size recurrent state per request instead
+        # (linear_state_bytes_per_request; SGLang's separate pool, not priced here)
+        per_token = 2 * (m.num_layers - linear) * kv_heads * m.head_dim * kv_dtype_bytes
     limit = gpu_memory_gib * GIB
     budget = mem_fraction_static * limit
     if max_total_tokens is None:

@@ -1,0 +1,191 @@
+"""PYTHONPATH=. python -m torch.distributed.run --nproc-per-node 2 tests/dist/qwen3_5_layouts.py --work-dir W --out R.pt
+
+Qwen3.5 through the model registry (build_model / load_hf_weights / export_hf_weights), 2 gloo
+ranks: for each tiny HF model in W (written by tests/test_qwen3_5.py: the text model ``text`` and
+the vision-language checkpoint ``vl``, the MoE text model ``moe``, Qwen3-Next ``moe_next``; HF
+reference logits in W/ref.pt)
+and each layout of LAYOUTS (tp, pp; dp fills the rest; MoE models also MOE_LAYOUTS, EP2), records
+on rank 0 into R.pt:
+
+* logits[model][layout]: packed-batch logits (last stage, TP-gathered);
+* export[model][layout]: per exporting rank (pp, is the stage's sender, #bit-identical to the HF file,
+  #differing, names) from ModelAdapter.export_hf -- the weight-sync code path; at TP2 the
+  sender's stream is also saved as W/<model>_sync_tp2.pt (tests/support/sglang_qwen3_5_load.py);
+* negative[control]: logits with one block dropped or mis-mapped at load (NEGATIVE);
+* grad: per TP2 rank, GRAD_PARAM's gradient of the packed log-prob sum, with and without compat
+  entry 14;
+* W/<model>_ckpt, W/<model>_hf: HF -> megatron (PP2; MoE: EP2) -> HF (TP2; MoE: PP2) by the conversion
+  tools' main().
+
+``__main__`` guard: dist_checkpointing.save re-imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2)]
+MOE_LAYOUTS = [(1, 1, 1), (1, 2, 1), (1, 1, 2)]
+"""(tp, pp, ep) of the MoE models (names starting with "moe"): no TP (megatron's MoE layer needs
+sequence parallelism at TP > 1, which the DeltaNet layers lack here: refused at start-up)."""
+
+
+def layouts_of(name: str) -> list[tuple[int, int, int]]:
+    return MOE_LAYOUTS if name.startswith("moe") else [(tp, pp, 1) for tp, pp in LAYOUTS]
+# control -> (model, layout, HF tensor-name suffix, what the load does to it)
+NEGATIVE = {
+    # PP2: stage 1 holds layers 2-3; layer 3 is the gated full-attention block
+    "pp2_full_attention_block_dropped": ("text", (1, 2), "layers.3.self_attn.o_proj.weight", "zero"),
+    # TP2: the DeltaNet's z rows reversed (a fused in_proj part mis-mapped)
+    "tp2_in_proj_z_mismapped": ("text", (2, 1), "layers.0.linear_attn.in_proj_z.weight", "flip"),
+    "vl_pp2_deltanet_block_dropped": ("vl", (1, 2), "layers.2.linear_attn.out_proj.weight", "zero"),
+    # EP2: one layer's router read as zeros (uniform routing, ties broken by index)
+    "moe_ep2_router_dropped": ("moe", (1, 1, 2), "layers.1.mlp.gate.weight", "zero"),
+    "moe_pp2_shared_expert_gate_dropped": ("moe", (1, 2), "layers.3.mlp.shared_expert_gate.weight", "zero"),
+    # Qwen3-Next: its per-key-group fused in_proj_ba rows reversed (the "grouped" fusion mis-mapped)
+    "next_ep2_in_proj_ba_mismapped": ("moe_next", (1, 1, 2), "layers.0.linear_attn.in_proj_ba.weight", "flip"),
+}
+
+
+ROUNDTRIP = ("text", "vl", "moe", "moe_next")
+"""Converted HF -> megatron (PP2; the MoE model EP2) -> HF (TP2; the MoE model PP2) by the tools."""
+
+
+def key_of(tp, pp, ep=1) -> str:
+    return f"tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else "")
+
+
+GRAD_PARAM = "decoder.layers.0.self_attention.out_norm.weight"
+"""The gradient compared with HF's at TP2 (compat entry 14): DeltaNet out_norm, shared by the heads."""
+
+
+def packed_logprob_sum(model, ids, cu):
+    """Sum of every sequence's next-token log-probs, packed in one row, with autograd (TP-gathered)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from areal_mega.megatron.model import packed_causal_mask
+
+    T = int(ids.numel())
+    logits = model.chunks[0](ids.view(1, T), torch.arange(T).view(1, T), packed_causal_mask(cu, T))
+    lp = torch.log_softmax(gather_from_tensor_model_parallel_region(logits)[0, :, : model.arch.vocab_size], -1)
+    total = 0.0
+    for i in range(len(cu) - 1):
+        s, e = int(cu[i]), int(cu[i + 1])
+        total = total + lp[s: e - 1].gather(-1, ids[s + 1: e, None]).sum()
+    return total
+
+
+def out_norm_grads(model, ids, cu) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GRAD_PARAM's gradient as the learner computes it, the same without compat entry 14)."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from areal_mega.megatron.linear_attention import PackedGatedDeltaNet
+    from areal_mega.models.base import named_tensors
+
+    p = named_tensors(model.chunks[0])[GRAD_PARAM]
+    fix = PackedGatedDeltaNet.__dict__["_apply_gated_norm"]
+    out = []
+    for fixed in (True, False):
+        PackedGatedDeltaNet._apply_gated_norm = fix if fixed else GatedDeltaNet._apply_gated_norm
+        try:
+            p.grad = None
+            packed_logprob_sum(model, ids, cu).backward()
+            out.append(p.grad.detach().clone())
+        finally:
+            PackedGatedDeltaNet._apply_gated_norm = fix
+    return out[0], out[1]
+
+
+def altered(adapter_cls, suffix: str, how: str):
+    """A subclass of ``adapter_cls`` whose load alters the HF tensors ending in ``suffix``."""
+
+    class Altered(adapter_cls):
+        def load_hf(self, chunks, stage_plan, tp, tp_rank, read_slice, shape_of, **kw):
+            def read(name, *a):
+                t = read_slice(name, *a)
+                if not name.endswith(suffix):
+                    return t
+                return torch.zeros_like(t) if how == "zero" else t.flip(0)
+
+            return super().load_hf(chunks, stage_plan, tp, tp_rank, read, shape_of, **kw)
+
+    return Altered
+
+
+def main() -> None:
+    from areal_mega.megatron.model import (
+        HFCheckpointReader, MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights,
+    )
+    from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
+    from areal_mega.models import get_adapter, load_hf_config
+    from areal_mega.parallel import ParallelConfig, ParallelLayout
+    from tests.support.dist import gather, last_stage_value
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work-dir", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    work = Path(args.work_dir)
+    dist.init_process_group("gloo")
+    ws = dist.get_world_size()
+    ref = torch.load(work / "ref.pt")
+    res: dict = {"logits": {}, "export": {}, "negative": {}, "grad": None}
+    for name, r in ref.items():
+        hf_dir = work / name
+        ids, cu = r["input_ids"], r["cu_seqlens"]
+        hf_file = HFCheckpointReader(hf_dir)
+        res["logits"][name], res["export"][name] = {}, {}
+        for tp, pp, ep in layouts_of(name):
+            lay = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep), ws)
+            key = key_of(tp, pp, ep)
+            groups = init_model_parallel(lay, backend="gloo")
+            model = build_model(hf_dir, groups, MegatronModelConfig())
+            load_hf_weights(model, hf_dir)
+            res["logits"][name][key] = last_stage_value(forward_logits(model, ids, cu))
+            c = groups.coords
+            if name == "text" and (tp, pp, ep) == (2, 1, 1):  # compat entry 14, every TP rank's view
+                res["grad"] = gather(out_norm_grads(model, ids, cu))
+            row = None
+            if lay.exports(groups.rank):
+                same, diff, names, stream = 0, 0, [], []
+                for n, t in export_hf_weights(model):
+                    names.append(n)
+                    if t is None:  # EP: only the stage's sender holds every expert
+                        continue
+                    stream.append((n, t))
+                    same, diff = (same + 1, diff) if torch.equal(t, hf_file.read(n)) else (same, diff + 1)
+                row = (c.pp, c.tp == 0 and c.dp == 0 and c.ep == 0, same, diff, names)  # (.., the stage's sender, ..)
+                if (tp, pp) == (2, 1) and groups.rank == 0:  # what a broadcast sync sends, gathered over TP2
+                    torch.save(stream, work / f"{name}_sync_tp2.pt")
+            res["export"][name][key] = gather(row)
+            for control, (m, lay_key, suffix, how) in NEGATIVE.items():
+                if m == name and lay_key in ((tp, pp), (tp, pp, ep)):
+                    cls = type(get_adapter(load_hf_config(hf_dir)))
+                    neg = build_model(hf_dir, groups, adapter=altered(cls, suffix, how)(load_hf_config(hf_dir)))
+                    load_hf_weights(neg, hf_dir)
+                    res["negative"][control] = (name, last_stage_value(forward_logits(neg, ids, cu)))
+            destroy_model_parallel(groups)
+    # HF -> megatron (PP2) -> HF (TP2) through the conversion tools' own main().
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import convert_hf_to_mcore
+    import convert_mcore_to_hf
+
+    for name in ROUNDTRIP:  # the MoE model: HF -> EP2 -> PP2 (no TP for it; its experts change hands)
+        first, second = (["--ep", "2"], ["--pp", "2"]) if name.startswith("moe") else (["--pp", "2"], ["--tp", "2"])
+        assert convert_hf_to_mcore.main(["--hf-dir", str(work / name), "--out", str(work / f"{name}_ckpt"),
+                                         *first]) == 0
+        assert convert_mcore_to_hf.main(["--ckpt", str(work / f"{name}_ckpt"), "--out", str(work / f"{name}_hf"),
+                                         *second]) == 0
+    if dist.get_rank() == 0:
+        torch.save(res, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Run with SGLang's Python: SGLANG_PY tests/support/sglang_qwen3_5_load.py --jobs JOBS.json --out OUT.pt
+
+SGLang 0.5.23's own Qwen3.5 model classes, built in this process on CPU (a world of one, TP1, no
+server: a server cannot start on CPU, docs/engine.md "Qwen3.5"), load a weight-sync stream through
+their own ``load_weights``. JOBS.json: a list of {"label", "config" (an HF config.json path),
+"stream" (a torch file: the [(hf name, tensor)] list the learner's export sends)}. Every parameter
+is set to NaN first, so what the stream does not write stays NaN. OUT.pt: {label: {SGLang
+parameter name: tensor after the load}}."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+
+def _world_of_one() -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29643"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    reset_context()  # what sglang.test.test_utils.publish_build_topology does (that module needs `datasets`)
+    publish(ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1, device="cpu"), role="test",
+            ranks=SpawnRanks(world_rank=0))
+    get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    initialize_model_parallel(backend="gloo")
+
+
+def _model(hf: dict) -> torch.nn.Module:
+    """The class SGLang serves the config's architecture with (its EntryClass), from its config."""
+    from sglang.srt.configs.qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
+
+    cfg = {k: v for k, v in hf.items() if k != "model_type"}
+    if hf["model_type"] == "qwen3_5_text":
+        from sglang.srt.models.qwen3_5_text import Qwen3_5ForCausalLM
+
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg))
+    from sglang.srt.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+
+    return Qwen3_5ForConditionalGeneration(Qwen3_5Config(**cfg))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    _world_of_one()
+    out = {}
+    for job in json.loads(open(args.jobs).read()):
+        model = _model(json.loads(open(job["config"]).read()))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
+        model.load_weights(iter(torch.load(job["stream"])))
+        out[job["label"]] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.save(out, args.out)
+
+
+if __name__ == "__main__":
+    main()
