@@ -1,7 +1,7 @@
 """LoRA on the megatron learner vs HF + PEFT (CPU, fp32; docs/lora.md).
 
-One 2-rank torchrun launch (tests/dist/lora_layouts.py) at TP1, TP2 and TP2 + sequence
-parallelism, against PEFT's LoraModel on the same tiny Qwen2 (GQA 4/2 heads, qkv bias) with the
+One 2-rank torchrun launch (tests/dist/lora_layouts.py) at TP1, TP2, TP2 + sequence
+parallelism and PP2 (logits and merged weights), against PEFT's LoraModel on the same tiny Qwen2 (GQA 4/2 heads, qkv bias) with the
 same non-zero random adapters on all seven projections: logits, adapter gradients, and the merged
 weights the weight sync's fallback sends vs PEFT's merge_and_unload(); negative control: the
 model before the adapters are loaded. The config checks are a cheap default-suite test.
@@ -73,7 +73,7 @@ def layouts(tmp_path_factory):
 def test_lora_logits_equal_peft_every_layout(layouts):
     ref, res = layouts
     tol = fp32_tol(K, float(ref["logits"].abs().max()), ops=OPS)
-    assert set(res["logits"]) == {"tp1", "tp2", "tp2sp"}
+    assert set(res["logits"]) == {"tp1", "tp2", "tp2sp", "pp2"}
     for key, lg in res["logits"].items():
         d = (lg - ref["logits"]).abs().max().item()
         assert d <= tol, f"{key}: max |LoRA megatron - PEFT| = {d} > {tol}"

@@ -32,6 +32,7 @@ from areal_mega.megatron.parallel_state import ModelParallelGroups, tp_all_gathe
 from areal_mega.kinds import resolve
 from areal_mega.models import get_adapter, load_hf_config
 from areal_mega.models.base import ExpertExport, ModelAdapter, ModelArch, StagePlan, padded_vocab_size, torch_dtype
+from areal_mega.models.hf_checkpoint import HFCheckpointReader
 
 
 @dataclass
@@ -494,41 +495,6 @@ def build_model(
         install_observed_replay(chunks)
     plans = adapter.plan(lay, spec=spec_name, dtype=dtype, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by)
     return MegatronModel(chunks, adapter, arch, groups, spec_name, dtype, vocab, plans)
-
-
-class HFCheckpointReader:
-    """Lazy reader over an HF model directory's safetensors (single file or sharded + index)."""
-
-    def __init__(self, hf_dir: str | Path):
-        from safetensors import safe_open
-
-        d = Path(hf_dir)
-        files = sorted(d.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"hf_dir: no *.safetensors files in {d}")
-        self._handles = {f: safe_open(str(f), framework="pt") for f in files}
-        self._where = {k: f for f, h in self._handles.items() for k in h.keys()}
-
-    def names(self) -> list[str]:
-        return list(self._where)
-
-    def _handle(self, name: str):
-        if name not in self._where:
-            raise ValueError(f"{name}: missing from the HF checkpoint")
-        return self._handles[self._where[name]]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
-
-    def read(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
-
-    def read_slice(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
-        """``read(name).narrow(dim, start, stop - start)`` reading only those bytes from disk."""
-        if dim is None:
-            return self.read(name)
-        sl = self._handle(name).get_slice(name)
-        return sl[start:stop] if dim == 0 else sl[(slice(None),) * dim + (slice(start, stop),)]
 
 
 def load_hf_weights(model: MegatronModel, hf_dir: str | Path) -> int:

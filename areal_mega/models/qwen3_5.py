@@ -340,7 +340,7 @@ class Qwen3_5Adapter(Qwen3_5TextAdapter):
         if source_dir is None:
             raise ValueError("qwen3_5: an HF export needs the source checkpoint (its vision tower is copied from it); "
                              "the checkpoint records none: pass --tokenizer-dir / source_dir")
-        from areal_mega.megatron.model import HFCheckpointReader
+        from areal_mega.models.hf_checkpoint import HFCheckpointReader
 
         r = HFCheckpointReader(source_dir)
         return {n: r.read(n) for n in r.names() if n.startswith("model.visual.")}

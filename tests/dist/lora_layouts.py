@@ -2,7 +2,8 @@
 
 One 2-rank gloo launch for tests/test_lora.py: the tiny HF model in W/hf with the PEFT adapters
 in W/ref.pt (written by the pytest side, with HF + PEFT's logits and adapter gradients), at TP1
-(dp 2), TP2 and TP2 with sequence parallelism. Rank 0 records into R.pt (torch.save):
+(dp 2), TP2, TP2 with sequence parallelism and PP2 (logits and merged weights; the PEFT names
+carry global layer indices, so each stage loads its own layers' adapters). Rank 0 records into R.pt (torch.save):
 
 * logits[layout]: packed-batch logits with the adapters loaded (last stage, TP-gathered);
 * base[layout]: the same model before the adapters are loaded (B = 0: adapters not applied);
@@ -24,7 +25,7 @@ from areal_mega.megatron.parallel_state import destroy_model_parallel, init_mode
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from tests.support.dist import last_stage_value
 
-LAYOUTS = [("tp1", 1, False), ("tp2", 2, False), ("tp2sp", 2, True)]
+LAYOUTS = [("tp1", 1, 1, False), ("tp2", 2, 1, False), ("tp2sp", 2, 1, True), ("pp2", 1, 2, False)]
 
 
 def main() -> None:
@@ -38,8 +39,8 @@ def main() -> None:
     ids, cu, R = ref["input_ids"], ref["cu_seqlens"], ref["R"]
     lcfg = LoraConfig(**ref["lora"])
     res: dict = {"logits": {}, "base": {}, "grads": {}, "merged": {}}
-    for key, tp, sp in LAYOUTS:
-        lay = ParallelLayout.build(ParallelConfig(tensor_parallel=tp), dist.get_world_size())
+    for key, tp, pp, sp in LAYOUTS:
+        lay = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), dist.get_world_size())
         groups = init_model_parallel(lay, backend="gloo")
         model = build_model(hf_dir, groups, MegatronModelConfig(layer_spec="local", sequence_parallel=sp))
         load_hf_weights(model, hf_dir)
@@ -48,6 +49,12 @@ def main() -> None:
         res["base"][key] = last_stage_value(forward_logits(model, ids, cu))
         load_peft_state(model, ref["adapters"])
         res["logits"][key] = last_stage_value(forward_logits(model, ids, cu))
+        if pp > 1:  # each stage merges its own layers: rank 0 records the union (no gradients here)
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, dict(export_hf_weights(model)))
+            res["merged"][key] = {k: v for part in parts for k, v in part.items()} if dist.get_rank() == 0 else None
+            destroy_model_parallel()
+            continue
         # adapter gradients of sum(logits * R): each TP rank holds its vocab slice of the logits
         T = int(ids.numel())
         out = model.chunks[0](ids.view(1, T), torch.arange(T).view(1, T), packed_causal_mask(cu, T))
