@@ -80,22 +80,29 @@ def fp8_nbytes(shape: tuple[int, ...], block: int = BLOCK) -> int:
 
 def check_fp8(adapter: ModelAdapter, tp: int = 1, ep: int = 1, block: int = BLOCK) -> None:
     """One-line ValueError unless ``adapter``'s family has its quantized layout here and every
-    quantized weight splits over an engine of ``tp`` ranks on whole blocks (SGLang asserts the
-    same at load: a TP rank's rows / columns of a block-quantized weight are whole blocks;
-    replicated ones, MLA's q_a / kv_a projections, are exempt)."""
+    quantized weight splits over an engine of ``tp`` ranks on whole blocks. SGLang 0.5.23 asserts
+    the same at load (``fp8_utils.validate_fp8_block_shape``): a TP rank's rows (column-parallel)
+    or columns (row-parallel) are whole blocks, and so is every part of a merged weight but the
+    last (gate of gate_up, q and k of qkv) even at TP1; KV heads fewer than ``tp`` are replicated
+    (one head per rank); MLA's replicated q_a / kv_a projections are exempt."""
     mt = adapter.arch.model_type
     if mt not in FP8_FAMILIES:
         raise ValueError(f"inference.server.quantization: fp8 has no quantized layout for model_type {mt!r} "
                          f"(implemented: {list(FP8_FAMILIES)}); use quantization: none")
-    if tp == 1:
-        return
+    arch = adapter.arch
     for name in adapter.hf_names():
-        if not quantized(adapter, name):
+        if not quantized(adapter, name) or name.endswith(("kv_a_proj_with_mqa.weight", "q_a_proj.weight")):
             continue
         n, k = adapter.hf_shape(name)
-        # column-parallel weights split their rows over tp, row-parallel (o_proj, down_proj) their columns
-        split = k if name.endswith(("o_proj.weight", "down_proj.weight")) else n
         ranks = tp // ep if ".experts." in name else tp  # experts split over moe-TP = tp / ep
-        if (split // ranks) % block and not name.endswith(("kv_a_proj_with_mqa.weight", "q_a_proj.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):  # row-parallel: columns split
+            per, merged = k // ranks, False
+        elif name.endswith(("k_proj.weight", "v_proj.weight")) and getattr(arch, "num_kv_heads", 0) < tp:
+            per, merged = arch.head_dim, name.endswith("k_proj.weight")  # replicated heads: one per rank
+        else:
+            per = n // ranks  # FusedMoE checks its experts only when moe-TP splits them
+            merged = ".experts." not in name and name.endswith(("gate_proj.weight", "q_proj.weight", "k_proj.weight"))
+        if per % block and (ranks > 1 or merged):
             raise ValueError(f"inference.server.quantization: fp8 at tp_size {tp}: {name} {(n, k)} splits into "
-                             f"{split // ranks} per rank, not whole {block}-blocks; use a tp_size that keeps them whole")
+                             f"{per} per rank, not whole {block}-blocks (SGLang refuses it); use a tp_size "
+                             f"that keeps them whole")
