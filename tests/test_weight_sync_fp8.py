@@ -118,14 +118,83 @@ def test_fp8_bad_inputs_are_one_line():
         check_fp8(llama, tp=2)  # 384 / 2 = 192 rows of gate_proj per rank
 
 
-def test_fp8_sync_is_refused_at_start_up_in_one_line():
-    """The servers' fp8 is planned and priced, but the sync does not send fp8 + scales yet: the
-    trainer's weight sync refuses it before touching any group (a bad family first, by name)."""
+SGLANG_SYNC_SIDE = r"""
+import sys, torch
+import sglang.srt.layers.quantization.mxfp8_block_convert as mx
+state = torch.load(sys.argv[1])
+torch.save({n: mx.bf16_to_block_fp8_128(x) for n, x in state.items() if x.dim() == 2}, sys.argv[2])
+"""
+
+
+@needs_sglang
+def test_fp8_sync_stream_equals_sglangs_quantizer_bit_for_bit(tmp_path):
+    """What the fp8 sync sends (fp8.quantize_export over a stage's export: full HF tensors in the
+    wire dtype) for a tiny DeepSeek-V3 (MLA, a dense layer, routed + shared experts; shapes not
+    multiples of 128: ragged blocks): every ``*_proj`` weight as fp8 + ``weight_scale_inv`` (the
+    names of DeepSeek-V3's FP8 checkpoint), bytes equal to SGLang 0.5.23's own
+    ``bf16_to_block_fp8_128`` of the same bf16 tensor; everything else untouched; the stream
+    matches the sync plan (fp8.fp8_specs: names, shapes, dtypes, order) and its bytes."""
+    from areal_mega.parallel import ParallelLayout
+    from areal_mega.weight_sync.fp8 import bucket_group as fp8_bucket_group
+    from areal_mega.weight_sync.fp8 import fp8_specs, fp8_sync_bytes, quantize_export, scale_name
+    from areal_mega.weight_sync.planner import plan_weight_sync
+    from tests.test_families_serve import FAMILIES
+
+    ds = get_adapter(tiny_config("deepseek_v3", **FAMILIES["deepseek_v3"], torch_dtype="bfloat16"))
+    g = torch.Generator().manual_seed(2)
+    specs = ds.plan(ParallelLayout(world_size=1), dtype="bfloat16")[0].tensors
+    state = {t.name: (torch.randn(t.shape, generator=g) * 0.02).bfloat16() for t in specs}
+    torch.save({n: x for n, x in state.items() if quantized(ds, n)}, tmp_path / "in.pt")
+    subprocess.run([SGLANG_PYTHON, "-c", SGLANG_SYNC_SIDE, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                   check=True, timeout=300)
+    ref = torch.load(tmp_path / "out.pt")
+    sent = list(quantize_export(ds, ((t.name, state[t.name]) for t in specs)))
+    plan = fp8_specs(ds, specs)
+    assert [(n, tuple(x.shape), str(x.dtype).removeprefix("torch.")) for n, x in sent] == \
+           [(t.name, t.shape, t.dtype) for t in plan]
+    got = dict(sent)
+    q = [n for n in state if quantized(ds, n)]
+    assert set(ref) == set(q) and "model.layers.0.mlp.down_proj.weight" in q and \
+           "model.layers.1.mlp.experts.7.gate_proj.weight" in q and "model.layers.1.self_attn.kv_b_proj.weight" in q
+    for n in q:
+        assert torch.equal(got[n].view(torch.uint8), ref[n][0].view(torch.uint8)), n
+        assert torch.equal(got[scale_name(n)].view(torch.int32), ref[n][1].view(torch.int32)), n
+    for n in set(state) - set(q):  # embeddings, lm_head, norms, the router: the bf16 tensor itself
+        assert got[n] is state[n] and scale_name(n) not in got
+    sync = plan_weight_sync([plan], ParallelLayout(world_size=1), 1 << 12, lambda n: fp8_bucket_group(ds, n))
+    for b in sync.stages[0].buckets:  # a weight and its scales in one bucket (small buckets: many splits)
+        names = b.names
+        assert all(scale_name(n) in names for n in names if n in q) and all(n[:-10] in names for n in names
+                                                                             if n.endswith("_scale_inv"))
+    assert len(sync.stages[0].buckets) > 10 and sync.nbytes == sum(x.numel() * x.element_size() for _, x in sent) == fp8_sync_bytes(ds)
+    # control: a stream whose scales were computed from the fp32 master (not the bf16 wire
+    # tensor) differs in bytes somewhere: the comparison sees it
+    n = q[0]
+    s32 = quantize_blockwise(state[n].float() + 1e-4)[1]
+    assert not torch.equal(s32.view(torch.int32), ref[n][1].view(torch.int32))
+
+
+def test_fp8_sync_refusals_are_one_line():
+    """fp8 goes by broadcast only (reshard's quantized shards and disk's fp8 files are not
+    implemented), for the families with a quantized layout: each refused before touching a group."""
     from areal_mega.weight_sync import WeightSyncConfig, megatron_weight_sync
 
     ds = get_adapter(dict(DEEPSEEK_V3_671B, num_nextn_predict_layers=0, num_hidden_layers=4))
-    with pytest.raises(ValueError, match=r"^inference.server.quantization: fp8 is planned .* does not send fp8 \+ scales yet"):
-        megatron_weight_sync(WeightSyncConfig(), adapter=ds, chunks=[], groups=None, quantization="fp8")
+    for mode in ("reshard", "disk"):
+        with pytest.raises(ValueError, match=rf"^inference.server.quantization: fp8 is sent by weight_sync.mode "
+                                             rf"broadcast only, not '{mode}' .*; use mode: broadcast$"):
+            megatron_weight_sync(WeightSyncConfig(mode=mode, disk_dir="/nonexistent"), adapter=ds, chunks=[], groups=None, quantization="fp8")
     mixtral = get_adapter(tiny_config("mixtral", num_local_experts=4, num_experts_per_tok=2))
     with pytest.raises(ValueError, match=r"^inference.server.quantization: fp8 has no quantized layout for model_type 'mixtral'"):
         megatron_weight_sync(WeightSyncConfig(), adapter=mixtral, chunks=[], groups=None, quantization="fp8")
+
+
+def test_a_server_without_the_block_fp8_model_is_a_plan_mismatch():
+    from areal_mega.weight_sync.fp8 import check_server_fp8
+    from areal_mega.weight_sync.planner import PlanMismatchError
+
+    block = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert check_server_fp8(dict(DEEPSEEK_V3_671B, quantization_config=block), "s") == DEEPSEEK_V3_671B
+    for qc in (None, dict(block, weight_block_size=None), dict(block, quant_method="compressed-tensors")):
+        with pytest.raises(PlanMismatchError, match=r"^s: inference.server.quantization fp8 needs a block-FP8 model"):
+            check_server_fp8(dict(DEEPSEEK_V3_671B, quantization_config=qc), "s")

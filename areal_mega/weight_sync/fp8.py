@@ -16,13 +16,15 @@ docs/weight_sync.md "FP8 rollout".
 from __future__ import annotations
 
 import math
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from areal_mega.models.base import ModelAdapter
+from areal_mega.weight_sync.planner import TensorSpec
 
-__all__ = ["BLOCK", "E4M3_MAX", "FP8_FAMILIES", "check_fp8", "fp8_nbytes", "quantize_blockwise", "quantize_shard",
-           "quantized"]
+__all__ = ["BLOCK", "E4M3_MAX", "FP8_FAMILIES", "bucket_group", "check_fp8", "check_server_fp8", "fp8_nbytes", "fp8_sync_bytes",
+           "fp8_specs", "quantize_blockwise", "quantize_export", "quantize_shard", "quantized", "scale_name"]
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -70,6 +72,71 @@ def quantized(adapter: ModelAdapter, hf_name: str) -> bool:
     weights, as in DeepSeek-V3's FP8 checkpoint (its ``mlp.gate`` router and the embeddings stay
     bf16)."""
     return hf_name.endswith("_proj.weight") and len(adapter.hf_shape(hf_name)) == 2
+
+
+def scale_name(hf_name: str) -> str:
+    """``...weight`` -> ``...weight_scale_inv``: where DeepSeek-V3's FP8 checkpoint (and SGLang's
+    fp8 loader) keep a quantized weight's per-block scales."""
+    return hf_name + "_scale_inv"
+
+
+def fp8_specs(adapter: ModelAdapter, specs: Iterable[Any]) -> list[TensorSpec]:
+    """A stage's sync plan entries with fp8 servers: each quantized weight becomes its fp32 scales
+    followed by its fp8 tensor (the order :func:`quantize_export` yields them: the scales first keep
+    both on their item size's alignment in a bucket)."""
+    out = []
+    for t in map(TensorSpec.of, specs):
+        if quantized(adapter, t.name):
+            n, k = t.shape
+            out += [TensorSpec(scale_name(t.name), (math.ceil(n / BLOCK), math.ceil(k / BLOCK)), "float32"),
+                    TensorSpec(t.name, t.shape, "float8_e4m3fn")]
+        else:
+            out.append(t)
+    return out
+
+
+def quantize_export(adapter: ModelAdapter, stream: Iterable[tuple[str, torch.Tensor | None]]
+                    ) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """A stage's export stream (full HF tensors in the wire dtype; None on TP peers) as fp8
+    servers take it: each quantized weight as ``weight_scale_inv`` + fp8 (:func:`fp8_specs`'s
+    order); the stage sender quantizes what it gathered, the rest passes as is."""
+    for name, t in stream:
+        if not quantized(adapter, name):
+            yield name, t
+        elif t is None:
+            yield scale_name(name), None
+            yield name, None
+        else:
+            q, sc = quantize_blockwise(t)
+            yield scale_name(name), sc
+            yield name, q
+
+
+def check_server_fp8(hf_config: dict, where: str) -> dict:
+    """A server's config.json with fp8 weights: its ``quantization_config`` must be this block
+    format (else one-line PlanMismatchError naming ``where``); returns the config without it (the
+    adapters parse the bf16 model)."""
+    from areal_mega.weight_sync.planner import PlanMismatchError
+
+    qc = hf_config.get("quantization_config") or {}
+    if qc.get("quant_method") != "fp8" or list(qc.get("weight_block_size") or []) != [BLOCK, BLOCK]:
+        raise PlanMismatchError(f"{where}: inference.server.quantization fp8 needs a block-FP8 model "
+                                f"(quantization_config quant_method fp8, weight_block_size [{BLOCK}, {BLOCK}]), "
+                                f"got {qc or 'none'}")
+    return {k: v for k, v in hf_config.items() if k != "quantization_config"}
+
+
+def bucket_group(adapter: ModelAdapter, name: str) -> str | None:
+    """The planner's ``group_of`` with fp8: a weight and its scales share one bucket (one update:
+    the server never holds new fp8 bytes with old scales), inside the adapter's own groups."""
+    base = name.removesuffix("_scale_inv")
+    return adapter.bucket_group(base) or (base if quantized(adapter, base) else None)
+
+
+def fp8_sync_bytes(adapter: ModelAdapter) -> int:
+    """Bytes of one full sync to fp8 servers: the quantized weights' fp8 + scales, the rest in bf16."""
+    return sum(fp8_nbytes(adapter.hf_shape(n)) if quantized(adapter, n) else 2 * math.prod(adapter.hf_shape(n))
+               for n in adapter.hf_names())
 
 
 def fp8_nbytes(shape: tuple[int, ...], block: int = BLOCK) -> int:
