@@ -174,6 +174,65 @@ def test_fp8_sync_stream_equals_sglangs_quantizer_bit_for_bit(tmp_path):
     assert not torch.equal(s32.view(torch.int32), ref[n][1].view(torch.int32))
 
 
+SGLANG_BLOCK_SHAPES = r"""
+import json, sys
+from types import SimpleNamespace as N
+from sglang.srt.layers.quantization.fp8_utils import validate_fp8_block_shape
+out = []
+for layers in json.loads(sys.argv[1]):
+    ok = True
+    for tp, in_size, out_size, in_part, out_parts in layers:
+        try:
+            validate_fp8_block_shape(N(tp_group=N(world_size=tp)), in_size, out_size, in_part, out_parts, [128, 128])
+        except ValueError:
+            ok = False
+    out.append(ok)
+print(json.dumps(out))
+"""
+
+
+@needs_sglang
+def test_check_fp8_agrees_with_sglangs_block_shape_rule():
+    """check_fp8's verdict on a server layout = SGLang 0.5.23's own ``validate_fp8_block_shape``
+    over that layout's linears (their TP partitions as SGLang's QKV / merged / row-parallel layers
+    form them, from the published configs): DeepSeek-V3 TP16 yes, TP32 no (dense gate_up 576
+    rows); Qwen3-235B TP8 yes (4 KV heads replicated: one per rank, and qkv is then no TP split);
+    GLM-4.5-Air no at TP1 (merged gate of 10944 rows) and TP8."""
+    import json
+
+    import yaml
+
+    from tests.test_launch_plan import CONFIG_GLM_AIR
+    from tests.test_moe_plan import QWEN3_235B_A22B
+
+    glm = yaml.safe_load(open(CONFIG_GLM_AIR))["launch"]["model_config"]
+    ds = dict(DEEPSEEK_V3_671B, num_nextn_predict_layers=0, num_hidden_layers=4)
+    h = 7168
+
+    def ds_layers(tp):  # dense gate_up, q_b, kv_b (column), o (row), shared expert gate_up / down
+        return [(tp, h, 2 * 18432, h, [18432 // tp] * 2), (tp, 1536, 128 * 192, 1536, [128 * 192 // tp]),
+                (tp, 512, 128 * 256, 512, [128 * 256 // tp]), (tp, 128 * 128, h, 128 * 128 // tp, [h]),
+                (tp, h, 2 * 2048, h, [2048 // tp] * 2), (tp, 2048, h, 2048 // tp, [h])]
+    cases = [
+        (ds, 16, 16, ds_layers(16)),
+        (ds, 32, 32, ds_layers(32)),
+        (QWEN3_235B_A22B, 8, 8, [(8, 4096, 72 * 128, 4096, [8 * 128, 128, 128]), (8, 8192, 4096, 1024, [4096])]),
+        (glm, 1, 1, [(1, 4096, 2 * 10944, 4096, [10944] * 2), (1, 4096, 112 * 128, 4096, [96 * 128, 1024, 1024])]),
+        (glm, 8, 8, [(8, 4096, 2 * 10944, 4096, [1368] * 2), (8, 4096, 112 * 128, 4096, [12 * 128, 128, 128])]),
+    ]
+    out = subprocess.run([SGLANG_PYTHON, "-c", SGLANG_BLOCK_SHAPES, json.dumps([c[3] for c in cases])], check=True,
+                         timeout=300, capture_output=True, text=True).stdout
+    theirs = json.loads(out.strip().splitlines()[-1])
+    ours = []
+    for hf, tp, ep, _ in cases:
+        try:
+            check_fp8(get_adapter(hf), tp, ep)
+            ours.append(True)
+        except ValueError:
+            ours.append(False)
+    assert theirs == ours == [True, False, True, False, False]
+
+
 def test_fp8_sync_refusals_are_one_line():
     """fp8 goes by broadcast only (reshard's quantized shards and disk's fp8 files are not
     implemented), for the families with a quantized layout: each refused before touching a group."""
