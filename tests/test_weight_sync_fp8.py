@@ -18,6 +18,7 @@ import torch
 
 from areal_mega.models.registry import get_adapter
 from areal_mega.weight_sync.fp8 import BLOCK, check_fp8, fp8_nbytes, quantize_blockwise, quantize_shard, quantized
+from areal_mega.weight_sync.transport import BroadcastSender
 from tests.support.launch import SGLANG_PYTHON, needs_sglang
 from tests.support.models import tiny_config
 from tests.test_moe_families_plan import DEEPSEEK_V3_671B
@@ -121,15 +122,28 @@ def test_fp8_bad_inputs_are_one_line():
 SGLANG_SYNC_SIDE = r"""
 import sys, torch
 import sglang.srt.layers.quantization.mxfp8_block_convert as mx
-state = torch.load(sys.argv[1])
-torch.save({n: mx.bf16_to_block_fp8_128(x) for n, x in state.items() if x.dim() == 2}, sys.argv[2])
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+state, buckets = torch.load(sys.argv[1])
+quantized = {n: mx.bf16_to_block_fp8_128(x) for n, x in state.items()}
+received = {}
+for names, dtypes, shapes, payload in buckets:  # what update_weights_from_distributed rebuilds
+    bucket = FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
+    bucket.get_flattened_tensor().copy_(payload)
+    received.update((n, t.clone()) for n, t in bucket.reconstruct_tensors())
+try:  # control: fp8 first, its scales after it at an odd offset
+    FlattenedTensorBucket.empty(["w", "w_scale_inv"], ["float8_e4m3fn", "float32"], [[3, 5], [1, 1]], "cpu")
+    unaligned = "accepted"
+except ValueError as e:
+    unaligned = str(e)
+torch.save((quantized, received, unaligned), sys.argv[2])
 """
 
 
 @needs_sglang
 def test_fp8_sync_stream_equals_sglangs_quantizer_bit_for_bit(tmp_path):
     """What the fp8 sync sends (fp8.quantize_export over a stage's export: full HF tensors in the
-    wire dtype) for a tiny DeepSeek-V3 (MLA, a dense layer, routed + shared experts; shapes not
+    wire dtype; packed by the broadcast sender, rebuilt by SGLang's own receive-side
+    FlattenedTensorBucket, as update_weights_from_distributed does) for a tiny DeepSeek-V3 (MLA, a dense layer, routed + shared experts; shapes not
     multiples of 128: ragged blocks): every ``*_proj`` weight as fp8 + ``weight_scale_inv`` (the
     names of DeepSeek-V3's FP8 checkpoint), bytes equal to SGLang 0.5.23's own
     ``bf16_to_block_fp8_128`` of the same bf16 tensor; everything else untouched; the stream
@@ -144,24 +158,35 @@ def test_fp8_sync_stream_equals_sglangs_quantizer_bit_for_bit(tmp_path):
     g = torch.Generator().manual_seed(2)
     specs = ds.plan(ParallelLayout(world_size=1), dtype="bfloat16")[0].tensors
     state = {t.name: (torch.randn(t.shape, generator=g) * 0.02).bfloat16() for t in specs}
-    torch.save({n: x for n, x in state.items() if quantized(ds, n)}, tmp_path / "in.pt")
-    subprocess.run([SGLANG_PYTHON, "-c", SGLANG_SYNC_SIDE, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                   check=True, timeout=300)
-    ref = torch.load(tmp_path / "out.pt")
     sent = list(quantize_export(ds, ((t.name, state[t.name]) for t in specs)))
     plan = fp8_specs(ds, specs)
+    # the sender's own packing (BroadcastSender.pack: one flattened uint8 buffer per bucket), 4 KiB
+    # buckets so that weights, scales and bf16 tensors share buckets at many offsets
+    sync = plan_weight_sync([plan], ParallelLayout(world_size=1), 1 << 12, lambda n: fp8_bucket_group(ds, n))
+    sender = BroadcastSender([], [], group_name="g", backend="gloo", address="", port=0, timeout_s=1)
+    it, buckets = iter(sent), []
+    for b in sync.stages[0].buckets:
+        tensors = [next(it)[1] for _ in b.tensors]
+        buckets.append((b.names, [t.dtype for t in b.tensors], [list(t.shape) for t in b.tensors],
+                        sender.pack(tensors)[0].clone()))
+    torch.save(({n: x for n, x in state.items() if quantized(ds, n)}, buckets), tmp_path / "in.pt")
+    subprocess.run([SGLANG_PYTHON, "-c", SGLANG_SYNC_SIDE, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                   check=True, timeout=300)
+    ref, received, unaligned = torch.load(tmp_path / "out.pt")
+    assert unaligned.startswith("Unaligned received tensor w_scale_inv")  # why the scales go first
     assert [(n, tuple(x.shape), str(x.dtype).removeprefix("torch.")) for n, x in sent] == \
            [(t.name, t.shape, t.dtype) for t in plan]
     got = dict(sent)
     q = [n for n in state if quantized(ds, n)]
     assert set(ref) == set(q) and "model.layers.0.mlp.down_proj.weight" in q and \
            "model.layers.1.mlp.experts.7.gate_proj.weight" in q and "model.layers.1.self_attn.kv_b_proj.weight" in q
-    for n in q:
-        assert torch.equal(got[n].view(torch.uint8), ref[n][0].view(torch.uint8)), n
-        assert torch.equal(got[scale_name(n)].view(torch.int32), ref[n][1].view(torch.int32)), n
+    assert set(received) == set(got)
+    for n in q:  # sent = SGLang's quantizer = what SGLang's receiver rebuilds from the sent buckets
+        for mine, theirs in ((got[n], ref[n][0]), (received[n], ref[n][0]),
+                             (got[scale_name(n)], ref[n][1]), (received[scale_name(n)], ref[n][1])):
+            assert mine.dtype == theirs.dtype and torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), n
     for n in set(state) - set(q):  # embeddings, lm_head, norms, the router: the bf16 tensor itself
-        assert got[n] is state[n] and scale_name(n) not in got
-    sync = plan_weight_sync([plan], ParallelLayout(world_size=1), 1 << 12, lambda n: fp8_bucket_group(ds, n))
+        assert got[n] is state[n] and scale_name(n) not in got and torch.equal(received[n], state[n])
     for b in sync.stages[0].buckets:  # a weight and its scales in one bucket (small buckets: many splits)
         names = b.names
         assert all(scale_name(n) in names for n in names if n in q) and all(n[:-10] in names for n in names
