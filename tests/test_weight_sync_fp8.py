@@ -273,6 +273,18 @@ def test_fp8_sync_refusals_are_one_line():
         megatron_weight_sync(WeightSyncConfig(), adapter=mixtral, chunks=[], groups=None, quantization="fp8")
 
 
+def test_fp8_without_the_decoupled_correction_is_refused_in_one_line():
+    from areal_mega.experiment import load_experiment
+
+    over = ["inference.server.quantization=fp8"]
+    assert load_experiment("configs/grpo_qwen3_235b_a22b.yaml", []).inference.server.quantization == "fp8"
+    load_experiment("configs/grpo_deepseek_v3_671b.yaml", over)  # validated on load
+    with pytest.raises(ValueError, match=r"^configs/grpo_deepseek_v3_671b.yaml \(with overrides\): "
+                                         r"inference.server.quantization: fp8 behaviour log-probs differ .* set "
+                                         r"algorithm.decoupled: true$"):
+        load_experiment("configs/grpo_deepseek_v3_671b.yaml", over + ["algorithm.decoupled=false"])
+
+
 def test_a_server_without_the_block_fp8_model_is_a_plan_mismatch():
     from areal_mega.weight_sync.fp8 import check_server_fp8
     from areal_mega.weight_sync.planner import PlanMismatchError
