@@ -100,6 +100,7 @@ def test_which_tensors_and_bytes():
     names = set(ds.hf_names())
     q = {n for n in names if quantized(ds, n)}
     assert "model.layers.3.self_attn.kv_b_proj.weight" in q and "model.layers.3.mlp.experts.7.down_proj.weight" in q
+    assert "model.layers.3.self_attn.kv_a_proj_with_mqa.weight" in q  # fp8 in the FP8 checkpoint, fused with q_a
     assert not q & {"model.embed_tokens.weight", "lm_head.weight", "model.layers.3.mlp.gate.weight",
                     "model.layers.3.input_layernorm.weight", "model.layers.3.self_attn.kv_a_layernorm.weight"}
     assert fp8_nbytes((7168, 2048)) == 7168 * 2048 + 4 * 56 * 16  # ~half of bf16's 2 bytes

@@ -8,8 +8,10 @@ linear weight ``[n, k]`` travels as ``weight`` (float8_e4m3fn, ``[n, k]``) plus
 norms, routers, biases) stays in the serving dtype. A block's scale depends only on that block,
 so a sender quantizes its own shard alone when the shard's box starts on block boundaries: the
 bytes are those of quantizing the whole tensor and slicing (tests/test_weight_sync_fp8.py checks
-this, and that the result equals SGLang 0.5.23's own quantizer bit for bit). Pricing (bytes,
-server memory): :func:`fp8_nbytes`; which HF tensors: :func:`quantized`. Design notes:
+this, and that the result equals SGLang 0.5.23's own quantizer bit for bit). The broadcast sync
+sends :func:`quantize_export`'s stream as planned by :func:`fp8_specs` (scales, then fp8, in one
+bucket: :func:`bucket_group`). Pricing (bytes, server memory): :func:`fp8_nbytes`,
+:func:`fp8_sync_bytes`; which HF tensors: :func:`quantized`. Design notes:
 docs/weight_sync.md "FP8 rollout".
 """
 
@@ -23,8 +25,9 @@ import torch
 from areal_mega.models.base import ModelAdapter
 from areal_mega.weight_sync.planner import TensorSpec
 
-__all__ = ["BLOCK", "E4M3_MAX", "FP8_FAMILIES", "bucket_group", "check_fp8", "check_server_fp8", "fp8_nbytes", "fp8_sync_bytes",
-           "fp8_specs", "quantize_blockwise", "quantize_export", "quantize_shard", "quantized", "scale_name"]
+__all__ = ["BLOCK", "E4M3_MAX", "FP8_FAMILIES", "bucket_group", "check_fp8", "check_server_fp8", "fp8_nbytes",
+           "fp8_specs", "fp8_sync_bytes", "quantize_blockwise", "quantize_export", "quantize_shard", "quantized",
+           "scale_name"]
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -69,9 +72,9 @@ def quantize_shard(shard: torch.Tensor, start: tuple[int, int], full: tuple[int,
 
 def quantized(adapter: ModelAdapter, hf_name: str) -> bool:
     """Whether the HF tensor ``hf_name`` travels (and is served) as fp8: the 2-D projection
-    weights, as in DeepSeek-V3's FP8 checkpoint (its ``mlp.gate`` router and the embeddings stay
-    bf16)."""
-    return hf_name.endswith("_proj.weight") and len(adapter.hf_shape(hf_name)) == 2
+    weights, MLA's ``kv_a_proj_with_mqa`` included, as in DeepSeek-V3's FP8 checkpoint (its
+    ``mlp.gate`` router and the embeddings stay bf16)."""
+    return hf_name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and len(adapter.hf_shape(hf_name)) == 2
 
 
 def scale_name(hf_name: str) -> str:
