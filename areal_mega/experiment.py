@@ -115,6 +115,9 @@ class ExperimentConfig:
         if self.actor.model.moe_routing_replay == "proximal" and not self.algorithm.decoupled:
             raise ValueError("actor.model.moe_routing_replay: 'proximal' replays the proximal forward's routes, "
                              "which only algorithm.decoupled computes; set algorithm.decoupled: true or use 'rollout'")
+        if self.inference.server.quantization == "fp8" and not self.algorithm.decoupled:
+            raise ValueError("inference.server.quantization: fp8 behaviour log-probs differ from the bf16 learner's; the "
+                             "decoupled loss's pi_prox / pi_behav weight corrects that: set algorithm.decoupled: true")
 
 
 def _link_pools(node: object, servers: dict[str, InferenceConfig]) -> None:

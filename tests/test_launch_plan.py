@@ -628,6 +628,48 @@ def test_plan_glm45_air_fits_80gb():
     assert (len(sync.tensors), sync.nbytes) == (tensors, 2 * params)
 
 
+def _script_overrides(script: str) -> tuple[str, list[str]]:
+    """The config and key=value overrides a launch script passes to the launcher."""
+    import shlex
+
+    body = open(script).read().replace("\\\n", " ")
+    line = next(ln for ln in body.splitlines() if ln.startswith("exec slurm/run_launcher.sh"))
+    args = [a for a in shlex.split(line)[2:] if a != "$@"]
+    return args[args.index("--config") + 1], [a for a in args if "=" in a]
+
+
+def test_plan_fp8_servers_of_the_launch_scripts():
+    """The FP8 scripts' dry runs on 80 GB GPUs: DeepSeek-V3 TP16 over 2 nodes, Qwen3-235B-A22B TP8
+    (EP8) on one node; the fp8 weights per GPU are half of bf16's for the quantized linears (by
+    hand: 1 byte + a fp32 scale per 128 x 128 block); GLM-4.5-Air has no block-FP8 layout SGLang
+    accepts (its dense MLP's 10944 rows are not whole blocks at any TP): one line."""
+    from areal_mega.weight_sync.fp8 import fp8_nbytes, quantized
+
+    config, over = _script_overrides("launch/grpo_deepseek_v3_671b_fp8.sh")
+    assert config == CONFIG_671B and "inference.server.quantization=fp8" in over
+    ds = plan_671b(over)
+    assert ds.fits and len(ds.servers) == 16 and round(ds.engine_memory.total / GIB, 1) == 58.2
+    config, over = _script_overrides("launch/grpo_qwen3_235b_a22b.sh")
+    cfg, raw, rest = load_launch_config(config, over)
+    q = build_plan(cfg, alloc(24, 8), raw=raw, config_path=config, overrides=rest, python="PY")
+    assert str(q.layout) == "dp=16 pp=2 cp=1 tp=4 ep=16 etp=1 (world_size=128)"
+    assert q.fits and len(q.learner_nodes) == 16 and len(q.servers) == 8
+    assert round(q.learner_memory.total / GIB, 1) == 77.5 and round(q.engine_memory.total / GIB, 1) == 63.5
+    adapter = get_adapter(raw["launch"]["model_config"])
+    fp8 = sum(fp8_nbytes(adapter.hf_shape(n)) for n in adapter.hf_names() if quantized(adapter, n))
+    bf16 = sum(2 * math.prod(adapter.hf_shape(n)) for n in adapter.hf_names() if not quantized(adapter, n))
+    assert abs(q.engine_memory.weights - (fp8 + bf16) / 8) / q.engine_memory.weights < 0.02  # TP8: ~1/8 each
+    cfg, raw, rest = load_launch_config(config, over + ["inference.server.quantization=none"])
+    b = build_plan(cfg, alloc(24, 8), raw=raw, config_path=config, overrides=rest, python="PY")
+    assert not b.fits and b.engine_memory.weights > 1.9 * q.engine_memory.weights  # bf16: no room for the KV cache
+    print(f"fp8 dry runs (80 GB): 671B {ds.engine_memory.total / GIB:.1f} GiB/GPU, TP16 x {len(ds.servers)} servers of 2 "
+          f"nodes; 235B {q.engine_memory.total / GIB:.1f} GiB/GPU TP8 x {len(q.servers)} (bf16 {b.engine_memory.total / GIB:.1f})")
+    with pytest.raises(ValueError, match=r"^inference.server.quantization: fp8 at tp_size 8: "
+                                         r"model.layers.0.mlp.gate_proj.weight \(10944, 4096\) splits into 1368"):
+        cfg, raw, rest = load_launch_config(CONFIG_GLM_AIR, ["inference.server.quantization=fp8"])
+        build_plan(cfg, alloc(16, 8), raw=raw, config_path=CONFIG_GLM_AIR, overrides=rest, python="PY")
+
+
 def test_plan_engines_register_the_reshard_receiver_when_installed(tmp_path):
     """The Slurm plan decides as the local launcher does (server.wants_reshard_receiver): the
     engines get --custom-weight-loader when their Python has the receiver, and not otherwise

@@ -8,6 +8,7 @@ slower than sync, the idle fractions, the calibration arithmetic and the planner
 
 import dataclasses
 import json
+import math
 import random
 import sys
 from collections import Counter
@@ -425,6 +426,30 @@ def test_planner_prices_the_configured_weight_sync_mode():
         assert bc.sync_s == pytest.approx(lat + two_p / bw, abs=1e-3)
         assert rs.sync_s == pytest.approx(lat + max(two_p / t, rs.num_servers * two_p / world) / bw, abs=1e-3)
         assert abs(rs.sync_s - bc.sync_s) > 0.05
+
+
+def test_planner_prices_fp8_sync_bytes():
+    """fp8 servers: the broadcast's 2P becomes the fp8 bytes (weight_sync/fp8.py: 1 byte + fp32
+    scales for the quantized linears, bf16 for the rest), split by split on the 70B config."""
+    from areal_mega.launcher.cli import build_plan_report, load_launch
+    from areal_mega.simulator.costs import WorkloadModel
+    from areal_mega.simulator.memory import model_adapter, model_arch, total_params
+    from areal_mega.weight_sync.fp8 import fp8_sync_bytes
+
+    exp, _, _ = load_launch(CONFIG_70B, [])
+    a = model_adapter(exp)
+    two_p = 2 * total_params(model_arch(exp))
+    fp8 = two_p * fp8_sync_bytes(a) / sum(2 * math.prod(a.hf_shape(n)) for n in a.hf_names())
+    assert 0.5 < fp8 / two_p < 0.53  # Llama-70B: 1.3 GB of bf16 embeddings/lm_head out of 141 GB
+    reps = {q: build_plan_report(CONFIG_70B, 12, [f"inference.server.quantization={q}"], staleness=(2,),
+                                 workload=WorkloadModel(sim_steps=3)) for q in ("none", "fp8")}
+    cost = reps["fp8"].cost
+    bw, lat = cost.nic_gbit_per_gpu / 8 * 1e9 * cost.weight_sync_efficiency, cost.weight_sync_latency_s
+    pairs = list(zip(reps["none"].feasible(), reps["fp8"].feasible()))
+    assert len(pairs) >= 3
+    for bf, f8 in pairs:
+        assert bf.sync_s == pytest.approx(lat + two_p / bw, abs=1e-3)
+        assert f8.sync_s == pytest.approx(lat + fp8 / bw, abs=1e-3) and bf.sync_s - f8.sync_s > 0.5
 
 
 def test_plan_cli(tmp_path, capsys):

@@ -35,9 +35,10 @@ class SGLangServerConfig:
     fp32 per-block scales; SGLang ``--quantization fp8``): ``model_path`` is a block-FP8
     checkpoint (its config.json's ``quantization_config`` names ``weight_block_size: [128,
     128]``), server memory and sync bytes are priced at ~1 byte per linear weight
-    (areal_mega/weight_sync/fp8.py). The learner-side quantizer equals SGLang's bit for bit, but
-    the weight sync does not send fp8 yet: a run with it is refused at start-up (dry runs plan
-    it). A family without a quantized layout is refused in one line (fp8.FP8_FAMILIES)."""
+    (areal_mega/weight_sync/fp8.py). The broadcast sync quantizes on the learner (bit-equal to
+    SGLang's quantizer) and sends fp8 + ``weight_scale_inv``; ``weight_sync.mode`` reshard / disk,
+    a family without a quantized layout (fp8.FP8_FAMILIES) and a ``tp_size`` whose shards are not
+    whole 128-blocks are refused in one line."""
     device: str = "cuda"
     """``cuda`` on clusters, ``cpu`` on CPU-only machines (torch_native attention backend)."""
     max_total_tokens: int | None = None

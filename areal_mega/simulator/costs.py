@@ -214,7 +214,7 @@ def learner_model(cost: ClusterCostModel, *, flops_per_token: float, world: int,
 
 
 def sync_bytes(*, mode: str, params: int, engine_tp: int, num_servers: int, world: int,
-               dtype_bytes: int = 2) -> float:
+               dtype_bytes: float = 2) -> float:
     """The bytes on one sync's critical path for ``weight_sync.mode`` (module docstring): the busiest
     link's for reshard; for broadcast every stage's, one stage after another (so PP does not shorten it)."""
     full = dtype_bytes * params
@@ -224,7 +224,7 @@ def sync_bytes(*, mode: str, params: int, engine_tp: int, num_servers: int, worl
 
 
 def sync_model(cost: ClusterCostModel, *, mode: str, params: int, engine_tp: int, num_servers: int,
-               world: int, dtype_bytes: int = 2) -> SyncModel:
+               world: int, dtype_bytes: float = 2) -> SyncModel:
     return SyncModel(weight_bytes=sync_bytes(mode=mode, params=params, engine_tp=engine_tp,
                                              num_servers=num_servers, world=world, dtype_bytes=dtype_bytes),
                      bandwidth_bytes_per_s=cost.nic_gbit_per_gpu / 8 * 1e9 * cost.weight_sync_efficiency,

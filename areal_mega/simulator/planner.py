@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +29,7 @@ from areal_mega.simulator.costs import (
     learner_flops_per_token, learner_model, sync_model,
 )
 from areal_mega.simulator.memory import (
-    GIB, count_params, estimate_engine, estimate_learner, learner_settings, model_arch, server_nodes,
+    GIB, count_params, estimate_engine, estimate_learner, learner_settings, model_adapter, model_arch, server_nodes,
     total_params,
 )
 from areal_mega.simulator.model import PLAN_TOLERANCE, SimConfig, SimulationError, near_best
@@ -252,6 +253,12 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
     PA = count_params(m).active(m.num_layers)  # MoE: FLOPs follow the k active experts
     srv = exp.inference.server
     et = srv.tp_size
+    wire_bytes = 2.0  # per parameter on the wire; fp8 servers: the quantized linears' 1 byte + scales
+    if srv.quantization == "fp8":
+        from areal_mega.weight_sync.fp8 import fp8_sync_bytes  # torch: only when fp8 is priced
+
+        a = model_adapter(exp)
+        wire_bytes = 2.0 * fp8_sync_bytes(a) / sum(2 * math.prod(a.hf_shape(n)) for n in a.hf_names())
     try:
         span = server_nodes(et, gpus_per_node)  # a server wider than a node spans whole nodes
     except ValueError as e:
@@ -310,7 +317,7 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
             t = lm.step_s(tokens_per_step)
             if best is None or t < best[0] - 1e-12:
                 best = (t, layout, mem, lm, sync_model(cost, mode=exp.weight_sync.mode, params=P, engine_tp=et,
-                                                    num_servers=s.num_servers, world=world))
+                                                    num_servers=s.num_servers, world=world, dtype_bytes=wire_bytes))
         if best is None:
             s.reason = "no learner layout fits: " + "; ".join(reasons)
             splits.append(s)

@@ -8,21 +8,26 @@ linear weight ``[n, k]`` travels as ``weight`` (float8_e4m3fn, ``[n, k]``) plus
 norms, routers, biases) stays in the serving dtype. A block's scale depends only on that block,
 so a sender quantizes its own shard alone when the shard's box starts on block boundaries: the
 bytes are those of quantizing the whole tensor and slicing (tests/test_weight_sync_fp8.py checks
-this, and that the result equals SGLang 0.5.23's own quantizer bit for bit). Pricing (bytes,
-server memory): :func:`fp8_nbytes`; which HF tensors: :func:`quantized`. Design notes:
+this, and that the result equals SGLang 0.5.23's own quantizer bit for bit). The broadcast sync
+sends :func:`quantize_export`'s stream as planned by :func:`fp8_specs` (scales, then fp8, in one
+bucket: :func:`bucket_group`). Pricing (bytes, server memory): :func:`fp8_nbytes`,
+:func:`fp8_sync_bytes`; which HF tensors: :func:`quantized`. Design notes:
 docs/weight_sync.md "FP8 rollout".
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from areal_mega.models.base import ModelAdapter
+from areal_mega.weight_sync.planner import TensorSpec
 
-__all__ = ["BLOCK", "E4M3_MAX", "FP8_FAMILIES", "check_fp8", "fp8_nbytes", "quantize_blockwise", "quantize_shard",
-           "quantized"]
+__all__ = ["BLOCK", "E4M3_MAX", "FP8_FAMILIES", "bucket_group", "check_fp8", "check_server_fp8", "fp8_nbytes",
+           "fp8_specs", "fp8_sync_bytes", "quantize_blockwise", "quantize_export", "quantize_shard", "quantized",
+           "scale_name"]
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -67,9 +72,74 @@ def quantize_shard(shard: torch.Tensor, start: tuple[int, int], full: tuple[int,
 
 def quantized(adapter: ModelAdapter, hf_name: str) -> bool:
     """Whether the HF tensor ``hf_name`` travels (and is served) as fp8: the 2-D projection
-    weights, as in DeepSeek-V3's FP8 checkpoint (its ``mlp.gate`` router and the embeddings stay
-    bf16)."""
-    return hf_name.endswith("_proj.weight") and len(adapter.hf_shape(hf_name)) == 2
+    weights, MLA's ``kv_a_proj_with_mqa`` included, as in DeepSeek-V3's FP8 checkpoint (its
+    ``mlp.gate`` router and the embeddings stay bf16)."""
+    return hf_name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and len(adapter.hf_shape(hf_name)) == 2
+
+
+def scale_name(hf_name: str) -> str:
+    """``...weight`` -> ``...weight_scale_inv``: where DeepSeek-V3's FP8 checkpoint (and SGLang's
+    fp8 loader) keep a quantized weight's per-block scales."""
+    return hf_name + "_scale_inv"
+
+
+def fp8_specs(adapter: ModelAdapter, specs: Iterable[Any]) -> list[TensorSpec]:
+    """A stage's sync plan entries with fp8 servers: each quantized weight becomes its fp32 scales
+    followed by its fp8 tensor (the order :func:`quantize_export` yields them: the scales first keep
+    both on their item size's alignment in a bucket)."""
+    out = []
+    for t in map(TensorSpec.of, specs):
+        if quantized(adapter, t.name):
+            n, k = t.shape
+            out += [TensorSpec(scale_name(t.name), (math.ceil(n / BLOCK), math.ceil(k / BLOCK)), "float32"),
+                    TensorSpec(t.name, t.shape, "float8_e4m3fn")]
+        else:
+            out.append(t)
+    return out
+
+
+def quantize_export(adapter: ModelAdapter, stream: Iterable[tuple[str, torch.Tensor | None]]
+                    ) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """A stage's export stream (full HF tensors in the wire dtype; None on TP peers) as fp8
+    servers take it: each quantized weight as ``weight_scale_inv`` + fp8 (:func:`fp8_specs`'s
+    order); the stage sender quantizes what it gathered, the rest passes as is."""
+    for name, t in stream:
+        if not quantized(adapter, name):
+            yield name, t
+        elif t is None:
+            yield scale_name(name), None
+            yield name, None
+        else:
+            q, sc = quantize_blockwise(t)
+            yield scale_name(name), sc
+            yield name, q
+
+
+def check_server_fp8(hf_config: dict, where: str) -> dict:
+    """A server's config.json with fp8 weights: its ``quantization_config`` must be this block
+    format (else one-line PlanMismatchError naming ``where``); returns the config without it (the
+    adapters parse the bf16 model)."""
+    from areal_mega.weight_sync.planner import PlanMismatchError
+
+    qc = hf_config.get("quantization_config") or {}
+    if qc.get("quant_method") != "fp8" or list(qc.get("weight_block_size") or []) != [BLOCK, BLOCK]:
+        raise PlanMismatchError(f"{where}: inference.server.quantization fp8 needs a block-FP8 model "
+                                f"(quantization_config quant_method fp8, weight_block_size [{BLOCK}, {BLOCK}]), "
+                                f"got {qc or 'none'}")
+    return {k: v for k, v in hf_config.items() if k != "quantization_config"}
+
+
+def bucket_group(adapter: ModelAdapter, name: str) -> str | None:
+    """The planner's ``group_of`` with fp8: a weight and its scales share one bucket (one update:
+    the server never holds new fp8 bytes with old scales), inside the adapter's own groups."""
+    base = name.removesuffix("_scale_inv")
+    return adapter.bucket_group(base) or (base if quantized(adapter, base) else None)
+
+
+def fp8_sync_bytes(adapter: ModelAdapter) -> int:
+    """Bytes of one full sync to fp8 servers: the quantized weights' fp8 + scales, the rest in bf16."""
+    return sum(fp8_nbytes(adapter.hf_shape(n)) if quantized(adapter, n) else 2 * math.prod(adapter.hf_shape(n))
+               for n in adapter.hf_names())
 
 
 def fp8_nbytes(shape: tuple[int, ...], block: int = BLOCK) -> int:
@@ -80,22 +150,29 @@ def fp8_nbytes(shape: tuple[int, ...], block: int = BLOCK) -> int:
 
 def check_fp8(adapter: ModelAdapter, tp: int = 1, ep: int = 1, block: int = BLOCK) -> None:
     """One-line ValueError unless ``adapter``'s family has its quantized layout here and every
-    quantized weight splits over an engine of ``tp`` ranks on whole blocks (SGLang asserts the
-    same at load: a TP rank's rows / columns of a block-quantized weight are whole blocks;
-    replicated ones, MLA's q_a / kv_a projections, are exempt)."""
+    quantized weight splits over an engine of ``tp`` ranks on whole blocks. SGLang 0.5.23 asserts
+    the same at load (``fp8_utils.validate_fp8_block_shape``): a TP rank's rows (column-parallel)
+    or columns (row-parallel) are whole blocks, and so is every part of a merged weight but the
+    last (gate of gate_up, q and k of qkv) even at TP1; KV heads fewer than ``tp`` are replicated
+    (one head per rank); MLA's replicated q_a / kv_a projections are exempt."""
     mt = adapter.arch.model_type
     if mt not in FP8_FAMILIES:
         raise ValueError(f"inference.server.quantization: fp8 has no quantized layout for model_type {mt!r} "
                          f"(implemented: {list(FP8_FAMILIES)}); use quantization: none")
-    if tp == 1:
-        return
+    arch = adapter.arch
     for name in adapter.hf_names():
-        if not quantized(adapter, name):
+        if not quantized(adapter, name) or name.endswith(("kv_a_proj_with_mqa.weight", "q_a_proj.weight")):
             continue
         n, k = adapter.hf_shape(name)
-        # column-parallel weights split their rows over tp, row-parallel (o_proj, down_proj) their columns
-        split = k if name.endswith(("o_proj.weight", "down_proj.weight")) else n
         ranks = tp // ep if ".experts." in name else tp  # experts split over moe-TP = tp / ep
-        if (split // ranks) % block and not name.endswith(("kv_a_proj_with_mqa.weight", "q_a_proj.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):  # row-parallel: columns split
+            per, merged = k // ranks, False
+        elif name.endswith(("k_proj.weight", "v_proj.weight")) and getattr(arch, "num_kv_heads", 0) < tp:
+            per, merged = arch.head_dim, name.endswith("k_proj.weight")  # replicated heads: one per rank
+        else:
+            per = n // ranks  # FusedMoE checks its experts only when moe-TP splits them
+            merged = ".experts." not in name and name.endswith(("gate_proj.weight", "q_proj.weight", "k_proj.weight"))
+        if per % block and (ranks > 1 or merged):
             raise ValueError(f"inference.server.quantization: fp8 at tp_size {tp}: {name} {(n, k)} splits into "
-                             f"{split // ranks} per rank, not whole {block}-blocks; use a tp_size that keeps them whole")
+                             f"{per} per rank, not whole {block}-blocks (SGLang refuses it); use a tp_size "
+                             f"that keeps them whole")

@@ -145,7 +145,8 @@ def server_expected_specs(server: SGLangClient, expected_fn: ExpectedFn) -> tupl
     specs = {}
     for item in expected_fn(hf_config):
         t = TensorSpec.of(item)
-        specs[t.name] = TensorSpec(t.name, t.shape, dtype)
+        fp8 = t.dtype == "float8_e4m3fn" or t.name.endswith("weight_scale_inv")  # fp8 weights + scales keep theirs
+        specs[t.name] = t if fp8 else TensorSpec(t.name, t.shape, dtype)
     return specs, f"server {server.url} (model {model_path}, dtype {dtype})"
 
 
@@ -596,19 +597,23 @@ def megatron_weight_sync(
     in fp32 inside a bf16 model. Servers are checked against ``get_adapter(server config).plan``
     at TP1 x PP1. ``world_group``: all learner ranks (default: the world). ``servers`` /
     ``pause_mode`` / ``api_key``: as for :class:`TransportBase`. ``quantization``: the servers'
-    (inference.server.quantization); ``fp8`` is refused in one line (the family's, else not sent yet).
+    (inference.server.quantization). ``fp8``: the stage sender quantizes each gathered linear weight
+    (weight_sync/fp8.py) and sends fp8 + ``weight_scale_inv`` in place of the bf16 tensor (broadcast
+    only; another mode, or a family without the quantized layout, is refused in one line).
     """
     from areal_mega.megatron.model import expert_export
     from areal_mega.models import get_adapter
     from areal_mega.models.base import named_tensors
 
     cfg.validate()  # a bad mode: its one-line error, before the lookup
-    if quantization == "fp8":
-        from areal_mega.weight_sync.fp8 import check_fp8
+    fp8 = quantization == "fp8"
+    if fp8:
+        from areal_mega.weight_sync import fp8 as f8
 
-        check_fp8(adapter)
-        raise ValueError("inference.server.quantization: fp8 is planned (quantizer, bytes, server memory) but the "
-                         "weight sync does not send fp8 + scales yet; use quantization: none (docs/weight_sync.md)")
+        f8.check_fp8(adapter)
+        if cfg.mode != "broadcast":
+            raise ValueError(f"inference.server.quantization: fp8 is sent by weight_sync.mode broadcast only, not "
+                             f"{cfg.mode!r} (its quantized shards are not implemented); use mode: broadcast")
     from areal_mega.megatron.lora import sync_chunks
 
     chunks = sync_chunks(chunks)  # LoRA: the merged-weight fallback (W + scaling * B A), logged once
@@ -617,17 +622,27 @@ def megatron_weight_sync(
     wire = getattr(torch, dtype)
     stage_plans = adapter.plan(layout, dtype=dtype)
     mine = stage_plans[groups.coords.pp]
+    stage_tensors = [f8.fp8_specs(adapter, sp.tensors) if fp8 else sp.tensors for sp in stage_plans]
+    group_of = (lambda name: f8.bucket_group(adapter, name)) if fp8 else adapter.bucket_group
 
     def expected(hf_config: dict) -> Sequence[Any]:
-        return get_adapter(hf_config).plan(ParallelLayout(world_size=1), dtype=dtype)[0].tensors
+        if fp8:
+            hf_config = f8.check_server_fp8(hf_config, "the server's model")
+        theirs = get_adapter(hf_config)
+        tensors = theirs.plan(ParallelLayout(world_size=1), dtype=dtype)[0].tensors
+        return f8.fp8_specs(theirs, tensors) if fp8 else tensors
+
+    def export() -> Iterable[tuple[str, torch.Tensor | None]]:
+        stream = ((n, None if t is None else t.to(wire))
+                  for n, t in adapter.export_hf(chunks, mine, groups.tp, experts=expert_export(adapter, groups)))
+        return f8.quantize_export(adapter, stream) if fp8 else stream
 
     learner = LearnerSide(
         layout=layout,
         rank=groups.rank,
         group=world_group if world_group is not None else dist.group.WORLD,
-        plan=plan_weight_sync([sp.tensors for sp in stage_plans], layout, cfg.bucket_bytes, adapter.bucket_group),
-        export=lambda: ((n, None if t is None else t.to(wire))
-                        for n, t in adapter.export_hf(chunks, mine, groups.tp, experts=expert_export(adapter, groups))),
+        plan=plan_weight_sync(stage_tensors, layout, cfg.bucket_bytes, group_of),
+        export=export,
         expected_fn=expected,
         hf_config=adapter.hf_config,
         reshard=ReshardSource(adapter=adapter, local=lambda: [named_tensors(c) for c in chunks], dtype=dtype),
