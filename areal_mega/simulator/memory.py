@@ -749,8 +749,8 @@ def estimate_engine(m: ModelArch, *, tp: int, max_total_tokens: int | None, mem_
                   + linear * (pc.linear_layer_replicated + pc.layer_replicated_weights) + pc.final_norm)
     weights = 2.0 * (sharded / tp + replicated)
     if quantization == "fp8":
-        linear = sharded - pc.embedding - pc.output
-        weights -= (2.0 - (1.0 + 4.0 / (128 * 128))) * linear / tp
+        quantized = sharded - pc.embedding - pc.output
+        weights -= (2.0 - (1.0 + 4.0 / (128 * 128))) * quantized / tp
     if m.mla is not None:  # SGLang's MLA pool: the latent and the rope key per token and layer, on every TP rank
         per_token = m.num_layers * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * kv_dtype_bytes
     else:  # SGLang replicates KV heads when there are fewer of them than TP ranks.
