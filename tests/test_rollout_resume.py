@@ -137,6 +137,19 @@ def _positions(batch) -> list[tuple[int, int]]:
     return [tuple(p) for p in batch.positions]
 
 
+def _assert_once_and_uninterrupted(trained: list, max_staleness: int) -> None:
+    """Exactly once: every prompt of epoch 0 in one batch. Every trained call's tokens are what the
+    server generates for that call uninterrupted (a continued call resumed at the right token,
+    nothing sampled twice into a trajectory), within the staleness bound."""
+    seen = collections.Counter(p for b in trained for p in _positions(b) if p[0] == 0)
+    assert sorted(seen) == [(0, i) for i in range(N_PROMPTS)] and max(seen.values()) == 1, seen
+    for b in trained:
+        for t in b.trajectories:
+            for prompt, out in t.info["calls"]:
+                assert out == expected(prompt, len(out)) and len(out) == MAX_NEW
+            assert min(v for v, m in zip(t.versions, t.loss_mask) if m) >= b.version - max_staleness
+
+
 @pytest.mark.parametrize("save", [True, False])
 def test_checkpointed_episodes_continue_and_every_prompt_is_trained_once(save: bool):
     f = Fakes(2, token_delay_s=0.004)
@@ -186,16 +199,7 @@ def test_checkpointed_episodes_continue_and_every_prompt_is_trained_once(save: b
     finally:
         f.close()
 
-    # Exactly once: every prompt of epoch 0 in one batch, no episode twice.
-    seen = collections.Counter(p for b in trained for p in _positions(b) if p[0] == 0)
-    assert sorted(seen) == [(0, i) for i in range(N_PROMPTS)] and max(seen.values()) == 1, seen
-    # Every trained call's tokens are what the server generates for that call uninterrupted:
-    # a continued call resumed at the right token, nothing was sampled twice into a trajectory.
-    for b in trained:
-        for t in b.trajectories:
-            for prompt, out in t.info["calls"]:
-                assert out == expected(prompt, len(out)) and len(out) == MAX_NEW
-            assert min(v for v, m in zip(t.versions, t.loss_mask) if m) >= b.version - cfg.max_staleness
+    _assert_once_and_uninterrupted(trained, cfg.max_staleness)
     saved_eps = (state.get("rollout") or {}).get("episodes", [])
     saved_tokens = sum(len(c["ids"]) for e in saved_eps for c in e["calls"])
     if not save:
@@ -366,12 +370,7 @@ def test_a_snapshot_between_checkpoints_keeps_what_the_checkpoints_weights_sampl
     finally:
         f.close()
 
-    seen = collections.Counter(p for b in trained for p in _positions(b) if p[0] == 0)
-    assert sorted(seen) == [(0, i) for i in range(N_PROMPTS)] and max(seen.values()) == 1, seen
-    for b in trained:
-        for t in b.trajectories:
-            for prompt, out in t.info["calls"]:
-                assert out == expected(prompt, len(out)) and len(out) == MAX_NEW
+    _assert_once_and_uninterrupted(trained, cfg.max_staleness)
     asked = {call_key(r["input_ids"], r["sampling_params"]["max_new_tokens"]) for r in run2}
     lost_calls = {call_key(p, MAX_NEW) for t in lost.trajectories for p, _ in t.info["calls"]}
     if not from_snapshot:  # control: the lost batch's calls are generated again

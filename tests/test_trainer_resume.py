@@ -162,6 +162,18 @@ def test_kill9_of_the_whole_tree_then_rerun_resumes_exactly(reference):
 INFLIGHT = ["rollout.max_staleness=1", "workflow.sampling.max_new_tokens=192", "rollout.max_concurrent=12"]
 
 
+def _assert_bound_and_exactly_once(rows: list[dict], out: Path) -> None:
+    """Every step within max_staleness 1; every batch logged once, no prompt and no episode id
+    trained twice (prompts.jsonl)."""
+    assert all(r["staleness/max"] <= 1 for r in rows), [r["staleness/max"] for r in rows]
+    prompts = _rows(out / "prompts.jsonl")
+    assert [r["version"] for r in prompts] == list(range(STEPS))
+    seen = Counter((e, i) for r in prompts for e, i, _ in r["prompts"])
+    assert max(seen.values()) == 1, [k for k, n in seen.items() if n > 1]
+    episodes = [u for r in prompts for u in r.get("episodes", [])]
+    assert len(episodes) == len(set(episodes)) == sum(len(r["prompts"]) for r in prompts)
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["single_turn", "multi_turn", "agent"])
 def test_kill9_with_long_completions_in_flight_trains_the_saved_tokens(tmp_path: Path, kind: str):
@@ -237,13 +249,7 @@ def test_kill9_with_long_completions_in_flight_trains_the_saved_tokens(tmp_path:
     assert sum(r.get("rollout/resume/lost_tokens", 0) for r in resumed) == 0
     assert sum(r.get("rollout/resume/dropped_stale", 0) for r in resumed) == 0
     assert sum(r.get("rollout/resume/diverged", 0) for r in resumed) == 0  # the replay followed the saved turns
-    assert all(r["staleness/max"] <= 1 for r in rows), [r["staleness/max"] for r in rows]
-    prompts = _rows(out / "prompts.jsonl")
-    assert [r["version"] for r in prompts] == list(range(STEPS))
-    seen = Counter((e, i) for r in prompts for e, i, _ in r["prompts"])
-    assert max(seen.values()) == 1, [k for k, n in seen.items() if n > 1]
-    episodes = [u for r in prompts for u in r.get("episodes", [])]
-    assert len(episodes) == len(set(episodes)) == sum(len(r["prompts"]) for r in prompts)
+    _assert_bound_and_exactly_once(rows, out)
 
 
 @pytest.mark.heavy
@@ -294,10 +300,4 @@ def test_kill9_between_checkpoints_resumes_the_in_flight_snapshot(tmp_path: Path
     assert got["replayed_tokens"] == sum(v <= base for v in old) > 0
     assert got["cut_tokens"] == sum(v > base for v in old)
     assert got["dropped_newer"] == sum(e["admit_version"] > base for e in eps)
-    assert all(r["staleness/max"] <= 1 for r in rows), [r["staleness/max"] for r in rows]
-    prompts = _rows(out / "prompts.jsonl")
-    assert [r["version"] for r in prompts] == list(range(STEPS))
-    seen = Counter((e, i) for r in prompts for e, i, _ in r["prompts"])
-    assert max(seen.values()) == 1, [k for k, n in seen.items() if n > 1]
-    episodes = [u for r in prompts for u in r.get("episodes", [])]
-    assert len(episodes) == len(set(episodes)) == sum(len(r["prompts"]) for r in prompts)
+    _assert_bound_and_exactly_once(rows, out)
