@@ -1,0 +1,99 @@
+"""One SGLang CPU server spanning two virtual nodes of the project's real local Slurm cluster
+(slurm/local_cluster.py), started by the launcher's own plan, synced from a megatron learner
+launched by the same job, greedy = HF (``make test-slurm-nodes``; marker slurm_nodes).
+
+    sbatch --nodes 4 --gpus-per-node 1 slurm/run_launcher.sh --gpus-per-node 1 --config C
+
+Each node has one (fake) GPU, so ``inference.server.tp_size: 2`` is a server spanning two nodes
+(SGLang --nnodes 2): the plan puts node rank 0 on amnode3 (serving HTTP at 127.0.1.3) and node rank 1
+on amnode4 (bound to 127.0.1.4), both behind engine_proc and their own srun step; the launch's
+learner (``launch.learner.command``) is tests/dist/wsync_moe.py, an EP2 megatron learner over two
+nodes (amnode1-2, torchrun), which syncs its perturbed weights into the server with the product's
+weight sync (each engine rank receives the broadcast in its own node) and decodes greedily. The
+test then runs tests/test_families_serve.py's check_served_sync: log-probs = the learner's within
+the fp32 bound, greedy = HF on the learner's exported weights, the unsynced v0 server fails both.
+
+What each node's SGLang process needs on CPU: ``SGLANG_CPU_OMP_THREADS_BIND`` with one entry per
+TP rank *of that node* (SGLang indexes it by the rank's node-local device id), so "0" on every node
+here (one rank per node); without it SGLang asserts at start-up (docs/launch.md).
+One TP2 server start (3-5 min under load) + the learner: minutes, so not ``make test``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from areal_mega.utils.procs import service_ports
+from slurm.local_cluster import ClusterUnavailable, LocalSlurmCluster
+from tests.support.launch import SGLANG_PYTHON, needs_sglang
+from tests.support.models import save_tiny_model
+from tests.test_families_serve import BASE, FAMILIES, check_served_sync
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm_nodes, needs_sglang]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"), num_nodes=4, gpus_per_node=1)
+    try:
+        c.up(timeout_s=60)
+    except ClusterUnavailable as e:
+        pytest.skip(f"Slurm unavailable: {e}")
+    try:
+        yield c
+    finally:
+        c.down()
+
+
+def test_tp2_server_spanning_two_slurm_nodes_synced_greedy_equals_hf(cluster, tmp_path):
+    hf = save_tiny_model(tmp_path / "model", "mixtral", dtype="float32", **BASE, **FAMILIES["mixtral"])
+    master, port = service_ports(2)
+    out = tmp_path / "learner"
+    url = f"http://127.0.1.3:{port}"  # amnode3: node rank 0 of the server, the one serving HTTP
+    cfg = {
+        "model_path": str(hf),
+        "inference": {"num_servers": 1, "server": {
+            "python": SGLANG_PYTHON, "model_path": str(hf), "device": "cpu", "dtype": "float32", "tp_size": 2,
+            "port": port, "max_total_tokens": 4096, "startup_timeout_s": 1200,
+            "env": {"OMP_NUM_THREADS": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0"}}},
+        "launch": {
+            "run_dir": str(tmp_path / "run-{job_id}"), "stop_grace_s": 10, "poll_interval_s": 0.5,
+            "learner": {"num_nodes": 2, "nproc_per_node": 1, "master_port": master, "command": [
+                "tests/dist/wsync_moe.py", "--hf-dir", str(hf), "--servers", url, "--work-dir", str(out),
+                "--out", str(out / "results.json"), "--dtype", "float32", "--export-dir", str(out / "v1"),
+                "--api-key-file", "{run_dir}/secrets/api_key"]},
+            "engine": {"num_nodes": 2, "startup_timeout_s": 1200},
+        },
+    }
+    path = tmp_path / "two_nodes.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = tmp_path / "job.out"
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    job = cluster.sbatch([f"--output={log}", "--nodes=4", "--gpus-per-node=1", "--exclusive", "--time=01:00:00",
+                          "slurm/run_launcher.sh", "--gpus-per-node", "1", "--config", str(path)], cwd=REPO, env=env)
+    state, code = cluster.wait_job(job, 1800)
+    took = time.monotonic() - t0
+    text = log.read_text() if log.exists() else ""
+    run_dir = next(tmp_path.glob("run-*"), None)
+    logs = "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:] for p in sorted((run_dir / "logs").glob("*.log"))) \
+        if run_dir else ""
+    assert (state, code) == ("COMPLETED", "0:0"), text + logs
+    # the plan: one server, node rank 0 on amnode3 and node rank 1 on amnode4, one rendezvous at node 0
+    assert "--nnodes 2 --node-rank 0 --dist-init-addr 127.0.1.3:29700" in text, text
+    assert "--nnodes 2 --node-rank 1 --dist-init-addr 127.0.1.3:29700" in text, text
+    engines = json.loads((run_dir / "engines.json").read_text())["engines"]
+    assert [(e["node"], e["url"]) for e in engines] == [("amnode3", url)]
+    ready = float(re.search(r"1/1 engines ready after ([\d.]+) s", text).group(1))
+    res = json.loads((out / "results.json").read_text())
+    res["v1_dir"] = out / "v1"
+    check_served_sync(res, "slurm_two_nodes_tp2", server_ready_s=ready, job_s=round(took, 1))
