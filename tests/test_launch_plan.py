@@ -841,6 +841,70 @@ def test_supervisor_a_dying_node_stops_its_whole_server(tmp_path):
     assert sum("exited with" in ln for ln in said) == 1  # engine1 ran on until the end (stopped, not dead)
 
 
+def test_supervisor_restarts_a_server_spanning_nodes_whole(tmp_path):
+    """A server spanning two nodes whose node-1 process dies is restarted whole (node 0 stopped,
+    then both started again, node 0's address file removed first so the new node 1 waits for the
+    new node 0) while the learner runs on; after inference.client.max_restarts (here 1) it stays
+    down and the pool fails over. Real processes (LocalRunner); a single-node server beside it is
+    never touched. The pool's resync of a server that answers again: inference/client.py _rejoin."""
+    import sys as _sys
+
+    from areal_mega.launcher.local import LocalRunner, local_allocation
+    from areal_mega.launcher.plan import LaunchPlan, ProcSpec
+    from areal_mega.launcher.supervisor import supervise
+    from areal_mega.parallel import ParallelLayout
+
+    def announce(name: str) -> tuple[list[str], str]:  # node 0: writes its address file, then serves
+        f = tmp_path / f"{name}.json"
+        return [_sys.executable, "-c", f"import json; open({str(f)!r}, 'w').write(json.dumps("
+                f"{{'host': 'h', 'port': 1, 'url': 'http://h:1'}})); import threading; threading.Event().wait()"], str(f)
+
+    def spec(name, argv, server, addr=None, role="engine"):
+        return ProcSpec(name=name, role=role, node="localhost", argv=tuple(argv), env={}, num_gpus=0,
+                        log_path=str(tmp_path / f"{name}.log"), address_file=addr, server=server)
+
+    (a0, f0), (a1, f1) = announce("engine0"), announce("engine1")
+    # node 1 dies once its node 0 has announced itself (a condition, not a delay): every start
+    die = [_sys.executable, "-c", f"import os, time\nwhile not os.path.exists({f0!r}): time.sleep(0.05)\nraise SystemExit(9)"]
+    engines = (spec("engine0", a0, "engine0", f0), spec("engine0.node1", die, "engine0"), spec("engine1", a1, "engine1", f1))
+    done = tmp_path / "learner_may_exit"
+    learner = spec("learner0", [_sys.executable, "-c", f"import os, time\nwhile not os.path.exists({str(done)!r}): "
+                                                       "time.sleep(0.1)"], None, role="learner")
+    plan = LaunchPlan(job_id="t", run_dir=tmp_path, allocation=local_allocation(), layout=ParallelLayout(world_size=1),
+                      learner_nodes=("localhost",), engine_nodes=("localhost",), master_addr="127.0.0.1:1",
+                      engines=engines, learners=(learner,), engines_file=tmp_path / "engines.json", env={},
+                      learner_memory=None, engine_memory=None, checks_gpu_memory=False)
+    started: dict[str, list] = {}
+
+    class Recording(LocalRunner):
+        def start(self, s, log):
+            started.setdefault(s.name, []).append(super().start(s, log))
+            return started[s.name][-1]
+
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        if "restarting the whole server" in line:  # before the restart: the old node 0 is stopped
+            said.append(f"old head stopped={started['engine0'][-1].poll() is not None}")
+        if "fails over" in line:
+            said.append(f"learner alive={started['learner0'][0].poll() is None} "
+                        f"engine1 alive={started['engine1'][0].poll() is None}")
+            done.write_text("")
+
+    assert supervise(plan, Recording(), poll_s=0.1, grace_s=2, tail_lines=3, engine_timeout_s=30,
+                     engine_restarts=1, say=say) == 0
+    text = "\n".join(said)
+    assert "engine0.node1 on localhost exited with 9 (and the server's 1 other node(s)); restarting the whole " \
+           "server engine0 (restart 1 of inference.client.max_restarts=1)" in text, text
+    assert "old head stopped=True" in text
+    # both nodes of engine0 started twice (the restart is whole), engine1 and the learner once
+    assert {k: len(v) for k, v in started.items()} == {"engine0": 2, "engine0.node1": 2, "engine1": 1, "learner0": 1}
+    assert "fails over to the others (1 left)" in text and "learner alive=True engine1 alive=True" in text
+    assert sum("exited with 9" in ln for ln in said) == 2  # once restarted, once left down
+    assert all(p.poll() is not None for v in started.values() for p in v)  # nothing left running
+
+
 def test_learner_master_port_is_free_locally_fixed_on_slurm():
     """launch.learner.master_port 0: 29500 on a Slurm allocation (a free port locally: the local
     plan test); a set port is used as given."""
