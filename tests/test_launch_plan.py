@@ -672,6 +672,28 @@ def test_place_cluster_round_robin_and_idle_nodes():
         place_cluster(alloc(16, 4), _exp(["launch.engine.num_nodes=11"]), 4)
 
 
+def test_server_layout_that_does_not_divide_the_nodes_is_one_line_at_start(capsys, monkeypatch):
+    """At start-up (the launcher's CLI, before anything runs): servers spanning nodes on engine nodes
+    they do not divide, or a tp_size that is no whole number of nodes -> one line naming the key,
+    exit 2; the same job with a dividing layout passes (the control)."""
+    import areal_mega.launcher.cli as cli
+
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.setattr(cli, "_print_throughput_plan", lambda *a, **k: None)
+    base = ["slurm", "--config", CONFIG_70B, "--dry-run", "--nodelist", "gpu[001-016]", "--gpus-per-node", "4",
+            "launch.learner.num_nodes=8"]
+    for extra, line in (
+            (["launch.engine.num_nodes=7"], "launcher: launch.engine.num_nodes: 7 engine nodes do not divide into "
+                                            "servers of 2 nodes (inference.server.tp_size 8 / 4 GPUs per node)"),
+            (["inference.server.tp_size=6"], "launcher: inference.server.tp_size: 6 spans nodes of 4 GPUs only in "
+                                             "whole nodes (a multiple of 4)")):
+        assert cli.main(base + extra) == cli.EXIT_REFUSED
+        assert capsys.readouterr().err.strip().splitlines() == [line]
+    assert cli.main(base) == 0
+    out = capsys.readouterr()
+    assert "engines: 4 server(s) x TP8 on 8 node(s)" in out.out and "--nnodes 2" in out.out and out.err == ""
+
+
 def test_place_local_and_ports():
     from areal_mega.launcher.plan import engine_ports, place_local
 
