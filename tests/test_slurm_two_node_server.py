@@ -24,7 +24,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
+import urllib.request
 import time
 from pathlib import Path
 
@@ -54,11 +56,8 @@ def cluster(tmp_path_factory):
         c.down()
 
 
-def test_tp2_server_spanning_two_slurm_nodes_synced_greedy_equals_hf(cluster, tmp_path):
-    hf = save_tiny_model(tmp_path / "model", "mixtral", dtype="float32", **BASE, **FAMILIES["mixtral"])
-    master, port = service_ports(2)
-    out = tmp_path / "learner"
-    url = f"http://127.0.1.3:{port}"  # amnode3: node rank 0 of the server, the one serving HTTP
+def _config(tmp_path: Path, hf: Path, learner: list[str], port: int, master: int) -> Path:
+    """4 nodes x 1 fake GPU: learners (``learner``, torchrun) on amnode1-2, one TP2 server on amnode3-4."""
     cfg = {
         "model_path": str(hf),
         "inference": {"num_servers": 1, "server": {
@@ -67,20 +66,33 @@ def test_tp2_server_spanning_two_slurm_nodes_synced_greedy_equals_hf(cluster, tm
             "env": {"OMP_NUM_THREADS": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0"}}},
         "launch": {
             "run_dir": str(tmp_path / "run-{job_id}"), "stop_grace_s": 10, "poll_interval_s": 0.5,
-            "learner": {"num_nodes": 2, "nproc_per_node": 1, "master_port": master, "command": [
-                "tests/dist/wsync_moe.py", "--hf-dir", str(hf), "--servers", url, "--work-dir", str(out),
-                "--out", str(out / "results.json"), "--dtype", "float32", "--export-dir", str(out / "v1"),
-                "--api-key-file", "{run_dir}/secrets/api_key"]},
+            "learner": {"num_nodes": 2, "nproc_per_node": 1, "master_port": master, "command": learner},
             "engine": {"num_nodes": 2, "startup_timeout_s": 1200},
         },
     }
     path = tmp_path / "two_nodes.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    log = tmp_path / "job.out"
+    return path
+
+
+def _submit(cluster, path: Path, log: Path) -> int:
     env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    return cluster.sbatch([f"--output={log}", "--nodes=4", "--gpus-per-node=1", "--exclusive", "--time=01:00:00",
+                           "slurm/run_launcher.sh", "--gpus-per-node", "1", "--config", str(path)], cwd=REPO, env=env)
+
+
+def test_tp2_server_spanning_two_slurm_nodes_synced_greedy_equals_hf(cluster, tmp_path):
+    hf = save_tiny_model(tmp_path / "model", "mixtral", dtype="float32", **BASE, **FAMILIES["mixtral"])
+    master, port = service_ports(2)
+    out = tmp_path / "learner"
+    url = f"http://127.0.1.3:{port}"  # amnode3: node rank 0 of the server, the one serving HTTP
+    path = _config(tmp_path, hf, [
+        "tests/dist/wsync_moe.py", "--hf-dir", str(hf), "--servers", url, "--work-dir", str(out),
+        "--out", str(out / "results.json"), "--dtype", "float32", "--export-dir", str(out / "v1"),
+        "--api-key-file", "{run_dir}/secrets/api_key"], port, master)
+    log = tmp_path / "job.out"
     t0 = time.monotonic()
-    job = cluster.sbatch([f"--output={log}", "--nodes=4", "--gpus-per-node=1", "--exclusive", "--time=01:00:00",
-                          "slurm/run_launcher.sh", "--gpus-per-node", "1", "--config", str(path)], cwd=REPO, env=env)
+    job = _submit(cluster, path, log)
     state, code = cluster.wait_job(job, 1800)
     took = time.monotonic() - t0
     text = log.read_text() if log.exists() else ""
@@ -97,3 +109,75 @@ def test_tp2_server_spanning_two_slurm_nodes_synced_greedy_equals_hf(cluster, tm
     res = json.loads((out / "results.json").read_text())
     res["v1_dir"] = out / "v1"
     check_served_sync(res, "slurm_two_nodes_tp2", server_ready_s=ready, job_s=round(took, 1))
+
+
+def _greedy(url: str, key: str) -> list[list[int]]:
+    from tests.dist.wsync_moe import NEW_TOKENS, PROMPTS
+
+    rows = []
+    for p in PROMPTS:
+        body = {"input_ids": p, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}}
+        req = urllib.request.Request(url + "/generate", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            rows.append(json.loads(r.read())["output_ids"])
+    return rows
+
+
+def _wait(cond, job, cluster, log: Path, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (got := cond()):
+        state = cluster.job_fields(job).get("JobState")
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (what, state, log.read_text() if log.exists() else "")
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s\n" + (log.read_text() if log.exists() else "")
+        time.sleep(0.5)
+    return got
+
+
+def test_a_dying_node_restarts_the_whole_server_and_the_job_goes_on(cluster, tmp_path):
+    """Node 1's SGLang process of the TP2 server is SIGKILLed while the learners run: the launcher
+    stops node 0 too and starts the whole server again (inference.client.max_restarts); node 0
+    announces itself anew (a new pid), the restarted server decodes greedily = HF on the weights it
+    loads (v0), the learners ran on throughout and the job ends COMPLETED when they do."""
+    from tests.dist.wsync_moe import NEW_TOKENS, PROMPTS
+    from tests.test_families_serve import greedy_agreement, hf_greedy, logit_tol
+
+    hf = save_tiny_model(tmp_path / "model", "mixtral", dtype="float32", **BASE, **FAMILIES["mixtral"])
+    master, port = service_ports(2)
+    url = f"http://127.0.1.3:{port}"
+    path = _config(tmp_path, hf, ["tests/launch_standins/learner.py", "--engines", "{engine_addresses}",
+                                  "--out", "{run_dir}/out", "--hold", "1500", "--stop-file", "{stop_file}"], port, master)
+    log = tmp_path / "job.out"
+    job = _submit(cluster, path, log)
+    run_dir = _wait(lambda: next(tmp_path.glob("run-*/engines.json"), None), job, cluster, log, 1500, "engines").parent
+    head, node1 = (json.loads((run_dir / "engines" / f"{n}.json").read_text()) for n in ("engine0", "engine0.node1"))
+    key = (run_dir / "secrets" / "api_key").read_text().strip()
+    _wait(lambda: len(list((run_dir / "out").glob("rank*.json"))) == 2, job, cluster, log, 600, "learners")
+    t0 = time.monotonic()
+    os.kill(node1["pid"], signal.SIGKILL)  # node 1's SGLang server process (same PID namespace)
+
+    def restarted():
+        f = run_dir / "engines" / "engine0.json"
+        try:
+            info = json.loads(f.read_text())
+        except (OSError, ValueError):
+            return None
+        return info if info["pid"] != head["pid"] else None
+    new_head = _wait(restarted, job, cluster, log, 1500, "restarted server")
+    restart_s = time.monotonic() - t0
+    text = log.read_text()
+    assert "engine0.node1 on amnode4 exited with" in text and "(and the server's 1 other node(s)); restarting the " \
+        "whole server engine0 (restart 1 of inference.client.max_restarts=3)" in text, text
+    with pytest.raises(OSError):  # the old node 0 was stopped before the restart
+        os.kill(head["pid"], 0)
+    assert new_head["url"] == url
+    hf_out = hf_greedy(hf, PROMPTS, NEW_TOKENS)
+    tol = logit_tol(max(h[2] for h in hf_out))
+    equal, problems = greedy_agreement(_greedy(url, key), hf_out, tol)
+    print(json.dumps({"case": "slurm_two_nodes_restart", "restart_s": round(restart_s, 1), "greedy_equal_tokens": equal,
+                      "of": len(PROMPTS) * NEW_TOKENS}))
+    assert not problems and equal >= len(PROMPTS) * NEW_TOKENS // 2, problems
+    (run_dir / "STOP").write_text("done\n")  # the learners' stop file: they exit 0, the job ends
+    state, code = cluster.wait_job(job, 300)
+    assert (state, code) == ("COMPLETED", "0:0"), log.read_text()
+    assert "all learners finished" in log.read_text()
