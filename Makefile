@@ -67,8 +67,9 @@ test-families-serve:
 	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -s -m families_serve $(PYTEST_ARGS)
 
 # A TP2 SGLang server spanning two virtual nodes of the local Slurm cluster (SGLang --nnodes), placed
-# by the launcher's plan, synced from a megatron learner in the same job, greedy = HF
-# (tests/test_slurm_two_node_server.py; one TP2 server start, 3-5 min under load).
+# by the launcher's plan, synced (broadcast, reshard) from a megatron learner in the same job, greedy = HF;
+# a killed node restarts the whole server
+# (tests/test_slurm_two_node_server.py; three TP2 server starts, ~1 min each here, 3-5 under load).
 test-slurm-nodes:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
 	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -s -m slurm_nodes $(PYTEST_ARGS)

@@ -9,9 +9,11 @@ Each node has one (fake) GPU, so ``inference.server.tp_size: 2`` is a server spa
 on amnode4 (bound to 127.0.1.4), both behind engine_proc and their own srun step; the launch's
 learner (``launch.learner.command``) is tests/dist/wsync_moe.py, an EP2 megatron learner over two
 nodes (amnode1-2, torchrun), which syncs its perturbed weights into the server with the product's
-weight sync (each engine rank receives the broadcast in its own node) and decodes greedily. The
-test then runs tests/test_families_serve.py's check_served_sync: log-probs = the learner's within
-the fp32 bound, greedy = HF on the learner's exported weights, the unsynced v0 server fails both.
+weight sync -- broadcast (each engine rank receives in its own node) or reshard (each engine rank
+receives its own shard there) -- and decodes greedily. The test then runs
+tests/test_families_serve.py's check_served_sync: log-probs = the learner's within the fp32 bound,
+greedy = HF on the learner's exported weights, the unsynced v0 server fails both. A second test
+kills node 1's SGLang process: the launcher restarts the whole server and the job goes on.
 
 What each node's SGLang process needs on CPU: ``SGLANG_CPU_OMP_THREADS_BIND`` with one entry per
 TP rank *of that node* (SGLang indexes it by the rank's node-local device id), so "0" on every node
@@ -38,6 +40,7 @@ from slurm.local_cluster import ClusterUnavailable, LocalSlurmCluster
 from tests.support.launch import SGLANG_PYTHON, needs_sglang
 from tests.support.models import save_tiny_model
 from tests.test_families_serve import BASE, FAMILIES, check_served_sync
+from tests.test_weight_sync_moe import MOE_SYNC
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm_nodes, needs_sglang]
 REPO = Path(__file__).resolve().parents[1]
@@ -81,15 +84,24 @@ def _submit(cluster, path: Path, log: Path) -> int:
                            "slurm/run_launcher.sh", "--gpus-per-node", "1", "--config", str(path)], cwd=REPO, env=env)
 
 
-def test_tp2_server_spanning_two_slurm_nodes_synced_greedy_equals_hf(cluster, tmp_path):
-    hf = save_tiny_model(tmp_path / "model", "mixtral", dtype="float32", **BASE, **FAMILIES["mixtral"])
+# weight_sync.mode -> the tiny family synced: broadcast takes any family (Mixtral); reshard has SGLang
+# layouts for Llama/Qwen2/Qwen3/Qwen3-MoE/DeepSeek-V3 (weight_sync/reshard), so Qwen3-MoE, with the
+# families' large init (sharp logits: greedy decisive in fp32).
+MODELS = {"broadcast": ("mixtral", {**BASE, **FAMILIES["mixtral"]}),
+          "reshard": ("qwen3_moe", {**MOE_SYNC, "initializer_range": 0.2})}
+
+
+@pytest.mark.parametrize("mode", list(MODELS))
+def test_tp2_server_spanning_two_slurm_nodes_synced_greedy_equals_hf(cluster, tmp_path, mode):
+    family, hf_over = MODELS[mode]
+    hf = save_tiny_model(tmp_path / "model", family, dtype="float32", **hf_over)
     master, port = service_ports(2)
     out = tmp_path / "learner"
     url = f"http://127.0.1.3:{port}"  # amnode3: node rank 0 of the server, the one serving HTTP
     path = _config(tmp_path, hf, [
         "tests/dist/wsync_moe.py", "--hf-dir", str(hf), "--servers", url, "--work-dir", str(out),
         "--out", str(out / "results.json"), "--dtype", "float32", "--export-dir", str(out / "v1"),
-        "--api-key-file", "{run_dir}/secrets/api_key"], port, master)
+        "--api-key-file", "{run_dir}/secrets/api_key", "--mode", mode], port, master)
     log = tmp_path / "job.out"
     t0 = time.monotonic()
     job = _submit(cluster, path, log)
@@ -108,7 +120,8 @@ def test_tp2_server_spanning_two_slurm_nodes_synced_greedy_equals_hf(cluster, tm
     ready = float(re.search(r"1/1 engines ready after ([\d.]+) s", text).group(1))
     res = json.loads((out / "results.json").read_text())
     res["v1_dir"] = out / "v1"
-    check_served_sync(res, "slurm_two_nodes_tp2", server_ready_s=ready, job_s=round(took, 1))
+    assert res["sync1"]["mode"] == mode  # reshard: each engine rank got its own shard (no fallback)
+    check_served_sync(res, f"slurm_two_nodes_tp2_{mode}", server_ready_s=ready, job_s=round(took, 1))
 
 
 def _greedy(url: str, key: str) -> list[list[int]]:
@@ -129,7 +142,8 @@ def _wait(cond, job, cluster, log: Path, timeout_s: float, what: str):
     while not (got := cond()):
         state = cluster.job_fields(job).get("JobState")
         assert state in ("PENDING", "RUNNING", "CONFIGURING"), (what, state, log.read_text() if log.exists() else "")
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s\n" + (log.read_text() if log.exists() else "")
+        assert time.monotonic() < deadline, \
+            f"{what}: not within {timeout_s} s\n" + (log.read_text() if log.exists() else "")
         time.sleep(0.5)
     return got
 
@@ -145,8 +159,9 @@ def test_a_dying_node_restarts_the_whole_server_and_the_job_goes_on(cluster, tmp
     hf = save_tiny_model(tmp_path / "model", "mixtral", dtype="float32", **BASE, **FAMILIES["mixtral"])
     master, port = service_ports(2)
     url = f"http://127.0.1.3:{port}"
-    path = _config(tmp_path, hf, ["tests/launch_standins/learner.py", "--engines", "{engine_addresses}",
-                                  "--out", "{run_dir}/out", "--hold", "1500", "--stop-file", "{stop_file}"], port, master)
+    learner = ["tests/launch_standins/learner.py", "--engines", "{engine_addresses}", "--out", "{run_dir}/out",
+               "--hold", "1500", "--stop-file", "{stop_file}"]
+    path = _config(tmp_path, hf, learner, port, master)
     log = tmp_path / "job.out"
     job = _submit(cluster, path, log)
     run_dir = _wait(lambda: next(tmp_path.glob("run-*/engines.json"), None), job, cluster, log, 1500, "engines").parent

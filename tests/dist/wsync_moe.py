@@ -84,7 +84,8 @@ def main() -> None:
     perturb(model, 1)
     cfg = WeightSyncConfig(mode=args.mode, backend="gloo", bucket_mib=0.25, master_address="127.0.0.1")
     ws = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
-                              servers=[SGLangClient(u, timeout_s=120, api_key=key) for u in urls], pause_mode="retract")
+                              servers=[SGLangClient(u, timeout_s=120, api_key=key) for u in urls], pause_mode="retract",
+                              api_key=key)
     res["plan"] = ws.plan.summary()
     with servers_paused(ws.servers):
         stats = ws.sync(1)
