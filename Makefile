@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # EXAMPLE_ARGS: overrides of the training run, e.g. EXAMPLE_ARGS="trainer.num_steps=5".
 EXAMPLE_ARGS ?=
 
-.PHONY: demo example test test-real test-tools test-cp test-reshard test-families-serve test-heavy test-resume-inflight test-fast test-mcore-latest test-failover-load envs learner-env learner-latest-env sglang-env
+.PHONY: demo example test test-real test-tools test-cp test-reshard test-families-serve test-slurm-nodes test-heavy test-resume-inflight test-fast test-mcore-latest test-failover-load envs learner-env learner-latest-env sglang-env
 
 learner-env:
 	@tools/env/make_venv.sh learner
@@ -31,7 +31,7 @@ example:
 
 test:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
-	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE --durations=30 -m "not real_model and not tools_heavy and not cp_heavy and not reshard_sglang and not families_serve and not heavy" $(PYTEST_ARGS)
+	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE --durations=30 -m "not real_model and not tools_heavy and not cp_heavy and not reshard_sglang and not families_serve and not slurm_nodes and not heavy" $(PYTEST_ARGS)
 
 # The checks on the real pretrained model (SmolLM2-135M: layouts vs HF, TP3 weight sync; ~5-10 min),
 # kept out of `make test` to hold the CI run under its 40 minutes.
@@ -65,6 +65,14 @@ test-reshard:
 test-families-serve:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
 	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -s -m families_serve $(PYTEST_ARGS)
+
+# A TP2 SGLang server spanning two virtual nodes of the local Slurm cluster (SGLang --nnodes), placed
+# by the launcher's plan, synced (broadcast, reshard) from a megatron learner in the same job, greedy = HF;
+# a killed node restarts the whole server
+# (tests/test_slurm_two_node_server.py; three TP2 server starts, ~1 min each here, 3-5 under load).
+test-slurm-nodes:
+	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
+	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -s -m slurm_nodes $(PYTEST_ARGS)
 
 # Slow checks whose mechanism make test covers more cheaply (pytest -m heavy; ~14 min): the failover of
 # a lone server, a real SGLang server tree dying with its SIGKILLed parent, the async PPO (critic) and

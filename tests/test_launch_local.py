@@ -39,6 +39,8 @@ def _config(tmp: Path, marker: str, *, die_rank: int | None, engine_die_after: f
     }, "inference": {"server": {"port": p0}}}
     if engine_die_after is not None:  # only engine1 crashes, after it was announced ready
         engine += ["--index", "{engine_index}", "--die-index", "1", "--die-after", str(engine_die_after)]
+        # no restart: this checks the failover (the restart: test_launch_plan's supervisor tests)
+        cfg["inference"]["client"] = {"restart_dead_servers": False}
     cfg["launch"]["engine"]["command"] = engine
     path = tmp / "launch.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -715,6 +715,28 @@ def test_place_cluster_round_robin_and_idle_nodes():
         place_cluster(alloc(16, 4), _exp(["launch.engine.num_nodes=11"]), 4)
 
 
+def test_server_layout_that_does_not_divide_the_nodes_is_one_line_at_start(capsys, monkeypatch):
+    """At start-up (the launcher's CLI, before anything runs): servers spanning nodes on engine nodes
+    they do not divide, or a tp_size that is no whole number of nodes -> one line naming the key,
+    exit 2; the same job with a dividing layout passes (the control)."""
+    import areal_mega.launcher.cli as cli
+
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.setattr(cli, "_print_throughput_plan", lambda *a, **k: None)
+    base = ["slurm", "--config", CONFIG_70B, "--dry-run", "--nodelist", "gpu[001-016]", "--gpus-per-node", "4",
+            "launch.learner.num_nodes=8"]
+    for extra, line in (
+            (["launch.engine.num_nodes=7"], "launcher: launch.engine.num_nodes: 7 engine nodes do not divide into "
+                                            "servers of 2 nodes (inference.server.tp_size 8 / 4 GPUs per node)"),
+            (["inference.server.tp_size=6"], "launcher: inference.server.tp_size: 6 spans nodes of 4 GPUs only in "
+                                             "whole nodes (a multiple of 4)")):
+        assert cli.main(base + extra) == cli.EXIT_REFUSED
+        assert capsys.readouterr().err.strip().splitlines() == [line]
+    assert cli.main(base) == 0
+    out = capsys.readouterr()
+    assert "engines: 4 server(s) x TP8 on 8 node(s)" in out.out and "--nnodes 2" in out.out and out.err == ""
+
+
 def test_place_local_and_ports():
     from areal_mega.launcher.plan import engine_ports, place_local
 
@@ -824,64 +846,114 @@ def test_bench_dry_run_smoke():
     assert rc == 1 and res["rc"] == 2
 
 
-def test_supervisor_a_dying_node_stops_its_whole_server(tmp_path):
-    """A server spanning two nodes: when its node-1 process dies, the launcher stops node 0 too
-    (the server cannot run without it) and the pool fails over, the run goes on; a single-node
-    server beside it is untouched; the pool is told of servers, not processes."""
-    import sys as _sys
+def _announcer(tmp_path, name: str) -> tuple[list[str], str]:
+    """An engine's node 0 stand-in: writes its address file, then serves (blocks until stopped)."""
+    f = tmp_path / f"{name}.json"
+    return [sys.executable, "-c", f"import json; open({str(f)!r}, 'w').write(json.dumps("
+            f"{{'host': 'h', 'port': 1, 'url': 'http://h:1'}})); import threading; threading.Event().wait()"], str(f)
 
+
+def _dies_after(path: str, code: int = 9) -> list[str]:
+    """A node-1 stand-in: exits ``code`` once ``path`` (its node 0's address file) exists (a condition)."""
+    return [sys.executable, "-c", f"import os, time\nwhile not os.path.exists({path!r}): time.sleep(0.05)\n"
+                                  f"raise SystemExit({code})"]
+
+
+def _proc(tmp_path, name, argv, server, addr=None, role="engine"):
+    from areal_mega.launcher.plan import ProcSpec
+
+    return ProcSpec(name=name, role=role, node="localhost", argv=tuple(argv), env={}, num_gpus=0,
+                    log_path=str(tmp_path / f"{name}.log"), address_file=addr, server=server)
+
+
+def _spanning_plan(tmp_path, learner_until: Path):
+    """A local plan: engine0 spans two nodes (node 1 dies once node 0 announced itself), engine1 is
+    a single-node server, the learner runs until ``learner_until`` exists. Also returns a runner
+    recording every start ({name: [Popen, ...]})."""
     from areal_mega.launcher.local import LocalRunner, local_allocation
-    from areal_mega.launcher.plan import LaunchPlan, ProcSpec
-    from areal_mega.launcher.supervisor import supervise
+    from areal_mega.launcher.plan import LaunchPlan
     from areal_mega.parallel import ParallelLayout
 
-    def announce(name: str) -> list[str]:  # an engine's node 0: writes its address file, then serves
-        f = tmp_path / f"{name}.json"
-        return [_sys.executable, "-c", f"import json; open({str(f)!r}, 'w').write(json.dumps("
-                f"{{'host': 'h', 'port': 1, 'url': 'http://h:1'}})); import threading; threading.Event().wait()"], str(f)
-
-    def spec(name, argv, server, addr=None, role="engine"):
-        return ProcSpec(name=name, role=role, node="localhost", argv=tuple(argv), env={}, num_gpus=0,
-                        log_path=str(tmp_path / f"{name}.log"), address_file=addr, server=server)
-
-    (a0, f0), (a1, f1) = announce("engine0"), announce("engine1")
-    engines = (spec("engine0", a0, "engine0", f0),
-               # node 1 dies once node 0 has announced itself (a condition, not a delay)
-               spec("engine0.node1", [_sys.executable, "-c", f"import os, time\nwhile not os.path.exists({f0!r}): "
-                                                              "time.sleep(0.05)\nraise SystemExit(9)"], "engine0"),
-               spec("engine1", a1, "engine1", f1))
-    # the learner ends once the launcher has had time to see the crash (a file the test writes)
-    done = tmp_path / "learner_may_exit"
-    learner = spec("learner0", [_sys.executable, "-c", f"import os, time\nwhile not os.path.exists({str(done)!r}): "
-                                                       "time.sleep(0.1)"], None, role="learner")
+    (a0, f0), (a1, f1) = _announcer(tmp_path, "engine0"), _announcer(tmp_path, "engine1")
+    engines = (_proc(tmp_path, "engine0", a0, "engine0", f0),
+               _proc(tmp_path, "engine0.node1", _dies_after(f0), "engine0"),
+               _proc(tmp_path, "engine1", a1, "engine1", f1))
+    learner = _proc(tmp_path, "learner0", [sys.executable, "-c", f"import os, time\nwhile not os.path.exists("
+                                           f"{str(learner_until)!r}): time.sleep(0.1)"], None, role="learner")
     plan = LaunchPlan(job_id="t", run_dir=tmp_path, allocation=local_allocation(), layout=ParallelLayout(world_size=1),
                       learner_nodes=("localhost",), engine_nodes=("localhost",), master_addr="127.0.0.1:1",
                       engines=engines, learners=(learner,), engines_file=tmp_path / "engines.json", env={},
                       learner_memory=None, engine_memory=None, checks_gpu_memory=False)
-    started: dict[str, object] = {}
+    started: dict[str, list] = {}
 
     class Recording(LocalRunner):
         def start(self, s, log):
-            started[s.name] = super().start(s, log)
-            return started[s.name]
+            started.setdefault(s.name, []).append(super().start(s, log))
+            return started[s.name][-1]
 
+    return plan, Recording(), started
+
+
+def test_supervisor_a_dying_node_stops_its_whole_server(tmp_path):
+    """A server spanning two nodes: when its node-1 process dies, the launcher stops node 0 too
+    (the server cannot run without it) and the pool fails over, the run goes on; a single-node
+    server beside it is untouched; the pool is told of servers, not processes."""
+    from areal_mega.launcher.supervisor import supervise
+
+    # the learner ends once the launcher has had time to see the crash (a file the test writes)
+    done = tmp_path / "learner_may_exit"
+    plan, runner, started = _spanning_plan(tmp_path, done)
     said: list[str] = []
 
     def say(line: str) -> None:
         said.append(line)
         if "exited with 9" in line:
             # while the run goes on (the learner still running): node 0 already stopped, engine1 alive
-            said.append(f"head stopped={started['engine0'].poll() is not None} "
-                        f"engine1 alive={started['engine1'].poll() is None}")
+            said.append(f"head stopped={started['engine0'][-1].poll() is not None} "
+                        f"engine1 alive={started['engine1'][-1].poll() is None}")
             done.write_text("")
 
-    assert supervise(plan, Recording(), poll_s=0.1, grace_s=2, tail_lines=3, engine_timeout_s=30, say=say) == 0
+    assert supervise(plan, runner, poll_s=0.1, grace_s=2, tail_lines=3, engine_timeout_s=30, say=say) == 0
     text = "\n".join(said)
     assert "2/2 engines ready" in text and len(json.loads(plan.engines_file.read_text())["engines"]) == 2
     assert "engine0.node1 on localhost exited with 9 (and the server's 1 other node(s))" in text
     assert "fails over to the others (1 left)" in text
     assert "head stopped=True engine1 alive=True" in text
     assert sum("exited with" in ln for ln in said) == 1  # engine1 ran on until the end (stopped, not dead)
+
+
+def test_supervisor_restarts_a_server_spanning_nodes_whole(tmp_path):
+    """A server spanning two nodes whose node-1 process dies is restarted whole (node 0 stopped,
+    then both started again, node 0's address file removed first so the new node 1 waits for the
+    new node 0) while the learner runs on; after inference.client.max_restarts (here 1) it stays
+    down and the pool fails over. Real processes (LocalRunner); a single-node server beside it is
+    never touched. The pool's resync of a server that answers again: inference/client.py _rejoin."""
+    from areal_mega.launcher.supervisor import supervise
+
+    done = tmp_path / "learner_may_exit"
+    plan, runner, started = _spanning_plan(tmp_path, done)  # node 1 dies on every start
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        if "restarting the whole server" in line:  # before the restart: the old node 0 is stopped
+            said.append(f"old head stopped={started['engine0'][-1].poll() is not None}")
+        if "fails over" in line:
+            said.append(f"learner alive={started['learner0'][0].poll() is None} "
+                        f"engine1 alive={started['engine1'][0].poll() is None}")
+            done.write_text("")
+
+    assert supervise(plan, runner, poll_s=0.1, grace_s=2, tail_lines=3, engine_timeout_s=30,
+                     engine_restarts=1, say=say) == 0
+    text = "\n".join(said)
+    assert "engine0.node1 on localhost exited with 9 (and the server's 1 other node(s)); restarting the whole " \
+           "server engine0 (restart 1 of inference.client.max_restarts=1)" in text, text
+    assert "old head stopped=True" in text
+    # both nodes of engine0 started twice (the restart is whole), engine1 and the learner once
+    assert {k: len(v) for k, v in started.items()} == {"engine0": 2, "engine0.node1": 2, "engine1": 1, "learner0": 1}
+    assert "fails over to the others (1 left)" in text and "learner alive=True engine1 alive=True" in text
+    assert sum("exited with 9" in ln for ln in said) == 2  # once restarted, once left down
+    assert all(p.poll() is not None for v in started.values() for p in v)  # nothing left running
 
 
 def test_learner_master_port_is_free_locally_fixed_on_slurm():

@@ -9,7 +9,7 @@ server on --host:--port). The learner (TP2, tests/dist/wsync_reshard.py) reshard
 engine rank receives its own shard wherever it lives; then tests/test_weight_sync_reshard_sglang.py's
 checks run unchanged on this server (log-probs = the learner's within the bf16 bound, greedy = HF on
 v1, v0 control, engine check refusal, the broadcast fallback into both nodes). Not through Slurm: the
-two virtual-node version on the local Slurm cluster (tests/test_slurm_cluster.py) is not written.
+two-virtual-node version on the local Slurm cluster is tests/test_slurm_two_node_server.py.
 One server start (~45 s here; 3-5 min under load): marker reshard_sglang, not ``make test``.
 """
 

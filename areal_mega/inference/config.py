@@ -130,9 +130,12 @@ class InferenceClientConfig:
     server's own keep-alive timeout (SGLang/uvicorn: 5 s), or a request can be sent on a
     connection the server is closing at that moment."""
     restart_dead_servers: bool = True
-    """Restart a managed server that died (its process exits or it fails the health check)."""
+    """Restart a managed server that died (its process exits or it fails the health check); under
+    the launcher, its supervisor restarts a server whose process exits -- the whole server, every
+    node of one spanning nodes -- and the pool resyncs it once it answers."""
     max_restarts: int = 3
-    """How many restarts of one server are attempted before it is left out for good."""
+    """How many restarts of one server are attempted before it is left out for good (the
+    launcher's restarts too)."""
     initial_version: int = 0
     """Policy version of the weights the servers start with (passed as ``--weight-version``)."""
     segment_tokens: int = 8192

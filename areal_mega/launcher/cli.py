@@ -114,10 +114,11 @@ def run(mode: str, config: str, overrides: list[str], *, dry_run: bool = False,
         return 0
     if plan.secrets_dir is not None:
         write_api_key(plan.secrets_dir, plan.api_key)  # 0600; its path only goes on command lines
+    client = exp.inference.client  # launched servers restart as the pool's own managed ones do
     return supervise(plan, runner, poll_s=cfg.poll_interval_s, grace_s=cfg.stop_grace_s,
                      tail_lines=cfg.log_tail_lines,
                      engine_timeout_s=cfg.engine.startup_timeout_s + 60, min_ready=cfg.engine.min_ready,
-                     preempt_grace_s=cfg.preempt_grace_s)
+                     preempt_grace_s=cfg.preempt_grace_s, engine_restarts=client.max_restarts if client.restart_dead_servers else 0)
 
 
 def _runs_the_trainer(cfg: LaunchConfig) -> bool:

@@ -2,7 +2,8 @@
 
     start engines -> wait for every address file -> engines.json -> start learners (torchrun per node)
     poll: a learner node fails -> stop everything, exit non-zero; all learners exit 0 -> stop engines, 0;
-          an engine exits -> log it, go on; SIGUSR1 / SIGTERM -> stop file, grace, EXIT_REQUEUE (75)
+          an engine's process exits -> stop its whole server, restart it
+          (inference.client.max_restarts), else log it, go on; SIGUSR1 / SIGTERM -> stop file, grace, EXIT_REQUEUE (75)
 
 Whatever happens, every started process is stopped through the :class:`Runner` (srun steps or
 local process groups) before ``supervise`` returns. The full loop: docs/launch.md ("The pieces").
@@ -91,8 +92,11 @@ def failed_rank_report(spec: ProcSpec, rc: int, lines: int) -> str:
 
 def supervise(plan: LaunchPlan, runner: Runner, *, poll_s: float, grace_s: float, tail_lines: int,
               engine_timeout_s: float, min_ready: int | None = None, preempt_grace_s: float = 0.0,
+              engine_restarts: int = 0,
               say: Callable[[str], None] = lambda s: print(s, flush=True)) -> int:
-    """Run the plan to completion; returns the exit code the launcher should exit with."""
+    """Run the plan to completion; returns the exit code the launcher should exit with.
+    ``engine_restarts``: how often a server whose process (any node's) exits after the learners
+    started is started again, whole; after that it stays down and the pool fails over."""
     (plan.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     procs: dict[str, subprocess.Popen] = {}
     preempt: dict[str, float] = {}  # {"signum", "deadline"} once a checkpoint-and-stop began
@@ -134,6 +138,7 @@ def supervise(plan: LaunchPlan, runner: Runner, *, poll_s: float, grace_s: float
         say(f"launcher: started {len(plan.learners)} learner node(s), {plan.layout.world_size} ranks")
 
         dead_engines: set[str] = set()
+        restarts: dict[str, int] = {}  # server -> restarts so far
         done: set[str] = set()
         while True:
             failed = []
@@ -163,15 +168,31 @@ def supervise(plan: LaunchPlan, runner: Runner, *, poll_s: float, grace_s: float
                 return 128 + int(preempt["signum"])
             for spec in plan.engines:
                 rc = procs[spec.name].poll()
-                if rc is not None and spec.server not in dead_engines:
-                    dead_engines.add(spec.server)
-                    # a server spanning nodes cannot run without any of its nodes: stop the rest of it
-                    group = [p for p in plan.engines if p.server == spec.server and p.name != spec.name]
-                    runner.stop([procs[p.name] for p in group if procs[p.name].poll() is None], grace_s)
-                    whole = f" (and the server's {len(group)} other node(s))" if group else ""
-                    say(f"launcher: {spec.name} on {spec.node} exited with {rc}{whole}; the inference "
-                        f"pool fails over to the others ({len(plan.servers) - len(dead_engines)} left). "
-                        f"Last lines of {spec.log_path}:\n{tail(spec.log_path, min(tail_lines, 10))}")
+                if rc is None or spec.server in dead_engines:
+                    continue
+                # a server spanning nodes cannot run without any of its nodes: stop the rest of it
+                group = [p for p in plan.engines if p.server == spec.server]
+                runner.stop([procs[p.name] for p in group if p.name != spec.name and procs[p.name].poll() is None],
+                            grace_s)
+                whole = f" (and the server's {len(group) - 1} other node(s))" if len(group) > 1 else ""
+                last = f"Last lines of {spec.log_path}:\n{tail(spec.log_path, min(tail_lines, 10))}"
+                n = restarts.get(spec.server, 0)
+                if n < engine_restarts:
+                    # the whole server again, every node; the pool routes around it meanwhile and
+                    # resyncs it once it answers (inference/client.py _recover -> _rejoin)
+                    restarts[spec.server] = n + 1
+                    say(f"launcher: {spec.name} on {spec.node} exited with {rc}{whole}; restarting the whole "
+                        f"server {spec.server} (restart {n + 1} of inference.client.max_restarts={engine_restarts}). "
+                        + last)
+                    for p in group:
+                        if p.address_file is not None:
+                            Path(p.address_file).unlink(missing_ok=True)
+                        with open_attempt(p.log_path, p.argv) as log:
+                            procs[p.name] = runner.start(p, log)
+                    continue
+                dead_engines.add(spec.server)
+                say(f"launcher: {spec.name} on {spec.node} exited with {rc}{whole}; the inference "
+                    f"pool fails over to the others ({len(plan.servers) - len(dead_engines)} left). " + last)
             time.sleep(poll_s)
     except _Stop as e:
         say(f"launcher: received signal {e.signum}; stopping every process of this launch")

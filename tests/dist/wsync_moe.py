@@ -62,7 +62,13 @@ def main() -> None:
     ap.add_argument("--export-dir", default="")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--mode", default="broadcast", choices=("broadcast", "reshard"))
+    ap.add_argument("--api-key-file", default="", help="servers a launch started demand its key (utils.secrets)")
     args = ap.parse_args()
+    key = Path(args.api_key_file).read_text().strip() if args.api_key_file else None
+    if key:  # every request of this script (the helpers' urlopen calls too) carries the key
+        opener = urllib.request.build_opener()
+        opener.addheaders = [("Authorization", f"Bearer {key}")]
+        urllib.request.install_opener(opener)
     urls = args.servers.split(",")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -78,7 +84,8 @@ def main() -> None:
     perturb(model, 1)
     cfg = WeightSyncConfig(mode=args.mode, backend="gloo", bucket_mib=0.25, master_address="127.0.0.1")
     ws = megatron_weight_sync(cfg, adapter=model.adapter, chunks=model.chunks, groups=groups,
-                              servers=[SGLangClient(u, timeout_s=120) for u in urls], pause_mode="retract")
+                              servers=[SGLangClient(u, timeout_s=120, api_key=key) for u in urls], pause_mode="retract",
+                              api_key=key)
     res["plan"] = ws.plan.summary()
     with servers_paused(ws.servers):
         stats = ws.sync(1)
