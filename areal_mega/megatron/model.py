@@ -27,7 +27,6 @@ from areal_mega.megatron import compat, cpu_compat
 from areal_mega.batching.packing import ContextShard, context_shard, cp_padded_length
 from areal_mega.megatron.attention import with_core_attention
 from areal_mega.megatron.context_parallel import context_inputs, gather_tokens, packed_seq_params
-from areal_mega.megatron.linear_attention import qwen3_5_block_spec
 from areal_mega.megatron.parallel_state import ModelParallelGroups, tp_all_gather
 from areal_mega.kinds import resolve
 from areal_mega.models import get_adapter, load_hf_config
@@ -457,6 +456,8 @@ def build_model(
     vocab = padded_vocab_size(arch.vocab_size, lay.tp, cfg.make_vocab_size_divisible_by)
     vpp = lay.vpp or 1
     pp_rank = groups.coords.pp
+    if hybrid:  # megatron's ssm package: imported only for the hybrid families (its import warns on CPU)
+        from areal_mega.megatron.linear_attention import qwen3_5_block_spec
     chunks = []
     for c in range(vpp):
         pre = pp_rank == 0 and c == 0
