@@ -135,6 +135,8 @@ def resolve_attention(attention: str, layer_spec: str, vpp: int | None) -> Liter
     else "mask"; explicit values unchanged (the engine validates them)."""
     if attention == "auto":
         return "thd" if layer_spec == "te" and not vpp else "mask"
+    if attention == "thd" and layer_spec != "te":  # here so the launcher's dry run refuses it too
+        raise ValueError("attention: 'thd' needs the transformer-engine layer spec (model.layer_spec='te')")
     return attention  # type: ignore[return-value]
 
 
@@ -162,8 +164,6 @@ class MegatronTrainEngine(TrainEngine):
             check_lora(cfg.lora, model.arch, model.groups.layout, model.layer_spec,
                        critic=getattr(self, "checkpoint_role", "policy") == "critic")
         self.attention = resolve_attention(cfg.attention, model.layer_spec, model.groups.layout.vpp)
-        if self.attention == "thd" and model.layer_spec != "te":
-            raise ValueError("attention: 'thd' needs the transformer-engine layer spec (model.layer_spec='te')")
         check_context_parallel(model.groups.layout, model.layer_spec, self.attention,
                                cp_comm_type=cfg.model.cp_comm_type, vpp=model.groups.layout.vpp,
                                mla=model.arch.mla is not None)
