@@ -135,9 +135,13 @@ def resolve_attention(attention: str, layer_spec: str, vpp: int | None) -> Liter
     else "mask"; explicit values unchanged (the engine validates them)."""
     if attention == "auto":
         return "thd" if layer_spec == "te" and not vpp else "mask"
-    if attention == "thd" and layer_spec != "te":  # here so the launcher's dry run refuses it too
-        raise ValueError("attention: 'thd' needs the transformer-engine layer spec (model.layer_spec='te')")
     return attention  # type: ignore[return-value]
+
+
+def check_attention(attention: str, layer_spec: str) -> None:
+    """The resolved ``attention`` refused where the layer spec cannot run it (start-up and dry run)."""
+    if attention == "thd" and layer_spec != "te":
+        raise ValueError("attention: 'thd' needs the transformer-engine layer spec (model.layer_spec='te')")
 
 
 class MegatronTrainEngine(TrainEngine):
@@ -164,6 +168,7 @@ class MegatronTrainEngine(TrainEngine):
             check_lora(cfg.lora, model.arch, model.groups.layout, model.layer_spec,
                        critic=getattr(self, "checkpoint_role", "policy") == "critic")
         self.attention = resolve_attention(cfg.attention, model.layer_spec, model.groups.layout.vpp)
+        check_attention(self.attention, model.layer_spec)
         check_context_parallel(model.groups.layout, model.layer_spec, self.attention,
                                cp_comm_type=cfg.model.cp_comm_type, vpp=model.groups.layout.vpp,
                                mla=model.arch.mla is not None)
