@@ -998,3 +998,75 @@ def test_plan_qwen3_5_27b_fits_80gb():
     with pytest.raises(ValueError, match="^actor.model.sequence_parallel: true is not supported for qwen3_5"):
         c2, raw2, rest2 = load_launch_config(CONFIG_QWEN35, ["actor.model.sequence_parallel=true"])
         build_plan(c2, alloc(8, 8), raw=raw2, config_path=CONFIG_QWEN35, overrides=rest2, python="PY")
+
+
+CONFIG_70B_LORA = "configs/grpo_llama70b_lora.yaml"
+
+
+def test_lora_70b_dry_run_fits_two_nodes(capsys, monkeypatch):
+    """configs/grpo_llama70b_lora.yaml (launch/grpo_70b_lora.sh): rank-16 adapters on all seven
+    projections, frozen bf16 base, TP8 x PP1 -> the 70B learner fits ONE node (39.7 GiB per GPU;
+    adapters' grads 0.3 + Adam state 1.0 GiB), so 2 nodes run the job; the full fine-tune at the
+    same layout does not fit (its fp32 grads and Adam state), it needs PP4 over 4 learner nodes.
+    The dry run reads the same actor.lora keys as the trainer (memory.learner_settings calls
+    megatron/lora.check_lora), and the sync is priced at full merged-weight bytes."""
+    import areal_mega.launcher.cli as cli
+
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.setattr(cli, "_print_throughput_plan", lambda *a, **k: print("planner: (not run by this test)"))
+    rc = run("slurm", CONFIG_70B_LORA, [], dry_run=True, nodelist="gpu[001-002]", gpus_per_node=8)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "learners: 1 node(s) gpu001; 8 ranks, layout dp=1 pp=1 cp=1 tp=8" in out and "engines: 1 server(s) x TP8" in out
+    assert "layer_spec=local" in out and "actor.attention=mask" in out
+    assert "grads 0.3 + optimizer 1.0 +" in out and "= 39.7 GiB of 80.0 GiB -> fits" in out, out
+    cfg, raw, rest = load_launch_config(CONFIG_70B_LORA, ["launch.learner.num_nodes=1"])
+    lora = build_plan(cfg, alloc(2, 8), raw=raw, config_path=CONFIG_70B_LORA, overrides=rest, python="PY")
+    m = lora.learner_memory
+    assert lora.fits and m.total / GIB == pytest.approx(39.7, abs=0.05)
+    # the adapters by hand (lora_layer_params): per layer r * (h + q/8 + h + kv/8 + h + kv/8 + q/8 + h
+    # + h + f/8 + h + f/8 + f/8 + h) at r = 16, h = 8192, q = 8192, kv = 1024, f = 28672; 80 layers
+    per_layer = 16 * (7 * 8192 + (8192 + 2 * 1024 + 8192 + 3 * 28672) // 8)
+    assert per_layer == 1_126_400 and m.grads == 4 * 80 * per_layer  # fp32 grads (grad_reduce_in_fp32), adapters only
+    assert m.optimizer == 12 * 80 * per_layer  # fp32 master + two Adam moments, DP1
+    # negative control: the full fine-tune at this layout does not fit one node
+    cfg, raw, rest = load_launch_config(CONFIG_70B_LORA, ["launch.learner.num_nodes=1", "actor.lora.rank=0"])
+    full = build_plan(cfg, alloc(2, 8), raw=raw, config_path=CONFIG_70B_LORA, overrides=rest, python="PY")
+    assert not full.fits and full.learner_memory.total > 4 * m.total
+    # what the trainer would refuse, the dry run refuses (one line naming the key)
+    for bad, key in ((["actor.model.layer_spec=te"], "actor.lora"), (["actor.attention=thd"], "attention: 'thd'")):
+        cfg, raw, rest = load_launch_config(CONFIG_70B_LORA, ["launch.learner.num_nodes=1", *bad])
+        with pytest.raises(ValueError, match=key):
+            build_plan(cfg, alloc(2, 8), raw=raw, config_path=CONFIG_70B_LORA, overrides=rest, python="PY")
+
+
+def test_lora_sync_priced_as_merged_weights():
+    """Merged-weight sync (the only LoRA sync today) moves the full bf16 model: the planner's
+    sync bytes with LoRA equal the full fine-tune's (no adapter-byte discount until adapter-only
+    sync exists)."""
+    from areal_mega.experiment import experiment_from_dict
+    from areal_mega.simulator.costs import sync_model
+    from areal_mega.simulator.planner import sweep
+
+    cfg, raw, _ = load_launch_config(CONFIG_70B_LORA, [])
+    exp = experiment_from_dict(raw, whole=False)
+    rep = sweep(exp, label="", nodes=2, gpus_per_node=8, gpus_source="t", staleness=(1,), sweep_pipeline=False)
+    full = sync_model(exp.launch.planner.cost, mode=exp.weight_sync.mode, params=total_params(LLAMA3_70B),
+                      engine_tp=8, num_servers=1, world=8, dtype_bytes=2.0)
+    assert full.weight_bytes == 2 * 70_553_706_496  # the whole bf16 model, not the 90M adapters
+    assert rep.splits[0].sync_s == round(full.seconds(), 3) > 3.0
+
+
+def test_lora_on_moe_refused_by_the_dry_run(capsys, monkeypatch):
+    """Qwen3-30B-A3B with actor.lora: expert adapters do not exist yet -> the dry run refuses it in
+    one line naming actor.lora (the trainer's own check_lora)."""
+    import areal_mega.launcher.cli as cli
+
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.setattr(cli, "_print_throughput_plan", lambda *a, **k: print("planner: (not run by this test)"))
+    rc = run("slurm", "configs/grpo_qwen3_30b_a3b.yaml", ["actor.lora.rank=16", "actor.model.layer_spec=local",
+                                                          "actor.attention=auto"],
+             dry_run=True, nodelist="gpu[001-004]", gpus_per_node=8)
+    cap = capsys.readouterr()
+    lines = [x for x in (cap.out + cap.err).splitlines() if "actor.lora" in x]
+    assert rc != 0 and len(lines) == 1 and "LoRA on MoE models is not supported yet" in lines[0], cap

@@ -138,6 +138,12 @@ def resolve_attention(attention: str, layer_spec: str, vpp: int | None) -> Liter
     return attention  # type: ignore[return-value]
 
 
+def check_attention(attention: str, layer_spec: str) -> None:
+    """The resolved ``attention`` refused where the layer spec cannot run it (start-up and dry run)."""
+    if attention == "thd" and layer_spec != "te":
+        raise ValueError("attention: 'thd' needs the transformer-engine layer spec (model.layer_spec='te')")
+
+
 class MegatronTrainEngine(TrainEngine):
     """A megatron-core policy/critic with Megatron DDP, optimizer and LR schedule.
 
@@ -162,8 +168,7 @@ class MegatronTrainEngine(TrainEngine):
             check_lora(cfg.lora, model.arch, model.groups.layout, model.layer_spec,
                        critic=getattr(self, "checkpoint_role", "policy") == "critic")
         self.attention = resolve_attention(cfg.attention, model.layer_spec, model.groups.layout.vpp)
-        if self.attention == "thd" and model.layer_spec != "te":
-            raise ValueError("attention: 'thd' needs the transformer-engine layer spec (model.layer_spec='te')")
+        check_attention(self.attention, model.layer_spec)
         check_context_parallel(model.groups.layout, model.layer_spec, self.attention,
                                cp_comm_type=cfg.model.cp_comm_type, vpp=model.groups.layout.vpp,
                                mla=model.arch.mla is not None)

@@ -236,6 +236,11 @@ def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayo
     hybrid = dict(layer_spec="local", sequence_parallel=False, attention="mask")  # as build_model builds it
     if m.linear is not None:
         s = dataclasses.replace(s, **hybrid)
+    from areal_mega.megatron.engine import check_attention
+    from areal_mega.megatron.lora import check_lora  # the trainer's own refusals, at the dry run too
+
+    check_attention(s.attention, s.layer_spec)
+    check_lora(exp.actor.lora, m, layout, s.layer_spec)
     # what cp > 1 cannot run is refused here as at start-up
     check_context_parallel(layout, s.layer_spec, s.attention, cp_comm_type=exp.actor.model.cp_comm_type,
                            vpp=layout.vpp)
