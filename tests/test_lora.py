@@ -57,7 +57,7 @@ def _peft_reference(work):
     merged = {k: v.detach().clone() for k, v in pm.merge_and_unload().state_dict().items()}
     ref = dict(input_ids=ids, cu_seqlens=cu, R=R, lora=LORA, adapters=adapters)
     torch.save(ref, work / "ref.pt")
-    return dict(logits=logits.detach(), grads=grads, merged=merged, adapters=adapters)
+    return dict(logits=logits.detach(), grads=grads, merged=merged, adapters=adapters, input_ids=ids, cu_seqlens=cu)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,9 @@ def layouts(tmp_path_factory):
     ref = _peft_reference(work)
     run_checked(torchrun_cmd(2, "tests/dist/lora_layouts.py", "--work-dir", work, "--out", work / "res.pt"),
                 timeout_s=400, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
-    return ref, torch.load(work / "res.pt")
+    res = torch.load(work / "res.pt")
+    res["work"] = str(work)
+    return ref, res
 
 
 @pytest.mark.slow
@@ -118,6 +120,40 @@ def test_lora_engine_optimizes_adapters_only(layouts):
     in_opt, adapters, trainable = res["engine"]
     # TP2 rank 0's local adapters: 4 layers x rank 4 x (q,k,v,o,gate,up,down); base frozen
     assert adapters > 0 and in_opt == adapters == trainable, res["engine"]
+
+
+@pytest.mark.slow
+def test_lora_checkpoint_exports_peft_dir_and_merged_hf(layouts):
+    """The engine's TP2 LoRA checkpoint, exported by the conversion tool's path: the PEFT adapter
+    directory (written at PP2) loads with peft.PeftModel on the base it names, and the merged HF
+    directory loads with transformers; both give PEFT's reference logits. Control: the base."""
+    import json
+    from pathlib import Path
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ref, res = layouts
+    work = Path(res["work"])
+    ids, cu = ref["input_ids"], ref["cu_seqlens"]
+    tol = fp32_tol(K, float(ref["logits"].abs().max()), ops=OPS)
+
+    def logits(m):
+        m.config._attn_implementation = "eager"
+        with torch.no_grad():
+            return torch.cat([m(ids[cu[i]: cu[i + 1]].view(1, -1)).logits[0] for i in range(len(LENS))])
+
+    cfg = json.loads((work / "peft" / "adapter_config.json").read_text())
+    assert (cfg["r"], cfg["lora_alpha"], Path(cfg["base_model_name_or_path"])) == (LORA["rank"], LORA["alpha"], (work / "hf").resolve())
+    base = AutoModelForCausalLM.from_pretrained(cfg["base_model_name_or_path"], dtype=torch.float32)
+    off = (logits(base) - ref["logits"]).abs().max().item()
+    peft_lg = logits(PeftModel.from_pretrained(base, work / "peft"))
+    merged_lg = logits(AutoModelForCausalLM.from_pretrained(work / "merged_hf", dtype=torch.float32))
+    for name, lg in (("peft dir", peft_lg), ("merged hf", merged_lg)):
+        d = (lg - ref["logits"]).abs().max().item()
+        print(f"lora export {name}: max|export - PEFT| {d:.3g} bound {tol:.3g} control {off:.3g}")
+        assert d <= tol, f"{name}: {d} > {tol}"
+    assert off > 100 * tol, f"the base alone is within {off} of the LoRA logits"
 
 
 def test_lora_refusals():
