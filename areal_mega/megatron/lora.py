@@ -298,6 +298,19 @@ def gather_peft_state(model, grads: bool = False) -> dict[str, torch.Tensor]:
     return out
 
 
+def peft_state_on_rank0(model) -> dict[str, torch.Tensor] | None:
+    """Every adapter of the model (all pipeline stages) in PEFT's names and full shapes, on the
+    world's rank 0 (None elsewhere). Collective over the world: TP gather, then one replica per
+    stage sends (adapters are MBs, so an object gather is enough)."""
+    import torch.distributed as dist
+
+    mine = {k: v.cpu().contiguous() for k, v in gather_peft_state(model).items()}
+    c = model.groups.coords
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine if c.tp == 0 and c.dp == 0 and c.cp == 0 else {})
+    return {k: v for p in parts for k, v in p.items()} if dist.get_rank() == 0 else None
+
+
 def save_peft_adapter(model, out_dir, base_model: str | None) -> None:
     """A PEFT adapter directory (adapter_model.safetensors + adapter_config.json naming
     ``base_model``) that ``peft.PeftModel.from_pretrained`` loads, from any layout. Collective
@@ -308,16 +321,12 @@ def save_peft_adapter(model, out_dir, base_model: str | None) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    mine = {k: v.cpu().contiguous() for k, v in gather_peft_state(model).items()}
-    c = model.groups.coords
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine if c.tp == 0 and c.dp == 0 else {})
+    state = peft_state_on_rank0(model)
     if dist.get_rank() == 0:
         cfg = model.lora
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v for p in parts for k, v in p.items()}, str(out / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
         (out / "adapter_config.json").write_text(json.dumps(peft_config_dict(cfg, base_model), indent=1))
     dist.barrier()
 
