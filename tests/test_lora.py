@@ -268,3 +268,25 @@ def test_lora_adapter_sync_into_sglang(tmp_path):
     assert not problems and equal >= len(SEQS) * NEW // 2, (equal, problems)
     assert d0 > 100 * lp_tol, f"the server without the adapter is within {d0} of the learner"
     assert problems0, "the server without the adapter decodes as HF + PEFT does"
+
+
+@pytest.mark.families_serve
+def test_bench_lora_sync_smoke(tmp_path):
+    """tools/bench_lora_sync.py on a tiny model: the three ways sync, adapter-only moves the
+    adapter bytes (rank x (in + out) per projection, bf16), merged and full the whole model."""
+    import json
+    import os
+
+    from areal_mega.demo.models import tiny_model
+
+    python = os.environ.get("AREAL_MEGA_SGLANG_PYTHON")
+    if not python:
+        pytest.skip("AREAL_MEGA_SGLANG_PYTHON not set (make test-families-serve sets it)")
+    tiny_model("qwen2", vocab_size=512, noise=0.1, noise_seed=3).save_pretrained(tmp_path / "hf")
+    p = run_checked(torchrun_cmd(1, "tools/bench_lora_sync.py", "--model", tmp_path / "hf", "--sglang-python", python,
+                                 "--rank", "4", "--repeats", "1"), timeout_s=900, env=child_env(), merge_stderr=True)
+    rows = {r["way"]: r for r in (json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith('{"way"'))}
+    # tiny qwen2: 4 layers, hidden 64, q 64 / k,v 32 (GQA 4/2 of 16), MLP 128
+    per_layer = sum(4 * (i + o) for i, o in [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)])
+    assert rows["adapter"]["bytes"] == 4 * per_layer * 2, rows
+    assert rows["merged"]["bytes"] == rows["full"]["bytes"] > 10 * rows["adapter"]["bytes"], rows
