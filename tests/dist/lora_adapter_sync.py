@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.inference.sglang_api import SGLangClient
-from areal_mega.megatron.lora import LoraConfig, load_peft_state
-from areal_mega.megatron.lora import apply_lora
+from areal_mega.megatron.lora import LoraConfig, apply_lora, load_peft_state
 from areal_mega.megatron.model import MegatronModelConfig, build_model, load_hf_weights
 from areal_mega.megatron.parallel_state import init_model_parallel
 from areal_mega.parallel import ParallelConfig, ParallelLayout
