@@ -258,6 +258,7 @@ def test_convert_mcore_to_hf_bad_arguments(run_dir, tmp_path):
         (["--ckpt", root / LATEST, "--pp", "2"], ["world_size(1)", "pp(2)"]),
         (["--ckpt", root / LATEST, "--tokenizer-dir", tmp_path / "missing"], [str(tmp_path / "missing")]),
         (["--ckpt", root / LATEST, "--out", busy], [str(busy), "not an empty directory"]),
+        (["--ckpt", root / LATEST, "--peft"], ["--peft", "no LoRA adapters"]),  # a full fine-tune's checkpoint
     ]
     for args, needles in cases:
         if "--out" not in args:

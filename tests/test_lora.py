@@ -57,7 +57,7 @@ def _peft_reference(work):
     merged = {k: v.detach().clone() for k, v in pm.merge_and_unload().state_dict().items()}
     ref = dict(input_ids=ids, cu_seqlens=cu, R=R, lora=LORA, adapters=adapters)
     torch.save(ref, work / "ref.pt")
-    return dict(logits=logits.detach(), grads=grads, merged=merged, adapters=adapters)
+    return dict(logits=logits.detach(), grads=grads, merged=merged, adapters=adapters, input_ids=ids, cu_seqlens=cu)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,9 @@ def layouts(tmp_path_factory):
     ref = _peft_reference(work)
     run_checked(torchrun_cmd(2, "tests/dist/lora_layouts.py", "--work-dir", work, "--out", work / "res.pt"),
                 timeout_s=400, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
-    return ref, torch.load(work / "res.pt")
+    res = torch.load(work / "res.pt")
+    res["work"] = str(work)
+    return ref, res
 
 
 @pytest.mark.slow
@@ -120,6 +122,40 @@ def test_lora_engine_optimizes_adapters_only(layouts):
     assert adapters > 0 and in_opt == adapters == trainable, res["engine"]
 
 
+@pytest.mark.slow
+def test_lora_checkpoint_exports_peft_dir_and_merged_hf(layouts):
+    """The engine's TP2 LoRA checkpoint, exported by the conversion tool's path: the PEFT adapter
+    directory (written at PP2) loads with peft.PeftModel on the base it names, and the merged HF
+    directory loads with transformers; both give PEFT's reference logits. Control: the base."""
+    import json
+    from pathlib import Path
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ref, res = layouts
+    work = Path(res["work"])
+    ids, cu = ref["input_ids"], ref["cu_seqlens"]
+    tol = fp32_tol(K, float(ref["logits"].abs().max()), ops=OPS)
+
+    def logits(m):
+        m.config._attn_implementation = "eager"
+        with torch.no_grad():
+            return torch.cat([m(ids[cu[i]: cu[i + 1]].view(1, -1)).logits[0] for i in range(len(LENS))])
+
+    cfg = json.loads((work / "peft" / "adapter_config.json").read_text())
+    assert (cfg["r"], cfg["lora_alpha"], Path(cfg["base_model_name_or_path"])) == (LORA["rank"], LORA["alpha"], (work / "hf").resolve())
+    base = AutoModelForCausalLM.from_pretrained(cfg["base_model_name_or_path"], dtype=torch.float32)
+    off = (logits(base) - ref["logits"]).abs().max().item()
+    peft_lg = logits(PeftModel.from_pretrained(base, work / "peft"))
+    merged_lg = logits(AutoModelForCausalLM.from_pretrained(work / "merged_hf", dtype=torch.float32))
+    for name, lg in (("peft dir", peft_lg), ("merged hf", merged_lg)):
+        d = (lg - ref["logits"]).abs().max().item()
+        print(f"lora export {name}: max|export - PEFT| {d:.3g} bound {tol:.3g} control {off:.3g}")
+        assert d <= tol, f"{name}: {d} > {tol}"
+    assert off > 100 * tol, f"the base alone is within {off} of the LoRA logits"
+
+
 def test_lora_refusals():
     from types import SimpleNamespace
 
@@ -167,3 +203,90 @@ def test_lora_checkpoint_saved_tp2_loads_tp2_sp(layouts):
     # engine.save at TP2 (base + sharded adapters + adapter-only optimizer), engine.load at TP2 + SP
     assert res["ckpt"] and all(res["ckpt"].values()), res["ckpt"]
     assert len(res["ckpt"]) == 4 * 7 * 2  # A and B of every projection of every layer
+
+
+@pytest.mark.families_serve
+def test_lora_adapter_sync_into_sglang(tmp_path):
+    """Adapter-only sync into a real SGLang CPU server (--enable-lora; sglang_cpu_shim entry 5):
+    after version 2 (replacing version 1's adapter) the server's log-probs with the adapter equal
+    the TP2 learner's within the fp32 bound and its greedy continuations equal HF + PEFT's (merged);
+    the same server without the adapter (the control) is far off on both."""
+    import json
+    import os
+
+    from peft import LoraConfig as PeftConfig
+    from peft import get_peft_model, get_peft_model_state_dict
+
+    from areal_mega.demo.models import tiny_model
+    from areal_mega.inference.config import InferenceConfig, SGLangServerConfig
+    from areal_mega.inference.server import launch_servers
+    from tests.dist.lora_adapter_sync import NEW
+    from tests.dist.wsync_tp2pp2 import SEQS
+    from tests.support.launch import run_dist_script
+    from tests.test_families_serve import greedy_agreement, hf_greedy
+
+    python = os.environ.get("AREAL_MEGA_SGLANG_PYTHON")
+    if not python:
+        pytest.skip("AREAL_MEGA_SGLANG_PYTHON not set (make test-families-serve sets it)")
+    m = tiny_model("qwen2", vocab_size=512, noise=0.1, noise_seed=3)
+    m.save_pretrained(tmp_path / "hf")
+    torch.manual_seed(1)
+    pm = get_peft_model(m, PeftConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
+                                      target_modules=LORA["target_modules"], init_lora_weights=False))
+    torch.save({"lora": LORA, "adapters": {k: v.detach().clone() for k, v in get_peft_model_state_dict(pm).items()}},
+               tmp_path / "adapters.pt")
+    pm.merge_and_unload().save_pretrained(tmp_path / "merged")  # HF + PEFT's reference for greedy
+    icfg = InferenceConfig(num_servers=1, server=SGLangServerConfig(
+        python=python, model_path=str(tmp_path / "hf"), device="cpu", dtype="float32", max_total_tokens=4096,
+        env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=900, log_dir=str(tmp_path / "logs"),
+        extra_args=["--enable-lora", "--max-lora-rank", str(LORA["rank"]), "--lora-target-modules", "all",
+                    "--lora-backend", "torch_native", "--max-loras-per-batch", "1"]))
+    servers = launch_servers(icfg)
+    try:
+        res = run_dist_script("lora_adapter_sync.py", 2, tmp_path, timeout_s=600,
+                              args=("--hf-dir", tmp_path / "hf", "--adapters", tmp_path / "adapters.pt",
+                                    "--servers", servers[0].url))
+    finally:
+        for s in servers:
+            s.stop()
+    # fp32 on both sides: the logits' bound (OPS: transformer + two adapter reductions per matmul),
+    # doubled for log-softmax (|d lp| <= 2 max |d logit|)
+    lp_tol = 2 * fp32_tol(K, res["learner"]["logit_scale"], ops=OPS)
+    diff = lambda a, b: max(abs(x - y) for sa, sb in zip(a, b) for x, y in zip(sa, sb))  # noqa: E731
+    d1 = diff(res["with_adapter"]["logprobs"], res["learner"]["logprobs"])
+    d0 = diff(res["without_adapter"]["logprobs"], res["learner"]["logprobs"])
+    hf = hf_greedy(tmp_path / "merged", SEQS, NEW)
+    tol = fp32_tol(K, max(h[2] for h in hf), ops=OPS)
+    equal, problems = greedy_agreement(res["greedy_with"], hf, tol)
+    _, problems0 = greedy_agreement(res["greedy_without"], hf, tol)
+    adapter_bytes = sum(t.numel() * 4 for t in torch.load(tmp_path / "adapters.pt")["adapters"].values())
+    print(json.dumps({"logprob_diff": d1, "bound": lp_tol, "control": d0, "greedy_equal": equal,
+                      "of": len(SEQS) * NEW, "sync": res["sync"], "adapter_bytes": adapter_bytes}))
+    assert res["with_adapter"]["version"] == "2"
+    assert [s["bytes"] for s in res["sync"]] == [adapter_bytes] * 2  # adapters only, every version
+    assert d1 <= lp_tol, f"server with the adapter off the learner's log-probs by {d1} > {lp_tol}"
+    assert not problems and equal >= len(SEQS) * NEW // 2, (equal, problems)
+    assert d0 > 100 * lp_tol, f"the server without the adapter is within {d0} of the learner"
+    assert problems0, "the server without the adapter decodes as HF + PEFT does"
+
+
+@pytest.mark.families_serve
+def test_bench_lora_sync_smoke(tmp_path):
+    """tools/bench_lora_sync.py on a tiny model: the three ways sync, adapter-only moves the
+    adapter bytes (rank x (in + out) per projection, bf16), merged and full the whole model."""
+    import json
+    import os
+
+    from areal_mega.demo.models import tiny_model
+
+    python = os.environ.get("AREAL_MEGA_SGLANG_PYTHON")
+    if not python:
+        pytest.skip("AREAL_MEGA_SGLANG_PYTHON not set (make test-families-serve sets it)")
+    tiny_model("qwen2", vocab_size=512, noise=0.1, noise_seed=3).save_pretrained(tmp_path / "hf")
+    p = run_checked(torchrun_cmd(1, "tools/bench_lora_sync.py", "--model", tmp_path / "hf", "--sglang-python", python,
+                                 "--rank", "4", "--repeats", "1"), timeout_s=900, env=child_env(), merge_stderr=True)
+    rows = {r["way"]: r for r in (json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith('{"way"'))}
+    # tiny qwen2: 4 layers, hidden 64, q 64 / k,v 32 (GQA 4/2 of 16), MLP 128
+    per_layer = sum(4 * (i + o) for i, o in [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)])
+    assert rows["adapter"]["bytes"] == 4 * per_layer * 2, rows
+    assert rows["merged"]["bytes"] == rows["full"]["bytes"] > 10 * rows["adapter"]["bytes"], rows

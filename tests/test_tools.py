@@ -39,6 +39,7 @@ SMOKE = {
     "process_reward_toy.py": "test_tools.py::test_process_reward_toy",
     "process_reward_lm.py": "test_tools.py::test_process_reward_lm",
     "bench_staleness.py": "test_tools.py::test_bench_staleness_summarises_saved_cells",
+    "bench_lora_sync.py": "test_lora.py::test_bench_lora_sync_smoke",  # make test-families-serve
 }
 
 

@@ -6,7 +6,9 @@ config.json, and the tokenizer / generation files copied from the HF directory r
 checkpoint (or --tokenizer-dir). ``--ckpt`` is any checkpoint in the one areal_mega format
 (areal_mega/megatron/checkpoint.py): a trainer's ``checkpoints/latest`` or ``stepNNNNNN``, an
 engine's save, or the output of convert_hf_to_mcore.py. The tensors come from
-ModelAdapter.export_hf -- the same code path live weight sync uses. The checkpoint and the
+ModelAdapter.export_hf -- the same code path live weight sync uses. A LoRA checkpoint
+(``actor.lora.rank > 0``; docs/lora.md) exports merged weights W + scaling * B A, or with
+``--peft`` a PEFT adapter directory naming the checkpoint's base HF directory. The checkpoint and the
 layout are validated before the output directory is created; a bad argument prints one line to
 stderr and exits 2.
 """
@@ -41,6 +43,8 @@ def _check_args(args: argparse.Namespace) -> dict:
     layout = ParallelLayout.build(ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep,
                                    expert_tensor_parallel=args.etp), world)
     layout.check_model(arch.num_layers, arch.num_heads, arch.num_kv_heads)
+    if args.peft and not meta.get("lora"):
+        raise ValueError(f"--peft: {args.ckpt} holds no LoRA adapters (actor.lora.rank was 0)")
     if args.tokenizer_dir is not None and not Path(args.tokenizer_dir).is_dir():
         raise ValueError(f"--tokenizer-dir: {args.tokenizer_dir} is not a directory")
     out = Path(args.out)
@@ -54,7 +58,7 @@ def convert(args: argparse.Namespace) -> int:
     from areal_mega.megatron.hf_export import export_checkpoint
 
     export_checkpoint(args.ckpt, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
-                      tokenizer_dir=args.tokenizer_dir, prog=PROG)
+                      tokenizer_dir=args.tokenizer_dir, prog=PROG, peft=args.peft)
     return 0
 
 
@@ -67,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (MoE; default: --tp)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (one safetensors file per stage)")
     ap.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here (default: the checkpoint's source HF dir)")
+    ap.add_argument("--peft", action="store_true", help="LoRA checkpoints: write a PEFT adapter directory, not merged weights")
     args = ap.parse_args(argv)
     try:
         return convert(args)

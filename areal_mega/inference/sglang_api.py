@@ -53,11 +53,28 @@ class Call:
 # -- the calls ------------------------------------------------------------------------------------
 
 def generate(input_ids: Sequence[int], sampling_params: dict[str, Any], rid: str, *,
-             return_routes: bool = False) -> Call:
+             return_routes: bool = False, lora: str | None = None) -> Call:
     body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": True, "rid": rid}
+    if lora is not None:  # the LoRA adapter (loaded by name) this request runs with
+        body["lora_path"] = lora
     if return_routes:  # meta_info.routed_experts: base64 int32 [len(input) + len(output) - 1, layers, top_k]
         body["return_routed_experts"] = True
     return Call("POST", "/generate", body)
+
+
+def load_lora_adapter_from_tensors(name: str, config: dict[str, Any], payloads: Sequence[str]) -> Call:
+    """An adapter held in memory by ``name`` (``config``: PEFT's adapter_config.json; ``payloads``:
+    one base64 pickle of {PEFT key: tensor} per server TP rank). SGLang >= 0.5.23, --enable-lora."""
+    return Call("POST", "/load_lora_adapter_from_tensors",
+                {"lora_name": name, "config_dict": dict(config), "serialized_named_tensors": list(payloads)})
+
+
+def unload_lora_adapter(name: str) -> Call:
+    return Call("POST", "/unload_lora_adapter", {"lora_name": name})
+
+
+def update_weight_version(version: int | str) -> Call:
+    return Call("POST", "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 
 
 def decode_routes(meta_info: dict[str, Any], num_rows: int) -> np.ndarray:

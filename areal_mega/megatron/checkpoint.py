@@ -12,6 +12,7 @@ Fields, resume, traps: docs/checkpoints.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -187,6 +188,7 @@ def checkpoint_metadata(
         "dtype": model.dtype,
         "padded_vocab_size": model.padded_vocab_size,
         "layer_spec": model.layer_spec,
+        "lora": dataclasses.asdict(model.lora) if model.lora is not None else None,  # base: source_hf_dir
         "source_hf_dir": str(Path(source_hf_dir).resolve()) if source_hf_dir else None,
         "saved_layout": str(model.groups.layout),
         "step": int(step),
@@ -256,7 +258,12 @@ def build_model_from_checkpoint(
     meta = read_metadata(path)
     cfg = cfg or MegatronModelConfig(dtype=meta["dtype"], layer_spec=meta.get("layer_spec") or "auto",
                                      make_vocab_size_divisible_by=int(meta["padded_vocab_size"]))
-    return build_model(meta["hf_config"], groups, cfg)
+    model = build_model(meta["hf_config"], groups, cfg)
+    if meta.get("lora"):  # a LoRA checkpoint holds the adapters next to the frozen base
+        from areal_mega.megatron.lora import LoraConfig, apply_lora
+
+        apply_lora(model, LoraConfig(**meta["lora"]))
+    return model
 
 
 def check_compatible(model: MegatronModel, path: str | Path) -> None:

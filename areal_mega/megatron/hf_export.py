@@ -73,8 +73,9 @@ __all__ = ["save_hf_checkpoint"]
 
 
 def export_checkpoint(ckpt: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-                      tokenizer_dir: str | None = None, prog: str = "export") -> None:
-    """A checkpoint in the one areal_mega format (any saved layout) -> an HF directory, loaded at
+                      tokenizer_dir: str | None = None, prog: str = "export", peft: bool = False) -> None:
+    """A checkpoint in the one areal_mega format (any saved layout) -> an HF directory (a LoRA
+    checkpoint: merged weights W + scaling * B A; ``peft``: a PEFT adapter directory instead), loaded at
     ``tp`` x ``pp`` (``ep``/``etp``: expert parallelism of MoE models; collective over the torchrun world, or a world of one formed here). Used by
     tools/convert_mcore_to_hf.py and ``areal-mega eval --model <checkpoint>``."""
     import time
@@ -90,8 +91,15 @@ def export_checkpoint(ckpt: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: 
     load_checkpoint(model, ckpt)  # checks role, model_type and every shape first
     # The same writer the trainer uses for its final HF export (one shard per stage, index,
     # config.json, tokenizer files from the source HF dir).
-    save_hf_checkpoint(model, out_dir, hf_config=meta["hf_config"],
-                       source_dir=tokenizer_dir or meta.get("source_hf_dir"))
+    if peft:
+        from areal_mega.megatron.lora import save_peft_adapter
+
+        if model.lora is None:
+            raise ValueError(f"--peft: {ckpt} holds no LoRA adapters (actor.lora.rank was 0)")
+        save_peft_adapter(model, out_dir, meta.get("source_hf_dir"))
+    else:
+        save_hf_checkpoint(model, out_dir, hf_config=meta["hf_config"],
+                           source_dir=tokenizer_dir or meta.get("source_hf_dir"))
     if dist.get_rank() == 0:
         print(f"{prog}: {ckpt} -> {out_dir} ({layout}) in {time.time() - t0:.1f}s", flush=True)
     destroy_model_parallel(groups)

@@ -232,6 +232,7 @@ def apply_lora(model, cfg: LoraConfig) -> int:
         mod.register_forward_hook(_hook)
         _shard_adapters_in_checkpoint(mod, kind)
         n += sum(p.numel() for p in mod.lora.parameters())
+    model.lora = cfg  # checkpoints record it; PEFT export writes it
     missing = sorted(set(cfg.target_modules) - found)
     if missing and model.arch.num_layers:  # every stage holds attention and MLP of its layers
         raise ValueError(f"actor.lora.target_modules: {missing} not in this model (it has {', '.join(TARGETS)})")
@@ -295,6 +296,47 @@ def gather_peft_state(model, grads: bool = False) -> dict[str, torch.Tensor]:
             t = tp_all_gather(t.contiguous(), model.groups.tp, dim=dim)
         out[key] = t.detach().clone()
     return out
+
+
+def peft_state_on_rank0(model) -> dict[str, torch.Tensor] | None:
+    """Every adapter of the model (all pipeline stages) in PEFT's names and full shapes, on the
+    world's rank 0 (None elsewhere). Collective over the world: TP gather, then one replica per
+    stage sends (adapters are MBs, so an object gather is enough)."""
+    import torch.distributed as dist
+
+    mine = {k: v.cpu().contiguous() for k, v in gather_peft_state(model).items()}
+    c = model.groups.coords
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine if c.tp == 0 and c.dp == 0 and c.cp == 0 else {})
+    return {k: v for p in parts for k, v in p.items()} if dist.get_rank() == 0 else None
+
+
+def save_peft_adapter(model, out_dir, base_model: str | None) -> None:
+    """A PEFT adapter directory (adapter_model.safetensors + adapter_config.json naming
+    ``base_model``) that ``peft.PeftModel.from_pretrained`` loads, from any layout. Collective
+    over the world (TP gather, then every pipeline stage's adapters to rank 0, which writes)."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    state = peft_state_on_rank0(model)
+    if dist.get_rank() == 0:
+        cfg = model.lora
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (out / "adapter_config.json").write_text(json.dumps(peft_config_dict(cfg, base_model), indent=1))
+    dist.barrier()
+
+
+def peft_config_dict(cfg: LoraConfig, base_model: str | None) -> dict:
+    """PEFT's adapter_config.json for ``cfg`` (also the config SGLang's adapter load takes)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
+            "target_modules": list(cfg.target_modules), "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "init_lora_weights": True}
 
 
 class MergedView:

@@ -164,6 +164,8 @@ class MegatronModel:
     padded_vocab_size: int
     plans: list[StagePlan] = field(repr=False)
     """adapter.plan(layout) for every stage (pure metadata, identical on all ranks)."""
+    lora: Any = None
+    """The LoraConfig apply_lora attached (areal_mega/megatron/lora.py); None: no adapters."""
 
     @property
     def stage_plan(self) -> StagePlan:

@@ -8,7 +8,8 @@ carry global layer indices, so each stage loads its own layers' adapters). Rank 
 * logits[layout]: packed-batch logits with the adapters loaded (last stage, TP-gathered);
 * base[layout]: the same model before the adapters are loaded (B = 0: adapters not applied);
 * grads[layout]: adapter gradients (PEFT names, full shapes) of sum(logits * R);
-* merged[layout]: {HF name: W + scaling * B A} as the merged-weight sync sends it.
+* merged[layout]: {HF name: W + scaling * B A} as the merged-weight sync sends it;
+* W/merged_hf, W/peft: the TP2 engine checkpoint exported (merged HF dir; PEFT adapter dir).
 """
 
 from __future__ import annotations
@@ -89,6 +90,12 @@ def main() -> None:
             back = gather_peft_state(eng.model)
             res["ckpt"] = {k: torch.equal(v, ref["adapters"][k]) for k, v in back.items()} if dist.get_rank() == 0 else None
         destroy_model_parallel()
+    # the conversion tool's path: the TP2 LoRA checkpoint as merged HF weights (loaded at TP2) and
+    # as a PEFT adapter directory (loaded at PP2: every stage's adapters reach rank 0)
+    from areal_mega.megatron.hf_export import export_checkpoint
+
+    export_checkpoint(f"{args.work_dir}/ckpt", f"{args.work_dir}/merged_hf", tp=2)
+    export_checkpoint(f"{args.work_dir}/ckpt", f"{args.work_dir}/peft", pp=2, peft=True)
     if dist.get_rank() == 0:
         torch.save(res, args.out)
     dist.barrier()

@@ -81,8 +81,9 @@ def learner_logprobs(model) -> dict | None:
     return {"logprobs": out, "logit_scale": float(logits.abs().max())}
 
 
-def server_state(urls: list[str]) -> list[dict]:
-    """Per server: weight_version and input-token log-probs of SEQS (t >= 1)."""
+def server_state(urls: list[str], lora: str | None = None) -> list[dict]:
+    """Per server: weight_version and input-token log-probs of SEQS (t >= 1) (``lora``: with the
+    adapter loaded under that name)."""
     res = []
     for u in urls:
         lps = []
@@ -93,6 +94,8 @@ def server_state(urls: list[str]) -> list[dict]:
                 "return_logprob": True,
                 "logprob_start_len": 0,
             }
+            if lora is not None:
+                body["lora_path"] = lora
             req = urllib.request.Request(u + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=120) as r:
                 meta = json.loads(r.read())["meta_info"]

@@ -150,7 +150,48 @@ def _torch_shared_gate(module):
     module.fused_gate_sigmoid_mul_add = gated_add
 
 
+# Entry 5 (LoRA serving on CPU; SGLang 0.5.23). Symptom: a server started with --enable-lora on
+# --device cpu dies at start-up with "pin_memory=True requires a CUDA or other accelerator
+# backend" (srt/lora/layers.py:475, ColumnParallelLinearWithLoRA's output_offset_cpu), and past
+# that at the first LoRA batch with "Cannot access accelerator device when none is available"
+# (srt/lora/backend/torch_backend.py:225-244, .pin_memory() of the batch's index tensors).
+# Pinned host memory only speeds host-to-device copies; on CPU there is no device. Fix: without
+# CUDA those two modules are executed with pin_memory=True -> False and .pin_memory() dropped
+# (same lines, so tracebacks keep SGLang's line numbers). Test: tests/test_lora.py
+# (test_lora_adapter_sync_into_sglang: a CPU server with LoRA starts, loads the learner's adapters).
+_UNPINNED = ("sglang.srt.lora.layers", "sglang.srt.lora.backend.torch_backend")
+
+
+class _UnpinnedOnCPU(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _UNPINNED:
+            return None
+        import importlib.util
+
+        import torch
+
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.origin is None or torch.cuda.is_available():
+            return spec
+        from sglang.version import __version__
+
+        if __version__ not in _PATCHED_SGLANG:
+            return spec
+
+        def exec_module(module):
+            src = open(spec.origin).read().replace("pin_memory=True", "pin_memory=False").replace(".pin_memory()", "")
+            exec(compile(src, spec.origin, "exec"), module.__dict__)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 sys.meta_path.insert(0, _DefineTorchvisionOps())
 sys.meta_path.insert(0, _NoHostRegisterOnCPU())
 sys.meta_path.insert(0, _patch_after_exec(_MLA_HANDLER, _mla_on_cpu_backends))
 sys.meta_path.insert(0, _patch_after_exec(_QWEN2_MOE, _torch_shared_gate))
+sys.meta_path.insert(0, _UnpinnedOnCPU())
