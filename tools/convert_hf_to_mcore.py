@@ -36,7 +36,7 @@ def _check_args(args: argparse.Namespace) -> None:
     from areal_mega.parallel import ParallelConfig, ParallelLayout
 
     adapter = get_adapter(hf)
-    adapter.check_hf_shapes(HFCheckpointReader(hf).shape)
+    adapter.check_hf_shapes(adapter.checkpoint_view(HFCheckpointReader(hf)).shape)
     if args.dtype is not None:
         torch_dtype(args.dtype)  # names the choices
     MegatronModelConfig(dtype=args.dtype, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by).validate()

@@ -66,11 +66,20 @@ class CoreAttention(torch.nn.Module):
             if cp_comm_type not in (None, "all_gather"):
                 raise ValueError(f"actor.model.cp_comm_type: {cp_comm_type!r} is not implemented by the local "
                                  "spec's CoreAttention (all_gather only; p2p / a2a need transformer-engine)")
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError(f"softmax_type: {config.softmax_type!r} is not supported by CoreAttention")
-        if getattr(config, "window_size", None) is not None:
-            raise ValueError("window_size: sliding-window attention is not supported by CoreAttention")
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type not in ("vanilla", "learnable"):
+            raise ValueError(f"softmax_type: {softmax_type!r} is not supported by CoreAttention (vanilla, learnable)")
+        window = getattr(config, "window_size", None)
+        if window is not None and (window[1] != 0 or window[0] < 0):
+            raise ValueError(f"window_size: {window} is not supported by CoreAttention (only (left >= 0, 0), causal)")
         tp = 1 if pg_collection is None else pg_collection.tp.size()
+        # Sliding window: a band AND-ed into the packed block-causal mask (megatron's torch softmax
+        # would replace the mask by an unpacked window mask, fused_softmax.py:321); ``layer_number``
+        # is global (megatron adds the pipeline offset), as is_layer_window_attention wants.
+        self.window_left = (window[0] if is_layer_window_attention(window, config.window_attn_skip_freq,
+                                                                   max(1, layer_number)) else None)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.k_channels = k_channels or config.kv_channels
@@ -91,6 +100,14 @@ class CoreAttention(torch.nn.Module):
             softmax_in_fp32=config.attention_softmax_in_fp32, scale=coeff, window_size=None)
         self.attention_dropout = torch.nn.Dropout(config.attention_dropout if attention_dropout is None
                                                   else attention_dropout)
+        self.softmax_offset = None
+        if softmax_type == "learnable":  # attention sinks: megatron's name and TP sharding (heads)
+            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(self.heads, dtype=config.params_dtype))
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Any = None, attention_bias: Optional[Tensor] = None,
@@ -122,6 +139,9 @@ class CoreAttention(torch.nn.Module):
                                                ).to(query.device)
         elif packed_seq_params is not None:
             raise ValueError(f"packed_seq_params.qkv_format: {packed_seq_params.qkv_format!r} is not supported (thd)")
+        if self.window_left is not None:
+            attention_mask = self._with_window(attention_mask, query.size(0), key.size(0), query.device,
+                                               q_index if cp > 1 else None, k_index if cp > 1 else None)
         rep = query.size(2) // key.size(2)
         if rep > 1:  # GQA: each K/V head serves rep consecutive query heads (megatron's order)
             key = key.repeat_interleave(rep, dim=2)
@@ -133,7 +153,7 @@ class CoreAttention(torch.nn.Module):
         scores = torch.baddbmm(torch.empty(b * npart, sq, sk, dtype=q.dtype, device=q.device),
                                q.transpose(0, 1), k.transpose(0, 1).transpose(1, 2), beta=0.0,
                                alpha=self.softmax_scale).view(b, npart, sq, sk)
-        probs = self.scale_mask_softmax(scores, attention_mask, None)
+        probs = self.scale_mask_softmax(scores, attention_mask, self.softmax_offset)
         if not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 probs = self.attention_dropout(probs)
@@ -144,6 +164,19 @@ class CoreAttention(torch.nn.Module):
         ctx = torch.bmm(probs.view(b * npart, sq, sk), v.transpose(0, 1)).view(b, npart, sq, dv)
         ctx = ctx.permute(2, 0, 1, 3).contiguous().view(sq, b, npart * dv)
         return ctx[:, 0] if thd else ctx
+
+
+    def _with_window(self, mask: Optional[Tensor], sq: int, sk: int, device: Any,
+                     q_index: Tensor | None, k_index: Tensor | None) -> Tensor:
+        """``mask`` (True = masked; None = plain causal) also masking keys ``window_left`` or more
+        tokens before the query: positions are the packed row's (or CP's global) indices, and
+        inside one sequence their difference is the in-sequence distance."""
+        qi = torch.arange(sq, device=device) if q_index is None else q_index.to(device)
+        ki = torch.arange(sk, device=device) if k_index is None else k_index.to(device)
+        band = (qi[:, None] - ki[None, :]) > self.window_left
+        if mask is None:
+            mask = ki[None, :] > qi[:, None]
+        return mask | band.view(1, 1, sq, sk)
 
 
 def with_core_attention(layer_spec: Any) -> Any:

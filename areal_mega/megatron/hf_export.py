@@ -40,7 +40,8 @@ def save_hf_checkpoint(model: MegatronModel, out_dir: str, *, hf_config: dict | 
     if layout.exports(groups.rank):  # one replica exports: TP ranks (and expert owners) gather
         from safetensors.torch import save_file
 
-        tensors = {n: t.detach().cpu().contiguous() for n, t in export_hf_weights(model) if t is not None}
+        tensors = {n: t.detach().cpu().contiguous()
+                   for n, t in model.adapter.stack_hf((n, t) for n, t in export_hf_weights(model) if t is not None)}
         tensors.update(frozen)
         if c.tp == 0 and c.dp == 0 and c.cp == 0:  # the stage's sender holds every tensor
             save_file(tensors, str(out / files[c.pp]), metadata={"format": "pt"})
@@ -53,7 +54,7 @@ def save_hf_checkpoint(model: MegatronModel, out_dir: str, *, hf_config: dict | 
             weight_map, total = {}, 0
             for sp in model.plans:
                 for t in sp.tensors:
-                    weight_map[t.name] = files[sp.stage]
+                    weight_map[model.adapter.checkpoint_name(t.name)] = files[sp.stage]
                     numel = 1
                     for d in t.shape:
                         numel *= d

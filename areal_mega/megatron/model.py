@@ -200,7 +200,7 @@ def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: Megatr
     lay = groups.layout
     dt = torch_dtype(dtype)
     cls = MLATransformerConfig if arch.mla is not None else TransformerConfig
-    return cls(
+    tcfg = cls(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -210,8 +210,8 @@ def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: Megatr
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        activation_func=F.silu if arch.swiglu_limit is None else _quick_gelu(),
+        add_bias_linear=arch.linear_bias,
         add_qkv_bias=arch.qkv_bias,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
@@ -242,8 +242,41 @@ def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: Megatr
         **moe_kwargs(arch, lay, cfg, grouped=spec_name == "te"),
         **mla_kwargs(arch),
         **linear_attention_kwargs(arch),
+        **sink_window_kwargs(arch),
         **recompute_kwargs(cfg),
     )
+    if arch.yarn is not None and arch.mla is None:
+        # GPTModel's YarnRotaryEmbedding and SelfAttention's mscale read these off the config,
+        # which TransformerConfig (unlike MLATransformerConfig) does not declare.
+        y = arch.yarn
+        for k, v in dict(yarn_rotary_scaling_factor=y.factor, yarn_original_max_position_embeddings=
+                         y.original_max_position_embeddings, yarn_beta_fast=y.beta_fast, yarn_beta_slow=y.beta_slow,
+                         yarn_mscale=None, yarn_mscale_all_dim=None,  # HF's attention_factor = 0.1 ln(factor) + 1
+                         yarn_correction_range_round_to_int=y.truncate).items():
+            setattr(tcfg, k, v)
+    return tcfg
+
+
+def _quick_gelu():
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return quick_gelu
+
+
+def sink_window_kwargs(arch: ModelArch) -> dict[str, Any]:
+    """TransformerConfig fields of gpt-oss: attention sinks (megatron's learnable softmax offset),
+    the sliding window on some layers (run by CoreAttention on the packed mask, megatron/attention.py)
+    and the clamped SwiGLU (quick_gelu GLU, +1 on the linear half, clamp; unfused path only: the
+    fused kernel clamps before adding the bias, docs/families_probe.md)."""
+    kw: dict[str, Any] = {}
+    if arch.attention_sinks:
+        kw["softmax_type"] = "learnable"
+    if arch.sliding_window is not None:
+        kw["window_size"] = (arch.sliding_window - 1, 0)
+        kw["window_attn_skip_freq"] = [int(i in arch.sliding_window_layers) for i in range(arch.num_layers)]
+    if arch.swiglu_limit is not None:
+        kw.update(glu_linear_offset=1.0, activation_func_clamp_value=arch.swiglu_limit)
+    return kw
 
 
 def linear_attention_kwargs(arch: ModelArch) -> dict[str, Any]:
@@ -422,7 +455,11 @@ def build_model(
     check_linear_attention(arch, cfg, lay)
     if hybrid:
         compat.enable_torch_gated_delta_net()  # compat entry 13
-    spec_name = "local" if hybrid else resolve_layer_spec(cfg.layer_spec)
+    oss = arch.attention_sinks or arch.sliding_window is not None
+    if oss and cfg.layer_spec == "te":
+        raise ValueError(f"actor.model.layer_spec: te is not supported for {arch.model_type} (its sinks and "
+                         "packed sliding window run in the local spec's CoreAttention; use auto or local)")
+    spec_name = "local" if hybrid or oss else resolve_layer_spec(cfg.layer_spec)
     check_context_parallel(lay, spec_name, cp_comm_type=cfg.cp_comm_type, vpp=lay.vpp, mla=arch.mla is not None)
     dtype = cfg.dtype or arch.dtype
     tcfg = transformer_config(arch, groups, cfg, dtype, spec_name)
@@ -481,7 +518,7 @@ def build_model(
             post_process=post,
             parallel_output=True,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type="yarn" if arch.yarn is not None and arch.mla is None else "rope",
             rotary_base=arch.rope_theta,
             rope_scaling=arch.rope_scaling_factor is not None,
             rope_scaling_factor=arch.rope_scaling_factor or 8.0,
@@ -506,7 +543,7 @@ def load_hf_weights(model: MegatronModel, hf_dir: str | Path) -> int:
     All shapes are validated before any parameter is touched (ValueError naming the tensor and
     both shapes). Each rank reads only its stage's tensors, and of those only its TP slices.
     """
-    reader = HFCheckpointReader(hf_dir)
+    reader = model.adapter.checkpoint_view(HFCheckpointReader(hf_dir))
     c = model.groups.coords
     return model.adapter.load_hf(
         model.chunks, model.stage_plan, model.groups.layout.tp, c.tp, reader.read_slice, reader.shape,

@@ -108,6 +108,19 @@ class ModelArch:
     """Hybrid linear attention (Qwen3.5 / Qwen3-Next gated DeltaNet layers); None = every layer softmax."""
     attention_output_gate: bool = False
     """The softmax-attention output times sigmoid(a gate projected with q) (Qwen3.5's gated attention)."""
+    attention_sinks: bool = False
+    """A learned per-head logit in every softmax denominator (gpt-oss's ``sinks``; megatron's
+    softmax_type "learnable", ``core_attention.softmax_offset``)."""
+    sliding_window: int | None = None
+    """Each query sees itself and the ``sliding_window - 1`` tokens before it on the layers in
+    ``sliding_window_layers`` (HF's ``kv_idx > q_idx - sliding_window``); None = no window."""
+    sliding_window_layers: tuple[int, ...] = ()
+    """Global ids of the windowed layers (gpt-oss: HF layer_types "sliding_attention")."""
+    linear_bias: bool = False
+    """Biases on every linear: attention q/k/v/o, router, experts (megatron's add_bias_linear; gpt-oss)."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped SwiGLU: (clamp(up, -l, l) + 1) * g * sigmoid(1.702 g), g = clamp(gate, max=l)
+    (megatron's quick_gelu GLU with glu_linear_offset 1 and activation_func_clamp_value l); None = SiLU SwiGLU."""
 
     @property
     def heads_per_group(self) -> int:
@@ -170,6 +183,8 @@ class YarnArch:
     beta_slow: float
     mscale: float
     mscale_all_dim: float
+    truncate: bool = True
+    """Round the YaRN correction range to integers (HF rope_parameters.truncate; gpt-oss: false)."""
 
 
 @dataclass(frozen=True)
@@ -557,6 +572,19 @@ class ModelAdapter:
         """HF tensors not built in megatron that an HF export writes back unchanged, read from the
         source HF dir (a vision-language checkpoint's vision tower); {} for text models."""
         return {}
+
+    def checkpoint_view(self, reader: Any) -> Any:
+        """The HF checkpoint reader as the plan's names see it (gpt-oss: one expert's slice of a
+        stacked tensor, models/gpt_oss.py); the reader itself for per-tensor checkpoints."""
+        return reader
+
+    def checkpoint_name(self, hf_name: str) -> str:
+        """The checkpoint tensor that holds plan tensor ``hf_name`` (itself unless stacked)."""
+        return hf_name
+
+    def stack_hf(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Plan-named ``(name, tensor)`` -> the checkpoint's tensors (identity unless stacked)."""
+        return iter(tensors)
 
     def hf_names(self) -> list[str]:
         """Every tensor of the HF checkpoint, in plan order for a single stage."""

@@ -1,0 +1,183 @@
+"""gpt-oss (models/gpt_oss.py) against transformers' GptOssForCausalLM, fp32 on CPU.
+
+Default suite: the whole tiny model at TP1 through the registry (build_model / load_hf_weights /
+export_hf_weights / forward_logits), three sequences packed in one row, two of them longer than
+the sliding window, vs HF per sequence; the controls (sinks dropped, window off, SwiGLU unclamped).
+The layouts TP2 / PP2 / EP2 and the conversion round trip run under torchrun (families_serve marker,
+``make test-families-serve``): tests/dist/gpt_oss_layouts.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+LAYER = pytest.mark.families_serve
+WINDOW = 8
+CFG = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+           head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+           rms_norm_eps=1e-5, max_position_embeddings=512, swiglu_limit=7.0,
+           rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                truncate=False, original_max_position_embeddings=16))
+LENS = [23, 5, 30]
+"""Packed row: two sequences longer than the window (8), one shorter; YaRN's original context 16 < 30."""
+
+
+def tiny(seed: int = 0):
+    """A tiny random GptOssForCausalLM (4 layers: sliding, full, sliding, full; 4 experts top-2),
+    fp32, eager attention (the sinks path), every weight moved off HF's init (zero biases, router 0)
+    by N(0, 1) x 0.1 -- and the expert weights scaled up so the clamp at 7 binds on some tokens."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    m = GptOssForCausalLM(GptOssConfig(**CFG))
+    m.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.add_(0.1 * torch.randn_like(p))
+            if "sinks" in n:
+                p.mul_(20)  # sinks O(1): the control "sinks dropped" must move the result
+            if n.endswith("experts.gate_up_proj"):
+                p.mul_(40)
+    return m.float().eval()
+
+
+def packed_reference(m, seed: int = 3) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 300, (sum(LENS),), generator=g)
+    cu = torch.tensor([0] + torch.tensor(LENS).cumsum(0).tolist())
+    with torch.no_grad():
+        logits = torch.cat([m(input_ids=ids[cu[i]: cu[i + 1]][None]).logits[0] for i in range(len(LENS))])
+    return {"input_ids": ids, "cu_seqlens": cu, "logits": logits.float()}
+
+
+def logprob_tol(ref_logits: torch.Tensor) -> float:
+    """fp32 log-probs of the same weights two ways (megatron packed, any layout, vs HF per
+    sequence): 4 layers' reductions of up to K = 64 terms (hidden 64, heads 4 x 16 + the sink,
+    experts 32 x 2) relative to the largest |logit| (tests/support/numerics.py), x 2 for the
+    log-softmax (|d log p| <= 2 max |d logit|)."""
+    from tests.support.numerics import fp32_tol, transformer_reductions
+
+    return 2 * fp32_tol(64, float(ref_logits.abs().max()), ops=transformer_reductions(4) - 1)
+
+
+def clamp_binds(m, ids) -> float:
+    """Fraction of expert gate/up pre-activations HF clamps on ``ids`` (the clamp must matter)."""
+    hits, total = [], []
+
+    def hook(mod, args, out):
+        x = args[0]
+        for e in range(mod.num_experts):
+            z = x @ mod.gate_up_proj[e] + mod.gate_up_proj_bias[e]
+            hits.append(int((z[..., ::2] > mod.limit).sum() + (z[..., 1::2].abs() > mod.limit).sum()))
+            total.append(z.numel())
+
+    hs = [layer.mlp.experts.register_forward_hook(hook) for layer in m.model.layers]
+    with torch.no_grad():
+        m(input_ids=ids[None])
+    for h in hs:
+        h.remove()
+    return sum(hits) / sum(total)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _world_released():
+    """The megatron world of one set up here is torn down after the module (test_workflow expects
+    no default process group in the pytest process)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    had_group = dist.is_initialized()
+    yield
+    if not had_group:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_adapter_refuses_what_it_cannot_run():
+    from areal_mega.models import get_adapter
+
+    base = {**CFG, "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]}
+    a = get_adapter(base).arch
+    assert a.sliding_window == WINDOW and a.sliding_window_layers == (0, 2) and a.attention_sinks
+    assert a.yarn is not None and not a.yarn.truncate and a.swiglu_limit == 7.0 and a.linear_bias
+    for bad, msg in ((dict(swiglu_alpha=1.5), "^swiglu_alpha: 1.5"),
+                     (dict(quantization_config={"quant_method": "mxfp4"}), "^quantization_config: 'mxfp4'"),
+                     (dict(layer_types=["sliding_attention"] * 3), "^layer_types:"),
+                     (dict(rope_parameters={**CFG["rope_parameters"], "attention_factor": 2.0}),
+                      "^rope_parameters.attention_factor")):
+        with pytest.raises(ValueError, match=msg):
+            get_adapter({**base, **bad})
+
+
+def test_tiny_model_logprobs_match_hf_packed(tmp_path):
+    """TP1 through the registry: packed log-probs = HF per sequence within the fp32 bound; the
+    parameter count equals transformers'; export_hf (weight sync's path) stacked back = the HF
+    file bit for bit; controls far off: sinks dropped, window off, clamp off."""
+    from megatron.core import parallel_state as ps
+
+    from areal_mega.megatron import cpu_compat
+    from areal_mega.megatron.model import (
+        HFCheckpointReader, MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights,
+    )
+    from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel, init_process_group_for_script
+    from areal_mega.parallel import ParallelLayout
+    from tests.support.models import packed_logprobs
+
+    hf = tiny()
+    hf.save_pretrained(tmp_path)
+    ref = packed_reference(hf)
+    ids, cu = ref["input_ids"], ref["cu_seqlens"]
+    assert clamp_binds(hf, ids[cu[2]:]) > 0.01  # the clamp is exercised
+    cpu_compat.apply()
+    init_process_group_for_script()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if ps._GLOBAL_MEMORY_BUFFER is not None:  # set alone by an earlier test (test_core_attention)
+        ps.destroy_global_memory_buffer()
+    groups = init_model_parallel(ParallelLayout(world_size=1), backend="gloo")
+    try:
+        with pytest.raises(ValueError, match="^actor.model.layer_spec: te is not supported for gpt_oss"):
+            build_model(tmp_path, groups, MegatronModelConfig(layer_spec="te"))
+        model = build_model(tmp_path, groups, MegatronModelConfig())
+        load_hf_weights(model, tmp_path)
+        (mc,) = model.chunks
+        pad = 2 * (model.padded_vocab_size - 300) * 64  # zero vocab-padding rows of embedding + output layer
+        assert sum(p.numel() for p in mc.parameters()) - pad == sum(p.numel() for p in hf.parameters())
+        disk = HFCheckpointReader(tmp_path)
+        out = dict(model.adapter.stack_hf(export_hf_weights(model)))
+        assert sorted(out) == sorted(disk.names()) and all(torch.equal(out[n], disk.read(n)) for n in out)
+        hf_lp = packed_logprobs(ref["logits"], ids, cu)
+        tol = logprob_tol(ref["logits"])
+
+        def err():
+            return (packed_logprobs(forward_logits(model, ids, cu), ids, cu) - hf_lp).abs().max().item()
+
+        e = err()
+        print(f"gpt_oss TP1 packed log-probs: max|mc-hf|={e:.2e} bound={tol:.2e}")
+        assert e <= tol
+        controls = {}
+        attn = [layer.self_attention.core_attention for layer in mc.decoder.layers]
+        sinks = [a.softmax_offset for a in attn]
+        for a in attn:
+            a.softmax_offset = None
+        controls["sinks dropped"] = err()
+        for a, s in zip(attn, sinks):
+            a.softmax_offset = s
+        windows = [a.window_left for a in attn]
+        assert windows == [WINDOW - 1, None, WINDOW - 1, None]
+        for a in attn:
+            a.window_left = None
+        controls["window off"] = err()
+        for a, w in zip(attn, windows):
+            a.window_left = w
+        mc.config.activation_func_clamp_value = None
+        controls["clamp off"] = err()
+        mc.config.activation_func_clamp_value = 7.0
+        print("gpt_oss controls:", {k: f"{v:.2e}" for k, v in controls.items()})
+        assert all(v > 100 * tol for v in controls.values()), controls
+        assert err() == e
+    finally:
+        destroy_model_parallel(groups)
