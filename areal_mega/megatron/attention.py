@@ -75,6 +75,7 @@ class CoreAttention(torch.nn.Module):
         if window is not None and (window[1] != 0 or window[0] < 0):
             raise ValueError(f"window_size: {window} is not supported by CoreAttention (only (left >= 0, 0), causal)")
         tp = 1 if pg_collection is None else pg_collection.tp.size()
+        self.tp_group = None if pg_collection is None else pg_collection.tp
         # Sliding window: a band AND-ed into the packed block-causal mask (megatron's torch softmax
         # would replace the mask by an unpacked window mask, fused_softmax.py:321); ``layer_number``
         # is global (megatron adds the pipeline offset), as is_layer_window_attention wants.
@@ -165,6 +166,16 @@ class CoreAttention(torch.nn.Module):
         ctx = ctx.permute(2, 0, 1, 3).contiguous().view(sq, b, npart * dv)
         return ctx[:, 0] if thd else ctx
 
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """The sinks TP-sharded on heads, as megatron's DotProductAttention keys them (a plain
+        module's default would store each TP rank's shard as a replica)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True) if self.softmax_offset is not None else {}
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=self.tp_group,
+                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
     def _with_window(self, mask: Optional[Tensor], sq: int, sk: int, device: Any,
                      q_index: Tensor | None, k_index: Tensor | None) -> Tensor:

@@ -456,6 +456,9 @@ def build_model(
     if hybrid:
         compat.enable_torch_gated_delta_net()  # compat entry 13
     oss = arch.attention_sinks or arch.sliding_window is not None
+    if arch.is_moe and arch.linear_bias and lay.etp != 1:  # megatron 0.16.1 asserts it (transformer_config.py)
+        raise ValueError(f"parallel.expert_tensor_parallel: {lay.etp} is not supported for {arch.model_type} (its "
+                         "experts have biases, which megatron-core 0.16.1 allows only at expert_tensor_parallel 1)")
     if oss and cfg.layer_spec == "te":
         raise ValueError(f"actor.model.layer_spec: te is not supported for {arch.model_type} (its sinks and "
                          "packed sliding window run in the local spec's CoreAttention; use auto or local)")
