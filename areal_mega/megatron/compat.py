@@ -156,6 +156,13 @@ ENTRIES: dict[int, Entry] = {
         ">=0.16.1",
         "tests/test_qwen3_5.py::test_tp2_out_norm_gradient_matches_hf",
     ),
+    15: Entry(
+        "YaRN on standard (non-MLA) attention, gpt-oss: GPTModel(position_embedding_type='yarn') and "
+        "SelfAttention's mscale read yarn_* fields that only MLATransformerConfig declares -> "
+        "AttributeError building the model (set them on the TransformerConfig instance)",
+        ">=0.16.1",
+        "tests/test_gpt_oss.py::test_tiny_model_logprobs_match_hf_packed",
+    ),
 }
 
 
@@ -527,3 +534,16 @@ def enable_torch_gated_delta_net() -> None:
     gdn.l2norm = _torch_l2norm
     gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
     gdn.HAVE_FLA = True
+
+
+# ---------------------------------------------------------------- YaRN on GPT attention (entry 15)
+def set_gpt_yarn(tcfg: Any, yarn: Any) -> None:
+    """Entry 15: the yarn_* fields GPTModel's YarnRotaryEmbedding and SelfAttention's mscale read,
+    from the adapter's YarnArch (HF's attention_factor = 0.1 ln(factor) + 1: mscale fields None)."""
+    if not applies(15):
+        return
+    for k, v in dict(yarn_rotary_scaling_factor=yarn.factor,
+                     yarn_original_max_position_embeddings=yarn.original_max_position_embeddings,
+                     yarn_beta_fast=yarn.beta_fast, yarn_beta_slow=yarn.beta_slow, yarn_mscale=None,
+                     yarn_mscale_all_dim=None, yarn_correction_range_round_to_int=yarn.truncate).items():
+        setattr(tcfg, k, v)

@@ -246,14 +246,7 @@ def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: Megatr
         **recompute_kwargs(cfg),
     )
     if arch.yarn is not None and arch.mla is None:
-        # GPTModel's YarnRotaryEmbedding and SelfAttention's mscale read these off the config,
-        # which TransformerConfig (unlike MLATransformerConfig) does not declare.
-        y = arch.yarn
-        for k, v in dict(yarn_rotary_scaling_factor=y.factor, yarn_original_max_position_embeddings=
-                         y.original_max_position_embeddings, yarn_beta_fast=y.beta_fast, yarn_beta_slow=y.beta_slow,
-                         yarn_mscale=None, yarn_mscale_all_dim=None,  # HF's attention_factor = 0.1 ln(factor) + 1
-                         yarn_correction_range_round_to_int=y.truncate).items():
-            setattr(tcfg, k, v)
+        compat.set_gpt_yarn(tcfg, arch.yarn)  # compat entry 15
     return tcfg
 
 
