@@ -252,3 +252,15 @@ def test_conversion_tools_roundtrip_bit_exact(layouts):
     bad = [n for n in a.names() if not torch.equal(a.read(n), b.read(n))]
     assert not bad, f"not bit-exact: {bad[:5]}"
     assert json.loads((work / "hf" / "config.json").read_text())["model_type"] == "gpt_oss"
+
+
+def test_memory_model_counts_transformers_params():
+    """The memory model's parameter count (sinks, o_proj / router / expert biases included) =
+    transformers' GptOssForCausalLM's, exactly."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from areal_mega.models import get_adapter
+    from areal_mega.simulator.memory import total_params
+
+    m = GptOssForCausalLM(GptOssConfig(**CFG))
+    assert total_params(get_adapter({**CFG, "model_type": "gpt_oss"}).arch) == sum(p.numel() for p in m.parameters())

@@ -1070,3 +1070,23 @@ def test_lora_on_moe_refused_by_the_dry_run(capsys, monkeypatch):
     cap = capsys.readouterr()
     lines = [x for x in (cap.out + cap.err).splitlines() if "actor.lora" in x]
     assert rc != 0 and len(lines) == 1 and "LoRA on MoE models is not supported yet" in lines[0], cap
+
+
+CONFIG_GPT_OSS = "configs/grpo_gpt_oss_120b.yaml"
+
+
+def test_plan_gpt_oss_120b_fits_80gb():
+    """gpt-oss-120b (configs/grpo_gpt_oss_120b.yaml on 16 nodes x 8 GPUs): TP4 x PP2 x DP8, EP16
+    ETP1 (biased experts) on 8 learner nodes fits 80 GB, priced on the local spec's mask attention
+    (sinks and the packed window run there); 8 SGLang TP8 servers fit; parameters = the bf16
+    checkpoint's 116.8B (sinks and biases included)."""
+    from areal_mega.simulator.memory import total_params
+
+    cfg, raw, rest = load_launch_config(CONFIG_GPT_OSS, [])
+    plan = build_plan(cfg, alloc(16, 8), raw=raw, config_path=CONFIG_GPT_OSS, overrides=rest, python="PY")
+    assert str(plan.layout) == "dp=8 pp=2 cp=1 tp=4 ep=16 etp=1 (world_size=64)"
+    assert len(plan.learner_nodes) == 8 and len(plan.engines) == 8 and plan.fits
+    lm = plan.learner_memory
+    assert lm.settings.layer_spec == "local" and lm.settings.attention == "mask"
+    assert round(lm.total / GIB, 1) == 55.2 and round(plan.engine_memory.total / GIB, 1) == 35.8
+    assert round(total_params(get_adapter(raw["launch"]["model_config"]).arch) / 1e9, 1) == 116.8

@@ -110,7 +110,9 @@ def _attention_params(m: ModelArch, spec: str) -> tuple[int, int, int]:
         qd, kvd = a * d, m.num_kv_heads * d
         attn = h * qd + 2 * h * kvd + qd * h + ((qd + 2 * kvd) if m.qkv_bias else 0)
         attn += h * qd if m.attention_output_gate else 0  # the gate's rows, projected with q
-        return attn, norms + (2 * d if m.qk_layernorm else 0), 0
+        attn += a if m.attention_sinks else 0  # gpt-oss's sinks: one logit per head, TP-sharded (negligible)
+        # gpt-oss's o_proj bias: replicated over TP
+        return attn, norms + (2 * d if m.qk_layernorm else 0), h if m.linear_bias else 0
     # MLA (megatron MLASelfAttention): q down/up (or one q projection), kv down/up, the latent
     # norms; the down projections are column-parallel on the local spec, duplicated with TE.
     ml = m.mla
@@ -139,11 +141,11 @@ def count_params(m: ModelArch, vocab: int | None = None, spec: str = "te") -> Pa
         mlp_part = 3 * h * (m.moe_shared_ffn_hidden_size or 0) if m.num_experts else mlp  # + router, experts: total()
         lin = dict(linear_layer_sharded=gdn + mlp_part, linear_layer_replicated=2 * h + g.value_head_dim)
     if m.num_experts:
-        expert = 3 * h * m.moe_ffn_hidden_size
+        expert = 3 * h * m.moe_ffn_hidden_size + ((2 * m.moe_ffn_hidden_size + h) if m.linear_bias else 0)
         shared = 3 * h * (m.moe_shared_ffn_hidden_size or 0)
         gate = h if m.moe_shared_expert_gate else 0
         return ParamCount(layer_sharded=attn + shared, layer_replicated=norms,
-                          layer_replicated_weights=rep + m.num_experts * h + gate,
+                          layer_replicated_weights=rep + m.num_experts * (h + int(m.linear_bias)) + gate,
                           embedding=emb, output=0 if m.tie_word_embeddings else emb, final_norm=h,
                           layer_expert=m.num_experts * expert, layer_active_expert=m.moe_topk * expert,
                           dense_layer_sharded=attn + mlp, dense_layer_replicated=norms,
@@ -236,6 +238,8 @@ def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayo
     hybrid = dict(layer_spec="local", sequence_parallel=False, attention="mask")  # as build_model builds it
     if m.linear is not None:
         s = dataclasses.replace(s, **hybrid)
+    if m.attention_sinks or m.sliding_window is not None:  # gpt-oss: build_model's local spec, CoreAttention's mask
+        s = dataclasses.replace(s, layer_spec="local", attention="mask")
     from areal_mega.megatron.engine import check_attention
     from areal_mega.megatron.lora import check_lora  # the trainer's own refusals, at the dry run too
 
