@@ -264,3 +264,51 @@ def test_memory_model_counts_transformers_params():
 
     m = GptOssForCausalLM(GptOssConfig(**CFG))
     assert total_params(get_adapter({**CFG, "model_type": "gpt_oss"}).arch) == sum(p.numel() for p in m.parameters())
+
+
+@LAYER
+def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
+    """SGLang cannot serve gpt-oss on CPU (its torch_native backend takes no sinks: checked here on
+    its signatures), so the sync is checked against SGLang's own loader: the stream the learner's
+    export sends at TP2, stacked (stack_hf), goes through SGLang 0.5.23's GptOssForCausalLM
+    ``load_weights`` in-process (tests/support/sglang_gpt_oss_load.py) and must leave every
+    parameter bit-identical to what the same loader makes of the HF checkpoint, none unwritten.
+    Controls: a stream missing one stacked tensor leaves its parameter NaN; one expert's gate_up
+    columns reversed make the fused w13 differ."""
+    import json
+
+    from tests.support.launch import SGLANG_PYTHON, child_env, run_checked
+
+    if not SGLANG_PYTHON:
+        pytest.skip("AREAL_MEGA_SGLANG_PYTHON not set (run through make test-families-serve)")
+    work, _, _ = layouts
+    stream = torch.load(work / "sync_tp2.pt")
+    drop, flip = "model.layers.1.mlp.experts.down_proj_bias", "model.layers.0.mlp.experts.gate_up_proj"
+    assert {n for n, _ in stream} >= {drop, flip}  # stacked names, as the checkpoint's
+    torch.save([(n, t) for n, t in stream if n != drop], tmp_path / "dropped.pt")
+    torch.save([(n, torch.cat([t[:2], t[2:3].flip(-1), t[3:]]) if n == flip else t) for n, t in stream],
+               tmp_path / "flipped.pt")
+    jobs = {"sync": str(work / "sync_tp2.pt"), "dropped": str(tmp_path / "dropped.pt"),
+            "flipped": str(tmp_path / "flipped.pt")}
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    run_checked([SGLANG_PYTHON, "tests/support/sglang_gpt_oss_load.py", "--config", str(work / "model" / "config.json"),
+                 "--ckpt", str(work / "model"), "--jobs", str(tmp_path / "jobs.json"), "--out", str(tmp_path / "out.pt")],
+                timeout_s=600, env=child_env(PYTHONWARNINGS="ignore", MASTER_PORT=str(_free_port())), merge_stderr=True)
+    res = torch.load(tmp_path / "out.pt")
+    assert res["torch_native_takes_sinks"] == [False, False]  # the serving blocker (docs/engine.md "gpt-oss")
+    want, got = res["checkpoint"], res["sync"]
+    assert set(got) == set(want) and not any(t.isnan().any() for t in want.values())
+    bad = [n for n in want if not torch.equal(got[n], want[n])]
+    assert not bad, bad[:5]
+    nan = [n for n, t in res["dropped"].items() if t.isnan().any()]
+    assert nan == ["model.layers.1.mlp.experts.w2_weight_bias"], nan
+    w13 = "model.layers.0.mlp.experts.w13_weight"
+    assert not torch.equal(res["flipped"][w13], want[w13])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # the loader's world of one (other sessions' may hold its default port)
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
