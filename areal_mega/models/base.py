@@ -582,9 +582,13 @@ class ModelAdapter:
         """The checkpoint tensor that holds plan tensor ``hf_name`` (itself unless stacked)."""
         return hf_name
 
-    def stack_hf(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def stack_hf(self, tensors: Iterable[tuple[str, torch.Tensor | None]]) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Plan-named ``(name, tensor)`` -> the checkpoint's tensors (identity unless stacked)."""
         return iter(tensors)
+
+    def checkpoint_specs(self, tensors: Iterable[HFTensorSpec]) -> list[HFTensorSpec]:
+        """A stage's plan tensors as :meth:`stack_hf` yields them (what a server receives)."""
+        return list(tensors)
 
     def hf_names(self) -> list[str]:
         """Every tensor of the HF checkpoint, in plan order for a single stage."""

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from areal_mega.models.base import Block, McoreParam, ModelAdapter, ModelArch, YarnArch, _Rule
+from areal_mega.models.base import Block, HFTensorSpec, McoreParam, ModelAdapter, ModelArch, YarnArch, _Rule
 from areal_mega.models.qwen3 import _DENSE, refuse_unknown_keys
 from areal_mega.models.registry import register_family
 
@@ -199,11 +199,13 @@ class GptOssAdapter(ModelAdapter):
     def checkpoint_view(self, reader: Any) -> Any:
         return _StackedExpertsView(reader)
 
-    def stack_hf(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def stack_hf(self, tensors: Iterable[tuple[str, torch.Tensor | None]]) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Plan-named tensors (experts one by one, as export_hf yields them) -> the checkpoint's
-        names, each layer's experts stacked in expert order once all have arrived."""
+        names, each layer's experts stacked in expert order once all have arrived (a layer's
+        experts of one kind are held until then: E x one expert's tensor on the stage sender).
+        None stays None (a rank that does not hold the experts, see export_hf)."""
         e = self.arch.num_experts
-        pending: dict[str, dict[int, torch.Tensor]] = {}
+        pending: dict[str, dict[int, torch.Tensor | None]] = {}
         for name, t in tensors:
             m = _EXPERT.match(name)
             if not m:
@@ -212,10 +214,31 @@ class GptOssAdapter(ModelAdapter):
             key = f"{m.group(1)}.{m.group(3)}"
             pending.setdefault(key, {})[int(m.group(2))] = t
             if len(pending[key]) == e:
-                parts = pending.pop(key)
-                yield key, torch.stack([parts[g] for g in range(e)])
+                held = pending.pop(key)
+                parts = [held[g] for g in range(e)]
+                if any(p is None for p in parts):
+                    if not all(p is None for p in parts):
+                        raise ValueError(f"stack_hf: {key}: some experts held here, some not")
+                    yield key, None
+                else:
+                    yield key, torch.stack(parts)
         if pending:
             raise ValueError(f"stack_hf: experts missing for {sorted(pending)[:3]}")
+
+    def checkpoint_specs(self, tensors: Iterable[HFTensorSpec]) -> list[HFTensorSpec]:
+        """The plan's tensors as :meth:`stack_hf` yields them: each expert kind of a layer one
+        stacked tensor, where its last expert's slice was."""
+        e, seen, out = self.arch.num_experts, {}, []
+        for t in tensors:
+            m = _EXPERT.match(t.name)
+            if not m:
+                out.append(t)
+                continue
+            key = f"{m.group(1)}.{m.group(3)}"
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] == e:
+                out.append(replace(t, name=key, shape=(e, *t.shape)))
+        return out
 
 
 class _StackedExpertsView:

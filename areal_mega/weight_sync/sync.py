@@ -622,19 +622,22 @@ def megatron_weight_sync(
     wire = getattr(torch, dtype)
     stage_plans = adapter.plan(layout, dtype=dtype)
     mine = stage_plans[groups.coords.pp]
-    stage_tensors = [f8.fp8_specs(adapter, sp.tensors) if fp8 else sp.tensors for sp in stage_plans]
+    # what the servers receive: the checkpoint's tensors (gpt-oss: each layer's experts stacked, stack_hf)
+    stage_tensors = [adapter.checkpoint_specs(sp.tensors) for sp in stage_plans]
+    stage_tensors = [f8.fp8_specs(adapter, ts) if fp8 else ts for ts in stage_tensors]
     group_of = (lambda name: f8.bucket_group(adapter, name)) if fp8 else adapter.bucket_group
 
     def expected(hf_config: dict) -> Sequence[Any]:
         if fp8:
             hf_config = f8.check_server_fp8(hf_config, "the server's model")
         theirs = get_adapter(hf_config)
-        tensors = theirs.plan(ParallelLayout(world_size=1), dtype=dtype)[0].tensors
+        tensors = theirs.checkpoint_specs(theirs.plan(ParallelLayout(world_size=1), dtype=dtype)[0].tensors)
         return f8.fp8_specs(theirs, tensors) if fp8 else tensors
 
     def export() -> Iterable[tuple[str, torch.Tensor | None]]:
         stream = ((n, None if t is None else t.to(wire))
-                  for n, t in adapter.export_hf(chunks, mine, groups.tp, experts=expert_export(adapter, groups)))
+                  for n, t in adapter.stack_hf(adapter.export_hf(chunks, mine, groups.tp,
+                                                                 experts=expert_export(adapter, groups))))
         return f8.quantize_export(adapter, stream) if fp8 else stream
 
     learner = LearnerSide(
