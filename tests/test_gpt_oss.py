@@ -200,14 +200,15 @@ def layouts(tmp_path_factory):
 
 @LAYER
 def test_layouts_logprobs_match_hf(layouts):
-    """TP1 (x DP2), TP2 (sequence parallel), PP2, EP2 vs HF per sequence; the controls far off."""
-    from tests.dist.gpt_oss_layouts import LAYOUTS, NEGATIVE, key_of
+    """TP1 (x DP2), TP2 (sequence parallel), PP2, EP2, CP2 (the window on global indices) vs HF per
+    sequence; the controls far off."""
+    from tests.dist.gpt_oss_layouts import CP_LAYOUT, LAYOUTS, NEGATIVE, key_of
     from tests.support.models import packed_logprobs
 
     _, r, res = layouts
     hf_lp = packed_logprobs(r["logits"], r["input_ids"], r["cu_seqlens"])
     tol = logprob_tol(r["logits"])
-    assert set(res["logits"]) == {key_of(*lay) for lay in LAYOUTS}
+    assert set(res["logits"]) == {key_of(*lay) for lay in LAYOUTS} | {key_of(*CP_LAYOUT[:3]) + "cp2"}
     table = {}
     for key, lg in res["logits"].items():
         table[key] = (packed_logprobs(lg, r["input_ids"], r["cu_seqlens"]) - hf_lp).abs().max().item()

@@ -81,6 +81,13 @@ ENTRIES: dict[int, Entry] = {
         ">=0.16.1",
         "tests/test_megatron_moe.py::test_logprobs_match_hf_every_layout",
     ),
+    9: Entry(
+        "torch.tensor(..., pin_memory=True) in rope_utils.get_pos_emb_on_this_cp_rank (YaRN's cos/sin "
+        "cache under context parallelism, gpt-oss): 'pin_memory=True requires a CUDA or other "
+        "accelerator backend': the mode drops pin_memory (no pinned allocator on CPU)",
+        ">=0.16.1",
+        "tests/test_gpt_oss.py::test_layouts_logprobs_match_hf",
+    ),
 }
 
 
@@ -117,6 +124,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if name.startswith("torch.") and ".cuda." not in name else name
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):  # entry 9
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _to_cpu_device(args[1]), *args[2:])
         return func(*args, **kwargs)

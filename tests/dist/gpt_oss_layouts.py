@@ -4,7 +4,7 @@ gpt-oss through the model registry (build_model / load_hf_weights / export_hf_we
 ranks, the tiny HF model W/model (tests/test_gpt_oss.py; HF reference logits in W/ref.pt). Records
 on rank 0 into R.pt:
 
-* logits[layout]: packed-batch logits (last stage, TP-gathered) at TP1 (x DP2), TP2, PP2, EP2;
+* logits[layout]: packed-batch logits (last stage, TP-gathered) at TP1 (x DP2), TP2, PP2, EP2, CP2;
 * export[layout]: per exporting rank (pp, is the stage's sender, #bit-identical to the HF file's
   slice, #differing, names) from ModelAdapter.export_hf -- the weight-sync code path; at TP2 the
   sender's stream stacked as the checkpoint (W/sync_tp2.pt);
@@ -28,6 +28,8 @@ from tests.dist.qwen3_5_layouts import altered, key_of  # noqa: E402
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]
 """(tp, pp, ep); dp fills the 2 ranks."""
+CP_LAYOUT = (1, 1, 1, 2)
+"""(tp, pp, ep, cp): context parallelism 2, the window band on CP's global token indices."""
 # control -> (layout, HF tensor-name suffix, what the load does to it)
 NEGATIVE = {
     "tp2_sinks_dropped": ((2, 1, 1), "layers.0.self_attn.sinks", "zero"),
@@ -61,11 +63,11 @@ def main() -> None:
     adapter = get_adapter(hf_dir)
     hf_file = adapter.checkpoint_view(HFCheckpointReader(hf_dir))
     res: dict = {"logits": {}, "export": {}, "negative": {}}
-    for tp, pp, ep in LAYOUTS:
+    for tp, pp, ep, cp in [(*lay, 1) for lay in LAYOUTS] + [CP_LAYOUT]:
         # experts with biases: megatron allows expert_tensor_parallel 1 only (refused otherwise, naming the key)
         lay = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep,
-                                                  expert_tensor_parallel=1), ws)
-        key = key_of(tp, pp, ep)
+                                                  expert_tensor_parallel=1, context_parallel=cp), ws)
+        key = key_of(tp, pp, ep) + (f"cp{cp}" if cp > 1 else "")
         groups = init_model_parallel(lay, backend="gloo")
         model = build_model(hf_dir, groups, MegatronModelConfig())
         load_hf_weights(model, hf_dir)
