@@ -163,6 +163,15 @@ ENTRIES: dict[int, Entry] = {
         ">=0.16.1",
         "tests/test_gpt_oss.py::test_tiny_model_logprobs_match_hf_packed",
     ),
+    16: Entry(
+        "biased experts (gpt-oss) without expert parallelism, with autograd: MLP.forward adds the "
+        "weighted fc2 bias IN PLACE (mlp.py ~247) to the RowParallelLinear output, which "
+        "_ReduceFromModelParallelRegion returns as a view of its input on a one-rank group -> "
+        "RuntimeError 'Output 0 of _ReduceFromModelParallelRegion is a view and is being modified "
+        "inplace' in every training forward (the expert's fc2 output is cloned when it is such a view)",
+        ">=0.16.1",
+        "tests/test_gpt_oss.py::test_gradients_of_sinks_and_biases_match_hf",
+    ),
 }
 
 
@@ -547,3 +556,24 @@ def set_gpt_yarn(tcfg: Any, yarn: Any) -> None:
                      yarn_beta_fast=yarn.beta_fast, yarn_beta_slow=yarn.beta_slow, yarn_mscale=None,
                      yarn_mscale_all_dim=None, yarn_correction_range_round_to_int=yarn.truncate).items():
         setattr(tcfg, k, v)
+
+
+# ---------------------------------------------------------------- biased experts, autograd (entry 16)
+def fix_expert_bias_inplace() -> None:
+    """Entry 16: an expert RowParallelLinear with a bias returns a fresh tensor, not the view a
+    one-rank reduce hands back, so MLP.forward's in-place bias add is legal under autograd."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    if not applies(16) or getattr(RowParallelLinear.forward, "_areal_expert_bias", False):
+        return
+    orig = RowParallelLinear.forward
+
+    @functools.wraps(orig)
+    def forward(self, *args, **kwargs):
+        out, bias = orig(self, *args, **kwargs)
+        if self.is_expert and bias is not None and out._is_view() and torch.is_grad_enabled():
+            out = out.clone()
+        return out, bias
+
+    forward._areal_expert_bias = True
+    RowParallelLinear.forward = forward

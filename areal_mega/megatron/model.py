@@ -464,6 +464,8 @@ def build_model(
     moe = dict(num_experts=arch.num_experts, moe_grouped_gemm=spec_name == "te") if arch.is_moe else {}
     if arch.is_moe:
         compat.define_missing_te_gemm()  # compat entry 10
+    if arch.is_moe and arch.linear_bias:
+        compat.fix_expert_bias_inplace()  # compat entry 16
     if arch.mla is not None and lay.tp > 1 and not tcfg.sequence_parallel:
         # compat entry 12: finalize_model_grads sums "q_layernorm" grads over TP, which MLA's
         # (replicated, already complete) q latent norm must not get; under SP the sum is right.
