@@ -2,9 +2,11 @@
 
 Default suite: the whole tiny model at TP1 through the registry (build_model / load_hf_weights /
 export_hf_weights / forward_logits), three sequences packed in one row, two of them longer than
-the sliding window, vs HF per sequence; the controls (sinks dropped, window off, SwiGLU unclamped).
-The layouts TP2 / PP2 / EP2 and the conversion round trip run under torchrun (families_serve marker,
-``make test-families-serve``): tests/dist/gpt_oss_layouts.py.
+the sliding window, vs HF per sequence; the controls (sinks dropped, window off, SwiGLU unclamped);
+plus sub-second checks (refusals, the sync plan's tensors, the memory model's count). Under the
+families_serve marker (``make test-families-serve``): TP2 / PP2 / EP2 / CP2 and the conversion round
+trip under torchrun (tests/dist/gpt_oss_layouts.py), the sync stream through SGLang's own loader,
+gradients vs HF.
 """
 
 from __future__ import annotations
@@ -342,6 +344,7 @@ def test_sync_plan_sends_the_checkpoints_tensors(tmp_path):
         assert [n for n, _ in none] == [t.name for t in sp] and sum(t is None for _, t in none) == 4 * 2
 
 
+@LAYER
 def test_gradients_of_sinks_and_biases_match_hf(tmp_path):
     """What RL trains: the gradient of the packed log-prob sum (TP1, megatron's autograd through
     CoreAttention's sinks, the window and the biased experts) equals HF's (per-sequence sums) for
