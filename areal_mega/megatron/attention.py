@@ -166,7 +166,6 @@ class CoreAttention(torch.nn.Module):
         ctx = ctx.permute(2, 0, 1, 3).contiguous().view(sq, b, npart * dv)
         return ctx[:, 0] if thd else ctx
 
-
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """The sinks TP-sharded on heads, as megatron's DotProductAttention keys them (a plain
         module's default would store each TP rank's shard as a replica)."""

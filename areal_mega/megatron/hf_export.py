@@ -41,7 +41,7 @@ def save_hf_checkpoint(model: MegatronModel, out_dir: str, *, hf_config: dict | 
         from safetensors.torch import save_file
 
         tensors = {n: t.detach().cpu().contiguous()
-                   for n, t in model.adapter.stack_hf((n, t) for n, t in export_hf_weights(model) if t is not None)}
+                   for n, t in model.adapter.stack_hf(export_hf_weights(model)) if t is not None}
         tensors.update(frozen)
         if c.tp == 0 and c.dp == 0 and c.cp == 0:  # the stage's sender holds every tensor
             save_file(tensors, str(out / files[c.pp]), metadata={"format": "pt"})
