@@ -241,6 +241,7 @@ def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: Megatr
         moe_token_dispatcher_type="alltoall",
         **moe_kwargs(arch, lay, cfg, grouped=spec_name == "te"),
         **mla_kwargs(arch),
+        **dsa_kwargs(arch),
         **linear_attention_kwargs(arch),
         **recompute_kwargs(cfg),
     )
@@ -279,6 +280,16 @@ def mla_kwargs(arch: ModelArch) -> dict[str, Any]:
     return {**kw, "rope_type": "yarn", "rotary_scaling_factor": y.factor,
             "original_max_position_embeddings": y.original_max_position_embeddings, "beta_fast": y.beta_fast,
             "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim}
+
+
+def dsa_kwargs(arch: ModelArch) -> dict[str, Any]:
+    """TransformerConfig fields of DeepSeek sparse attention (DeepSeek-V3.2, GLM-5); the indexer
+    is frozen, so no indexer loss (megatron/sparse_attention.py)."""
+    x = arch.dsa
+    if x is None:
+        return {}
+    return dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=x.index_n_heads,
+                dsa_indexer_head_dim=x.index_head_dim, dsa_indexer_topk=x.index_topk, dsa_indexer_loss_coeff=0.0)
 
 
 def moe_kwargs(arch: ModelArch, lay, cfg: MegatronModelConfig, grouped: bool = False) -> dict[str, Any]:
@@ -420,9 +431,17 @@ def build_model(
             raise ValueError(f"actor.model.{key}: set, but it {dense}")
     hybrid = arch.linear is not None
     check_linear_attention(arch, cfg, lay)
+    if arch.dsa is not None:
+        if cfg.layer_spec == "te":  # megatron's DSA spec fuses the q-latent norm away from the indexer's input
+            raise ValueError(f"actor.model.layer_spec: te is not supported for {arch.model_type} (DeepSeek sparse "
+                             "attention runs on the local spec: megatron/sparse_attention.py)")
+        if lay.cp > 1:
+            raise ValueError(f"parallel.context_parallel: {lay.cp} > 1 is not supported for {arch.model_type} "
+                             "(megatron-core 0.16.1's DSAttention has no context parallelism)")
+        compat.identity_rotate_activation()  # compat entry 15
     if hybrid:
         compat.enable_torch_gated_delta_net()  # compat entry 13
-    spec_name = "local" if hybrid else resolve_layer_spec(cfg.layer_spec)
+    spec_name = "local" if hybrid or arch.dsa is not None else resolve_layer_spec(cfg.layer_spec)
     check_context_parallel(lay, spec_name, cp_comm_type=cfg.cp_comm_type, vpp=lay.vpp, mla=arch.mla is not None)
     dtype = cfg.dtype or arch.dtype
     tcfg = transformer_config(arch, groups, cfg, dtype, spec_name)
@@ -449,7 +468,12 @@ def build_model(
                                         **experts)
         # torch RMSNorm that works under sequence parallelism (megatron's asserts; compat entry 9),
         # and the project's core attention (any q/k/v head dims, packed THD; megatron/attention.py).
-        return with_core_attention(compat.local_spec_with_sp_norms(spec))
+        spec = with_core_attention(compat.local_spec_with_sp_norms(spec))
+        if arch.dsa is not None:  # DeepSeek sparse attention: megatron's indexer, packed rows
+            from areal_mega.megatron.sparse_attention import dsa_core_attention_spec
+
+            spec.submodules.self_attention.submodules.core_attention = dsa_core_attention_spec()
+        return spec
 
     # One spec per global layer: dense-MLP layers (first_k_dense_replace, mlp_only_layers) and MoE ones.
     moe_spec, dense_spec = spec_for(moe), (spec_for({}) if arch.dense_layers else None)
@@ -492,6 +516,10 @@ def build_model(
         if torch.cuda.is_available():
             m = m.cuda(torch.cuda.current_device())
         chunks.append(m)
+    if arch.dsa is not None:  # RL keeps the indexer frozen (docs/engine.md "DeepSeek sparse attention")
+        from areal_mega.megatron.sparse_attention import freeze_indexers
+
+        freeze_indexers(chunks)
     if cfg.moe_routing_replay != "off":
         from areal_mega.megatron.routing import install_observed_replay
 
