@@ -71,17 +71,6 @@ def logprob_tol(ref_logits: torch.Tensor) -> float:
     return 2 * fp32_tol(128, float(ref_logits.abs().max()), ops=transformer_reductions(2) - 1)
 
 
-def unpermuted(adapter_cls):
-    """Control: ``adapter_cls`` loading the indexer's rows in HF's order (no head permutation)."""
-
-    class Unpermuted(adapter_cls):
-        @property
-        def _perm(self):
-            return torch.arange(self.arch.dsa.index_head_dim)
-
-    return Unpermuted
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _world_released():
     """This module's megatron world of one is torn down after it (later modules expect none)."""
@@ -111,6 +100,7 @@ def test_v32_tp1_logprobs_match_hf_sparse_and_controls(tmp_path):
     from areal_mega.models import get_adapter, load_hf_config
     from areal_mega.models.dsa import DeepseekV32Adapter
     from areal_mega.parallel import ParallelLayout
+    from tests.dist.dsa_layouts import unpermuted
     from tests.support.models import packed_logprobs
 
     hf = tiny("deepseek_v32")
@@ -158,3 +148,97 @@ def test_v32_tp1_logprobs_match_hf_sparse_and_controls(tmp_path):
         assert bad_dense > 100 * tol and bad_perm > 100 * tol
     finally:
         destroy_model_parallel(groups)
+
+
+LAYOUT = pytest.mark.families_serve
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """tests/dist/dsa_layouts.py (2 gloo ranks) over V3.2 and GLM-5."""
+    from tests.support.launch import child_env, run_checked, torchrun_cmd
+
+    work = tmp_path_factory.mktemp("dsa_layouts")
+    ref = {}
+    for name in MODELS:
+        m = tiny(name)
+        m.save_pretrained(work / name)
+        ref[name] = packed_reference(m)
+    torch.save(ref, work / "ref.pt")
+    run_checked(torchrun_cmd(2, "tests/dist/dsa_layouts.py", "--work-dir", work, "--out", work / "results.pt"),
+                timeout_s=1500, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
+    return work, ref, torch.load(work / "results.pt")
+
+
+@LAYOUT
+def test_layouts_logprobs_match_hf(layouts):
+    """TP1 x DP2, TP2 (SP), PP2, EP2 for V3.2 and GLM-5 vs HF per sequence (sparse: TOPK < LENS)."""
+    from tests.dist.dsa_layouts import LAYOUTS, key_of
+    from tests.support.models import packed_logprobs
+
+    _, ref, res = layouts
+    table = {}
+    for name, r in ref.items():
+        assert set(res["logits"][name]) == {key_of(*lay) for lay in LAYOUTS}
+        hf_lp = packed_logprobs(r["logits"], r["input_ids"], r["cu_seqlens"])
+        tol = logprob_tol(r["logits"])
+        for key, lg in res["logits"][name].items():
+            d = (packed_logprobs(lg, r["input_ids"], r["cu_seqlens"]) - hf_lp).abs().max().item()
+            table[f"{name}/{key}"] = (d, tol)
+            assert d <= tol, f"{name} {key}: |log-prob diff| {d} > bound {tol}"
+    print("max |log-prob megatron - HF|, bound:", json.dumps(table, indent=1))
+
+
+@LAYOUT
+def test_layouts_negative_controls(layouts):
+    from tests.dist.dsa_layouts import NEGATIVE
+    from tests.support.models import packed_logprobs
+
+    _, ref, res = layouts
+    assert set(res["negative"]) == set(NEGATIVE)
+    out = {}
+    for control, (name, lg) in res["negative"].items():
+        r = ref[name]
+        d = (packed_logprobs(lg, r["input_ids"], r["cu_seqlens"])
+             - packed_logprobs(r["logits"], r["input_ids"], r["cu_seqlens"])).abs().max().item()
+        out[control] = d
+        assert d > 100 * logprob_tol(r["logits"]), (control, d)
+    print("controls, max |log-prob diff|:", json.dumps(out))
+
+
+@LAYOUT
+def test_layouts_export_bit_exact_each_tensor_once(layouts):
+    from areal_mega.megatron.model import HFCheckpointReader
+    from areal_mega.models import get_adapter
+
+    work, ref, res = layouts
+    for name in ref:
+        names = get_adapter(work / name).hf_names()
+        assert len(names) == len(set(names)) and set(names) == set(HFCheckpointReader(work / name).names())
+        for key, rows in res["export"][name].items():
+            seen = []
+            for pp, sender, same, diff, got in [r for r in rows if r is not None]:
+                assert diff == 0, f"{name} {key} stage {pp}: {diff} tensors differ"
+                if sender:
+                    assert same == len(got), (name, key, pp)
+                    seen += got
+            assert sorted(seen) == sorted(names), (name, key)
+
+
+@LAYOUT
+def test_conversion_tools_roundtrip_bit_exact(layouts):
+    from safetensors.torch import load_file
+
+    from tests.dist.dsa_layouts import ROUNDTRIP
+
+    work, _, _ = layouts
+    for name in ROUNDTRIP:
+        a = load_file(work / name / "model.safetensors")
+        b = {}
+        for f in sorted((work / f"{name}_hf").glob("*.safetensors")):
+            b.update(load_file(f))
+        assert sorted(a) == sorted(b), name
+        bad = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not bad, f"{name} not bit-exact: {bad[:5]}"
+        cfg = json.loads((work / f"{name}_hf" / "config.json").read_text())
+        assert cfg["model_type"] == name

@@ -391,6 +391,14 @@ def check_linear_attention(arch: ModelArch, cfg: MegatronModelConfig, lay) -> No
                          "shard the experts with parallel.expert_parallel")
 
 
+class LatentRMSNorm(compat.SequenceParallelRMSNorm):
+    """MLA's q / kv latent RMSNorm at eps 1e-6: transformers' DeepseekV3Attention (and V3.2's,
+    GLM-5's) builds q_a_layernorm / kv_a_layernorm without config.rms_norm_eps."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **kw: Any):
+        super().__init__(config, hidden_size, eps=1e-6, **kw)
+
+
 def model_adapter(hf_config: Any, cfg: MegatronModelConfig) -> Any:
     """The adapter of ``cfg.family`` (``areal_mega.kinds``, family "model") over ``hf_config``, else
     the registry's for its ``model_type``."""
@@ -469,6 +477,9 @@ def build_model(
         # torch RMSNorm that works under sequence parallelism (megatron's asserts; compat entry 9),
         # and the project's core attention (any q/k/v head dims, packed THD; megatron/attention.py).
         spec = with_core_attention(compat.local_spec_with_sp_norms(spec))
+        if mla:  # HF builds MLA's latent norms at eps 1e-6 whatever rms_norm_eps is (GLM-5's is 1e-5)
+            attn = spec.submodules.self_attention.submodules
+            attn.q_layernorm = attn.kv_layernorm = LatentRMSNorm
         if arch.dsa is not None:  # DeepSeek sparse attention: megatron's indexer, packed rows
             from areal_mega.megatron.sparse_attention import dsa_core_attention_spec
 
