@@ -242,3 +242,66 @@ def test_conversion_tools_roundtrip_bit_exact(layouts):
         assert not bad, f"{name} not bit-exact: {bad[:5]}"
         cfg = json.loads((work / f"{name}_hf" / "config.json").read_text())
         assert cfg["model_type"] == name
+
+
+def _sglang_reference(ckpt: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """What SGLang's TP1 DeepseekV2-family parameters hold after loading the checkpoint: q_a_proj
+    and kv_a_proj_with_mqa fused, gate / up fused (dense and shared MLPs), experts stacked as
+    w13 [E, 2f, h] and w2 [E, h, f]; the rest (the indexer included) by their HF names."""
+    out, cat = {}, {}
+    for n, t in ckpt.items():
+        head, _, leaf = n.rpartition(".")
+        mod, _, proj = head.rpartition(".")
+        if ".experts." in n:
+            continue
+        if proj in ("q_a_proj", "kv_a_proj_with_mqa"):
+            cat.setdefault(f"{mod}.fused_qkv_a_proj_with_mqa.{leaf}", {})[proj == "kv_a_proj_with_mqa"] = t
+        elif proj in ("gate_proj", "up_proj"):
+            cat.setdefault(f"{mod}.gate_up_proj.{leaf}", {})[proj == "up_proj"] = t
+        else:
+            out[n] = t
+    out.update({k: torch.cat([v[0], v[1]]) for k, v in cat.items()})
+    layers = {n.split(".experts.")[0] for n in ckpt if ".experts." in n}
+    for pre in layers:
+        e = range(num_experts)
+        out[f"{pre}.experts.w13_weight"] = torch.stack(
+            [torch.cat([ckpt[f"{pre}.experts.{i}.gate_proj.weight"], ckpt[f"{pre}.experts.{i}.up_proj.weight"]]) for i in e])
+        out[f"{pre}.experts.w2_weight"] = torch.stack([ckpt[f"{pre}.experts.{i}.down_proj.weight"] for i in e])
+    return out
+
+
+@LAYOUT
+def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
+    """SGLang cannot serve DSA on CPU (docs/engine.md: its Indexer has no CPU path), so the sync is
+    checked against SGLang's own loader: the stream the learner's export sends at TP2 goes through
+    SGLang 0.5.23's DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM ``load_weights`` in-process
+    (tests/support/sglang_dsa_load.py); every parameter is written and equals the checkpoint mapped
+    by SGLang's rules, bit for bit (the indexer's by its HF names: no permutation on SGLang's side).
+    Control: a stream without one layer's indexer wk leaves SGLang's parameter unwritten (NaN)."""
+    from areal_mega.megatron.model import HFCheckpointReader
+    from tests.support.launch import SGLANG_PYTHON, child_env, run_checked
+
+    if not SGLANG_PYTHON:
+        pytest.skip("AREAL_MEGA_SGLANG_PYTHON not set (run through make test-families-serve)")
+    work, ref, _ = layouts
+    jobs = [{"label": n, "config": str(work / n / "config.json"), "stream": str(work / f"{n}_sync_tp2.pt")}
+            for n in MODELS]
+    drop = "model.layers.1.self_attn.indexer.wk.weight"
+    torch.save([(n, t) for n, t in torch.load(work / "deepseek_v32_sync_tp2.pt") if n != drop], tmp_path / "dropped.pt")
+    jobs.append({"label": "dropped", "config": jobs[0]["config"], "stream": str(tmp_path / "dropped.pt")})
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    run_checked([SGLANG_PYTHON, "tests/support/sglang_dsa_load.py", "--jobs", str(tmp_path / "jobs.json"),
+                 "--out", str(tmp_path / "out.pt")], timeout_s=600, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
+    res = torch.load(tmp_path / "out.pt")
+    for name in MODELS:
+        disk = HFCheckpointReader(work / name)
+        want = _sglang_reference({n: disk.read(n) for n in disk.names()}, COMMON["n_routed_experts"])
+        got = res[name]
+        assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
+        for n in got:  # vocab rows past the checkpoint's (SGLang's padding) are not the sync's; SGLang
+            # holds the indexer's weights_proj in bf16 whatever the model's dtype (dsa_indexer.py:372)
+            assert torch.equal(got[n][: want[n].shape[0]], want[n].to(got[n].dtype)), (name, n)
+        assert {n for n, t in got.items() if t.dtype != want[n].dtype} == {
+            n for n in got if n.endswith("indexer.weights_proj.weight")}
+    assert res["dropped"][drop].isnan().all()
+    assert not any(t.isnan().any() for n, t in res["dropped"].items() if n != drop)
