@@ -305,3 +305,46 @@ def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
             n for n in got if n.endswith("indexer.weights_proj.weight")}
     assert res["dropped"][drop].isnan().all()
     assert not any(t.isnan().any() for n, t in res["dropped"].items() if n != drop)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_memory_model_counts_transformers_params(name):
+    """The memory model's count (the indexer as frozen per-layer weights) = transformers' own."""
+    from areal_mega.models import get_adapter
+    from areal_mega.simulator.memory import count_params, total_params
+
+    with torch.device("meta"):
+        hf = tiny(name)
+    arch = get_adapter(hf.config.to_dict()).arch
+    assert total_params(arch) == sum(p.numel() for p in hf.parameters())
+    assert count_params(arch).layer_frozen == 4 * 16 * 24 + 16 * 64 + 2 * 16 + 4 * 64  # wq_b, wk, k_norm, weights_proj
+
+
+def _cfg(name: str, **kw) -> dict:
+    with torch.device("meta"):
+        return {**tiny(name).config.to_dict(), **kw}
+
+
+@pytest.mark.parametrize("name, over, error", [
+    ("glm_moe_dsa", dict(indexer_types=["full", "shared"]), r"^indexer_types: \['full', 'shared'\] is not supported"),
+    ("deepseek_v32", dict(layer_types=["indexed_attention", "full_attention"]), r"^layer_types: .* is not supported"),
+    ("deepseek_v32", dict(q_lora_rank=None), r"^q_lora_rank: None is not supported for deepseek_v32"),
+    ("deepseek_v32", dict(mlp_layer_types=["sparse", "sparse"]), r"^mlp_layer_types: .* is not supported"),
+    ("deepseek_v32", dict(index_head_dim=4), r"^index_head_dim: 4 must be >= qk_rope_head_dim\(8\)"),
+])
+def test_config_refusals_name_the_key(name, over, error):
+    from areal_mega.models import get_adapter
+
+    with pytest.raises(ValueError, match=error):
+        get_adapter(_cfg(name, **over))
+
+
+def test_context_parallel_refused_in_one_line():
+    from areal_mega.megatron.model import MegatronModelConfig, check_sparse_attention
+    from areal_mega.models import get_adapter
+    from areal_mega.parallel import ParallelConfig, ParallelLayout
+
+    arch = get_adapter(_cfg("deepseek_v32")).arch
+    lay = ParallelLayout.build(ParallelConfig(context_parallel=2), 2)
+    with pytest.raises(ValueError, match=r"^parallel.context_parallel: 2 > 1 is not supported for deepseek_v32"):
+        check_sparse_attention(arch, MegatronModelConfig(), lay)

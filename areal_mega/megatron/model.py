@@ -399,6 +399,21 @@ class LatentRMSNorm(compat.SequenceParallelRMSNorm):
         super().__init__(config, hidden_size, eps=1e-6, **kw)
 
 
+def check_sparse_attention(arch: ModelArch, cfg: MegatronModelConfig, lay) -> None:
+    """Refuse, naming the key, what DeepSeek sparse attention (V3.2, GLM-5) cannot run: it is
+    built on the local spec (megatron's TE DSA spec fuses the q-latent norm into the up
+    projection, so its indexer would read the unnormalised latent) and megatron-core 0.16.1's
+    DSAttention has no context parallelism."""
+    if arch.dsa is None:
+        return
+    if cfg.layer_spec == "te":
+        raise ValueError(f"actor.model.layer_spec: te is not supported for {arch.model_type} (DeepSeek sparse "
+                         "attention runs on the local spec: megatron/sparse_attention.py)")
+    if lay.cp > 1:
+        raise ValueError(f"parallel.context_parallel: {lay.cp} > 1 is not supported for {arch.model_type} "
+                         "(megatron-core 0.16.1's DSAttention has no context parallelism)")
+
+
 def model_adapter(hf_config: Any, cfg: MegatronModelConfig) -> Any:
     """The adapter of ``cfg.family`` (``areal_mega.kinds``, family "model") over ``hf_config``, else
     the registry's for its ``model_type``."""
@@ -439,13 +454,8 @@ def build_model(
             raise ValueError(f"actor.model.{key}: set, but it {dense}")
     hybrid = arch.linear is not None
     check_linear_attention(arch, cfg, lay)
+    check_sparse_attention(arch, cfg, lay)
     if arch.dsa is not None:
-        if cfg.layer_spec == "te":  # megatron's DSA spec fuses the q-latent norm away from the indexer's input
-            raise ValueError(f"actor.model.layer_spec: te is not supported for {arch.model_type} (DeepSeek sparse "
-                             "attention runs on the local spec: megatron/sparse_attention.py)")
-        if lay.cp > 1:
-            raise ValueError(f"parallel.context_parallel: {lay.cp} > 1 is not supported for {arch.model_type} "
-                             "(megatron-core 0.16.1's DSAttention has no context parallelism)")
         compat.identity_rotate_activation()  # compat entry 15
     if hybrid:
         compat.enable_torch_gated_delta_net()  # compat entry 13
