@@ -623,6 +623,24 @@ def test_plan_deepseek_v32_frozen_indexer_priced_fits_80gb_at_4k_rows():
     assert not rows8k.fits and round(rows8k.learner_memory.total / GIB, 1) == 105.8
 
 
+def test_plan_glm5_fits_80gb_at_4k_rows():
+    """The GLM-5 dry run (configs/grpo_glm5.yaml, V3.2's plan): 78 layers, a 32-head indexer
+    (frozen weights); learners fit 80 GB at 4096-token rows, 8192 do not; engines TP32 with
+    131072 tokens of KV (MLA latent + indexer keys)."""
+    from areal_mega.simulator.memory import count_params
+
+    path = "configs/grpo_glm5.yaml"
+    cfg, raw, rest = load_launch_config(path, [])
+    plan = build_plan(cfg, alloc(64, 8), raw=raw, config_path=path, overrides=rest, python="PY")
+    m = get_adapter(raw["launch"]["model_config"]).arch
+    assert count_params(m).layer_frozen == 32 * 128 * 2048 + 128 * 6144 + 2 * 128 + 32 * 6144
+    assert plan.fits and round(plan.learner_memory.total / GIB, 1) == 75.6
+    em = plan.engine_memory
+    assert em.kv_bytes_per_token == 78 * ((512 + 64) * 2 + 128 + 4) and round(em.total / GIB, 1) == 59.3
+    cfg, raw, rest = load_launch_config(path, ["actor.max_tokens_per_microbatch=8192"])
+    assert not build_plan(cfg, alloc(64, 8), raw=raw, config_path=path, overrides=rest, python="PY").fits
+
+
 def plan_671b(over: list[str]):
     cfg, raw, rest = load_launch_config(CONFIG_671B, over)
     return build_plan(cfg, alloc(64, 8), raw=raw, config_path=CONFIG_671B, overrides=rest, python="PY")
