@@ -86,20 +86,64 @@ def _world_released():
             dist.destroy_process_group()
 
 
+def _world_of_one():
+    """This process's gloo world of one with megatron's TP1 groups (any earlier test's torn down)."""
+    from megatron.core import parallel_state as ps
+
+    from areal_mega.megatron import cpu_compat
+    from areal_mega.megatron.parallel_state import init_model_parallel, init_process_group_for_script
+    from areal_mega.parallel import ParallelLayout
+
+    cpu_compat.apply()
+    init_process_group_for_script()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if ps._GLOBAL_MEMORY_BUFFER is not None:  # set alone by an earlier test (test_core_attention)
+        ps.destroy_global_memory_buffer()
+    return init_model_parallel(ParallelLayout(world_size=1), backend="gloo")
+
+
+def test_v32_train_step_keeps_the_indexer_frozen(tmp_path):
+    """One engine train step (PPO-like loss, packed rows longer than index_topk): the indexer's
+    weights are unchanged and out of the optimizer (no grad buffer), every other weight moves."""
+    from areal_mega.megatron.engine import MegatronTrainEngine
+    from areal_mega.megatron.parallel_state import destroy_model_parallel
+    from areal_mega.models.base import unwrap
+    from tests.dist.engine_checks import engine_cfg, make_batch, make_loss_fn  # the engine tests' batch and loss
+
+    tiny("deepseek_v32").save_pretrained(tmp_path)
+    groups = _world_of_one()
+    try:
+        from areal_mega.models import load_hf_config
+
+        engine = MegatronTrainEngine.create(engine_cfg(64), load_hf_config(tmp_path), groups, str(tmp_path))
+        params = dict(unwrap(engine.chunks[0]).named_parameters())
+        before = {n: p.detach().clone() for n, p in params.items()}
+        batch = make_batch()
+        loss_fn, _ = make_loss_fn(batch)
+        stats = engine.train_batch(batch, loss_fn)
+        assert torch.isfinite(torch.tensor(stats["grad_norm"]))
+        indexer = {n for n in params if ".core_attention.indexer." in n}
+        assert len(indexer) == 10 and all(not params[n].requires_grad for n in indexer)
+        moved = {n for n in params if not torch.equal(params[n].detach(), before[n])}
+        assert not moved & indexer
+        # every trained weight moves (the expert bias is a buffer; experts no token chose may not)
+        still = set(params) - moved - indexer
+        assert all(".mlp.experts." in n for n in still), sorted(still)[:5]
+    finally:
+        destroy_model_parallel(groups)
+
+
 def test_v32_tp1_logprobs_match_hf_sparse_and_controls(tmp_path):
     """deepseek_v32 through the registry at TP1 (build_model / load_hf_weights / export_hf_weights):
     four sequences packed in one row vs each alone in HF; controls: dense attention (index_topk
     past every sequence) and the indexer rows unpermuted, both far off."""
-    from megatron.core import parallel_state as ps
-
-    from areal_mega.megatron import cpu_compat
     from areal_mega.megatron.model import (
         HFCheckpointReader, MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights,
     )
-    from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel, init_process_group_for_script
+    from areal_mega.megatron.parallel_state import destroy_model_parallel
     from areal_mega.models import get_adapter, load_hf_config
     from areal_mega.models.dsa import DeepseekV32Adapter
-    from areal_mega.parallel import ParallelLayout
     from tests.dist.dsa_layouts import unpermuted
     from tests.support.models import packed_logprobs
 
@@ -107,13 +151,7 @@ def test_v32_tp1_logprobs_match_hf_sparse_and_controls(tmp_path):
     hf.save_pretrained(tmp_path)
     ref = packed_reference(hf)
     ids, cu = ref["input_ids"], ref["cu_seqlens"]
-    cpu_compat.apply()
-    init_process_group_for_script()
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    if ps._GLOBAL_MEMORY_BUFFER is not None:  # set alone by an earlier test (test_core_attention)
-        ps.destroy_global_memory_buffer()
-    groups = init_model_parallel(ParallelLayout(world_size=1), backend="gloo")
+    groups = _world_of_one()
     try:
         with pytest.raises(ValueError, match="^actor.model.layer_spec: te is not supported for deepseek_v32"):
             build_model(tmp_path, groups, MegatronModelConfig(layer_spec="te"))
