@@ -137,7 +137,9 @@ def test_v32_train_step_keeps_the_indexer_frozen(tmp_path):
 def test_v32_tp1_logprobs_match_hf_sparse_and_controls(tmp_path):
     """deepseek_v32 through the registry at TP1 (build_model / load_hf_weights / export_hf_weights):
     four sequences packed in one row vs each alone in HF; controls: dense attention (index_topk
-    past every sequence) and the indexer rows unpermuted, both far off."""
+    past every sequence), the indexer rows unpermuted, and megatron's own DSAttention.forward
+    (its sparse attention masks with a plain triu: a query with fewer than top-k keys in its own
+    sequence attends to the previous one), all far off."""
     from areal_mega.megatron.model import (
         HFCheckpointReader, MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights,
     )
@@ -180,10 +182,19 @@ def test_v32_tp1_logprobs_match_hf_sparse_and_controls(tmp_path):
         swapped = build_model(tmp_path, groups, adapter=unpermuted(DeepseekV32Adapter)(cfg))
         load_hf_weights(swapped, tmp_path)
         bad_perm = err(swapped)
+        from unittest import mock
+
+        from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
+
+        from areal_mega.megatron.sparse_attention import PackedDSAttention
+
+        with mock.patch.object(PackedDSAttention, "forward", DSAttention.forward):  # megatron's own: triu mask
+            bad_triu = err(model)
         print(f"deepseek_v32 TP1 packed log-probs: max|mc-hf|={e:.2e} bound={tol:.2e}; controls: dense "
-              f"{bad_dense:.2e}, indexer rows unpermuted {bad_perm:.2e}")
+              f"{bad_dense:.2e}, indexer rows unpermuted {bad_perm:.2e}, megatron's DSAttention.forward "
+              f"(sequences shorter than the top-k see the previous one) {bad_triu:.2e}")
         assert e <= tol
-        assert bad_dense > 100 * tol and bad_perm > 100 * tol
+        assert bad_dense > 100 * tol and bad_perm > 100 * tol and bad_triu > 100 * tol
     finally:
         destroy_model_parallel(groups)
 

@@ -1,8 +1,8 @@
 """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) on megatron-core 0.16.1's DSA modules.
 
 :class:`PackedDSAttention` is megatron's ``DSAttention`` (its ``DSAIndexer`` unchanged) with a
-forward for this project's packed rows: megatron's ``unfused_dsa_fn`` masks with a plain
-upper-triangular causal mask (and its indexer refuses ``packed_seq_params``), so a query of a
+forward for this project's packed rows (the learner's block-causal mask; THD needs the TE spec):
+megatron's ``unfused_dsa_fn`` masks with a plain upper-triangular causal mask, so a query of a
 packed row whose top-k reaches past its own sequence start would attend to the previous
 sequence. Here the indexer scores and the sparse attention both take the row's block-causal mask
 (HF masks both with its causal mask: equal per sequence). The indexer is frozen (docs/engine.md
@@ -22,8 +22,6 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexer, DSAIndexerSubmodules, DSAttention, DSAttentionSubmodules,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
-
-from areal_mega.megatron.attention import block_causal_mask
 
 
 class IndexerLinear(torch.nn.Module):
@@ -67,27 +65,20 @@ class PackedDSAttention(DSAttention):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor], x: Tensor,
                 qr: Tensor, attn_mask_type: Any = None, attention_bias: Optional[Tensor] = None,
                 packed_seq_params: Any = None) -> Tensor:
-        """query [sq, b, np, dk], key [sk, b, np, dk], value [sk, b, np, dv] (THD: no b axis),
-        x [s(/tp), b, h] and qr [s(/tp), b, q_lora] (the normalised q latent) -> [sq, b, np * dv]."""
+        """query [sq, b, np, dk], key [sk, b, np, dk], value [sk, b, np, dv], attention_mask
+        [b or 1, 1, sq, sk] (True = masked: the packed row's block-causal mask), x [s(/tp), b, h] and
+        qr [s(/tp), b, q_lora] (the normalised q latent) -> [sq, b, np * dv]."""
         if attention_bias is not None:
             raise ValueError("attention_bias: not supported by PackedDSAttention")
-        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        if thd:
-            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-            x = x.view(x.size(0), 1, -1)
-            qr = qr.view(qr.size(0), 1, -1)
-            masked = block_causal_mask(packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv)
-        elif packed_seq_params is not None:
-            raise ValueError(f"packed_seq_params.qkv_format: {packed_seq_params.qkv_format!r} is not supported")
-        elif attention_mask is not None:
-            masked = attention_mask
-        else:
+        if packed_seq_params is not None:  # THD needs the TE spec, CP is refused: the learner passes masks
+            raise ValueError("packed_seq_params: not supported by PackedDSAttention (the local spec's mask path)")
+        if attention_mask is None:
             sq = query.size(0)
-            masked = torch.ones(sq, sq, dtype=torch.bool).triu(1).view(1, 1, sq, sq)
+            attention_mask = torch.ones(sq, sq, dtype=torch.bool).triu(1).view(1, 1, sq, sq)
         sq, b, np_, _ = query.shape
         sk = key.size(0)
-        float_mask = torch.zeros(masked.shape, dtype=torch.float32, device=query.device).masked_fill(
-            masked.to(query.device), float("-inf")).expand(b, 1, sq, sk)[:, 0]  # [b, sq, sk]
+        float_mask = torch.zeros(attention_mask.shape, dtype=torch.float32, device=query.device).masked_fill(
+            attention_mask.to(query.device), float("-inf")).expand(b, 1, sq, sk)[:, 0]  # [b, sq, sk]
         with torch.no_grad():  # frozen: the selection is discrete, no gradient reaches the indexer anyway
             _, topk = self.indexer.forward_with_scores(x.detach(), qr.detach(), mask=float_mask)
         # unfused_dsa_fn's operations, with the row's block-causal mask in place of its triu
@@ -102,7 +93,7 @@ class PackedDSAttention(DSAttention):
         v = value.permute(1, 2, 0, 3).reshape(b * np_, sk, dv)
         out = torch.bmm(probs.reshape(b * np_, sq, sk).to(v.dtype), v)
         out = out.reshape(b, np_, sq, dv).permute(2, 0, 1, 3).reshape(sq, b, np_ * dv)
-        return out[:, 0] if thd else out
+        return out
 
 
 def freeze_indexers(chunks: list[torch.nn.Module]) -> int:
