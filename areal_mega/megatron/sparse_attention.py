@@ -42,6 +42,14 @@ class IndexerLinear(torch.nn.Module):
         return F.linear(x, self.weight), None
 
 
+class IndexerWeightsProj(IndexerLinear):
+    """The indexer's per-head weights ``weights_proj`` computed in fp32 whatever the params' dtype:
+    HF keeps it an fp32 module (``_keep_in_fp32_modules``) and casts the hidden state up to it."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, None]:
+        return F.linear(x.float(), self.weight.float()), None
+
+
 class IndexerKNorm(torch.nn.LayerNorm):
     """The indexer's key LayerNorm (weight and bias) with HF's eps 1e-6 whatever the model's
     rms_norm_eps (DeepseekV32Indexer: ``nn.LayerNorm(head_dim, eps=1e-6)``; GLM-5's rms eps is
@@ -54,7 +62,7 @@ class IndexerKNorm(torch.nn.LayerNorm):
 def dsa_core_attention_spec() -> ModuleSpec:
     """ModuleSpec of :class:`PackedDSAttention` with megatron's DSAIndexer on the modules above."""
     indexer = ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
-        linear_wq_b=IndexerLinear, linear_wk=IndexerLinear, k_norm=IndexerKNorm, linear_weights_proj=IndexerLinear))
+        linear_wq_b=IndexerLinear, linear_wk=IndexerLinear, k_norm=IndexerKNorm, linear_weights_proj=IndexerWeightsProj))
     return ModuleSpec(module=PackedDSAttention, submodules=DSAttentionSubmodules(indexer=indexer))
 
 
