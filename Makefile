@@ -63,6 +63,7 @@ test-reshard:
 # The MoE families served (Mixtral, Qwen2-MoE, DeepSeek-V3, GLM-4.5): one real SGLang CPU server
 # per family, synced from an EP2 learner, greedy = HF (tests/test_families_serve.py; 1-4 min each).
 # gpt-oss: TP2/PP2/EP2 exactness, conversion, the sync stream through SGLang's own loader (tests/test_gpt_oss.py, ~2 min).
+# DeepSeek-V3.2 / GLM-5 (tests/test_dsa.py, ~2 min): TP2 / PP2 / EP2 = HF and SGLang's own loader.
 test-families-serve:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
 	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -s -m families_serve $(PYTEST_ARGS)

@@ -588,6 +588,59 @@ def test_plan_deepseek_v3_671b_learners_fit_80gb_engines_named():
     assert e0[0].node != e0[1].node
 
 
+CONFIG_V32 = "configs/grpo_deepseek_v32.yaml"
+
+
+def test_plan_deepseek_v32_frozen_indexer_priced_fits_80gb_at_4k_rows():
+    """The DeepSeek-V3.2 dry run (configs/grpo_deepseek_v32.yaml on 64 nodes x 8 GPUs): V3's
+    layout, on the local spec (DSA's), fits 80 GB at 4096-token rows; the indexer (wq_b, wk,
+    k_norm, weights_proj per layer, replicated) counted in weights only -- frozen: no grads, no
+    optimizer state; its [T, 64, T] fp32 scoring transient priced (8192-token rows do not fit);
+    the engines' KV per token adds the indexer's fp8 keys."""
+    from areal_mega.simulator.memory import count_params, indexer_transient_bytes, learner_settings, stage_state
+
+    cfg, raw, rest = load_launch_config(CONFIG_V32, [])
+    plan = build_plan(cfg, alloc(64, 8), raw=raw, config_path=CONFIG_V32, overrides=rest, python="PY")
+    assert str(plan.layout) == "dp=32 pp=1 cp=1 tp=8 ep=256 etp=1 (world_size=256)"
+    m = get_adapter(raw["launch"]["model_config"]).arch
+    h, L, ql = 7168, 61, 1536
+    indexer = 64 * 128 * ql + 128 * h + 2 * 128 + 64 * h
+    assert count_params(m).layer_frozen == indexer and L * indexer == 851_524_864
+    from areal_mega.experiment import experiment_from_dict
+
+    s, _, _ = learner_settings(experiment_from_dict(raw, whole=False), m, plan.layout, on_gpu=True)
+    assert (s.layer_spec, s.attention) == ("local", "mask")  # what build_model builds for DSA
+    with_ix, without = stage_state(m, s, plan.layout, 0), stage_state(m, s, plan.layout, 0, _frozen=False)
+    assert with_ix.params - without.params == L * indexer and with_ix.weights - without.weights == 2 * L * indexer
+    assert (with_ix.grads, with_ix.optimizer) == (without.grads, without.optimizer)  # frozen
+    lm = plan.learner_memory
+    assert lm.fits and round(lm.total / GIB, 1) == 75.0 and round(lm.activations / GIB, 1) == 11.4
+    assert indexer_transient_bytes(m, 4096) == 8 * 64 * 4096**2 + 12 * 4096**2 + 8 * 4096 * 2048
+    em = plan.engine_memory
+    assert em.kv_bytes_per_token == L * ((512 + 64) * 2 + 128 + 4) and em.fits and round(em.total / GIB, 1) == 61.6
+    cfg, raw, rest = load_launch_config(CONFIG_V32, ["actor.max_tokens_per_microbatch=8192"])
+    rows8k = build_plan(cfg, alloc(64, 8), raw=raw, config_path=CONFIG_V32, overrides=rest, python="PY")
+    assert not rows8k.fits and round(rows8k.learner_memory.total / GIB, 1) == 105.8
+
+
+def test_plan_glm5_fits_80gb_at_4k_rows():
+    """The GLM-5 dry run (configs/grpo_glm5.yaml, V3.2's plan): 78 layers, a 32-head indexer
+    (frozen weights); learners fit 80 GB at 4096-token rows, 8192 do not; engines TP32 with
+    131072 tokens of KV (MLA latent + indexer keys)."""
+    from areal_mega.simulator.memory import count_params
+
+    path = "configs/grpo_glm5.yaml"
+    cfg, raw, rest = load_launch_config(path, [])
+    plan = build_plan(cfg, alloc(64, 8), raw=raw, config_path=path, overrides=rest, python="PY")
+    m = get_adapter(raw["launch"]["model_config"]).arch
+    assert count_params(m).layer_frozen == 32 * 128 * 2048 + 128 * 6144 + 2 * 128 + 32 * 6144
+    assert plan.fits and round(plan.learner_memory.total / GIB, 1) == 75.6
+    em = plan.engine_memory
+    assert em.kv_bytes_per_token == 78 * ((512 + 64) * 2 + 128 + 4) and round(em.total / GIB, 1) == 59.3
+    cfg, raw, rest = load_launch_config(path, ["actor.max_tokens_per_microbatch=8192"])
+    assert not build_plan(cfg, alloc(64, 8), raw=raw, config_path=path, overrides=rest, python="PY").fits
+
+
 def plan_671b(over: list[str]):
     cfg, raw, rest = load_launch_config(CONFIG_671B, over)
     return build_plan(cfg, alloc(64, 8), raw=raw, config_path=CONFIG_671B, overrides=rest, python="PY")

@@ -20,6 +20,7 @@ SGLANG = {"llama": "synced", "qwen2": "synced", "qwen3": "synced", "qwen3_moe": 
           "qwen3_5_text": "none", "qwen3_5": "none", "qwen3_5_moe_text": "none", "qwen3_5_moe": "none",
           "qwen3_next": "none"}
 SGLANG["gpt_oss"] = "none"  # SGLang's gpt_oss layout not written (broadcast serves it; docs/engine.md "gpt-oss")
+SGLANG.update({"deepseek_v32": "none", "glm_moe_dsa": "none"})  # DSA: SGLang cannot serve it on CPU (tests/test_dsa.py)
 TINY_MOE = {  # tiny configs of the families tiny_config leaves dense (tests/test_moe_families_plan.py's)
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -31,6 +32,8 @@ TINY_MOE = {  # tiny configs of the families tiny_config leaves dense (tests/tes
                      first_k_dense_replace=1, attention_bias=True, partial_rotary_factor=0.5,
                      num_nextn_predict_layers=0),
 }
+TINY_MOE["deepseek_v32"] = TINY_MOE["glm_moe_dsa"] = {**TINY_MOE["deepseek_v3"], "index_topk": 4, "index_head_dim": 16,
+                                                      "index_n_heads": 2}
 LIKE = "tiny_llama_like"
 
 

@@ -20,6 +20,7 @@ DEFAULTS = dict(
     tie_word_embeddings=False,
 )
 FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe")
+FAMILIES += ("deepseek_v32", "glm_moe_dsa")  # DeepSeek sparse attention (areal_mega/models/dsa.py)
 
 
 def tiny_config(family: str = "qwen2", **overrides) -> dict:
@@ -45,6 +46,8 @@ def _hf_classes_and_config(family: str, overrides: dict):
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
         "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+        "deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM),
+        "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM),
     }[family]
     return config_cls, model_cls, cfg
 

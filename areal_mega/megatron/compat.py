@@ -172,6 +172,15 @@ ENTRIES: dict[int, Entry] = {
         ">=0.16.1",
         "tests/test_gpt_oss.py::test_gradients_of_sinks_and_biases_match_hf",
     ),
+    17: Entry(
+        "DeepSeek sparse attention (DSAIndexer.forward_with_scores): rotate_activation asserts 'only "
+        "support bf16 input' and that fast_hadamard_transform (CUDA) is installed -> AssertionError in "
+        "fp32, on CPU, or without the package. The Hadamard rotation is orthogonal and applied to both "
+        "q and k, so every index score q . k is unchanged; HF's DeepseekV32Indexer skips it too "
+        "(identity_rotate_activation)",
+        ">=0.16.1",
+        "tests/test_dsa.py::test_v32_tp1_logprobs_match_hf_sparse_and_controls",
+    ),
 }
 
 
@@ -527,6 +536,14 @@ def block_spec_with_sp_final_norm(layer_specs: list[Any], tcfg: Any, vp_stage: i
     n = get_num_layers_to_build(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
     off = get_transformer_layer_offset(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=list(layer_specs[off:off + n]), layer_norm=SequenceParallelRMSNorm)
+
+
+def identity_rotate_activation() -> None:
+    """Entry 17: megatron's DSA indexer without its Hadamard rotation (q . k unchanged, as HF)."""
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    if applies(17):
+        dsa.rotate_activation = lambda x: x
 
 
 def _torch_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:

@@ -241,6 +241,7 @@ def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: Megatr
         moe_token_dispatcher_type="alltoall",
         **moe_kwargs(arch, lay, cfg, grouped=spec_name == "te"),
         **mla_kwargs(arch),
+        **dsa_kwargs(arch),
         **linear_attention_kwargs(arch),
         **sink_window_kwargs(arch),
         **recompute_kwargs(cfg),
@@ -305,6 +306,16 @@ def mla_kwargs(arch: ModelArch) -> dict[str, Any]:
     return {**kw, "rope_type": "yarn", "rotary_scaling_factor": y.factor,
             "original_max_position_embeddings": y.original_max_position_embeddings, "beta_fast": y.beta_fast,
             "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim}
+
+
+def dsa_kwargs(arch: ModelArch) -> dict[str, Any]:
+    """TransformerConfig fields of DeepSeek sparse attention (DeepSeek-V3.2, GLM-5); the indexer
+    is frozen, so no indexer loss (megatron/sparse_attention.py)."""
+    x = arch.dsa
+    if x is None:
+        return {}
+    return dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=x.index_n_heads,
+                dsa_indexer_head_dim=x.index_head_dim, dsa_indexer_topk=x.index_topk, dsa_indexer_loss_coeff=0.0)
 
 
 def moe_kwargs(arch: ModelArch, lay, cfg: MegatronModelConfig, grouped: bool = False) -> dict[str, Any]:
@@ -406,6 +417,29 @@ def check_linear_attention(arch: ModelArch, cfg: MegatronModelConfig, lay) -> No
                          "shard the experts with parallel.expert_parallel")
 
 
+class LatentRMSNorm(compat.SequenceParallelRMSNorm):
+    """MLA's q / kv latent RMSNorm at eps 1e-6: transformers' DeepseekV3Attention (and V3.2's,
+    GLM-5's) builds q_a_layernorm / kv_a_layernorm without config.rms_norm_eps."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **kw: Any):
+        super().__init__(config, hidden_size, eps=1e-6, **kw)
+
+
+def check_sparse_attention(arch: ModelArch, cfg: MegatronModelConfig, lay) -> None:
+    """Refuse, naming the key, what DeepSeek sparse attention (V3.2, GLM-5) cannot run: it is
+    built on the local spec (megatron's TE DSA spec fuses the q-latent norm into the up
+    projection, so its indexer would read the unnormalised latent) and megatron-core 0.16.1's
+    DSAttention has no context parallelism."""
+    if arch.dsa is None:
+        return
+    if cfg.layer_spec == "te":
+        raise ValueError(f"actor.model.layer_spec: te is not supported for {arch.model_type} (DeepSeek sparse "
+                         "attention runs on the local spec: megatron/sparse_attention.py)")
+    if lay.cp > 1:
+        raise ValueError(f"parallel.context_parallel: {lay.cp} > 1 is not supported for {arch.model_type} "
+                         "(megatron-core 0.16.1's DSAttention has no context parallelism)")
+
+
 def model_adapter(hf_config: Any, cfg: MegatronModelConfig) -> Any:
     """The adapter of ``cfg.family`` (``areal_mega.kinds``, family "model") over ``hf_config``, else
     the registry's for its ``model_type``."""
@@ -446,6 +480,9 @@ def build_model(
             raise ValueError(f"actor.model.{key}: set, but it {dense}")
     hybrid = arch.linear is not None
     check_linear_attention(arch, cfg, lay)
+    check_sparse_attention(arch, cfg, lay)
+    if arch.dsa is not None:
+        compat.identity_rotate_activation()  # compat entry 17
     if hybrid:
         compat.enable_torch_gated_delta_net()  # compat entry 13
     oss = arch.attention_sinks or arch.sliding_window is not None
@@ -455,7 +492,7 @@ def build_model(
     if oss and cfg.layer_spec == "te":
         raise ValueError(f"actor.model.layer_spec: te is not supported for {arch.model_type} (its sinks and "
                          "packed sliding window run in the local spec's CoreAttention; use auto or local)")
-    spec_name = "local" if hybrid or oss else resolve_layer_spec(cfg.layer_spec)
+    spec_name = "local" if hybrid or oss or arch.dsa is not None else resolve_layer_spec(cfg.layer_spec)
     check_context_parallel(lay, spec_name, cp_comm_type=cfg.cp_comm_type, vpp=lay.vpp, mla=arch.mla is not None)
     dtype = cfg.dtype or arch.dtype
     tcfg = transformer_config(arch, groups, cfg, dtype, spec_name)
@@ -484,7 +521,15 @@ def build_model(
                                         **experts)
         # torch RMSNorm that works under sequence parallelism (megatron's asserts; compat entry 9),
         # and the project's core attention (any q/k/v head dims, packed THD; megatron/attention.py).
-        return with_core_attention(compat.local_spec_with_sp_norms(spec))
+        spec = with_core_attention(compat.local_spec_with_sp_norms(spec))
+        if mla:  # HF builds MLA's latent norms at eps 1e-6 whatever rms_norm_eps is (GLM-5's is 1e-5)
+            attn = spec.submodules.self_attention.submodules
+            attn.q_layernorm = attn.kv_layernorm = LatentRMSNorm
+        if arch.dsa is not None:  # DeepSeek sparse attention: megatron's indexer, packed rows
+            from areal_mega.megatron.sparse_attention import dsa_core_attention_spec
+
+            spec.submodules.self_attention.submodules.core_attention = dsa_core_attention_spec()
+        return spec
 
     # One spec per global layer: dense-MLP layers (first_k_dense_replace, mlp_only_layers) and MoE ones.
     moe_spec, dense_spec = spec_for(moe), (spec_for({}) if arch.dense_layers else None)
@@ -527,6 +572,10 @@ def build_model(
         if torch.cuda.is_available():
             m = m.cuda(torch.cuda.current_device())
         chunks.append(m)
+    if arch.dsa is not None:  # RL keeps the indexer frozen (docs/engine.md "DeepSeek sparse attention")
+        from areal_mega.megatron.sparse_attention import freeze_indexers
+
+        freeze_indexers(chunks)
     if cfg.moe_routing_replay != "off":
         from areal_mega.megatron.routing import install_observed_replay
 

@@ -21,11 +21,12 @@ from areal_mega.parallel import ParallelLayout
 if TYPE_CHECKING:
     from areal_mega.weight_sync.sglang_layout import EngineRank
 
-Fusion = Literal["none", "qkv", "gate_up", "vocab", "parts", "gated_qkv", "grouped"]
+Fusion = Literal["none", "qkv", "gate_up", "vocab", "parts", "gated_qkv", "grouped", "indexer_rows"]
 """How a megatron tensor holds its HF tensors: "parts" = rows concatenated part by part, each part
 split over TP on its own (a family's ``row_parts``); "gated_qkv" = q, its output gate, k, v per
 query group (Qwen3.5's gated attention); "grouped" = HF rows per key-head group [q; k; v; z] and
-[b; a] regrouped part by part (Qwen3-Next's in_proj_qkvz / in_proj_ba; models/qwen3_5.py)."""
+[b; a] regrouped part by part (Qwen3-Next's in_proj_qkvz / in_proj_ba; models/qwen3_5.py);
+"indexer_rows" = each index head's rows permuted to megatron's DSA indexer order (models/dsa.py)."""
 LayerSpec = Literal["local", "te"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -121,6 +122,8 @@ class ModelArch:
     swiglu_limit: float | None = None
     """gpt-oss's clamped SwiGLU: (clamp(up, -l, l) + 1) * g * sigmoid(1.702 g), g = clamp(gate, max=l)
     (megatron's quick_gelu GLU with glu_linear_offset 1 and activation_func_clamp_value l); None = SiLU SwiGLU."""
+    dsa: "DSAArch | None" = None
+    """DeepSeek sparse attention on MLA (DeepSeek-V3.2, GLM-5: the indexer's top-k); None = dense."""
 
     @property
     def heads_per_group(self) -> int:
@@ -147,6 +150,18 @@ class MLAArch:
     qk_rope_head_dim: int
     """Per-head query/key dims with RoPE, the key's shared by all heads (qk_pos_emb_head_dim)."""
     v_head_dim: int
+
+
+@dataclass(frozen=True)
+class DSAArch:
+    """DeepSeek sparse attention's lightning indexer (HF index_* keys; megatron's DSAIndexer)."""
+
+    index_topk: int
+    """Keys each query attends to (HF index_topk)."""
+    index_n_heads: int
+    index_head_dim: int
+    rope_interleaved: bool
+    """The indexer's RoPE on pairs (x0, x1), ... (GLM-5) or on halves (x_i, x_i+d/2) (DeepSeek-V3.2)."""
 
 
 @dataclass(frozen=True)

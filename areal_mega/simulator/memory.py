@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DTYPE_BYTES", "EngineMemory", "GIB", "LOGPROB_BYTES_PER_TOKEN", "LearnerMemory", "LearnerSettings",
     "ParamCount", "StageState", "activation_bytes_per_token", "count_params", "estimate_engine",
-    "estimate_learner", "in_flight", "layer_bytes_per_token", "learner_settings", "linear_state_bytes_per_request",
+    "estimate_learner", "in_flight", "indexer_transient_bytes", "layer_bytes_per_token", "learner_settings", "linear_state_bytes_per_request",
     "microbatch_activation_bytes",
     "model_arch", "selective_layer_bytes_per_token", "settings_from_engine_config", "stage_activations",
     "stage_layer_ids", "stage_state", "total_params"
@@ -82,6 +82,9 @@ class ParamCount:
     and its dense MLP, TP-sharded (the ``layer_*`` fields are then its gated-attention layers)."""
     linear_layer_replicated: int = 0
     """A gated DeltaNet layer's norms: the two layer norms and the gated out_norm."""
+    layer_frozen: int = 0
+    """Every layer's frozen weights (no grads, no optimizer state), replicated on every TP rank:
+    DeepSeek sparse attention's indexer (wq_b, wk, k_norm, weights_proj; models/dsa.py)."""
 
     def total(self, num_layers: int, num_dense: int = 0, num_linear: int = 0) -> int:
         """``num_layers`` layers of which ``num_dense`` are a MoE model's dense layers and
@@ -93,7 +96,7 @@ class ParamCount:
         # a hybrid MoE model's DeltaNet layers have the router and experts of its MoE layers too
         layers += num_linear * (self.linear_layer_sharded + self.linear_layer_replicated + self.layer_replicated_weights
                                 + self.layer_expert)
-        return layers + self.embedding + self.output + self.final_norm
+        return layers + num_layers * self.layer_frozen + self.embedding + self.output + self.final_norm
 
     def active(self, num_layers: int, num_dense: int = 0, num_linear: int = 0) -> int:
         """Parameters one token passes through (MoE: k experts of E; dense: all)."""
@@ -133,6 +136,10 @@ def count_params(m: ModelArch, vocab: int | None = None, spec: str = "te") -> Pa
     emb = (vocab or m.vocab_size) * h
     mlp = 3 * h * f
     lin = {}
+    if m.dsa is not None:  # the indexer: wq_b on the q latent, wk and weights_proj on h, k_norm (weight, bias)
+        x = m.dsa
+        lin["layer_frozen"] = (x.index_n_heads * x.index_head_dim * (m.mla.q_lora_rank or h) + x.index_head_dim * h
+                               + 2 * x.index_head_dim + x.index_n_heads * h)
     if m.linear is not None:  # megatron's GatedDeltaNet: in_proj [qkv; z; b; a], depthwise conv1d, A_log, dt_bias
         g = m.linear
         kd, vd, nv = g.key_dim, g.value_dim, g.num_value_heads
@@ -230,7 +237,9 @@ def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayo
     """(actor settings, critic settings or None, KL reference?) from the trainer's own typed
     sections -- ``actor``, ``critic``, ``algorithm`` -- resolved as the trainer resolves them
     (layer_spec "auto" = te on GPU nodes, local on CPU; sequence_parallel at the layout's TP)."""
-    from areal_mega.megatron.model import check_context_parallel, check_linear_attention  # torch: when priced
+    from areal_mega.megatron.model import (  # torch: when priced
+        check_context_parallel, check_linear_attention, check_sparse_attention,
+    )
 
     res = exp.launch.learner.reserved_gib
     s = settings_from_engine_config(exp.actor, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res, vpp=layout.vpp)
@@ -238,7 +247,9 @@ def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayo
     hybrid = dict(layer_spec="local", sequence_parallel=False, attention="mask")  # as build_model builds it
     if m.linear is not None:
         s = dataclasses.replace(s, **hybrid)
-    if m.attention_sinks or m.sliding_window is not None:  # gpt-oss: build_model's local spec, CoreAttention's mask
+    check_sparse_attention(m, exp.actor.model, layout)
+    # gpt-oss: build_model's local spec, CoreAttention's mask; DSA: local spec, PackedDSAttention scores all T keys
+    if m.attention_sinks or m.sliding_window is not None or m.dsa is not None:
         s = dataclasses.replace(s, layer_spec="local", attention="mask")
     from areal_mega.megatron.engine import check_attention
     from areal_mega.megatron.lora import check_lora  # the trainer's own refusals, at the dry run too
@@ -254,6 +265,8 @@ def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayo
                                              vpp=layout.vpp)
         if m.linear is not None:
             critic = dataclasses.replace(critic, **hybrid)
+        if m.dsa is not None:
+            critic = dataclasses.replace(critic, layer_spec="local", attention="mask")
     return s, critic, exp.algorithm.needs_reference
 
 
@@ -524,6 +537,7 @@ def microbatch_activation_bytes(m: ModelArch, s: LearnerSettings, layout: Parall
         per.append(_chunk_bytes(m, s, t, chunk_layers, layout.cp, _num_dense_in(m, cids), lin))
     kept = sum(k for k, _ in per)
     peak = max(kept - k + p for k, p in per)  # one chunk rematerialises while the others keep
+    peak += indexer_transient_bytes(m, T)
     if stage == 0:
         tokens = T * (8 + (1 if t > 1 else 0))  # token ids (+ the vocab-parallel input mask)
         kept += tokens
@@ -538,6 +552,21 @@ def microbatch_activation_bytes(m: ModelArch, s: LearnerSettings, layout: Parall
             final = (8 * h + 4) / sig + b * h / sig
         logits = T * (final + 4 * vocab / t + LOGPROB_BYTES_PER_TOKEN)
     return kept, peak, logits
+
+
+def indexer_transient_bytes(m: ModelArch, T: float) -> float:
+    """DeepSeek sparse attention: what one layer's indexer allocates for a micro-batch of T tokens
+    and frees before the attention (it runs under no_grad: nothing kept for backward). megatron's
+    unfused scorer (DSAIndexer._compute_index_scores) makes the per-head scores [T, H_i, T] fp32
+    and its relu (then the weighted copy) next to it: 2 x 4 H_i T^2; then the [T, T] fp32 index
+    scores, the block-causal mask and the sparse mask, and the [T, topk] int64 indices. Every TP
+    rank computes it whole (the indexer is replicated; SP gathers its inputs). Once per layer:
+    with recompute the forward reruns it on top of the backward's rematerialisation, so it is
+    priced on the peak."""
+    x = m.dsa
+    if x is None:
+        return 0.0
+    return 8.0 * x.index_n_heads * T * T + 12.0 * T * T + 8.0 * T * min(x.index_topk, T)
 
 
 def _padded_vocab(m: ModelArch, s: LearnerSettings, t: int) -> int:
@@ -557,10 +586,12 @@ class StageState:
 
 
 def stage_state(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, stage: int, *,
-                value_head: bool = False, trainable: bool = True) -> StageState:
+                value_head: bool = False, trainable: bool = True, _frozen: bool = True) -> StageState:
     """Weights / grads / optimizer bytes of one GPU of ``stage``."""
     t, p = layout.tp, layout.pp
     pc = count_params(m, _padded_vocab(m, s, t), s.layer_spec)
+    if not _frozen:
+        pc = dataclasses.replace(pc, layer_frozen=0)
     ids = stage_layer_ids(m.num_layers, layout, stage)
     dense, linear = _num_dense_in(m, ids), _num_linear_in(m, ids)
     layers = len(ids) - dense - linear  # MoE layers (all softmax-attention layers of a dense model)
@@ -585,6 +616,10 @@ def stage_state(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, stage:
     zc = norms - linear * m.linear.value_head_dim if m.linear is not None else 0
     weights = (sharded + head + replicated + experts + zc) * s.b + (norms - zc) * nb
     n = sharded + head + norms + replicated + experts
+    frozen = len(ids) * pc.layer_frozen  # DSA's indexer: weights only, added to the returned state
+    if frozen:
+        full = stage_state(m, s, layout, stage, value_head=value_head, trainable=trainable, _frozen=False)
+        return dataclasses.replace(full, params=full.params + frozen, weights=full.weights + frozen * s.b)
     if not trainable:
         return StageState(params=n, weights=weights, grads=0, optimizer=0.0)
     if s.lora_rank and not value_head:  # frozen base + adapters (megatron/lora.py placement)
@@ -755,13 +790,16 @@ def estimate_engine(m: ModelArch, *, tp: int, max_total_tokens: int | None, mem_
                + linear * (pc.linear_layer_sharded + pc.layer_expert) + pc.embedding + pc.output)
     replicated = (moe * (pc.layer_replicated + pc.layer_replicated_weights)
                   + dense * (pc.dense_layer_replicated + pc.dense_layer_replicated_weights)
-                  + linear * (pc.linear_layer_replicated + pc.layer_replicated_weights) + pc.final_norm)
+                  + linear * (pc.linear_layer_replicated + pc.layer_replicated_weights) + pc.final_norm
+                  + m.num_layers * pc.layer_frozen)  # SGLang's DSA indexer: replicated linears
     weights = 2.0 * (sharded / tp + replicated)
     if quantization == "fp8":
         quantized = sharded - pc.embedding - pc.output
         weights -= (2.0 - (1.0 + 4.0 / (128 * 128))) * quantized / tp
     if m.mla is not None:  # SGLang's MLA pool: the latent and the rope key per token and layer, on every TP rank
         per_token = m.num_layers * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * kv_dtype_bytes
+        if m.dsa is not None:  # + the indexer's key cache: fp8 index_head_dim + an fp32 scale per 128 (SGLang's)
+            per_token += m.num_layers * (m.dsa.index_head_dim + 4 * math.ceil(m.dsa.index_head_dim / 128))
     else:  # SGLang replicates KV heads when there are fewer of them than TP ranks.
         kv_heads = max(1, m.num_kv_heads // tp)
         # gated DeltaNet layers keep no KV: a fixed-size recurrent state per request instead
