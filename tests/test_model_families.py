@@ -19,6 +19,7 @@ SGLANG = {"llama": "synced", "qwen2": "synced", "qwen3": "synced", "qwen3_moe": 
           "deepseek_v3": "synced", "mixtral": "none", "qwen2_moe": "none", "glm4_moe": "none",
           "qwen3_5_text": "none", "qwen3_5": "none", "qwen3_5_moe_text": "none", "qwen3_5_moe": "none",
           "qwen3_next": "none"}
+SGLANG["kimi_k25"] = "none"  # models/kimi_k25.py: DeepSeek-V3's layout renamed is not written; broadcast serves it
 TINY_MOE = {  # tiny configs of the families tiny_config leaves dense (tests/test_moe_families_plan.py's)
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -50,6 +51,14 @@ def _qwen3_5_config(family: str) -> dict:
             "qwen3_next": lambda: Qwen3NextConfig(**CFG, **MOE)}[family]().to_dict()
 
 
+def _kimi_k25_config() -> dict:
+    from transformers import Kimi_K25Config
+
+    from tests.test_kimi_k25 import TEXT, VISION
+
+    return Kimi_K25Config(text_config=dict(TEXT), vision_config=VISION, projection_hidden_size=32).to_dict()
+
+
 def _sglang_status(cls: type[ModelAdapter]) -> str:
     return "none" if cls.sglang_layout is None else ("planned" if cls.sglang_not_synced else "synced")
 
@@ -62,6 +71,7 @@ def test_each_built_in_family_owns_its_sglang_facts(family):
     cls = adapter_class(family)
     assert cls.model_type == family and _sglang_status(cls) == SGLANG[family]
     adapter = get_adapter(_qwen3_5_config(family) if family.startswith(("qwen3_5", "qwen3_next")) else
+                          _kimi_k25_config() if family == "kimi_k25" else
                           tiny_config(family, **TINY_MOE.get(family, {})))
     if SGLANG[family] == "none":
         with pytest.raises(ValueError, match=f"no SGLang layout for model_type '{family}' .*use broadcast$"):

@@ -1,0 +1,223 @@
+"""Kimi-K2.5 (kimi_k25, areal_mega/models/kimi_k25.py) vs transformers 5.19's
+Kimi_K25ForConditionalGeneration, fp32, CPU, from the released checkpoint layout
+(``language_model.model.*``, ``language_model.lm_head.weight``, ``vision_tower.*``,
+``mm_projector.*``; config.json as released: KimiK25ForConditionalGeneration, text_config
+``kimi_k2``), written here from a tiny random model (transformers 5.19's save_pretrained writes
+the language model's layers as ``blocks``, which its own loader maps back: renamed to the released
+``layers`` here; transformers loads both alike, checked).
+
+* make test's row (in this process, TP1): packed log-probs = HF's within the fp32 bound, the
+  export (weight sync's path) bit-exact, parameter counts = transformers' language model; control:
+  one layer's kv_b_proj dropped. Pure: the adapter names the language model only, refusals.
+* families_serve (make test-families-serve): TP1, TP2, PP2, EP2, EP2 x TP2, EP2 x PP2 in one 4-rank
+  launch (tests/dist/family_layouts.py), a control, export bit-exact at every layout, the
+  conversion tools' round trip bit-exact (vision tower copied); the sync stream into SGLang's own
+  KimiK25ForConditionalGeneration loader. Numbers: docs/engine.md "Kimi-K2.5".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+LENS = [7, 13, 4, 10]
+VOCAB = 300
+# Kimi-K2.5's text_config in small: one routing group (n_group 1), routed scale 2.827, one shared
+# expert, a dense first layer, YaRN as released (factor 64, beta_fast 32, mscale = mscale_all_dim
+# = 1: the softmax scale changes) over 64 original positions; top-2 of 8 (released: top-8 of 384).
+TEXT = dict(model_type="kimi_k2", vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+            num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+            num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+            q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, head_dim=8,
+            routed_scaling_factor=2.827, norm_topk_prob=True, num_nextn_predict_layers=0, rms_norm_eps=1e-5,
+            max_position_embeddings=4096, tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="yarn", rope_theta=50000.0, factor=64.0, original_max_position_embeddings=64,
+                                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
+VISION = dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=32, intermediate_size=48,
+              pos_emb_height=4, pos_emb_width=4, pos_emb_time=2)
+RELEASED_KEYS = dict(architectures=["KimiK25ForConditionalGeneration"], media_placeholder_token_id=163605,
+                     use_unified_vision_chunk=True, video_placeholder="<|kimi_k25_video_placeholder|>",
+                     auto_map={"AutoConfig": "configuration_kimi_k25.KimiK25Config"})
+FROZEN = ("vision_tower.", "mm_projector.")
+
+
+def tiny_kimi(seed: int = 0, noise_seed: int = 9):
+    """A tiny random Kimi_K25ForConditionalGeneration (fp32, eager attention), std-0.1 noise on
+    every weight and on the routing bias (so a misplaced norm or bias shows)."""
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = Kimi_K25Config(text_config=dict(TEXT), vision_config=VISION, projection_hidden_size=32,
+                         tie_word_embeddings=False)
+    m = Kimi_K25ForConditionalGeneration(cfg).float().eval()
+    g = torch.Generator().manual_seed(noise_seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        for n, b in m.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.add_(torch.randn(b.shape, generator=g) * 0.1)
+    m.config._attn_implementation = "eager"
+    m.config.text_config._attn_implementation = "eager"
+    return m
+
+
+def save_released(m, path: Path) -> Path:
+    """``m`` saved in the released Kimi-K2.5 layout (see the module doc) with a released-style config."""
+    from safetensors.torch import load_file, save_file
+
+    m.save_pretrained(path)
+    f = path / "model.safetensors"
+    sd = load_file(f)
+    renamed = {k.replace("language_model.model.blocks.", "language_model.model.layers.")
+               .replace("model.mm_projector.", "mm_projector."): v for k, v in sd.items()}
+    save_file(renamed, f, metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(RELEASED_KEYS)
+    cfg["text_config"]["model_type"] = "kimi_k2"
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def packed_reference(m) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (sum(LENS),), generator=g)
+    cu = torch.tensor([0] + list(torch.tensor(LENS).cumsum(0)))
+    with torch.no_grad():
+        logits = torch.cat([m(input_ids=ids[cu[i]: cu[i + 1]][None]).logits[0] for i in range(len(LENS))])
+    return {"input_ids": ids, "cu_seqlens": cu, "logits": logits.float()}
+
+
+def logits_tol(ref: torch.Tensor) -> float:
+    """fp32 logits of the same weights two ways (megatron packed, any layout, vs HF per sequence):
+    2 layers' reductions of up to K = 128 terms (MLP 96, the experts 32 + shared 32, attention
+    4 x 24) relative to the largest |logit| (tests/support/numerics.py). The log-prob bound is 2x
+    (|d log p| <= 2 max |d logit|). Routing is discrete: a flipped top-k tie fails it."""
+    from tests.support.numerics import fp32_tol, transformer_reductions
+
+    return fp32_tol(128, float(ref.abs().max()), ops=transformer_reductions(2) - 1)
+
+
+def language_model_params(m) -> int:
+    """transformers' language-model parameters of a Kimi_K25ForConditionalGeneration (untied lm_head)."""
+    return sum(p.numel() for n, p in m.named_parameters() if n.startswith(("model.language_model.", "lm_head.")))
+
+
+# ---------------------------------------------------------------- pure (no megatron)
+def test_adapter_names_the_language_model_of_the_released_layout(tmp_path):
+    """The released layout's language model, name for name and shape for shape (vision tower and
+    projector not in the plan); transformers loads that layout as its own; the memory model counts
+    transformers' language-model parameters; refusals are one line naming the key."""
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    from areal_mega.megatron.model import HFCheckpointReader
+    from areal_mega.models import get_adapter, load_hf_config
+    from areal_mega.simulator.memory import total_params
+
+    m = tiny_kimi()
+    d = save_released(m, tmp_path / "kimi")
+    disk = HFCheckpointReader(d)
+    ad = get_adapter(d)
+    frozen = {n for n in disk.names() if n.startswith(FROZEN)}
+    assert frozen and set(ad.hf_names()) == set(disk.names()) - frozen
+    assert all(ad.hf_shape(n) == disk.shape(n) for n in ad.hf_names())
+    assert all(n.startswith(("language_model.model.layers.", "language_model.model.embed_tokens.",
+                             "language_model.model.norm.", "language_model.lm_head.")) for n in ad.hf_names())
+    back = Kimi_K25ForConditionalGeneration.from_pretrained(d, dtype=torch.float32).state_dict()
+    assert all(torch.equal(back[k], v) for k, v in m.state_dict().items())
+    a = ad.arch
+    assert (a.architecture, a.moe_num_groups, a.moe_scaling_factor, a.yarn.factor, a.yarn.beta_fast) == \
+        ("KimiK25ForConditionalGeneration", None, 2.827, 64.0, 32.0)
+    assert total_params(a) == language_model_params(m)
+    # the same network through DeepSeek-V3's adapter (the text config alone)
+    from areal_mega.models.moe_families import DeepseekV3Adapter
+
+    text = {**m.config.text_config.to_dict(), "architectures": None}
+    assert {**DeepseekV3Adapter(text).arch.__dict__, "model_type": "", "architecture": ""} == \
+        {**a.__dict__, "model_type": "", "architecture": ""}
+    cfg = load_hf_config(d)
+    for bad, msg in (
+        ({**cfg, "quantization_config": {"quant_method": "compressed-tensors"}}, "^quantization_config: a quantized"),
+        ({**cfg, "text_config": {**cfg["text_config"], "quantization_config": {"format": "pack-quantized"}}},
+         "^text_config.quantization_config: a quantized"),
+        ({**cfg, "text_config": {**cfg["text_config"], "model_type": "qwen3"}}, "^text_config.model_type: 'qwen3'"),
+        ({**cfg, "foo": 1}, "^foo: config key not implemented by the kimi_k25 adapter"),
+        ({**cfg, "architectures": ["KimiK25ForCausalLM"]}, "^architectures: "),
+        ({**cfg, "text_config": {**cfg["text_config"], "topk_method": "greedy"}}, "^topk_method: 'greedy'"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            get_adapter(bad)
+    assert get_adapter({k: v for k, v in cfg.items() if k != "tie_word_embeddings"}).arch.tie_word_embeddings  # HF's default
+
+
+# ---------------------------------------------------------------- make test's row: TP1 in this process
+@pytest.fixture(scope="module", autouse=True)
+def _world_released():
+    """The megatron world of one set up here is torn down after this module (later modules expect
+    no default process group in the pytest process)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    had_group = dist.is_initialized()
+    yield
+    if not had_group:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_tp1_logprobs_match_hf_from_the_released_layout(tmp_path):
+    """kimi_k25 through the model registry at TP1 (build_model / load_hf_weights / export_hf_weights)
+    on the released layout: four sequences packed in one row vs each alone in HF, fp32 log-probs;
+    parameters = transformers' language model; export bit-exact and complete; control: layer 1's
+    kv_b_proj read as zeros (one MLA block dropped) -> far off."""
+    from megatron.core import parallel_state as ps
+
+    from areal_mega.megatron import cpu_compat
+    from areal_mega.megatron.model import (
+        HFCheckpointReader, MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights,
+    )
+    from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel, init_process_group_for_script
+    from areal_mega.models import get_adapter, load_hf_config
+    from areal_mega.parallel import ParallelLayout
+    from tests.dist.family_layouts import dropping
+    from tests.support.models import packed_logprobs
+
+    m = tiny_kimi()
+    d = save_released(m, tmp_path / "kimi")
+    ref = packed_reference(m)
+    cpu_compat.apply()
+    init_process_group_for_script()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if ps._GLOBAL_MEMORY_BUFFER is not None:  # set alone by an earlier test (test_core_attention)
+        ps.destroy_global_memory_buffer()
+    groups = init_model_parallel(ParallelLayout(world_size=1), backend="gloo")
+    try:
+        model = build_model(d, groups, MegatronModelConfig(layer_spec="local"))
+        load_hf_weights(model, d)
+        (mc,) = model.chunks
+        pad = 2 * (model.padded_vocab_size - VOCAB) * 64  # zero vocab-padding rows of embedding + output layer
+        assert sum(p.numel() for p in mc.parameters()) - pad == language_model_params(m)
+        disk = HFCheckpointReader(d)
+        out = dict(export_hf_weights(model))
+        assert sorted(out) == sorted(n for n in disk.names() if not n.startswith(FROZEN))
+        assert all(torch.equal(out[n], disk.read(n)) for n in out)
+        ids, cu = ref["input_ids"], ref["cu_seqlens"]
+        hf_lp = packed_logprobs(ref["logits"], ids, cu)
+        tol = 2 * logits_tol(ref["logits"])
+        e = (packed_logprobs(forward_logits(model, ids, cu), ids, cu) - hf_lp).abs().max().item()
+        print(f"kimi_k25 TP1 packed log-probs: max|mc-hf|={e:.2e} bound={tol:.2e}")
+        assert e <= tol
+        cfg = load_hf_config(d)
+        neg = build_model(d, groups, adapter=dropping(type(get_adapter(cfg)), "layers.1.self_attn.kv_b_proj.weight")(cfg))
+        load_hf_weights(neg, d)
+        bad = (packed_logprobs(forward_logits(neg, ids, cu), ids, cu) - hf_lp).abs().max().item()
+        print(f"kimi_k25 control (layer 1 kv_b_proj dropped): {bad:.2e}")
+        assert bad > 100 * tol
+    finally:
+        destroy_model_parallel(groups)
