@@ -281,6 +281,18 @@ def mla_kwargs(arch: ModelArch) -> dict[str, Any]:
             "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim}
 
 
+class MLALatentRMSNorm(compat.SequenceParallelRMSNorm):
+    """MLA's q / kv latent norms (HF q_a_layernorm / kv_a_layernorm) at HF's eps: transformers'
+    DeepSeek-V3 (and V3.2, GLM-5) build them with RMSNorm's default 1e-6 whatever rms_norm_eps is,
+    while megatron passes them rms_norm_eps (config.layernorm_epsilon). Equal for DeepSeek-V3
+    (1e-6); Kimi-K2.5's 1e-5 otherwise moves its tiny fp32 logits 4x past the bound (docs/engine.md)."""
+
+    EPS = 1e-6
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **kw):
+        super().__init__(config, hidden_size, eps=self.EPS, **kw)
+
+
 def moe_kwargs(arch: ModelArch, lay, cfg: MegatronModelConfig, grouped: bool = False) -> dict[str, Any]:
     """megatron TransformerConfig moe_* fields reproducing HF's Qwen3MoeSparseMoeBlock:
     router logits -> softmax over all experts -> top-k -> (norm_topk_prob) renormalise. Megatron
@@ -444,12 +456,19 @@ def build_model(
 
     def spec_for(experts: dict):
         if spec_name == "te":
+            if mla and arch.rms_norm_eps != MLALatentRMSNorm.EPS:
+                raise ValueError(f"actor.model.layer_spec: te with MLA and rms_norm_eps {arch.rms_norm_eps} is not "
+                                 "supported (TE fuses the latent norms at rms_norm_eps; HF's are at 1e-6); use local")
             return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_ln, multi_latent_attention=mla, **experts)
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_ln, multi_latent_attention=mla,
                                         **experts)
         # torch RMSNorm that works under sequence parallelism (megatron's asserts; compat entry 9),
         # and the project's core attention (any q/k/v head dims, packed THD; megatron/attention.py).
-        return with_core_attention(compat.local_spec_with_sp_norms(spec))
+        spec = with_core_attention(compat.local_spec_with_sp_norms(spec))
+        if mla:  # MLA's latent norms at HF's eps
+            attn = spec.submodules.self_attention.submodules
+            attn.q_layernorm = attn.kv_layernorm = MLALatentRMSNorm
+        return spec
 
     # One spec per global layer: dense-MLP layers (first_k_dense_replace, mlp_only_layers) and MoE ones.
     moe_spec, dense_spec = spec_for(moe), (spec_for({}) if arch.dense_layers else None)
