@@ -34,6 +34,7 @@ TEXT = dict(model_type="kimi_k2", vocab_size=VOCAB, hidden_size=64, num_attentio
             q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, head_dim=8,
             routed_scaling_factor=2.827, norm_topk_prob=True, num_nextn_predict_layers=0, rms_norm_eps=1e-5,
             max_position_embeddings=4096, tie_word_embeddings=False,
+            moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid",  # released keys transformers' config lacks
             rope_parameters=dict(rope_type="yarn", rope_theta=50000.0, factor=64.0, original_max_position_embeddings=64,
                                  beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
 VISION = dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=32, intermediate_size=48,
@@ -304,3 +305,90 @@ def test_conversion_tools_roundtrip_bit_exact(layouts):
     assert not bad, bad[:5]
     cfg = json.loads((work / "kimi_k25_hf" / "config.json").read_text())
     assert (cfg["model_type"], cfg["architectures"]) == ("kimi_k25", ["KimiK25ForConditionalGeneration"])
+
+
+# SGLang 0.5.23's DeepseekV2 loader rules (deepseek_v2.py / deepseek_weight_loader.py), written out
+# here independently of the adapter: HF module -> (SGLang fused parameter, part index).
+_SGLANG_FUSED = {"self_attn.q_a_proj": ("self_attn.fused_qkv_a_proj_with_mqa", 0),
+                 "self_attn.kv_a_proj_with_mqa": ("self_attn.fused_qkv_a_proj_with_mqa", 1),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# the tiny vision tower under SGLang's KimiK25VisionConfig names (built, never loaded: it stays NaN)
+SGLANG_VISION = dict(patch_size=14, init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=2, hidden_size=32,
+                     num_hidden_layers=1, num_attention_heads=2, intermediate_size=48, vt_hidden_size=32,
+                     vt_num_hidden_layers=1, vt_num_attention_heads=2, vt_intermediate_size=48, mm_hidden_size=32,
+                     text_hidden_size=64, merge_kernel_size=[2, 2])
+
+
+def sglang_reference(ckpt: dict) -> dict:
+    """What SGLang's TP1 KimiK25ForConditionalGeneration parameters must hold after loading the
+    checkpoint's language model: MLA's q_a / kv_a fused, gate/up fused (dense and shared MLPs),
+    routed experts stacked into FusedMoE's w13 = [gate; up] and w2 = down per expert."""
+    import re
+
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # module -> expert -> gate / up / down
+    out = {}
+    for n, t in ckpt.items():
+        if n.startswith(FROZEN):
+            continue
+        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", n)
+        if m:
+            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = t
+            continue
+        for hf, (fused, i) in _SGLANG_FUSED.items():
+            if n.endswith(f".{hf}.weight"):
+                parts.setdefault(n[: -len(f"{hf}.weight")] + f"{fused}.weight", {})[i] = t
+                break
+        else:
+            out[n] = t
+    for mod, per in experts.items():
+        out[f"{mod}.w13_weight"] = torch.stack([torch.cat([per[e]["gate"], per[e]["up"]]) for e in sorted(per)])
+        out[f"{mod}.w2_weight"] = torch.stack([per[e]["down"] for e in sorted(per)])
+    out.update({k: torch.cat([v[i] for i in sorted(v)]) for k, v in parts.items()})
+    return out
+
+
+@HEAVY
+def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
+    """SGLang 0.5.23 cannot serve Kimi-K2.5 here (docs/engine.md "Kimi-K2.5": its multimodal
+    processor needs Moonshot's remote-code processor), so the sync is checked against SGLang's
+    own loader: the stream the learner's export sends at EP2 x TP2 goes through SGLang's
+    KimiK25ForConditionalGeneration ``load_weights`` in-process (tests/support/sglang_load.py);
+    every language-model parameter must be written and equal the checkpoint mapped by SGLang's
+    loader rules (bit for bit), the vision tower untouched. Controls: a stream without one layer's
+    kv_a_proj_with_mqa leaves the fused q_a / kv_a parameter unwritten; expert 3's gate rows
+    reversed make layer 1's w13 differ."""
+    from areal_mega.megatron.model import HFCheckpointReader
+    from tests.support.launch import SGLANG_PYTHON, child_env, run_checked
+
+    if not SGLANG_PYTHON:
+        pytest.skip("AREAL_MEGA_SGLANG_PYTHON not set (run through make test-families-serve)")
+    work, _, _, _ = layouts
+    cfg = json.loads((work / "kimi_k25" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "vision_config": SGLANG_VISION}))
+    stream = torch.load(work / "kimi_k25_sync.pt")
+    kv_a, gate = ("language_model.model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+                  "language_model.model.layers.1.mlp.experts.3.gate_proj.weight")
+    assert {kv_a, gate} <= {n for n, _ in stream}
+    torch.save([(n, t) for n, t in stream if n != kv_a], tmp_path / "dropped.pt")
+    torch.save([(n, t.flip(0) if n == gate else t) for n, t in stream], tmp_path / "flipped.pt")
+    jobs = [{"label": label, "config": str(tmp_path / "config.json"), "stream": str(f)}
+            for label, f in (("sync", work / "kimi_k25_sync.pt"), ("dropped", tmp_path / "dropped.pt"),
+                             ("flipped", tmp_path / "flipped.pt"))]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    run_checked([SGLANG_PYTHON, "tests/support/sglang_load.py", "--jobs", tmp_path / "jobs.json",
+                 "--out", tmp_path / "out.pt"], timeout_s=600, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
+    res = torch.load(tmp_path / "out.pt")
+    disk = HFCheckpointReader(work / "kimi_k25")
+    want = sglang_reference({n: disk.read(n) for n in disk.names()})
+    got = res["sync"]
+    lm = {n for n in got if not n.startswith(FROZEN)}
+    assert lm == set(want), sorted(lm ^ set(want))[:5]
+    for n in lm:  # vocab rows past the checkpoint's (SGLang's padding) are not the sync's
+        assert torch.equal(got[n][: want[n].shape[0]], want[n]), n
+    vision = [n for n in got if n.startswith(FROZEN)]
+    assert vision and all(got[n].isnan().all() for n in vision)
+    fused = "language_model.model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight"
+    assert res["dropped"][fused].isnan().all() and not got[fused].isnan().any()
+    w13 = "language_model.model.layers.1.mlp.experts.w13_weight"
+    assert not torch.equal(res["flipped"][w13], got[w13]) and torch.equal(res["flipped"][w13][:3], got[w13][:3])

@@ -10,6 +10,7 @@ records on rank 0 into R.pt:
 * export[model][layout]: per exporting rank (pp, tp, dp, ep, #bit-identical to the HF file,
   #differing, #None, names) from ModelAdapter.export_hf -- the weight-sync code path;
 * negative[control]: logits with one piece deliberately dropped (NEGATIVE);
+* W/<model>_sync.pt: the export stream of SYNC_STREAM's models (what a broadcast sync sends);
 * W/<model>_ckpt, W/<model>_hf: each model converted HF -> megatron (EP2 x PP2) -> HF (EP2 x TP2)
   by the conversion tools' main() functions, run inside this world.
 
@@ -56,6 +57,11 @@ ROUNDTRIP = ("deepseek_v3", "qwen2_moe")
 ROUNDTRIP += ("kimi_k25",)  # the VL checkpoint: its vision tower copied from the source (tests/test_kimi_k25.py)
 
 
+SYNC_STREAM = {"kimi_k25": (2, 1, 2)}
+"""model -> the layout whose stage-0 sender's export stream is saved as W/<model>_sync.pt (rank 0's:
+every tensor at PP1), loaded into SGLang's own model class by tests/support/sglang_load.py."""
+
+
 def key_of(tp, pp, ep) -> str:
     return f"tp{tp}pp{pp}ep{ep}"
 
@@ -99,7 +105,7 @@ def main() -> None:
             c = groups.coords
             row = None
             if lay.exports(groups.rank):
-                same, diff, none, names = 0, 0, 0, []
+                same, diff, none, names, stream = 0, 0, 0, [], []
                 for n, t in export_hf_weights(model):
                     names.append(n)
                     if t is None:
@@ -108,7 +114,11 @@ def main() -> None:
                         same += 1
                     else:
                         diff += 1
+                    if t is not None:
+                        stream.append((n, t))
                 row = (c.pp, c.tp, c.dp, c.ep, same, diff, none, names)
+                if SYNC_STREAM.get(name) == (tp, pp, ep) and groups.rank == 0:  # what a broadcast sync sends
+                    torch.save(stream, work / f"{name}_sync.pt")
             res["export"][name][key] = gather(row)
             for control, (m, lay_key, suffix) in NEGATIVE.items():
                 if m == name and lay_key == (tp, pp, ep):

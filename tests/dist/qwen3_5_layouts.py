@@ -10,7 +10,7 @@ on rank 0 into R.pt:
 * logits[model][layout]: packed-batch logits (last stage, TP-gathered);
 * export[model][layout]: per exporting rank (pp, is the stage's sender, #bit-identical to the HF file,
   #differing, names) from ModelAdapter.export_hf -- the weight-sync code path; at TP2 the
-  sender's stream is also saved as W/<model>_sync_tp2.pt (tests/support/sglang_qwen3_5_load.py);
+  sender's stream is also saved as W/<model>_sync_tp2.pt (tests/support/sglang_load.py);
 * negative[control]: logits with one block dropped or mis-mapped at load (NEGATIVE);
 * grad: per TP2 rank, GRAD_PARAM's gradient of the packed log-prob sum, with and without compat
   entry 14;
