@@ -19,12 +19,10 @@ records on rank 0 into R.pt:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from areal_mega.megatron.model import (
     HFCheckpointReader,
@@ -35,7 +33,7 @@ from areal_mega.megatron.model import (
     load_hf_weights,
 )
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
-from tests.support.dist import gather, last_stage_value
+from tests.support.dist import finish, gather, last_stage_value, start_layouts_run
 from areal_mega.models import get_adapter, load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 
@@ -81,14 +79,7 @@ def dropping(adapter_cls, suffix: str):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work-dir", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    work = Path(args.work_dir)
-    dist.init_process_group("gloo")
-    ws = dist.get_world_size()
-    ref = torch.load(work / "ref.pt")
+    work, out, ws, ref = start_layouts_run()
     res: dict = {"logits": {}, "export": {}, "negative": {}}
     for name, r in ref.items():
         hf_dir = work / name
@@ -137,10 +128,7 @@ def main() -> None:
                                   "--pp", "2"])
         convert_mcore_to_hf.main(["--ckpt", str(work / f"{name}_ckpt"), "--out", str(work / f"{name}_hf"), "--ep", "2",
                                   "--tp", "2"])
-    if dist.get_rank() == 0:
-        torch.save(res, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(res, out)
 
 
 if __name__ == "__main__":
