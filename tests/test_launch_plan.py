@@ -646,6 +646,55 @@ def plan_671b(over: list[str]):
     return build_plan(cfg, alloc(64, 8), raw=raw, config_path=CONFIG_671B, overrides=rest, python="PY")
 
 
+CONFIG_KIMI = "configs/grpo_kimi_k25.yaml"
+
+
+def test_plan_kimi_k25_fits_80gb():
+    """The Kimi-K2.5 dry run (configs/grpo_kimi_k25.yaml on 96 nodes x 8 GPUs; the released VL
+    config inline, its language model priced): 1.03T parameters, 32.9B active; TP8 x PP1 x DP48
+    learners with EP384 on 48 nodes fit 80 GB (parameters per GPU by hand, as the 671B's); 6 bf16
+    servers of TP64 (8 nodes each) fit, TP32 does not; the weight sync: the language model's
+    tensors once (the vision tower is not synced), bf16 + the fp32 routing bias."""
+    from areal_mega.simulator.memory import total_params
+    from areal_mega.weight_sync.planner import plan_weight_sync
+
+    plan = _plan_kimi([])
+    raw = load_launch_config(CONFIG_KIMI, [])[1]
+    assert str(plan.layout) == "dp=48 pp=1 cp=1 tp=8 ep=384 etp=1 (world_size=384)"
+    assert (len(plan.learner_nodes), len(plan.engine_nodes), len(plan.servers)) == (48, 48, 6)
+    hf = raw["launch"]["model_config"]
+    adapter = get_adapter(hf)
+    h, a, L, dense, v, E = 7168, 64, 61, 1, 163840, 384
+    moe_expert = 3 * h * 2048
+    assert total_params(adapter.arch) == 1_026_408_209_408  # 1.03T; active: 8 of 384 experts
+    assert total_params(adapter.arch) - (L - dense) * (E - 8) * moe_expert == 32_861_477_888
+    mla_sharded = 1536 * a * 192 + 512 * a * (128 + 128) + a * 128 * h  # q_b, kv_b, o (TP8)
+    mla_replicated = h * 1536 + h * (512 + 64) + 1536 + 512 + 2 * h  # q_a, kv_a (TE: duplicated), latent + layer norms
+    sharded = (L * mla_sharded + (L - dense) * moe_expert + dense * 3 * h * 18432 + 2 * v * h) // 8
+    replicated = L * mla_replicated + (L - dense) * E * h + h  # + routers, final norm
+    experts = (L - dense) * E * moe_expert // 384  # EP384: one expert of each MoE layer per GPU
+    lm = plan.learner_memory
+    assert lm.params == sharded + replicated + experts == 5_061_106_688
+    assert lm.fits and round(lm.total / GIB, 1) == 70.2
+    em = plan.engine_memory
+    assert em.fits and plan.fits and (round(em.weights / GIB, 1), round(em.total / GIB, 1)) == (31.9, 49.0)
+    assert em.kv_bytes_per_token == L * (512 + 64) * 2
+    assert "TP64 over 8 node(s) each, 49.0 GiB per GPU" in plan.describe()
+    tp32 = _plan_kimi(["inference.server.tp_size=32"])
+    assert not tp32.fits and round(tp32.engine_memory.total / GIB, 1) == 78.9
+    sync = plan_weight_sync([s.tensors for s in adapter.plan(plan.layout)], plan.layout, 512 << 20)
+    # per layer MLA 7 + 2 norms; dense MLP 3; router weight + bias, experts, shared expert; embed, norm, head
+    assert len(sync.tensors) == L * 9 + 3 * dense + (L - dense) * (2 + E * 3 + 3) + 3 == 69_975
+    assert sync.nbytes == 2 * total_params(adapter.arch) + 2 * (L - dense) * E  # the bias travels as fp32
+    print(f"Kimi-K2.5 dry run: 48 learner nodes {lm.total / GIB:.1f} GiB/GPU, 6 x TP64 servers on 48 nodes "
+          f"{em.total / GIB:.1f} GiB/GPU (80 GB GPUs)")
+
+
+def _plan_kimi(over: list[str]):
+    cfg, raw, rest = load_launch_config(CONFIG_KIMI, over)
+    return build_plan(cfg, alloc(96, 8), raw=raw, config_path=CONFIG_KIMI, overrides=rest, python="PY")
+
+
 def test_plan_fp8_server_layout_without_whole_blocks_is_one_line():
     """The family check (a family without an fp8 layout) is tests/test_weight_sync_fp8.py's."""
     with pytest.raises(ValueError, match=r"^inference.server.quantization: fp8 at tp_size 32: .* not whole 128-blocks"):

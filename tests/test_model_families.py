@@ -21,6 +21,7 @@ SGLANG = {"llama": "synced", "qwen2": "synced", "qwen3": "synced", "qwen3_moe": 
           "qwen3_next": "none"}
 SGLANG["gpt_oss"] = "none"  # SGLang's gpt_oss layout not written (broadcast serves it; docs/engine.md "gpt-oss")
 SGLANG.update({"deepseek_v32": "none", "glm_moe_dsa": "none"})  # DSA: SGLang cannot serve it on CPU (tests/test_dsa.py)
+SGLANG["kimi_k25"] = "none"  # models/kimi_k25.py: DeepSeek-V3's layout renamed is not written; broadcast serves it
 TINY_MOE = {  # tiny configs of the families tiny_config leaves dense (tests/test_moe_families_plan.py's)
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -58,6 +59,12 @@ def _gpt_oss_config() -> dict:
     from tests.test_gpt_oss import CFG
 
     return {**CFG, "model_type": "gpt_oss"}
+def _kimi_k25_config() -> dict:
+    from transformers import Kimi_K25Config
+
+    from tests.test_kimi_k25 import TEXT, VISION
+
+    return Kimi_K25Config(text_config=dict(TEXT), vision_config=VISION, projection_hidden_size=32).to_dict()
 
 
 def _sglang_status(cls: type[ModelAdapter]) -> str:
@@ -73,6 +80,7 @@ def test_each_built_in_family_owns_its_sglang_facts(family):
     assert cls.model_type == family and _sglang_status(cls) == SGLANG[family]
     adapter = get_adapter(_qwen3_5_config(family) if family.startswith(("qwen3_5", "qwen3_next")) else
                           _gpt_oss_config() if family == "gpt_oss" else
+                          _kimi_k25_config() if family == "kimi_k25" else
                           tiny_config(family, **TINY_MOE.get(family, {})))
     if SGLANG[family] == "none":
         with pytest.raises(ValueError, match=f"no SGLang layout for model_type '{family}' .*use broadcast$"):

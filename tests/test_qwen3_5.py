@@ -607,7 +607,7 @@ def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
     """SGLang cannot serve Qwen3.5 on CPU (docs/engine.md: sgl_kernel's CPU causal_conv1d), so the
     sync is checked against SGLang's own loader instead: the stream the learner's export sends at
     TP2 (text model and VL checkpoint) goes through SGLang 0.5.23's Qwen3_5ForCausalLM /
-    Qwen3_5ForConditionalGeneration ``load_weights`` in-process (tests/support/sglang_qwen3_5_load.py);
+    Qwen3_5ForConditionalGeneration ``load_weights`` in-process (tests/support/sglang_load.py);
     every language-model parameter must be written and equal the checkpoint mapped by SGLang's
     loader rules (bit for bit), the vision tower untouched. Controls: a stream missing one tensor
     leaves its parameter unwritten; in_proj_z rows reversed make its fused parameter differ."""
@@ -634,7 +634,7 @@ def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
     for label in ("dropped", "flipped"):
         jobs.append({"label": label, "config": str(tmp_path / "text.json"), "stream": str(tmp_path / f"{label}.pt")})
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    run_checked([SGLANG_PYTHON, "tests/support/sglang_qwen3_5_load.py", "--jobs", tmp_path / "jobs.json",
+    run_checked([SGLANG_PYTHON, "tests/support/sglang_load.py", "--jobs", tmp_path / "jobs.json",
                  "--out", tmp_path / "out.pt"], timeout_s=600, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
     res = torch.load(tmp_path / "out.pt")
     for name in ("text", "vl"):

@@ -419,10 +419,12 @@ def check_linear_attention(arch: ModelArch, cfg: MegatronModelConfig, lay) -> No
 
 class LatentRMSNorm(compat.SequenceParallelRMSNorm):
     """MLA's q / kv latent RMSNorm at eps 1e-6: transformers' DeepseekV3Attention (and V3.2's,
-    GLM-5's) builds q_a_layernorm / kv_a_layernorm without config.rms_norm_eps."""
+    GLM-5's, Kimi-K2.5's) builds q_a_layernorm / kv_a_layernorm without config.rms_norm_eps."""
 
-    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **kw: Any):
-        super().__init__(config, hidden_size, eps=1e-6, **kw)
+    EPS = 1e-6
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = EPS, **kw: Any):
+        super().__init__(config, hidden_size, eps=self.EPS, **kw)
 
 
 def check_sparse_attention(arch: ModelArch, cfg: MegatronModelConfig, lay) -> None:
@@ -516,6 +518,9 @@ def build_model(
 
     def spec_for(experts: dict):
         if spec_name == "te":
+            if mla and arch.rms_norm_eps != LatentRMSNorm.EPS:
+                raise ValueError(f"actor.model.layer_spec: te with MLA and rms_norm_eps {arch.rms_norm_eps} is not "
+                                 "supported (TE fuses the latent norms at rms_norm_eps; HF's are at 1e-6); use local")
             return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_ln, multi_latent_attention=mla, **experts)
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_ln, multi_latent_attention=mla,
                                         **experts)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 # The built-in families register themselves (@register_family) when their modules are imported.
 from areal_mega.models import dsa, llama, moe_families, qwen2, qwen3, qwen3_5  # noqa: F401
-from areal_mega.models import gpt_oss  # noqa: F401
+from areal_mega.models import gpt_oss, kimi_k25  # noqa: F401
 from areal_mega.models.base import HFTensorSpec, McoreParam, ModelAdapter, ModelArch, StagePlan, padded_vocab_size
 from areal_mega.models.registry import FAMILIES, adapter_class, get_adapter, load_hf_config, register_family
 

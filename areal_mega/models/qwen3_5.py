@@ -18,8 +18,9 @@ import logging
 import torch
 
 from areal_mega.models.base import Block, _Rule, LinearAttnArch, McoreParam, ModelAdapter, ModelArch, StagePlan
-from areal_mega.models.qwen3 import _DENSE, _INERT, refuse_unknown_keys
+from areal_mega.models.qwen3 import _DENSE, refuse_unknown_keys
 from areal_mega.models.registry import register_family
+from areal_mega.models.vision_language import VisionLanguageAdapter
 
 logger = logging.getLogger(__name__)
 _PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -293,57 +294,19 @@ def _offsets(parts: tuple[int, ...]) -> list[tuple[int, int]]:
     return out
 
 
-_VL_KEYS = {"text_config", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
-            "vision_end_token_id", "tie_word_embeddings"}
-
-
 @register_family
-class Qwen3_5Adapter(Qwen3_5TextAdapter):
+class Qwen3_5Adapter(VisionLanguageAdapter, Qwen3_5TextAdapter):
     """The released Qwen3.5 checkpoints (Qwen3_5ForConditionalGeneration): text-only RL on the
     language model (``model.language_model.*`` + ``lm_head``, configured by ``text_config``); the
     vision tower (``model.visual.*``) is not built, trained or synced (the servers keep theirs) and
-    an HF export copies it unchanged from the source checkpoint (:meth:`frozen_hf_tensors`)."""
+    an HF export copies it unchanged from the source checkpoint (models/vision_language.py)."""
 
     model_type = "qwen3_5"
     architecture = "Qwen3_5ForConditionalGeneration"
-
-    def parse_config(self, c: dict) -> ModelArch:
-        for key in sorted(set(c) - _VL_KEYS - _INERT):
-            raise ValueError(f"{key}: config key not implemented by the {self.model_type} adapter")
-        if not isinstance(c.get("text_config"), dict):
-            raise ValueError("text_config: a qwen3_5 config needs its text_config")
-        text = {**c["text_config"], "model_type": self.model_type, "architectures": c.get("architectures"),
-                "tie_word_embeddings": c.get("tie_word_embeddings", c["text_config"].get("tie_word_embeddings", False))}
-        text.setdefault("dtype", c.get("dtype") or c.get("torch_dtype"))
-        return super().parse_config(text)
-
-    @staticmethod
-    def _vl_name(n: str) -> str:
-        return n if n == "lm_head.weight" else "model.language_model." + n[len("model."):]
-
-    def _hf_shape(self, hf_name):
-        text = "model." + hf_name[len("model.language_model."):] if hf_name.startswith("model.language_model.") else hf_name
-        return super()._hf_shape(text)
-
-    def plan(self, layout, **kw):
-        from dataclasses import replace
-
-        out = []
-        for sp in super().plan(layout, **kw):
-            params = tuple(replace(p, hf_names=tuple(map(self._vl_name, p.hf_names))) for p in sp.params)
-            by_name = {p.name: p for p in params}
-            out.append(StagePlan(sp.stage, params, tuple(
-                replace(t, name=self._vl_name(t.name), source=by_name[t.source.name]) for t in sp.tensors)))
-        return out
-
-    def frozen_hf_tensors(self, source_dir):
-        if source_dir is None:
-            raise ValueError("qwen3_5: an HF export needs the source checkpoint (its vision tower is copied from it); "
-                             "the checkpoint records none: pass --tokenizer-dir / source_dir")
-        from areal_mega.models.hf_checkpoint import HFCheckpointReader
-
-        r = HFCheckpointReader(source_dir)
-        return {n: r.read(n) for n in r.names() if n.startswith("model.visual.")}
+    lm_prefixes = {"model.": "model.language_model.", "lm_head.": "lm_head."}
+    frozen_prefixes = ("model.visual.",)
+    vl_keys = frozenset({"vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
+                         "vision_end_token_id", "tie_word_embeddings"})
 
 
 _MOE_KEYS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",

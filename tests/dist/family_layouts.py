@@ -10,6 +10,7 @@ records on rank 0 into R.pt:
 * export[model][layout]: per exporting rank (pp, tp, dp, ep, #bit-identical to the HF file,
   #differing, #None, names) from ModelAdapter.export_hf -- the weight-sync code path;
 * negative[control]: logits with one piece deliberately dropped (NEGATIVE);
+* W/<model>_sync.pt: the export stream of SYNC_STREAM's models (what a broadcast sync sends);
 * W/<model>_ckpt, W/<model>_hf: each model converted HF -> megatron (EP2 x PP2) -> HF (EP2 x TP2)
   by the conversion tools' main() functions, run inside this world.
 
@@ -18,12 +19,10 @@ records on rank 0 into R.pt:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from areal_mega.megatron.model import (
     HFCheckpointReader,
@@ -34,7 +33,7 @@ from areal_mega.megatron.model import (
     load_hf_weights,
 )
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
-from tests.support.dist import gather, last_stage_value
+from tests.support.dist import finish, gather, last_stage_value, start_layouts_run
 from areal_mega.models import get_adapter, load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 
@@ -47,11 +46,18 @@ NEGATIVE = {
     "glm_expert_bias_dropped": ("glm4_moe", (1, 1, 1), "mlp.gate.e_score_correction_bias"),
     "mixtral_router_dropped": ("mixtral", (1, 1, 2), "block_sparse_moe.gate.weight"),
     "nolora_expert_bias_dropped": ("deepseek_nolora", (2, 1, 1), "mlp.gate.e_score_correction_bias"),
+    "kimi_k25_pp2_kv_b_dropped": ("kimi_k25", (1, 2, 1), "layers.1.self_attn.kv_b_proj.weight"),  # tests/test_kimi_k25.py
 }
 # The families whose weight kinds the others lack: MLA + expert bias + shared experts + dense
 # layers (DeepSeek-V3), the gated shared expert (Qwen2-MoE). The rest share their code paths
 # (load_hf, export_hf), bit-checked at every layout by the export rows. Each pair costs ~2 saves.
 ROUNDTRIP = ("deepseek_v3", "qwen2_moe")
+ROUNDTRIP += ("kimi_k25",)  # the VL checkpoint: its vision tower copied from the source (tests/test_kimi_k25.py)
+
+
+SYNC_STREAM = {"kimi_k25": (2, 1, 2)}
+"""model -> the layout whose stage-0 sender's export stream is saved as W/<model>_sync.pt (rank 0's:
+every tensor at PP1), loaded into SGLang's own model class by tests/support/sglang_load.py."""
 
 
 def key_of(tp, pp, ep) -> str:
@@ -73,14 +79,7 @@ def dropping(adapter_cls, suffix: str):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work-dir", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    work = Path(args.work_dir)
-    dist.init_process_group("gloo")
-    ws = dist.get_world_size()
-    ref = torch.load(work / "ref.pt")
+    work, out, ws, ref = start_layouts_run()
     res: dict = {"logits": {}, "export": {}, "negative": {}}
     for name, r in ref.items():
         hf_dir = work / name
@@ -97,7 +96,7 @@ def main() -> None:
             c = groups.coords
             row = None
             if lay.exports(groups.rank):
-                same, diff, none, names = 0, 0, 0, []
+                same, diff, none, names, stream = 0, 0, 0, [], []
                 for n, t in export_hf_weights(model):
                     names.append(n)
                     if t is None:
@@ -106,7 +105,11 @@ def main() -> None:
                         same += 1
                     else:
                         diff += 1
+                    if t is not None:
+                        stream.append((n, t))
                 row = (c.pp, c.tp, c.dp, c.ep, same, diff, none, names)
+                if SYNC_STREAM.get(name) == (tp, pp, ep) and groups.rank == 0:  # what a broadcast sync sends
+                    torch.save(stream, work / f"{name}_sync.pt")
             res["export"][name][key] = gather(row)
             for control, (m, lay_key, suffix) in NEGATIVE.items():
                 if m == name and lay_key == (tp, pp, ep):
@@ -120,15 +123,12 @@ def main() -> None:
     import convert_hf_to_mcore
     import convert_mcore_to_hf
 
-    for name in ROUNDTRIP:
+    for name in [n for n in ROUNDTRIP if n in ref]:  # the models of this run
         convert_hf_to_mcore.main(["--hf-dir", str(work / name), "--out", str(work / f"{name}_ckpt"), "--ep", "2",
                                   "--pp", "2"])
         convert_mcore_to_hf.main(["--ckpt", str(work / f"{name}_ckpt"), "--out", str(work / f"{name}_hf"), "--ep", "2",
                                   "--tp", "2"])
-    if dist.get_rank() == 0:
-        torch.save(res, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(res, out)
 
 
 if __name__ == "__main__":

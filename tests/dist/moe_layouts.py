@@ -24,7 +24,6 @@ the rest), re-initialising megatron's parallel state each time, records on rank 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from areal_mega.megatron.model import (
     load_hf_weights,
 )
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
-from tests.support.dist import gather, last_stage_value
+from tests.support.dist import finish, gather, last_stage_value, start_layouts_run
 from areal_mega.models import load_hf_config
 from areal_mega.models.qwen3 import Qwen3Adapter, Qwen3MoeAdapter
 from areal_mega.parallel import ParallelConfig, ParallelLayout
@@ -229,14 +228,7 @@ def routing_replay_checks(hf_dir, groups, ids, cu) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work-dir", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    work = Path(args.work_dir)
-    dist.init_process_group("gloo")
-    ws = dist.get_world_size()
-    ref = torch.load(work / "ref.pt")
+    work, out, ws, ref = start_layouts_run()
     res: dict = {"logits": {}, "export": {}, "negative": {}, "groups": {}, "step": {}}
     for name, r in ref.items():
         hf_dir = work / name
@@ -294,10 +286,7 @@ def main() -> None:
     src = work / "qwen3_moe"
     convert_hf_to_mcore.main(["--hf-dir", str(src), "--out", str(work / "tool_ckpt"), "--ep", "2", "--pp", "2"])
     convert_mcore_to_hf.main(["--ckpt", str(work / "tool_ckpt"), "--out", str(work / "tool_hf"), "--ep", "2", "--tp", "2"])
-    if dist.get_rank() == 0:
-        torch.save(res, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(res, out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ on rank 0 into R.pt:
 * logits[model][layout]: packed-batch logits (last stage, TP-gathered);
 * export[model][layout]: per exporting rank (pp, is the stage's sender, #bit-identical to the HF file,
   #differing, names) from ModelAdapter.export_hf -- the weight-sync code path; at TP2 the
-  sender's stream is also saved as W/<model>_sync_tp2.pt (tests/support/sglang_qwen3_5_load.py);
+  sender's stream is also saved as W/<model>_sync_tp2.pt (tests/support/sglang_load.py);
 * negative[control]: logits with one block dropped or mis-mapped at load (NEGATIVE);
 * grad: per TP2 rank, GRAD_PARAM's gradient of the packed log-prob sum, with and without compat
   entry 14;
@@ -22,12 +22,10 @@ on rank 0 into R.pt:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]
 MOE_LAYOUTS = [(1, 1, 1), (1, 2, 1), (1, 1, 2)]
@@ -124,16 +122,9 @@ def main() -> None:
     from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
     from areal_mega.models import get_adapter, load_hf_config
     from areal_mega.parallel import ParallelConfig, ParallelLayout
-    from tests.support.dist import gather, last_stage_value
+    from tests.support.dist import finish, gather, last_stage_value, start_layouts_run
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work-dir", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    work = Path(args.work_dir)
-    dist.init_process_group("gloo")
-    ws = dist.get_world_size()
-    ref = torch.load(work / "ref.pt")
+    work, out, ws, ref = start_layouts_run()
     res: dict = {"logits": {}, "export": {}, "negative": {}, "grad": None}
     for name, r in ref.items():
         hf_dir = work / name
@@ -181,10 +172,7 @@ def main() -> None:
                                          *first]) == 0
         assert convert_mcore_to_hf.main(["--ckpt", str(work / f"{name}_ckpt"), "--out", str(work / f"{name}_hf"),
                                          *second]) == 0
-    if dist.get_rank() == 0:
-        torch.save(res, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(res, out)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@ end of a run (rank 0 writes the results the pytest side reads; everybody leaves 
 
 from __future__ import annotations
 
+import argparse
 import json
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,12 +34,28 @@ def hf_reference(hf_dir: str, batch: dict, temperature: float) -> tuple[list[flo
     return lp_all, ent_all
 
 
+def start_layouts_run() -> tuple[Path, str, int, dict]:
+    """The start of a tests/dist/*_layouts.py run: ``--work-dir W --out R.pt`` parsed, the gloo
+    world joined; returns (W, R.pt, world size, W/ref.pt: the HF reference the pytest side wrote)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work-dir", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    work = Path(args.work_dir)
+    dist.init_process_group("gloo")
+    return work, args.out, dist.get_world_size(), torch.load(work / "ref.pt")
+
+
 def finish(results: dict, out: str) -> None:
-    """Rank 0 writes ``results`` as JSON to ``out``; then every rank leaves the process group
-    (the barrier keeps a rank from tearing gloo down while rank 0 still writes)."""
+    """Rank 0 writes ``results`` to ``out`` (a torch file if it ends in .pt, else JSON); then every
+    rank leaves the process group (the barrier keeps a rank from tearing gloo down while rank 0
+    still writes)."""
     if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
+        if str(out).endswith(".pt"):
+            torch.save(results, out)
+        else:
+            with open(out, "w") as f:
+                json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,7 +1,8 @@
-"""Run with SGLang's Python: SGLANG_PY tests/support/sglang_qwen3_5_load.py --jobs JOBS.json --out OUT.pt
+"""Run with SGLang's Python: SGLANG_PY tests/support/sglang_load.py --jobs JOBS.json --out OUT.pt
 
-SGLang 0.5.23's own Qwen3.5 model classes, built in this process on CPU (a world of one, TP1, no
-server: a server cannot start on CPU, docs/engine.md "Qwen3.5"), load a weight-sync stream through
+SGLang 0.5.23's own model classes of the families it cannot serve here (Qwen3.5, Kimi-K2.5),
+built in this process on CPU (a world of one, TP1, no server: docs/engine.md "Qwen3.5",
+"Kimi-K2.5"), load a weight-sync stream through
 their own ``load_weights``. JOBS.json: a list of {"label", "config" (an HF config.json path),
 "stream" (a torch file: the [(hf name, tensor)] list the learner's export sends)}. Every parameter
 is set to NaN first, so what the stream does not write stays NaN. OUT.pt: {label: {SGLang
@@ -34,9 +35,16 @@ def _world_of_one() -> None:
 
 def _model(hf: dict) -> torch.nn.Module:
     """The class SGLang serves the config's architecture with (its EntryClass), from its config."""
+    cfg = {k: v for k, v in hf.items() if k != "model_type"}
+    if hf["model_type"] == "kimi_k25":
+        from sglang.srt.configs.kimi_k25 import KimiK25Config
+        from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
+
+        c = KimiK25Config(**cfg)
+        c.encoder_only = c.language_only = False  # what SGLang's ModelConfig sets on a served config
+        return KimiK25ForConditionalGeneration(c)
     from sglang.srt.configs.qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
 
-    cfg = {k: v for k, v in hf.items() if k != "model_type"}
     if hf["model_type"] == "qwen3_5_text":
         from sglang.srt.models.qwen3_5_text import Qwen3_5ForCausalLM
 
