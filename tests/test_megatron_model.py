@@ -187,7 +187,7 @@ def test_conversion_tool_errors_before_writing(layouts, tmp_path):
     d = tmp_path / "gpt2"
     transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(d)
     r = _run_tool(["tools/convert_hf_to_mcore.py", "--hf-dir", str(d), "--out", str(tmp_path / "o1")], 120)
-    assert r.returncode == 2 and "known model types: ['deepseek_v3', 'deepseek_v32', 'glm4_moe', 'glm_moe_dsa', 'gpt_oss', 'llama', 'mixtral', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_moe', 'qwen3_next']" in r.stdout, r.stdout[-3000:]
+    assert r.returncode == 2 and "known model types: ['deepseek_v3', 'deepseek_v32', 'glm4_moe', 'glm_moe_dsa', 'gpt_oss', 'kimi_k25', 'llama', 'mixtral', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_moe', 'qwen3_next']" in r.stdout, r.stdout[-3000:]
     assert "Traceback" not in r.stdout, r.stdout[-3000:]  # one line, not a stack
     assert not (tmp_path / "o1").exists()
 

@@ -140,7 +140,7 @@ def test_vocab_padding():
 
 
 def test_unknown_model_type_and_bad_config():
-    with pytest.raises(ValueError, match=r"'gpt2'.*known model types: \['deepseek_v3', 'deepseek_v32', 'glm4_moe', 'glm_moe_dsa', 'gpt_oss', 'llama', 'mixtral', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_moe', 'qwen3_next'\]"):
+    with pytest.raises(ValueError, match=r"'gpt2'.*known model types: \['deepseek_v3', 'deepseek_v32', 'glm4_moe', 'glm_moe_dsa', 'gpt_oss', 'kimi_k25', 'llama', 'mixtral', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_moe', 'qwen3_next'\]"):
         get_adapter({"model_type": "gpt2"})
     with pytest.raises(ValueError, match="rope_type"):
         get_adapter({**LLAMA_70B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
