@@ -1,0 +1,65 @@
+"""PYTHONPATH=. python -m torch.distributed.run --nproc-per-node 2 tests/dist/lora_moe_layouts.py --work-dir W --out R.pt
+
+LoRA on the tiny Qwen3-MoE (tests/test_lora.py::test_lora_moe_*): the HF model in W/hf with PEFT's
+adapters in W/ref.pt (attention + per-expert target_parameters), at TP1 (dp 2) and EP2. Rank 0
+records logits / base (adapters not applied) / adapter grads of sum(logits * R) in PEFT names
+(expert grads / ep: at EP the expert gets the tokens of every rank of its expert-parallel group,
+each of which runs the same batch here; megatron's DDP divides them by the data-parallel size) / merged export / peft_state_on_rank0.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from areal_mega.megatron.lora import LoraConfig, apply_lora, gather_peft_state, load_peft_state, peft_state_on_rank0
+from areal_mega.megatron.model import MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights, packed_causal_mask
+from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
+from areal_mega.parallel import ParallelConfig, ParallelLayout
+from tests.support.dist import last_stage_value
+
+LAYOUTS = [("tp1", 1), ("ep2", 2)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work-dir", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    ref = torch.load(f"{args.work_dir}/ref.pt")
+    hf_dir = f"{args.work_dir}/hf"
+    ids, cu, R = ref["input_ids"], ref["cu_seqlens"], ref["R"]
+    lcfg = LoraConfig(**ref["lora"])
+    res: dict = {"logits": {}, "base": {}, "grads": {}, "merged": {}, "peft": {}}
+    for key, ep in LAYOUTS:
+        lay = ParallelLayout.build(ParallelConfig(expert_parallel=ep), dist.get_world_size())
+        groups = init_model_parallel(lay, backend="gloo")
+        model = build_model(hf_dir, groups, MegatronModelConfig(layer_spec="local"))
+        load_hf_weights(model, hf_dir)
+        apply_lora(model, lcfg)
+        res["base"][key] = last_stage_value(forward_logits(model, ids, cu))
+        load_peft_state(model, ref["adapters"])
+        res["logits"][key] = last_stage_value(forward_logits(model, ids, cu))
+        T = int(ids.numel())
+        out = model.chunks[0](ids.view(1, T), torch.arange(T).view(1, T), packed_causal_mask(cu, T))
+        Rp = torch.zeros(T, model.padded_vocab_size)
+        Rp[:, : R.shape[1]] = R
+        (out[0] * Rp).sum().backward()
+        g = gather_peft_state(model, grads=True)
+        res["grads"][key] = {k: (v / lay.ep if ".experts." in k else v) for k, v in g.items()} if dist.get_rank() == 0 else None
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, {k: v for k, v in export_hf_weights(model) if v is not None})
+        res["merged"][key] = {k: v for p in parts for k, v in p.items()} if dist.get_rank() == 0 else None
+        res["peft"][key] = peft_state_on_rank0(model)
+        destroy_model_parallel()
+    if dist.get_rank() == 0:
+        torch.save(res, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
