@@ -225,6 +225,10 @@ def check_lora(cfg: LoraConfig, arch, layout, layer_spec: str, *, critic: bool =
         raise ValueError("critic.lora: LoRA on the critic is not supported yet; set critic.lora.rank: 0")
     if not arch.is_moe and cfg.expert_targets:
         raise ValueError(f"actor.lora.target_modules: {cfg.expert_targets} need a mixture-of-experts model")
+    dense_mlp = [t for t in cfg.target_modules if t in MLP]
+    if arch.is_moe and dense_mlp and not getattr(arch, "dense_layers", ()):
+        raise ValueError(f"actor.lora.target_modules: {dense_mlp}: this MoE model has no dense MLP layers (shared "
+                         "experts are not adapted yet); adapt its experts with experts.gate_up_proj, experts.down_proj")
     if arch.is_moe and cfg.expert_targets and getattr(layout, "etp", 1) > 1:
         raise ValueError("actor.lora.target_modules: expert adapters with parallel.expert_tensor_parallel > 1 are not "
                          "supported yet (use expert_parallel; set expert_tensor_parallel: 1)")
