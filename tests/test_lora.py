@@ -346,7 +346,10 @@ def test_lora_moe_logits_grads_equal_peft(moe_layouts):
     for key, lg in res["logits"].items():
         d = (lg - ref["logits"]).abs().max().item()
         off = (res["base"][key] - ref["logits"]).abs().max().item()
-        print(f"lora moe logits {key}: max|LoRA-PEFT| {d:.3g} bound {tol:.3g} control {off:.3g}")
+        no_exp = (res["no_experts"][key] - ref["logits"]).abs().max().item()
+        print(f"lora moe logits {key}: max|LoRA-PEFT| {d:.3g} bound {tol:.3g} control {off:.3g} "
+              f"(expert adapters only off: {no_exp:.3g})")
+        assert no_exp > 100 * tol, f"{key}: the expert adapters barely matter ({no_exp})"
         assert d <= tol, f"{key}: max |LoRA megatron - PEFT| = {d} > {tol}"
         assert off > 100 * tol, f"{key}: adapters barely matter (|base - PEFT| = {off})"
         grads = res["grads"][key]
@@ -378,3 +381,14 @@ def test_lora_moe_merged_export_equals_peft_merge(moe_layouts):
             r = {"gate_proj": fused[:i], "up_proj": fused[i:], "down_proj": fused}[proj]
             d = (t - r).abs().max().item()
             assert d <= fp32_tol(4, float(r.abs().max()), ops=2), f"{key} {n}: {d}"
+
+
+@pytest.mark.slow
+def test_lora_moe_engine_and_checkpoint_ep2_to_tp1(moe_layouts):
+    ref, res = moe_layouts
+    in_opt, trainable, experts = res["engine"]
+    # EP2 rank 0: its 4 of 8 experts' adapters (2 layers x 4 x r 4 x (64 + 64 + 32 + 64)) are expert
+    # params (allreduce False: DDP reduces them over expert-dp); the optimizer holds the adapters only
+    assert experts == 2 * 4 * 4 * ((64 + 2 * 32) + (32 + 64)), res["engine"]
+    assert in_opt == trainable > experts, res["engine"]
+    assert res["ckpt"] and len(res["ckpt"]) == len(ref["adapters"]) and all(res["ckpt"].values()), res["ckpt"]

@@ -14,13 +14,14 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from areal_mega.megatron.lora import LoraConfig, apply_lora, gather_peft_state, load_peft_state, peft_state_on_rank0
+from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
+from areal_mega.megatron.lora import LoraConfig, expert_adapter_params, apply_lora, gather_peft_state, load_peft_state, peft_state_on_rank0
 from areal_mega.megatron.model import MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights, packed_causal_mask
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from tests.support.dist import last_stage_value
 
-LAYOUTS = [("tp1", 1), ("ep2", 2)]
+LAYOUTS = [("ep2", 2), ("tp1", 1)]  # the engine checkpoint saved at EP2 is loaded at TP1 (dp 2)
 
 
 def main() -> None:
@@ -54,6 +55,27 @@ def main() -> None:
         dist.all_gather_object(parts, {k: v for k, v in export_hf_weights(model) if v is not None})
         res["merged"][key] = {k: v for p in parts for k, v in p.items()} if dist.get_rank() == 0 else None
         res["peft"][key] = peft_state_on_rank0(model)
+        with torch.no_grad():  # control: attention adapters applied, the expert adapters not (B = 0)
+            for _, ab, _, _, prm in expert_adapter_params(model):
+                if ab == "B":
+                    prm.zero_()
+        res.setdefault("no_experts", {})[key] = last_stage_value(forward_logits(model, ids, cu))
+        ecfg = MegatronEngineConfig(model=MegatronModelConfig(layer_spec="local"),
+                                    optimizer=OptimizerConfig(use_distributed_optimizer=False), lora=lcfg)
+        eng = MegatronTrainEngine.create(ecfg, hf_dir, groups, hf_weights_dir=hf_dir)
+        if key == "ep2":  # the engine: base frozen, only the adapters (expert ones too) in DDP and the optimizer
+            in_opt = sum(p.numel() for grp in eng.optimizer.param_groups for p in grp["params"])
+            trainable = [p for c in eng.model.chunks for p in c.parameters() if p.requires_grad]
+            experts = sum(p.numel() for p in trainable if not getattr(p, "allreduce", True))
+            res["engine"] = (in_opt, sum(p.numel() for p in trainable), experts)
+            load_peft_state(eng.model, ref["adapters"])
+            eng.optimizer.zero_grad()
+            eng.optimizer.step()  # zero gradients: Adam state exists, the adapters do not move
+            eng.save(f"{args.work_dir}/ckpt")
+        else:
+            eng.load(f"{args.work_dir}/ckpt")
+            back = gather_peft_state(eng.model)
+            res["ckpt"] = {k: torch.equal(v, ref["adapters"][k]) for k, v in back.items()} if dist.get_rank() == 0 else None
         destroy_model_parallel()
     if dist.get_rank() == 0:
         torch.save(res, args.out)
