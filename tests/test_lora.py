@@ -342,7 +342,7 @@ def moe_layouts(tmp_path_factory):
 def test_lora_moe_logits_grads_equal_peft(moe_layouts):
     ref, res = moe_layouts
     tol = fp32_tol(K, float(ref["logits"].abs().max()), ops=MOE_OPS)
-    assert set(res["logits"]) == {"tp1", "ep2"}
+    assert set(res["logits"]) == {"tp1", "ep2", "tp2ep2"}
     for key, lg in res["logits"].items():
         d = (lg - ref["logits"]).abs().max().item()
         off = (res["base"][key] - ref["logits"]).abs().max().item()
@@ -361,9 +361,10 @@ def test_lora_moe_logits_grads_equal_peft(moe_layouts):
         # every adapter gathered to rank 0 in PEFT's names and fused layout: the loaded ones, exactly
         assert set(res["peft"][key]) == set(ref["adapters"])
         assert all(torch.equal(res["peft"][key][k], v) for k, v in ref["adapters"].items()), key
-    for n in ref["grads"]:  # EP2 vs TP1 (dp 2): the same adapter gradients
-        a, b = res["grads"]["tp1"][n], res["grads"]["ep2"][n]
-        assert (a - b).abs().max().item() <= fp32_tol(K * sum(LENS), float(a.abs().max()), ops=2 * MOE_OPS), n
+    for other in ("ep2", "tp2ep2"):  # EP2 and TP2 + SP x EP2 vs TP1 (dp 2): the same adapter gradients
+        for n in ref["grads"]:
+            a, b = res["grads"]["tp1"][n], res["grads"][other][n]
+            assert (a - b).abs().max().item() <= fp32_tol(K * sum(LENS), float(a.abs().max()), ops=2 * MOE_OPS), (other, n)
 
 
 @pytest.mark.slow

@@ -1,10 +1,11 @@
 """PYTHONPATH=. python -m torch.distributed.run --nproc-per-node 2 tests/dist/lora_moe_layouts.py --work-dir W --out R.pt
 
 LoRA on the tiny Qwen3-MoE (tests/test_lora.py::test_lora_moe_*): the HF model in W/hf with PEFT's
-adapters in W/ref.pt (attention + per-expert target_parameters), at TP1 (dp 2) and EP2. Rank 0
+adapters in W/ref.pt (attention + per-expert target_parameters), at TP1 (dp 2), EP2 and
+TP2 + sequence parallelism x EP2 (expert-TP 1). Rank 0
 records logits / base (adapters not applied) / adapter grads of sum(logits * R) in PEFT names
-(expert grads / ep: at EP the expert gets the tokens of every rank of its expert-parallel group,
-each of which runs the same batch here; megatron's DDP divides them by the data-parallel size) / merged export / peft_state_on_rank0.
+(expert grads / (ep etp / tp): at EP the expert gets the tokens of every rank of its expert-parallel
+group, which here run ep etp / tp copies of the batch; megatron's DDP divides them by the data-parallel size) / merged export / peft_state_on_rank0.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from areal_mega.megatron.parallel_state import destroy_model_parallel, init_mode
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 from tests.support.dist import last_stage_value
 
-LAYOUTS = [("ep2", 2), ("tp1", 1)]  # the engine checkpoint saved at EP2 is loaded at TP1 (dp 2)
+LAYOUTS = [("ep2", 1, 2), ("tp1", 1, 1), ("tp2ep2", 2, 2)]  # the engine checkpoint saved at EP2 is loaded at TP1 (dp 2)
 
 
 def main() -> None:
@@ -35,10 +36,10 @@ def main() -> None:
     ids, cu, R = ref["input_ids"], ref["cu_seqlens"], ref["R"]
     lcfg = LoraConfig(**ref["lora"])
     res: dict = {"logits": {}, "base": {}, "grads": {}, "merged": {}, "peft": {}}
-    for key, ep in LAYOUTS:
-        lay = ParallelLayout.build(ParallelConfig(expert_parallel=ep), dist.get_world_size())
+    for key, tp, ep in LAYOUTS:
+        lay = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, expert_parallel=ep, expert_tensor_parallel=1), dist.get_world_size())
         groups = init_model_parallel(lay, backend="gloo")
-        model = build_model(hf_dir, groups, MegatronModelConfig(layer_spec="local"))
+        model = build_model(hf_dir, groups, MegatronModelConfig(layer_spec="local", sequence_parallel=tp > 1))
         load_hf_weights(model, hf_dir)
         apply_lora(model, lcfg)
         res["base"][key] = last_stage_value(forward_logits(model, ids, cu))
@@ -48,9 +49,13 @@ def main() -> None:
         out = model.chunks[0](ids.view(1, T), torch.arange(T).view(1, T), packed_causal_mask(cu, T))
         Rp = torch.zeros(T, model.padded_vocab_size)
         Rp[:, : R.shape[1]] = R
-        (out[0] * Rp).sum().backward()
+        (out[0] * Rp.chunk(tp, dim=1)[groups.coords.tp]).sum().backward()
+        if tp > 1:  # what finalize_model_grads does for sequence-parallel replicated params
+            for p in model.chunks[0].parameters():
+                if p.grad is not None and getattr(p, "sequence_parallel", False):
+                    dist.all_reduce(p.grad, group=groups.tp)
         g = gather_peft_state(model, grads=True)
-        res["grads"][key] = {k: (v / lay.ep if ".experts." in k else v) for k, v in g.items()} if dist.get_rank() == 0 else None
+        res["grads"][key] = {k: (v / max(1, lay.ep * lay.etp // tp) if ".experts." in k else v) for k, v in g.items()} if dist.get_rank() == 0 else None
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, {k: v for k, v in export_hf_weights(model) if v is not None})
         res["merged"][key] = {k: v for p in parts for k, v in p.items()} if dist.get_rank() == 0 else None
@@ -60,6 +65,9 @@ def main() -> None:
                 if ab == "B":
                     prm.zero_()
         res.setdefault("no_experts", {})[key] = last_stage_value(forward_logits(model, ids, cu))
+        if key == "tp2ep2":
+            destroy_model_parallel()
+            continue
         ecfg = MegatronEngineConfig(model=MegatronModelConfig(layer_spec="local"),
                                     optimizer=OptimizerConfig(use_distributed_optimizer=False), lora=lcfg)
         eng = MegatronTrainEngine.create(ecfg, hf_dir, groups, hf_weights_dir=hf_dir)
