@@ -335,7 +335,9 @@ def moe_layouts(tmp_path_factory):
     torch.save(dict(input_ids=ids, cu_seqlens=cu, R=R, lora=MOE_LORA, adapters=adapters), work / "ref.pt")
     run_checked(torchrun_cmd(2, "tests/dist/lora_moe_layouts.py", "--work-dir", work, "--out", work / "res.pt"),
                 timeout_s=400, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
-    return dict(logits=logits.detach(), grads=grads, merged=merged, adapters=adapters), torch.load(work / "res.pt")
+    res = torch.load(work / "res.pt")
+    res["work"] = str(work)
+    return dict(logits=logits.detach(), grads=grads, merged=merged, adapters=adapters, input_ids=ids, cu_seqlens=cu), res
 
 
 @pytest.mark.slow
@@ -393,3 +395,37 @@ def test_lora_moe_engine_and_checkpoint_ep2_to_tp1(moe_layouts):
     assert experts == 2 * 4 * 4 * ((64 + 2 * 32) + (32 + 64)), res["engine"]
     assert in_opt == trainable > experts, res["engine"]
     assert res["ckpt"] and len(res["ckpt"]) == len(ref["adapters"]) and all(res["ckpt"].values()), res["ckpt"]
+
+
+@pytest.mark.slow
+def test_lora_moe_checkpoint_exports_peft_dir_and_merged_hf(moe_layouts):
+    """The EP2 engine checkpoint exported by the conversion tool's path: the PEFT adapter directory
+    (written at EP2; target_parameters for the experts) loads with peft.PeftModel on its base, the
+    merged HF directory with transformers; both give PEFT's reference logits. Control: the base."""
+    import json
+    from pathlib import Path
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ref, res = moe_layouts
+    work = Path(res["work"])
+    ids, cu = ref["input_ids"], ref["cu_seqlens"]
+    tol = fp32_tol(K, float(ref["logits"].abs().max()), ops=MOE_OPS)
+
+    def logits(m):
+        m.config._attn_implementation = "eager"
+        with torch.no_grad():
+            return torch.cat([m(ids[cu[i]: cu[i + 1]].view(1, -1)).logits[0] for i in range(len(LENS))])
+
+    cfg = json.loads((work / "peft" / "adapter_config.json").read_text())
+    assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], cfg
+    base = AutoModelForCausalLM.from_pretrained(cfg["base_model_name_or_path"], dtype=torch.float32)
+    off = (logits(base) - ref["logits"]).abs().max().item()
+    peft_lg = logits(PeftModel.from_pretrained(base, work / "peft"))
+    merged_lg = logits(AutoModelForCausalLM.from_pretrained(work / "merged_hf", dtype=torch.float32))
+    for name, lg in (("peft dir", peft_lg), ("merged hf", merged_lg)):
+        d = (lg - ref["logits"]).abs().max().item()
+        print(f"lora moe export {name}: max|export - PEFT| {d:.3g} bound {tol:.3g} control {off:.3g}")
+        assert d <= tol, f"{name}: {d} > {tol}"
+    assert off > 100 * tol, off

@@ -85,6 +85,12 @@ def main() -> None:
             back = gather_peft_state(eng.model)
             res["ckpt"] = {k: torch.equal(v, ref["adapters"][k]) for k, v in back.items()} if dist.get_rank() == 0 else None
         destroy_model_parallel()
+    # the conversion tool's path: the EP2 LoRA checkpoint as a PEFT adapter directory (loaded at EP2)
+    # and as merged HF weights (loaded at TP1)
+    from areal_mega.megatron.hf_export import export_checkpoint
+
+    export_checkpoint(f"{args.work_dir}/ckpt", f"{args.work_dir}/peft", ep=2, peft=True)
+    export_checkpoint(f"{args.work_dir}/ckpt", f"{args.work_dir}/merged_hf")
     if dist.get_rank() == 0:
         torch.save(res, args.out)
     dist.barrier()
