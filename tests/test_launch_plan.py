@@ -1159,9 +1159,10 @@ def test_lora_sync_priced_as_merged_weights():
     assert rep.splits[0].sync_s == round(full.seconds(), 3) > 3.0
 
 
-def test_lora_on_moe_refused_by_the_dry_run(capsys, monkeypatch):
-    """Qwen3-30B-A3B with actor.lora: expert adapters do not exist yet -> the dry run refuses it in
-    one line naming actor.lora (the trainer's own check_lora)."""
+def test_lora_on_moe_dense_mlp_targets_refused_by_the_dry_run(capsys, monkeypatch):
+    """Qwen3-30B-A3B with actor.lora and the dense default targets (gate_proj, up_proj, down_proj):
+    the model has no dense MLP layers -> the dry run refuses it in one line naming
+    actor.lora.target_modules (the trainer's own check_lora), pointing at the expert targets."""
     import areal_mega.launcher.cli as cli
 
     monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
@@ -1171,7 +1172,42 @@ def test_lora_on_moe_refused_by_the_dry_run(capsys, monkeypatch):
              dry_run=True, nodelist="gpu[001-004]", gpus_per_node=8)
     cap = capsys.readouterr()
     lines = [x for x in (cap.out + cap.err).splitlines() if "actor.lora" in x]
-    assert rc != 0 and len(lines) == 1 and "LoRA on MoE models is not supported yet" in lines[0], cap
+    assert rc != 0 and len(lines) == 1 and "no dense MLP layers" in lines[0] and "experts.gate_up_proj" in lines[0], cap
+
+
+def test_lora_qwen3_30b_a3b_dry_run_fits_two_nodes(capsys, monkeypatch):
+    """configs/grpo_qwen3_30b_a3b_lora.yaml (launch/grpo_qwen3_30b_a3b_lora.sh): rank-16 adapters on
+    the attention and one per routed expert (megatron/lora.py ExpertLoraAdapter), frozen bf16 base,
+    TP1 x EP8 -> the learner fits ONE node (71.4 GiB per GPU), so 2 nodes run the job (the full
+    fine-tune's learner takes 2 nodes at TP2 x PP2 x EP8, 8 with its engines); the full fine-tune at
+    the LoRA layout does not fit. Expert adapters are priced per local expert (E / ep)."""
+    import areal_mega.launcher.cli as cli
+
+    cfg_path = "configs/grpo_qwen3_30b_a3b_lora.yaml"
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.setattr(cli, "_print_throughput_plan", lambda *a, **k: print("planner: (not run by this test)"))
+    rc = run("slurm", cfg_path, [], dry_run=True, nodelist="gpu[001-002]", gpus_per_node=8)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "learners: 1 node(s) gpu001; 8 ranks, layout dp=8 pp=1 cp=1 tp=1 ep=8 etp=1" in out, out
+    assert "grads 0.3 + optimizer 0.9 +" in out and "= 71.4 GiB of 80.0 GiB -> fits" in out, out
+    cfg, raw, rest = load_launch_config(cfg_path, ["launch.learner.num_nodes=1"])
+    m = build_plan(cfg, alloc(2, 8), raw=raw, config_path=cfg_path, overrides=rest, python="PY").learner_memory
+    # by hand, r = 16, h = 2048, q = 32 x 128, kv = 4 x 128, expert f = 768, 128 / ep 8 = 16 experts a GPU
+    attn = 16 * ((2048 + 4096) + 2 * (2048 + 512) + (4096 + 2048))
+    expert = 16 * ((2048 + 2 * 768) + (768 + 2048))
+    assert m.grads == 4 * 48 * (attn + 16 * expert)  # fp32 grads, adapters only
+    # Adam (fp32 master + 2 moments): attention adapters sharded over dp 8, expert ones over edp 1
+    assert m.optimizer == pytest.approx(12 * 48 * attn / 8 + 12 * 48 * 16 * expert)
+    # negative control: the full fine-tune at this layout does not fit one node
+    cfg, raw, rest = load_launch_config(cfg_path, ["launch.learner.num_nodes=1", "actor.lora.rank=0"])
+    full = build_plan(cfg, alloc(2, 8), raw=raw, config_path=cfg_path, overrides=rest, python="PY")
+    assert not full.fits and full.learner_memory.total > 1.5 * m.total
+    # what the trainer refuses, the dry run refuses: expert adapters with expert-TP > 1
+    cfg, raw, rest = load_launch_config(cfg_path, ["launch.learner.num_nodes=1", "parallel.expert_parallel=4",
+                                                   "parallel.expert_tensor_parallel=2"])
+    with pytest.raises(ValueError, match="expert_tensor_parallel"):
+        build_plan(cfg, alloc(2, 8), raw=raw, config_path=cfg_path, overrides=rest, python="PY")
 
 
 CONFIG_GPT_OSS = "configs/grpo_gpt_oss_120b.yaml"

@@ -165,9 +165,14 @@ def test_lora_refusals():
     dense = SimpleNamespace(is_moe=False, mla=None)
     lay = SimpleNamespace(tp=1, cp=1)
     check_lora(on, dense, lay, "local")
+    check_lora(LoraConfig(**MOE_LORA), SimpleNamespace(is_moe=True, mla=None), SimpleNamespace(tp=1, cp=1, etp=1), "local")
     check_lora(LoraConfig(), SimpleNamespace(is_moe=True, mla=None), lay, "te")  # off: nothing checked
     for args, kw, msg in [
-        ((on, SimpleNamespace(is_moe=True, mla=None), lay, "local"), {}, "actor.lora: LoRA on MoE"),
+        ((LoraConfig(**MOE_LORA), dense, lay, "local"), {}, "need a mixture-of-experts model"),
+        ((LoraConfig(**MOE_LORA), SimpleNamespace(is_moe=True, mla=None), SimpleNamespace(tp=2, cp=1, etp=2), "local"),
+         {}, "expert_tensor_parallel"),
+        ((LoraConfig(**MOE_LORA), SimpleNamespace(is_moe=True, mla="mla"), lay, "local"), {}, "multi-latent attention"),
+        ((on, SimpleNamespace(is_moe=True, mla=None), lay, "local"), {}, "no dense MLP layers"),
         ((on, dense, lay, "te"), {}, "layer_spec: local"),
         ((on, dense, SimpleNamespace(tp=1, cp=2), "local"), {}, "context_parallel"),
         ((LoraConfig(rank=4, dropout=0.1), dense, SimpleNamespace(tp=2, cp=1), "local"), {}, "lora.dropout"),
@@ -290,3 +295,137 @@ def test_bench_lora_sync_smoke(tmp_path):
     per_layer = sum(4 * (i + o) for i, o in [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)])
     assert rows["adapter"]["bytes"] == 4 * per_layer * 2, rows
     assert rows["merged"]["bytes"] == rows["full"]["bytes"] > 10 * rows["adapter"]["bytes"], rows
+
+
+# ---- MoE: per-expert adapters (PEFT target_parameters on the fused Qwen3-MoE experts) ----------
+MOE_LORA = dict(rank=4, alpha=8.0, dropout=0.0,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"])
+# tests/test_megatron_moe.py's tiny Qwen3-MoE: 2 layers, hidden 64, 8 experts (top 2) of 32
+MOE_MODEL = dict(family="qwen3_moe", vocab_size=300, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, num_hidden_layers=2, max_position_embeddings=256, noise=0.1, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96, tie_word_embeddings=False,
+                 norm_topk_prob=True, noise_seed=2)
+MOE_OPS = transformer_reductions(2) + 2 * 4 * 2  # + two adapter reductions per adapted matmul
+
+
+@pytest.fixture(scope="module")
+def moe_layouts(tmp_path_factory):
+    from peft import LoraConfig as PeftConfig
+    from peft import get_peft_model, get_peft_model_state_dict
+
+    from tests.support.models import tiny_model
+
+    work = tmp_path_factory.mktemp("lora_moe")
+    m = tiny_model(**MOE_MODEL)
+    m.config._attn_implementation = "eager"
+    m.save_pretrained(work / "hf")
+    torch.manual_seed(1)
+    pm = get_peft_model(m, PeftConfig(r=4, lora_alpha=8.0, lora_dropout=0.0, target_modules=MOE_LORA["target_modules"][:4],
+                                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                                      init_lora_weights=False))
+    adapters = {k: v.detach().clone() for k, v in get_peft_model_state_dict(pm).items()}
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (sum(LENS),), generator=g)
+    cu = torch.tensor([0] + list(torch.tensor(LENS).cumsum(0)))
+    R = torch.randn(sum(LENS), 300, generator=g)
+    logits = torch.cat([pm(ids[cu[i]: cu[i + 1]].view(1, -1)).logits[0] for i in range(len(LENS))])
+    (logits * R).sum().backward()
+    grads = {n.replace(".default", ""): p.grad.clone() for n, p in pm.named_parameters() if "lora_" in n}
+    merged = {k: v.detach().clone() for k, v in pm.merge_and_unload().state_dict().items()}
+    torch.save(dict(input_ids=ids, cu_seqlens=cu, R=R, lora=MOE_LORA, adapters=adapters), work / "ref.pt")
+    run_checked(torchrun_cmd(2, "tests/dist/lora_moe_layouts.py", "--work-dir", work, "--out", work / "res.pt"),
+                timeout_s=400, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
+    res = torch.load(work / "res.pt")
+    res["work"] = str(work)
+    return dict(logits=logits.detach(), grads=grads, merged=merged, adapters=adapters, input_ids=ids, cu_seqlens=cu), res
+
+
+@pytest.mark.slow
+def test_lora_moe_logits_grads_equal_peft(moe_layouts):
+    ref, res = moe_layouts
+    tol = fp32_tol(K, float(ref["logits"].abs().max()), ops=MOE_OPS)
+    assert set(res["logits"]) == {"tp1", "ep2", "tp2ep2"}
+    for key, lg in res["logits"].items():
+        d = (lg - ref["logits"]).abs().max().item()
+        off = (res["base"][key] - ref["logits"]).abs().max().item()
+        no_exp = (res["no_experts"][key] - ref["logits"]).abs().max().item()
+        print(f"lora moe logits {key}: max|LoRA-PEFT| {d:.3g} bound {tol:.3g} control {off:.3g} "
+              f"(expert adapters only off: {no_exp:.3g})")
+        assert no_exp > 100 * tol, f"{key}: the expert adapters barely matter ({no_exp})"
+        assert d <= tol, f"{key}: max |LoRA megatron - PEFT| = {d} > {tol}"
+        assert off > 100 * tol, f"{key}: adapters barely matter (|base - PEFT| = {off})"
+        grads = res["grads"][key]
+        assert set(grads) == set(ref["grads"]) and any(".experts." in n for n in grads), key
+        for n, g in grads.items():
+            r = ref["grads"][n]
+            gtol = fp32_tol(K * sum(LENS), float(r.abs().max()), ops=2 * MOE_OPS)
+            assert (g - r).abs().max().item() <= gtol and r.abs().max() > 0, (key, n)
+        # every adapter gathered to rank 0 in PEFT's names and fused layout: the loaded ones, exactly
+        assert set(res["peft"][key]) == set(ref["adapters"])
+        assert all(torch.equal(res["peft"][key][k], v) for k, v in ref["adapters"].items()), key
+    for other in ("ep2", "tp2ep2"):  # EP2 and TP2 + SP x EP2 vs TP1 (dp 2): the same adapter gradients
+        for n in ref["grads"]:
+            a, b = res["grads"]["tp1"][n], res["grads"][other][n]
+            assert (a - b).abs().max().item() <= fp32_tol(K * sum(LENS), float(a.abs().max()), ops=2 * MOE_OPS), (other, n)
+
+
+@pytest.mark.slow
+def test_lora_moe_merged_export_equals_peft_merge(moe_layouts):
+    ref, res = moe_layouts
+    for key, merged in res["merged"].items():
+        for n, t in merged.items():
+            if ".experts." not in n:
+                continue
+            # HF 5 fused experts: PEFT's merged gate_up_proj [E, 2I, H] / down_proj [E, H, I]
+            layer, rest = n.split(".mlp.experts.")
+            e, proj = rest.split(".")[:2]
+            fused = ref["merged"][f"{layer}.mlp.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"][int(e)]
+            i = fused.shape[0] // 2
+            r = {"gate_proj": fused[:i], "up_proj": fused[i:], "down_proj": fused}[proj]
+            d = (t - r).abs().max().item()
+            assert d <= fp32_tol(4, float(r.abs().max()), ops=2), f"{key} {n}: {d}"
+
+
+@pytest.mark.slow
+def test_lora_moe_engine_and_checkpoint_ep2_to_tp1(moe_layouts):
+    ref, res = moe_layouts
+    in_opt, trainable, experts = res["engine"]
+    # EP2 rank 0: its 4 of 8 experts' adapters (2 layers x 4 x r 4 x (64 + 64 + 32 + 64)) are expert
+    # params (allreduce False: DDP reduces them over expert-dp); the optimizer holds the adapters only
+    assert experts == 2 * 4 * 4 * ((64 + 2 * 32) + (32 + 64)), res["engine"]
+    assert in_opt == trainable > experts, res["engine"]
+    assert res["ckpt"] and len(res["ckpt"]) == len(ref["adapters"]) and all(res["ckpt"].values()), res["ckpt"]
+
+
+@pytest.mark.slow
+def test_lora_moe_checkpoint_exports_peft_dir_and_merged_hf(moe_layouts):
+    """The EP2 engine checkpoint exported by the conversion tool's path: the PEFT adapter directory
+    (written at EP2; target_parameters for the experts) loads with peft.PeftModel on its base, the
+    merged HF directory with transformers; both give PEFT's reference logits. Control: the base."""
+    import json
+    from pathlib import Path
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ref, res = moe_layouts
+    work = Path(res["work"])
+    ids, cu = ref["input_ids"], ref["cu_seqlens"]
+    tol = fp32_tol(K, float(ref["logits"].abs().max()), ops=MOE_OPS)
+
+    def logits(m):
+        m.config._attn_implementation = "eager"
+        with torch.no_grad():
+            return torch.cat([m(ids[cu[i]: cu[i + 1]].view(1, -1)).logits[0] for i in range(len(LENS))])
+
+    cfg = json.loads((work / "peft" / "adapter_config.json").read_text())
+    assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], cfg
+    base = AutoModelForCausalLM.from_pretrained(cfg["base_model_name_or_path"], dtype=torch.float32)
+    off = (logits(base) - ref["logits"]).abs().max().item()
+    peft_lg = logits(PeftModel.from_pretrained(base, work / "peft"))
+    merged_lg = logits(AutoModelForCausalLM.from_pretrained(work / "merged_hf", dtype=torch.float32))
+    for name, lg in (("peft dir", peft_lg), ("merged hf", merged_lg)):
+        d = (lg - ref["logits"]).abs().max().item()
+        print(f"lora moe export {name}: max|export - PEFT| {d:.3g} bound {tol:.3g} control {off:.3g}")
+        assert d <= tol, f"{name}: {d} > {tol}"
+    assert off > 100 * tol, off

@@ -26,6 +26,9 @@ from torch import nn
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTN + MLP
+# MoE routed experts (per-expert adapters, PEFT's target_parameters on the fused HF experts):
+# target name -> (megatron expert linear, HF fused expert parameter)
+EXPERTS = {"experts.gate_up_proj": "linear_fc1", "experts.down_proj": "linear_fc2"}
 # megatron linear (suffix of the parameter name) -> the HF projections it fuses, in order
 LINEARS = {
     "self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"),
@@ -47,7 +50,8 @@ class LoraConfig:
     """Dropout on the adapter's input (PEFT's lora_dropout); only 0 at tensor_parallel > 1."""
     target_modules: list[str] = field(default_factory=lambda: list(TARGETS))
     """HF/PEFT projection names that get adapters: any of q_proj, k_proj, v_proj, o_proj,
-    gate_proj, up_proj, down_proj (megatron's fused qkv / fc1 hold per-projection adapters)."""
+    gate_proj, up_proj, down_proj (megatron's fused qkv / fc1 hold per-projection adapters), and on
+    MoE models experts.gate_up_proj, experts.down_proj (one adapter per routed expert)."""
 
     @property
     def enabled(self) -> bool:
@@ -66,9 +70,14 @@ class LoraConfig:
             raise ValueError(f"lora.alpha: must be > 0, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout: must be in [0, 1), got {self.dropout}")
-        bad = [t for t in self.target_modules if t not in TARGETS]
+        bad = [t for t in self.target_modules if t not in TARGETS and t not in EXPERTS]
         if bad or not self.target_modules:
-            raise ValueError(f"lora.target_modules: {bad or '[]'} not supported; use some of {', '.join(TARGETS)}")
+            raise ValueError(f"lora.target_modules: {bad or '[]'} not supported; use some of "
+                             f"{', '.join(TARGETS + tuple(EXPERTS))}")
+
+    @property
+    def expert_targets(self) -> list[str]:
+        return [t for t in self.target_modules if t in EXPERTS]
 
 
 def _tp_attrs(p: nn.Parameter, dim: int | None) -> nn.Parameter:
@@ -146,6 +155,51 @@ class LoraAdapter(nn.Module):
         return self._assemble(outs).t()
 
 
+class ExpertLoraAdapter(LoraAdapter):
+    """The adapter of one routed expert's linear (megatron SequentialMLP, local spec): one A [r, in],
+    B [out, r] (PEFT's ParamWrapper slice for this expert; fc1's B rows are [gate; up] like W).
+    At expert-TP 1 the expert linear does no communication (the token dispatcher does), so the
+    adapter is a plain local matmul. Its parameters are expert parameters (``allreduce = False``):
+    DDP and the distributed optimizer reduce them over the expert-data-parallel group."""
+
+    def __init__(self, proj: str, out_features: int, in_features: int, cfg: LoraConfig, dtype: torch.dtype):
+        nn.Module.__init__(self)
+        self.kind, self.fused, self.projections = "expert", "none", (proj,)
+        self.out_rows = {proj: out_features}
+        self.scaling = cfg.scaling
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        a = nn.Parameter(torch.empty(cfg.rank, in_features, dtype=dtype))
+        b = nn.Parameter(torch.zeros(out_features, cfg.rank, dtype=dtype))
+        nn.init.kaiming_uniform_(a, a=5 ** 0.5)
+        for t in (a, b):
+            t.allreduce = False  # megatron's expert-parameter mark (DDP: expert-data-parallel buffers)
+        self.A = nn.ParameterDict({proj: a})
+        self.B = nn.ParameterDict({proj: b})
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.projections[0]
+        return (self.dropout(x) @ self.A[p].t() @ self.B[p].t()) * self.scaling
+
+    def weight_delta(self) -> torch.Tensor:
+        p = self.projections[0]
+        return (self.B[p].float() @ self.A[p].float()) * self.scaling
+
+
+def expert_linears(model) -> Iterator[tuple[int, str, nn.Module, str, int, int, int]]:
+    """(chunk, megatron module name, module, target name, HF layer, global expert, #experts) of
+    every routed-expert linear on this rank (its EP rank's experts; local spec SequentialMLP)."""
+    ep_rank = model.groups.coords.ep
+    for prm in model.stage_plan.params:
+        if prm.ep_rank is None or prm.ep_rank != ep_rank or ".local_experts." not in prm.name:
+            continue
+        name = prm.name[: -len(".weight")]
+        target = next(t for t, lin in EXPERTS.items() if name.endswith(lin))
+        hf = prm.hf_names[0]  # model.layers.{L}.<moe>.experts.{g}.<proj>.weight
+        head, rest = hf.split(".experts.")
+        yield (prm.chunk, name, model.chunks[prm.chunk].get_submodule(name), target, head,
+               int(rest.split(".")[0]), model.arch.num_experts)
+
+
 def _hook(module, args, output):
     out, bias = output
     return out + module.lora.delta(args[0]), bias
@@ -169,8 +223,15 @@ def check_lora(cfg: LoraConfig, arch, layout, layer_spec: str, *, critic: bool =
     cfg.validate()
     if critic:
         raise ValueError("critic.lora: LoRA on the critic is not supported yet; set critic.lora.rank: 0")
-    if arch.is_moe:
-        raise ValueError("actor.lora: LoRA on MoE models is not supported yet (expert adapters); set actor.lora.rank: 0")
+    if not arch.is_moe and cfg.expert_targets:
+        raise ValueError(f"actor.lora.target_modules: {cfg.expert_targets} need a mixture-of-experts model")
+    dense_mlp = [t for t in cfg.target_modules if t in MLP]
+    if arch.is_moe and dense_mlp and not getattr(arch, "dense_layers", ()):
+        raise ValueError(f"actor.lora.target_modules: {dense_mlp}: this MoE model has no dense MLP layers (shared "
+                         "experts are not adapted yet); adapt its experts with experts.gate_up_proj, experts.down_proj")
+    if arch.is_moe and cfg.expert_targets and getattr(layout, "etp", 1) > 1:
+        raise ValueError("actor.lora.target_modules: expert adapters with parallel.expert_tensor_parallel > 1 are not "
+                         "supported yet (use expert_parallel; set expert_tensor_parallel: 1)")
     if arch.mla is not None:
         raise ValueError("actor.lora: LoRA with multi-latent attention is not supported yet; set actor.lora.rank: 0")
     if layer_spec != "local":
@@ -232,10 +293,18 @@ def apply_lora(model, cfg: LoraConfig) -> int:
         mod.register_forward_hook(_hook)
         _shard_adapters_in_checkpoint(mod, kind)
         n += sum(p.numel() for p in mod.lora.parameters())
+    for _, name, mod, target, _, _, _ in expert_linears(model):
+        if target not in cfg.target_modules:
+            continue
+        found.add(target)
+        w = mod.weight
+        mod.lora = ExpertLoraAdapter(target.split(".")[1], w.shape[0], w.shape[1], cfg, w.dtype).to(w.device)
+        mod.register_forward_hook(_hook)
+        n += sum(p.numel() for p in mod.lora.parameters())
     model.lora = cfg  # checkpoints record it; PEFT export writes it
     missing = sorted(set(cfg.target_modules) - found)
     if missing and model.arch.num_layers:  # every stage holds attention and MLP of its layers
-        raise ValueError(f"actor.lora.target_modules: {missing} not in this model (it has {', '.join(TARGETS)})")
+        raise ValueError(f"actor.lora.target_modules: {missing} not in this model")
     return n
 
 
@@ -279,7 +348,56 @@ def load_peft_state(model, state: dict[str, torch.Tensor]) -> int:
         with torch.no_grad():
             prm.copy_(t)
         n += 1
+    for key, ab, e, E, prm in expert_adapter_params(model):
+        if key not in state:
+            raise ValueError(f"{key}: missing from the adapter state")
+        t = _expert_slice(state[key], ab, e, E)
+        if tuple(t.shape) != tuple(prm.shape):
+            raise ValueError(f"{key}: expert {e} adapter shape {tuple(t.shape)} != model shape {tuple(prm.shape)}")
+        with torch.no_grad():
+            prm.copy_(t)
+        n += 1
     return n
+
+
+# PEFT's ParamWrapper on a fused [E, out, in] expert parameter: lora_A.weight [r * E, in] is
+# expert-major (A_e = A.reshape(E, r, in)[e]), lora_B.weight [out, r * E] expert-minor
+# (B_e = B.reshape(out, r, E)[:, :, e]); with both expert targets PEFT wraps gate_up_proj first
+# (key ``experts.base_layer``) and down_proj around it (key ``experts``): peft_config_dict lists
+# target_parameters in that order.
+def _expert_peft_module(head: str, target: str, targets: list[str]) -> str:
+    both = all(t in targets for t in EXPERTS)
+    return f"{head}.experts.base_layer" if both and target == "experts.gate_up_proj" else f"{head}.experts"
+
+
+def expert_adapter_params(model) -> Iterator[tuple[str, str, int, int, nn.Parameter]]:
+    """(PEFT key, "A"/"B", global expert, #experts, local parameter) of every expert adapter here."""
+    for _, _, mod, target, head, e, E in expert_linears(model):
+        lora = getattr(mod, "lora", None)
+        if lora is None:
+            continue
+        proj = target.split(".")[1]
+        m = _expert_peft_module(head, target, model.lora.target_modules)
+        yield _peft_key(m, "A"), "A", e, E, lora.A[proj]
+        yield _peft_key(m, "B"), "B", e, E, lora.B[proj]
+
+
+def _expert_slice(t: torch.Tensor, ab: str, e: int, E: int) -> torch.Tensor:
+    if ab == "A":
+        return t.reshape(E, -1, t.shape[-1])[e]
+    return t.reshape(t.shape[0], -1, E)[:, :, e]
+
+
+def _fuse_experts(pieces: dict[tuple[str, str], dict[int, torch.Tensor]], E: int) -> dict[str, torch.Tensor]:
+    """{(PEFT key, A/B): {expert: tensor}} (every expert) -> PEFT's fused tensors."""
+    out = {}
+    for (key, ab), per in pieces.items():
+        assert sorted(per) == list(range(E)), (key, sorted(per))
+        if ab == "A":
+            out[key] = torch.stack([per[e] for e in range(E)]).reshape(-1, per[0].shape[-1])
+        else:
+            out[key] = torch.stack([per[e] for e in range(E)], dim=-1).reshape(per[0].shape[0], -1)
+    return out
 
 
 def gather_peft_state(model, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -295,6 +413,22 @@ def gather_peft_state(model, grads: bool = False) -> dict[str, torch.Tensor]:
         if dim is not None and model.groups.layout.tp > 1:
             t = tp_all_gather(t.contiguous(), model.groups.tp, dim=dim)
         out[key] = t.detach().clone()
+    pieces: dict = {}
+    for key, ab, e, E, prm in expert_adapter_params(model):
+        t = (prm.main_grad if getattr(prm, "main_grad", None) is not None else prm.grad) if grads else prm.detach()
+        pieces.setdefault((key, ab), {})[e] = (torch.zeros_like(prm) if t is None else t).detach().cpu().clone()
+    if pieces:  # this rank holds its EP rank's experts: all-gather them over the expert-parallel group
+        import torch.distributed as dist
+
+        if model.groups.layout.ep > 1:
+            parts = [None] * dist.get_world_size(model.groups.ep)
+            dist.all_gather_object(parts, pieces, group=model.groups.ep)
+            pieces = {}
+            for part in parts:
+                for k, per in part.items():
+                    pieces.setdefault(k, {}).update(per)
+        dev = next(iter(out.values())).device if out else "cpu"
+        out.update({k: v.to(dev) for k, v in _fuse_experts(pieces, model.arch.num_experts).items()})
     return out
 
 
@@ -335,8 +469,9 @@ def peft_config_dict(cfg: LoraConfig, base_model: str | None) -> dict:
     """PEFT's adapter_config.json for ``cfg`` (also the config SGLang's adapter load takes)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
-            "target_modules": list(cfg.target_modules), "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "init_lora_weights": True}
+            "target_modules": [t for t in cfg.target_modules if t not in EXPERTS],
+            "target_parameters": [f"mlp.{t}" for t in EXPERTS if t in cfg.target_modules] or None,
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True}
 
 
 class MergedView:

@@ -624,10 +624,15 @@ def stage_state(m: ModelArch, s: LearnerSettings, layout: ParallelLayout, stage:
         return StageState(params=n, weights=weights, grads=0, optimizer=0.0)
     if s.lora_rank and not value_head:  # frozen base + adapters (megatron/lora.py placement)
         a = len(ids) * lora_layer_params(m, s.lora_rank, s.lora_targets, t)
-        weights += a * s.b
-        opt = (8 + (4 if s.b == 2 else 0)) * a
-        return StageState(params=n + a, weights=weights, grads=4 * a if s.grad_reduce_in_fp32 else a * s.b,
-                          optimizer=opt / (layout.dp * layout.cp) if s.distributed_optimizer else float(opt))
+        if m.is_moe:  # MoE: dense-MLP targets only on the dense layers; per-expert adapters on this GPU's E / ep experts
+            mlp = tuple(x for x in s.lora_targets if x in ("gate_proj", "up_proj", "down_proj"))
+            a -= (len(ids) - dense) * lora_layer_params(m, s.lora_rank, mlp, t)
+        ea = (layers + linear) * lora_expert_params(m, s.lora_rank, s.lora_targets) // layout.ep
+        weights += (a + ea) * s.b
+        per = 8 + (4 if s.b == 2 else 0)
+        opt = per * a / (layout.dp * layout.cp) + per * ea / layout.edp if s.distributed_optimizer else float(per * (a + ea))
+        return StageState(params=n + a + ea, weights=weights,
+                          grads=4 * (a + ea) if s.grad_reduce_in_fp32 else (a + ea) * s.b, optimizer=opt)
     grads = 4 * n if s.grad_reduce_in_fp32 else weights
     sixteen = (sharded + head + replicated + zc) if s.b == 2 else 0  # params with an fp32 master copy
     opt = 8 * (n - experts) + 4 * sixteen
@@ -656,6 +661,15 @@ def lora_layer_params(m: ModelArch, r: int, targets, tp: int) -> int:
         elif t in row:
             n += r * row[t][0] // tp + r * row[t][1]
     return n
+
+
+def lora_expert_params(m: ModelArch, r: int, targets) -> int:
+    """Per-expert adapter parameters of one MoE layer, all E experts (megatron/lora.py
+    ExpertLoraAdapter: expert-TP 1, so each EP rank holds E / ep experts' adapters whole):
+    gate_up A [r, h] + B [2f, r], down A [r, f] + B [h, r]."""
+    h, f = m.hidden_size, m.moe_ffn_hidden_size or 0
+    per = (r * h + 2 * f * r if "experts.gate_up_proj" in targets else 0) + (r * f + h * r if "experts.down_proj" in targets else 0)
+    return (m.num_experts or 0) * per
 
 
 def stage_layer_ids(num_layers: int, layout: ParallelLayout, stage: int) -> list[int]:
