@@ -191,6 +191,8 @@ class ServerCapabilities:
     ep_size: int = 1
     custom_weight_loaders: tuple[str, ...] = ()
     """``--custom-weight-loader`` import paths the server registered (the reshard receiver's)."""
+    max_lora_rank: int = 0
+    """``--max-lora-rank`` of a server started with ``--enable-lora``; 0: it serves no adapters."""
 
     @property
     def weight_update_session(self) -> bool:
@@ -223,7 +225,8 @@ def capabilities_from(server_info: dict | None, openapi_spec: dict | None) -> Se
             routes |= {"/begin_weight_update", "/end_weight_update"}
     return ServerCapabilities(sglang_version=version, routes=routes, tp_size=int(info.get("tp_size", 1) or 1),
                               dtype=str(info.get("dtype", "auto")), ep_size=int(info.get("ep_size", 1) or 1),
-                              custom_weight_loaders=tuple(info.get("custom_weight_loader") or ()))
+                              custom_weight_loaders=tuple(info.get("custom_weight_loader") or ()),
+                              max_lora_rank=int(info.get("max_lora_rank") or 0) if info.get("enable_lora") else 0)
 
 
 # -- the blocking client --------------------------------------------------------------------------
