@@ -340,10 +340,11 @@ def make_servers(cfg: InferenceConfig, *, capture_routes: bool = False,
     return servers
 
 
-def launch_servers(cfg: InferenceConfig, *, capture_routes: bool = False) -> list[SGLangServer]:
+def launch_servers(cfg: InferenceConfig, *, capture_routes: bool = False,
+                   lora: ServedLora | None = None) -> list[SGLangServer]:
     """Start ``cfg.num_servers`` servers in parallel and wait until all are healthy. If any
     fails to come up, all are stopped and the first error (with its log tail) is raised."""
-    servers = make_servers(cfg, capture_routes=capture_routes)
+    servers = make_servers(cfg, capture_routes=capture_routes, lora=lora)
     try:
         for s in servers:
             s.start(weight_version=cfg.client.initial_version)

@@ -28,7 +28,10 @@ Formulas (P parameters, L layers, h width, t engine TP, c mean decode context in
   taking turns (areal_mega/weight_sync/sync.py). reshard: ``max(2P / t, S * 2P / W)``, each engine GPU
   receives its TP shard, the W learner GPUs split the S servers' copies evenly
   (areal_mega/weight_sync/reshard.py; within 4% of its plan at 70B, Qwen3-235B, DeepSeek-V3:
-  tests/test_weight_sync_reshard.py).
+  tests/test_weight_sync_reshard.py). LoRA (``weight_sync.lora``): merged weights are priced as
+  the mode's full model; adapter-only (mode ``lora_adapter``, P = the adapter parameters) as
+  ``2P * t * S * 4/3``: rank 0 posts every server one base64 body holding one copy of the
+  adapters per engine TP rank (SGLang's /load_lora_adapter_from_tensors; weight_sync/lora_sync.py).
 """
 
 from __future__ import annotations
@@ -218,6 +221,8 @@ def sync_bytes(*, mode: str, params: int, engine_tp: int, num_servers: int, worl
     """The bytes on one sync's critical path for ``weight_sync.mode`` (module docstring): the busiest
     link's for reshard; for broadcast every stage's, one stage after another (so PP does not shorten it)."""
     full = dtype_bytes * params
+    if mode == "lora_adapter":
+        return full * engine_tp * num_servers * 4 / 3
     if mode == "reshard":
         return max(full / engine_tp, num_servers * full / world)
     return full

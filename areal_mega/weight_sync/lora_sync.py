@@ -49,11 +49,11 @@ class LoraAdapterSync(WeightSync):
         if cap.max_lora_rank < self.model.lora.rank:
             why = (f"max LoRA rank {cap.max_lora_rank}" if cap.max_lora_rank else
                    "started without --enable-lora")
-            raise SGLangError(f"weight_sync.lora: adapter needs servers serving LoRA rank >= {self.model.lora.rank}; "
+            raise ValueError(f"weight_sync.lora: adapter needs servers serving LoRA rank >= {self.model.lora.rank}; "
                               f"{s.url} has {why} (start it with --enable-lora --max-lora-rank "
                               f"{self.model.lora.rank}, or set weight_sync.lora: merged)")
         if not cap.has("/load_lora_adapter_from_tensors"):
-            raise SGLangError(f"weight_sync.lora: adapter needs SGLang >= 0.5.23 (/load_lora_adapter_from_tensors); "
+            raise ValueError(f"weight_sync.lora: adapter needs SGLang >= 0.5.23 (/load_lora_adapter_from_tensors); "
                               f"{s.url} runs {cap.sglang_version or 'an older version'}; set weight_sync.lora: merged")
         return cap.tp_size
 
@@ -89,7 +89,7 @@ class LoraAdapterSync(WeightSync):
                     s.send(api.load_lora_adapter_from_tensors(ADAPTER, self.config, [payload] * tp))
                     self._loaded.add(s.url)
                     s.send(api.update_weight_version(version))  # after the adapter: the version means it
-            except SGLangError as e:
+            except (SGLangError, ValueError) as e:  # ValueError: _check's refusal
                 err = str(e)
         box = [err]
         dist.broadcast_object_list(box, src=0)
