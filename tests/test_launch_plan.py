@@ -1072,6 +1072,16 @@ def test_lora_sync_priced_as_merged_weights_or_adapters():
     assert adapters.seconds() - lat < (full.seconds() - lat) / 30
 
 
+def test_lora_learner_flops_leave_out_the_base_weight_gradients():
+    """A frozen base has no weight gradients: the train step's 6P per token becomes 4P (the
+    activations' backward stays), the rest of the learner's FLOPs unchanged."""
+    from areal_mega.simulator.costs import learner_flops_per_token
+
+    kw = dict(params=1_000_000, layers=2, hidden=64, mean_context=100.0, decoupled=True, reference=True, critic=False,
+              recompute="full")
+    assert learner_flops_per_token(**kw) - learner_flops_per_token(**kw, frozen_base=True) == 2 * 1_000_000
+
+
 def test_lora_on_moe_refused_by_the_dry_run(capsys, monkeypatch):
     """Qwen3-30B-A3B with actor.lora: expert adapters do not exist yet -> the dry run refuses it in
     one line naming actor.lora (the trainer's own check_lora)."""

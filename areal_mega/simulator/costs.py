@@ -17,6 +17,7 @@ Formulas (P parameters, L layers, h width, t engine TP, c mean decode context in
 * learner, per batch token (world W GPUs, pipeline p, m micro-batches per DP rank)::
 
       flops = 6P + 3 * A        train step (forward + backward), A = 4 * L * h * c_ctx attention
+                                (LoRA, actor.lora.rank > 0: 4P + 3 * A, no base-weight gradients)
             + 2P + A            proximal forward (algorithm.decoupled)
             + 2P + A            reference forward (algorithm.needs_reference)
             + A                 selective recompute of core attention
@@ -192,9 +193,11 @@ def decode_model(cost: ClusterCostModel, *, params: int, engine_tp: int, kv_byte
 
 
 def learner_flops_per_token(*, params: int, layers: int, hidden: int, mean_context: float, decoupled: bool,
-                            reference: bool, critic: bool, recompute: str) -> float:
+                            reference: bool, critic: bool, recompute: str, frozen_base: bool = False) -> float:
     attn = 4.0 * layers * hidden * mean_context
-    flops = 6.0 * params + 3.0 * attn
+    # frozen_base (LoRA): the backward computes the activations' gradients only, none for the base
+    # weights (2P fewer; the adapters' own FLOPs are ~r/h of the base's, left out)
+    flops = (4.0 if frozen_base else 6.0) * params + 3.0 * attn
     if decoupled:
         flops += 2.0 * params + attn
     if reference:

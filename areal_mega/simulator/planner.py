@@ -285,7 +285,7 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
         return learner_flops_per_token(params=PA, layers=m.num_layers, hidden=m.hidden_size,
                                        mean_context=(lengths.prompt_tokens + mean_gen) / 2, decoupled=alg.decoupled,
                                        reference=alg.needs_reference, critic=alg.needs_critic,
-                                       recompute=recompute)
+                                       recompute=recompute, frozen_base=exp.actor.lora.enabled)
     dec = decode_model(cost, params=P, engine_tp=et, kv_bytes_per_token_per_gpu=eng.kv_bytes_per_token,
                        mean_context=mean_ctx, kv_capacity_tokens=eng.kv_tokens, prompt_tokens=lengths.prompt_tokens,
                        active_params=PA)
