@@ -36,6 +36,10 @@ def test_weight_sync_lora_choice_launch_args_and_refusals():
     with pytest.raises(ValueError, match=r"^weight_sync\.lora: adapter cannot serve adapters on an fp8 base") as e:
         WeightSyncConfig(lora="adapter").served_lora(lora, "fp8")
     assert "\n" not in str(e.value)
+    # requests held across the adapter swap (retract / in_place) would keep the old adapter
+    assert WeightSyncConfig().served_lora(lora, "none", "retract") is None
+    with pytest.raises(ValueError, match=r"^weight_sync\.lora: adapter needs inference\.client\.pause_mode: abort"):
+        WeightSyncConfig(lora="adapter").served_lora(lora, "none", "in_place")
     with pytest.raises(ValueError, match="lora: 'both' is not one of auto, merged, adapter"):
         WeightSyncConfig(lora="both").validate()
 
@@ -110,7 +114,7 @@ def test_lora_adapter_sync_in_the_trainer(tmp_path):
                  f"inference.server.python={SGLANG_PYTHON}", f"trainer.num_steps={steps}", "trainer.resume=false",
                  "trainer.eval_at_start=false", "trainer.eval_at_end=false", "trainer.export_hf_at_end=true",
                  "parallel.tensor_parallel=1", "rollout.batch_size=4", "workflow.group_size=4", "rollout.max_staleness=0",
-                 "reward.options.function=tests.support.rewards:digit_fraction", "actor.optimizer.lr=1.0e-2",
+                 "reward.options.function=tests.support.rewards:digit_fraction", "inference.client.pause_mode=abort", "actor.optimizer.lr=1.0e-2",
                  "actor.model.layer_spec=local", f"actor.lora.rank={rank}", f"actor.lora.alpha={2 * rank}"],
                 timeout_s=1500)
     launch_log = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "launch").rglob("*.log"))

@@ -260,7 +260,7 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
         a = model_adapter(exp)
         wire_bytes = 2.0 * fp8_sync_bytes(a) / sum(2 * math.prod(a.hf_shape(n)) for n in a.hf_names())
     sync_mode, sync_params = exp.weight_sync.mode, P  # LoRA merged: the full model over the mode's transport
-    if exp.weight_sync.served_lora(exp.actor.lora, srv.quantization) is not None:  # adapter-only: the adapters
+    if exp.weight_sync.served_lora(exp.actor.lora, srv.quantization, exp.inference.client.pause_mode) is not None:  # adapter-only: the adapters
         lora = exp.actor.lora
         sync_mode, sync_params = "lora_adapter", m.num_layers * lora_layer_params(m, lora.rank, lora.target_modules, 1)
     try:

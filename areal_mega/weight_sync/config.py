@@ -58,12 +58,13 @@ class WeightSyncConfig:
     ``inference.addresses`` must have been started with it: checked at the first load, before any
     rollout). "merged": W + scaling * B A as full weights over ``mode``'s transport (any server).
     "auto": adapter, except with ``inference.server.quantization`` fp8 (no adapters on a quantized
-    base): merged. Ignored without LoRA."""
+    base) or ``inference.client.pause_mode`` other than abort (SGLang keeps a request held across
+    the adapter swap on the old adapter): merged; "adapter" there is refused. Ignored without LoRA."""
     server_wait_s: float = 600.0
     """When no inference server is live at a sync (all down or restarting), how long to wait
     for one to come back before the run fails. Covers a pool restart of a dead server."""
 
-    def served_lora(self, lora: Any, quantization: str = "none") -> ServedLora | None:
+    def served_lora(self, lora: Any, quantization: str = "none", pause_mode: str = "abort") -> ServedLora | None:
         """The one choice of ``lora`` for an actor with ``lora`` (its LoraConfig): what the servers
         serve when only the adapters travel (weight_sync/lora_sync.py), None when full or merged
         weights do (no LoRA, or merged). Pure: the trainer's weight sync and the launcher's server
@@ -74,6 +75,15 @@ class WeightSyncConfig:
             if self.lora == "adapter":
                 raise ValueError(f"weight_sync.lora: adapter cannot serve adapters on an {quantization} base "
                                  f"(inference.server.quantization); set weight_sync.lora: merged")
+            return None
+        # SGLang binds a request to the adapter loaded when it arrived: one held across the swap
+        # (retract / in_place) continues on the unloaded adapter, i.e. the base (measured, docs/lora.md);
+        # abort returns it and the client resubmits it under the new adapter.
+        if pause_mode != "abort":
+            if self.lora == "adapter":
+                raise ValueError(f"weight_sync.lora: adapter needs inference.client.pause_mode: abort (requests held "
+                                 f"across an adapter swap keep the old adapter), got {pause_mode!r}; or set "
+                                 f"weight_sync.lora: merged")
             return None
         return ServedLora(ADAPTER, lora.rank, tuple(lora.target_modules))
 

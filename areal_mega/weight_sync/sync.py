@@ -632,7 +632,7 @@ def megatron_weight_sync(
 
         if model is None or model.lora is None:
             raise ValueError("megatron_weight_sync: chunks carry LoRA adapters: pass their model")
-        if cfg.served_lora(model.lora, quantization) is not None:
+        if cfg.served_lora(model.lora, quantization, pause_mode) is not None:
             if groups.rank == 0:
                 print(f"weight sync: LoRA adapter-only (weight_sync.lora {cfg.lora}: rank {model.lora.rank} adapters "
                       f"loaded into the servers in memory; weight_sync.mode {cfg.mode} unused)",
