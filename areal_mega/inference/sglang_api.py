@@ -73,6 +73,11 @@ def unload_lora_adapter(name: str) -> Call:
     return Call("POST", "/unload_lora_adapter", {"lora_name": name})
 
 
+def flush_cache() -> Call:
+    """Drop the radix (prefix) cache; refused (400) while requests are running or waiting."""
+    return Call("POST", "/flush_cache", {})
+
+
 def update_weight_version(version: int | str) -> Call:
     return Call("POST", "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 

@@ -88,6 +88,7 @@ class LoraAdapterSync(WeightSync):
                             pass  # it did not hold one
                     s.send(api.load_lora_adapter_from_tensors(ADAPTER, self.config, [payload] * tp))
                     self._loaded.add(s.url)
+                    s.send(api.flush_cache())  # as the full transports flush after an update
                     s.send(api.update_weight_version(version))  # after the adapter: the version means it
             except (SGLangError, ValueError) as e:  # ValueError: _check's refusal
                 err = str(e)
