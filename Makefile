@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # EXAMPLE_ARGS: overrides of the training run, e.g. EXAMPLE_ARGS="trainer.num_steps=5".
 EXAMPLE_ARGS ?=
 
-.PHONY: demo example test test-real test-tools test-cp test-reshard test-families-serve test-slurm-nodes test-heavy test-resume-inflight test-fast test-mcore-latest test-failover-load envs learner-env learner-latest-env sglang-env
+.PHONY: demo example example-lora test test-real test-tools test-cp test-reshard test-families-serve test-slurm-nodes test-heavy test-resume-inflight test-fast test-mcore-latest test-failover-load envs learner-env learner-latest-env sglang-env
 
 learner-env:
 	@tools/env/make_venv.sh learner
@@ -28,6 +28,10 @@ demo:
 example:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \
 	  $$L/bin/python -m areal_mega.demo.example --learner-python $$L/bin/python --sglang-python $$S/bin/python $(EXAMPLE_ARGS)
+
+# The example with LoRA instead of full fine-tuning (configs/grpo_smollm2_lora.yaml; docs/lora.md).
+example-lora:
+	@$(MAKE) --no-print-directory example EXAMPLE_ARGS="--config configs/grpo_smollm2_lora.yaml --workdir runs/smollm2-lora $(EXAMPLE_ARGS)"
 
 test:
 	@L=$$(tools/env/make_venv.sh learner) && S=$$(tools/env/make_venv.sh sglang) && \

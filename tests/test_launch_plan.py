@@ -1142,21 +1142,46 @@ def test_lora_70b_dry_run_fits_two_nodes(capsys, monkeypatch):
             build_plan(cfg, alloc(2, 8), raw=raw, config_path=CONFIG_70B_LORA, overrides=rest, python="PY")
 
 
-def test_lora_sync_priced_as_merged_weights():
-    """Merged-weight sync (the only LoRA sync today) moves the full bf16 model: the planner's
-    sync bytes with LoRA equal the full fine-tune's (no adapter-byte discount until adapter-only
-    sync exists)."""
+def test_lora_sync_priced_as_merged_weights_or_adapters():
+    """weight_sync.lora merged moves the full bf16 model: the planner's sync bytes with LoRA equal
+    the full fine-tune's. Adapter-only (the default, auto) moves the adapters: r16 on the seven
+    projections of 80 layers = 207 M parameters, 0.41 GB in bf16, posted to the TP8 server as one
+    base64 body with a copy per TP rank (x 8 x 4/3 = 4.4 GB, still 32x less than merged)."""
     from areal_mega.experiment import experiment_from_dict
     from areal_mega.simulator.costs import sync_model
     from areal_mega.simulator.planner import sweep
 
     cfg, raw, _ = load_launch_config(CONFIG_70B_LORA, [])
     exp = experiment_from_dict(raw, whole=False)
+    exp.weight_sync.lora = "merged"
     rep = sweep(exp, label="", nodes=2, gpus_per_node=8, gpus_source="t", staleness=(1,), sweep_pipeline=False)
     full = sync_model(exp.launch.planner.cost, mode=exp.weight_sync.mode, params=total_params(LLAMA3_70B),
                       engine_tp=8, num_servers=1, world=8, dtype_bytes=2.0)
     assert full.weight_bytes == 2 * 70_553_706_496  # the whole bf16 model, not the 90M adapters
     assert rep.splits[0].sync_s == round(full.seconds(), 3) > 3.0
+
+    exp = experiment_from_dict(raw, whole=False)
+    assert exp.weight_sync.lora == "auto"  # -> adapter-only
+    rep = sweep(exp, label="", nodes=2, gpus_per_node=8, gpus_source="t", staleness=(1,), sweep_pipeline=False)
+    # the adapters by hand, whole (not TP-sliced): r * (in + out) per projection, h 8192, kv 1024, f 28672
+    per_layer = 16 * (2 * (8192 + 8192) + 2 * (8192 + 1024) + 3 * (8192 + 28672))
+    assert 80 * per_layer == 207_093_760
+    adapters = sync_model(exp.launch.planner.cost, mode="lora_adapter", params=80 * per_layer, engine_tp=8,
+                          num_servers=1, world=8, dtype_bytes=2.0)
+    assert adapters.weight_bytes == 2 * 80 * per_layer * 8 * 4 / 3 < full.weight_bytes / 30
+    assert rep.splits[0].sync_s == round(adapters.seconds(), 3) < full.seconds()
+    lat = adapters.latency_s  # the assumed fixed cost per sync (pause, HTTP) is paid either way
+    assert adapters.seconds() - lat < (full.seconds() - lat) / 30
+
+
+def test_lora_learner_flops_leave_out_the_base_weight_gradients():
+    """A frozen base has no weight gradients: the train step's 6P per token becomes 4P (the
+    activations' backward stays), the rest of the learner's FLOPs unchanged."""
+    from areal_mega.simulator.costs import learner_flops_per_token
+
+    kw = dict(params=1_000_000, layers=2, hidden=64, mean_context=100.0, decoupled=True, reference=True, critic=False,
+              recompute="full")
+    assert learner_flops_per_token(**kw) - learner_flops_per_token(**kw, frozen_base=True) == 2 * 1_000_000
 
 
 def test_lora_on_moe_dense_mlp_targets_refused_by_the_dry_run(capsys, monkeypatch):

@@ -12,6 +12,7 @@ a run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -48,9 +49,8 @@ def main() -> None:
     lcfg = LoraConfig(rank=args.rank, alpha=2.0 * args.rank, target_modules=list(TARGETS))
     servers = launch_servers(InferenceConfig(num_servers=1, server=SGLangServerConfig(
         python=args.sglang_python, model_path=args.model, device="cpu", dtype="bfloat16", max_total_tokens=4096,
-        env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=900,
-        extra_args=["--enable-lora", "--max-lora-rank", str(args.rank), "--lora-target-modules", "all",
-                    "--lora-backend", "torch_native", "--max-loras-per-batch", "1"])))
+        env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=900)),
+        lora=WeightSyncConfig().served_lora(lcfg))  # the trainer's launch arguments (weight_sync.lora adapter)
     client = SGLangClient(servers[0].url, timeout_s=600)
     out = []
     try:
@@ -65,8 +65,9 @@ def main() -> None:
         wcfg = WeightSyncConfig(mode="broadcast", backend="gloo", bucket_mib=64)
         ways = {
             "adapter": lambda: LoraAdapterSync(lora_model, servers=[client], base_model=args.model),
-            "merged": lambda: megatron_weight_sync(wcfg, adapter=lora_model.adapter, chunks=lora_model.chunks,
-                                                   groups=groups, servers=[client], dtype="bfloat16"),
+            "merged": lambda: megatron_weight_sync(dataclasses.replace(wcfg, lora="merged"), adapter=lora_model.adapter,
+                                                   chunks=lora_model.chunks, groups=groups, servers=[client],
+                                                   dtype="bfloat16", model=lora_model),
             "full": lambda: megatron_weight_sync(wcfg, adapter=full_model.adapter, chunks=full_model.chunks,
                                                  groups=groups, servers=[client], dtype="bfloat16"),
         }

@@ -11,6 +11,7 @@ from areal_mega.inference.sglang_api import SGLangClient, SGLangError, ServerCap
 from areal_mega.inference.config import InferenceClientConfig, InferenceConfig, SGLangServerConfig
 from areal_mega.inference.server import (
     SGLangServer,
+    ServedLora,
     ServerStartError,
     build_launch_command,
     launch_servers,
@@ -27,6 +28,7 @@ __all__ = [
     "SGLangError",
     "SGLangServer",
     "SGLangServerConfig",
+    "ServedLora",
     "ServerCapabilities",
     "ServerHandle",
     "ServerStartError",

@@ -28,7 +28,7 @@ from areal_mega.api.generation import PolicyVersion
 from areal_mega.api.io import GenerationRequest, GenerationResult, SamplingParams
 from areal_mega.inference import sglang_api as api
 from areal_mega.inference.config import InferenceConfig
-from areal_mega.inference.server import SGLangServer, make_servers
+from areal_mega.inference.server import SGLangServer, ServedLora, make_servers
 
 logger = logging.getLogger(__name__)
 
@@ -161,11 +161,14 @@ class InferencePool(InferenceEngine):
 
     def __init__(self, cfg: InferenceConfig, servers: Sequence[SGLangServer | str] = (),
                  *, own_servers: bool = False, version: PolicyVersion | None = None,
-                 resync: ResyncHook | None = None, capture_routes: bool = False) -> None:
+                 resync: ResyncHook | None = None, capture_routes: bool = False,
+                 lora: ServedLora | None = None) -> None:
         self.cfg = cfg
         ccfg = cfg.client
         # MoE routing replay: every /generate asks for the experts of each token (GenerationResult.routes).
         self.capture_routes = capture_routes
+        # weight_sync.lora adapter: every /generate runs with the adapter the weight sync loads.
+        self.lora = lora
         if not servers:
             servers = list(cfg.addresses)
         if not servers:
@@ -203,16 +206,19 @@ class InferencePool(InferenceEngine):
     # -- lifecycle ------------------------------------------------------------------------------
     @classmethod
     async def launch(cls, cfg: InferenceConfig, *, version: PolicyVersion | None = None,
-                     resync: ResyncHook | None = None, capture_routes: bool = False) -> "InferencePool":
+                     resync: ResyncHook | None = None, capture_routes: bool = False,
+                     lora: ServedLora | None = None) -> "InferencePool":
         """Start ``cfg.num_servers`` SGLang servers (in parallel) and a pool that owns them, or
-        connect to ``cfg.addresses`` when set. ``capture_routes``: the servers record MoE routes
+        connect to ``cfg.addresses`` when set. ``capture_routes``: the servers record MoE routes;
+        ``lora``: they serve LoRA adapters and every request names ``lora.name``
         (``build_launch_command``)."""
         if cfg.addresses:
-            pool = cls(cfg, cfg.addresses, version=version, resync=resync, capture_routes=capture_routes)
+            pool = cls(cfg, cfg.addresses, version=version, resync=resync, capture_routes=capture_routes, lora=lora)
             await pool.start()
             return pool
-        servers = make_servers(cfg, capture_routes=capture_routes)
-        pool = cls(cfg, servers, own_servers=True, version=version, resync=resync, capture_routes=capture_routes)
+        servers = make_servers(cfg, capture_routes=capture_routes, lora=lora)
+        pool = cls(cfg, servers, own_servers=True, version=version, resync=resync, capture_routes=capture_routes,
+                   lora=lora)
         try:
             for s in servers:
                 s.start(weight_version=cfg.client.initial_version)
@@ -367,7 +373,8 @@ class InferencePool(InferenceEngine):
                 asked = min(asked, ccfg.segment_tokens)
             sampling["max_new_tokens"] = asked
             call = api.generate(req.input_ids + out_ids, sampling, rid=f"{req.rid}-{attempt}",
-                                return_routes=self.capture_routes)
+                                return_routes=self.capture_routes,
+                                lora=self.lora.name if self.lora is not None else None)
             attempt += 1
             handle.in_flight += 1
             self._calls += 1

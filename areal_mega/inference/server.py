@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from areal_mega.inference import sglang_api
@@ -51,6 +52,24 @@ def server_base_env() -> dict[str, str]:
             if k not in _TORCH_DIST_ENV and not k.startswith(("TORCHELASTIC_", "TORCH_NCCL_"))}
 
 
+@dataclass(frozen=True)
+class ServedLora:
+    """LoRA adapters the servers serve (weight_sync.lora adapter, docs/lora.md): each server starts
+    with LoRA enabled for adapters of at most ``max_rank`` on ``target_modules``, one adapter per
+    batch, and every generate request names ``name`` (the one adapter the weight sync loads)."""
+
+    name: str
+    max_rank: int
+    target_modules: tuple[str, ...]
+
+    def launch_args(self) -> list[str]:
+        # torch_native: the backend SGLang 0.5.23 runs on CPU (tested); GPUs may append another
+        # --lora-backend in inference.server.extra_args (argparse keeps the last one).
+        return ["--enable-lora", "--max-lora-rank", str(self.max_rank),
+                "--lora-target-modules", *self.target_modules, "--lora-backend", "torch_native",
+                "--max-loras-per-batch", "1"]
+
+
 def build_launch_command(
     cfg: SGLangServerConfig,
     port: int,
@@ -60,6 +79,7 @@ def build_launch_command(
     random_seed: int | None = None,
     capture_routes: bool = False,
     reshard_receiver: bool = False,
+    lora: ServedLora | None = None,
     nnodes: int = 1,
     node_rank: int = 0,
     dist_init_addr: str | None = None,
@@ -68,7 +88,7 @@ def build_launch_command(
     ``capture_routes``: MoE routing replay from the rollout (``actor.model.moe_routing_replay:
     rollout``) -- the server records the experts of every token (``--enable-return-routed-experts``).
     ``reshard_receiver``: register areal_mega's receiver as a custom weight loader (weight_sync
-    mode reshard). ``nnodes`` > 1: this is node ``node_rank`` of one server spanning ``nnodes``
+    mode reshard). ``lora``: serve LoRA adapters (weight_sync.lora adapter). ``nnodes`` > 1: this is node ``node_rank`` of one server spanning ``nnodes``
     nodes (SGLang's multi-node mode; ``tp_size`` counts every node's GPUs), which rendezvous at
     ``dist_init_addr`` (host:port of node 0, the only one that serves HTTP)."""
     cmd = [
@@ -102,6 +122,8 @@ def build_launch_command(
         cmd += ["--enable-return-routed-experts"]
     if reshard_receiver:
         cmd += ["--custom-weight-loader", RESHARD_RECEIVER]
+    if lora is not None:
+        cmd += lora.launch_args()
     if secret_config is not None:
         # SGLang's --config YAML carries the API key (utils.secrets): never the key on argv.
         cmd += ["--config", secret_config]
@@ -152,10 +174,12 @@ class SGLangServer:
         random_seed: int | None = None,
         log_dir: str | Path | None = None,
         capture_routes: bool = False,
+        lora: ServedLora | None = None,
     ) -> None:
         self.cfg = cfg
         self.host = cfg.host
         self.capture_routes = capture_routes
+        self.lora = lora
         self.port = port
         self.random_seed = random_seed
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="sglang-logs-")) / f"sglang-{port}.log"
@@ -187,7 +211,7 @@ class SGLangServer:
     def command(self, weight_version: int | str = 0) -> list[str]:
         return build_launch_command(
             self.cfg, self.port, secret_config=self._secret_config, weight_version=weight_version,
-            random_seed=self.random_seed, capture_routes=self.capture_routes,
+            random_seed=self.random_seed, capture_routes=self.capture_routes, lora=self.lora,
             reshard_receiver=wants_reshard_receiver(self.cfg),
         )
 
@@ -298,10 +322,11 @@ class SGLangServer:
         self.wait_ready()
 
 
-def make_servers(cfg: InferenceConfig, *, capture_routes: bool = False) -> list[SGLangServer]:
+def make_servers(cfg: InferenceConfig, *, capture_routes: bool = False,
+                 lora: ServedLora | None = None) -> list[SGLangServer]:
     """The ``cfg.num_servers`` server objects, not started yet. Server i listens on
     ``server.port + i`` (or a free port when ``server.port == 0``) and samples with seed
-    ``server.random_seed + i``; ``capture_routes``: see ``build_launch_command``."""
+    ``server.random_seed + i``; ``capture_routes``, ``lora``: see ``build_launch_command``."""
     scfg = cfg.server
     log_dir = scfg.log_dir or tempfile.mkdtemp(prefix="sglang-logs-")
     key = cfg.resolved_api_key()
@@ -311,14 +336,15 @@ def make_servers(cfg: InferenceConfig, *, capture_routes: bool = False) -> list[
         port = scfg.port + i if scfg.port else auto[i]
         seed = None if scfg.random_seed is None else scfg.random_seed + i
         servers.append(SGLangServer(scfg, port, api_key=key, random_seed=seed, log_dir=log_dir,
-                                    capture_routes=capture_routes))
+                                    capture_routes=capture_routes, lora=lora))
     return servers
 
 
-def launch_servers(cfg: InferenceConfig, *, capture_routes: bool = False) -> list[SGLangServer]:
+def launch_servers(cfg: InferenceConfig, *, capture_routes: bool = False,
+                   lora: ServedLora | None = None) -> list[SGLangServer]:
     """Start ``cfg.num_servers`` servers in parallel and wait until all are healthy. If any
     fails to come up, all are stopped and the first error (with its log tail) is raised."""
-    servers = make_servers(cfg, capture_routes=capture_routes)
+    servers = make_servers(cfg, capture_routes=capture_routes, lora=lora)
     try:
         for s in servers:
             s.start(weight_version=cfg.client.initial_version)

@@ -73,6 +73,11 @@ def unload_lora_adapter(name: str) -> Call:
     return Call("POST", "/unload_lora_adapter", {"lora_name": name})
 
 
+def flush_cache() -> Call:
+    """Drop the radix (prefix) cache; refused (400) while requests are running or waiting."""
+    return Call("POST", "/flush_cache", {})
+
+
 def update_weight_version(version: int | str) -> Call:
     return Call("POST", "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 
@@ -191,6 +196,8 @@ class ServerCapabilities:
     ep_size: int = 1
     custom_weight_loaders: tuple[str, ...] = ()
     """``--custom-weight-loader`` import paths the server registered (the reshard receiver's)."""
+    max_lora_rank: int = 0
+    """``--max-lora-rank`` of a server started with ``--enable-lora``; 0: it serves no adapters."""
 
     @property
     def weight_update_session(self) -> bool:
@@ -223,7 +230,8 @@ def capabilities_from(server_info: dict | None, openapi_spec: dict | None) -> Se
             routes |= {"/begin_weight_update", "/end_weight_update"}
     return ServerCapabilities(sglang_version=version, routes=routes, tp_size=int(info.get("tp_size", 1) or 1),
                               dtype=str(info.get("dtype", "auto")), ep_size=int(info.get("ep_size", 1) or 1),
-                              custom_weight_loaders=tuple(info.get("custom_weight_loader") or ()))
+                              custom_weight_loaders=tuple(info.get("custom_weight_loader") or ()),
+                              max_lora_rank=int(info.get("max_lora_rank") or 0) if info.get("enable_lora") else 0)
 
 
 # -- the blocking client --------------------------------------------------------------------------

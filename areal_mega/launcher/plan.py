@@ -399,6 +399,8 @@ def engine_procs(exp: ExperimentConfig, alloc: Allocation, nodes: _Nodes, ports:
                 engine_srv = replace(srv, host=n_addr if r else addr, python=engine_python)
                 cmd = build_launch_command(engine_srv, port, random_seed=seed, secret_config=sglang_secret,
                                            capture_routes=exp.actor.model.captures_server_routes,
+                                           lora=exp.weight_sync.served_lora(exp.actor.lora, srv.quantization,
+                                                                                exp.inference.client.pause_mode),
                                            reshard_receiver=wants_reshard_receiver(engine_srv), **kw)
                 engine_env = {**env, **srv.env}
             else:

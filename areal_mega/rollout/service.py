@@ -25,6 +25,7 @@ from areal_mega.api.workflow import RolloutWorkflow
 from areal_mega.evaluation import EvalSpec, evaluate_items
 from areal_mega.inference.client import InferencePool, ServerHandle
 from areal_mega.inference.config import InferenceConfig
+from areal_mega.inference.server import ServedLora
 from areal_mega.rollout.config import RolloutConfig
 from areal_mega.rollout.controller import RolloutBatch, RolloutController
 
@@ -39,7 +40,8 @@ class RolloutService(GenerationService):
     generating. ``server_wait_s``: how long ``begin_update`` waits for a live server
     (``weight_sync.server_wait_s``)."""
 
-    def __init__(self, inference: InferenceConfig, *, server_wait_s: float, capture_routes: bool = False) -> None:
+    def __init__(self, inference: InferenceConfig, *, server_wait_s: float, capture_routes: bool = False,
+                 lora: ServedLora | None = None) -> None:
         self._poll_s = inference.client.health_check_interval_s
         self._server_wait_s = server_wait_s
         self._version = PolicyVersion(inference.client.initial_version)
@@ -53,7 +55,7 @@ class RolloutService(GenerationService):
         try:
             self.pool: InferencePool = self._run(InferencePool.launch(inference, version=self._version,
                                                                       resync=self._park_until_synced,
-                                                                      capture_routes=capture_routes))
+                                                                      capture_routes=capture_routes, lora=lora))
         except BaseException:
             self._stop_loop()
             raise

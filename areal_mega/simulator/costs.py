@@ -17,6 +17,7 @@ Formulas (P parameters, L layers, h width, t engine TP, c mean decode context in
 * learner, per batch token (world W GPUs, pipeline p, m micro-batches per DP rank)::
 
       flops = 6P + 3 * A        train step (forward + backward), A = 4 * L * h * c_ctx attention
+                                (LoRA, actor.lora.rank > 0: 4P + 3 * A, no base-weight gradients)
             + 2P + A            proximal forward (algorithm.decoupled)
             + 2P + A            reference forward (algorithm.needs_reference)
             + A                 selective recompute of core attention
@@ -28,7 +29,10 @@ Formulas (P parameters, L layers, h width, t engine TP, c mean decode context in
   taking turns (areal_mega/weight_sync/sync.py). reshard: ``max(2P / t, S * 2P / W)``, each engine GPU
   receives its TP shard, the W learner GPUs split the S servers' copies evenly
   (areal_mega/weight_sync/reshard.py; within 4% of its plan at 70B, Qwen3-235B, DeepSeek-V3:
-  tests/test_weight_sync_reshard.py).
+  tests/test_weight_sync_reshard.py). LoRA (``weight_sync.lora``): merged weights are priced as
+  the mode's full model; adapter-only (mode ``lora_adapter``, P = the adapter parameters) as
+  ``2P * t * S * 4/3``: rank 0 posts every server one base64 body holding one copy of the
+  adapters per engine TP rank (SGLang's /load_lora_adapter_from_tensors; weight_sync/lora_sync.py).
 """
 
 from __future__ import annotations
@@ -189,9 +193,11 @@ def decode_model(cost: ClusterCostModel, *, params: int, engine_tp: int, kv_byte
 
 
 def learner_flops_per_token(*, params: int, layers: int, hidden: int, mean_context: float, decoupled: bool,
-                            reference: bool, critic: bool, recompute: str) -> float:
+                            reference: bool, critic: bool, recompute: str, frozen_base: bool = False) -> float:
     attn = 4.0 * layers * hidden * mean_context
-    flops = 6.0 * params + 3.0 * attn
+    # frozen_base (LoRA): the backward computes the activations' gradients only, none for the base
+    # weights (2P fewer; the adapters' own FLOPs are ~r/h of the base's, left out)
+    flops = (4.0 if frozen_base else 6.0) * params + 3.0 * attn
     if decoupled:
         flops += 2.0 * params + attn
     if reference:
@@ -218,6 +224,8 @@ def sync_bytes(*, mode: str, params: int, engine_tp: int, num_servers: int, worl
     """The bytes on one sync's critical path for ``weight_sync.mode`` (module docstring): the busiest
     link's for reshard; for broadcast every stage's, one stage after another (so PP does not shorten it)."""
     full = dtype_bytes * params
+    if mode == "lora_adapter":
+        return full * engine_tp * num_servers * 4 / 3
     if mode == "reshard":
         return max(full / engine_tp, num_servers * full / world)
     return full

@@ -29,8 +29,8 @@ from areal_mega.simulator.costs import (
     learner_flops_per_token, learner_model, sync_model,
 )
 from areal_mega.simulator.memory import (
-    GIB, count_params, estimate_engine, estimate_learner, learner_settings, model_adapter, model_arch, server_nodes,
-    total_params,
+    GIB, count_params, estimate_engine, estimate_learner, learner_settings, lora_layer_params, model_adapter, model_arch,
+    server_nodes, total_params,
 )
 from areal_mega.simulator.model import PLAN_TOLERANCE, SimConfig, SimulationError, near_best
 from areal_mega.simulator.sim import simulate
@@ -259,6 +259,10 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
 
         a = model_adapter(exp)
         wire_bytes = 2.0 * fp8_sync_bytes(a) / sum(2 * math.prod(a.hf_shape(n)) for n in a.hf_names())
+    sync_mode, sync_params = exp.weight_sync.mode, P  # LoRA merged: the full model over the mode's transport
+    if exp.weight_sync.served_lora(exp.actor.lora, srv.quantization, exp.inference.client.pause_mode) is not None:  # adapter-only: the adapters
+        lora = exp.actor.lora
+        sync_mode, sync_params = "lora_adapter", m.num_layers * lora_layer_params(m, lora.rank, lora.target_modules, 1)
     try:
         span = server_nodes(et, gpus_per_node)  # a server wider than a node spans whole nodes
     except ValueError as e:
@@ -281,7 +285,7 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
         return learner_flops_per_token(params=PA, layers=m.num_layers, hidden=m.hidden_size,
                                        mean_context=(lengths.prompt_tokens + mean_gen) / 2, decoupled=alg.decoupled,
                                        reference=alg.needs_reference, critic=alg.needs_critic,
-                                       recompute=recompute)
+                                       recompute=recompute, frozen_base=exp.actor.lora.enabled)
     dec = decode_model(cost, params=P, engine_tp=et, kv_bytes_per_token_per_gpu=eng.kv_bytes_per_token,
                        mean_context=mean_ctx, kv_capacity_tokens=eng.kv_tokens, prompt_tokens=lengths.prompt_tokens,
                        active_params=PA)
@@ -316,7 +320,7 @@ def sweep(exp: "ExperimentConfig", *, label: str, nodes: int, gpus_per_node: int
                                dp=layout.dp, tokens_per_step=tokens_per_step, micro_batch_tokens=mbt)
             t = lm.step_s(tokens_per_step)
             if best is None or t < best[0] - 1e-12:
-                best = (t, layout, mem, lm, sync_model(cost, mode=exp.weight_sync.mode, params=P, engine_tp=et,
+                best = (t, layout, mem, lm, sync_model(cost, mode=sync_mode, params=sync_params, engine_tp=et,
                                                     num_servers=s.num_servers, world=world, dtype_bytes=wire_bytes))
         if best is None:
             s.reason = "no learner layout fits: " + "; ".join(reasons)

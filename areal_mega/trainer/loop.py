@@ -36,7 +36,7 @@ def run(trainer: Trainer) -> int:
         actor.set_version(step + 1)
         stop = trainer.stop_requested()  # SIGTERM/SIGUSR1 or trainer.stop_file: checkpoint, then stop
         m.log({**rollout_stats, **prox_stats, **{f"train/{k}": v for k, v in train_stats.items()}, **critic_stats,
-               "weight_sync/seconds": sync.seconds, "weight_sync/GBps": sync.gbps,
+               "weight_sync/seconds": sync.seconds, "weight_sync/GBps": sync.gbps, "weight_sync/bytes": float(sync.bytes),
                "weight_sync/resharded": float(sync.mode == "reshard"),  # 0: broadcast (or a fallback to it)
                "version": step + 1, **trainer.throughput(batch, m)})
         # The step's record before its checkpoint: a kill -9 between the two leaves a record past

@@ -48,7 +48,7 @@ def build(cfg: ExperimentConfig) -> Trainer:
                                        groups=groups, world_group=ctrl, dtype=wire,
                                        pause_mode=cfg.inference.client.pause_mode,
                                        api_key=cfg.inference.resolved_api_key(),
-                                       quantization=cfg.inference.server.quantization)
+                                       quantization=cfg.inference.server.quantization, model=actor.model)
     advantage = alg.estimator(alg)  # algorithm.adv_estimator: a built-in or package.module:Class
     policy_loss = alg.loss          # algorithm.policy_loss: built per optimizer step by the trainer
     rank0 = groups.rank == 0
@@ -57,7 +57,7 @@ def build(cfg: ExperimentConfig) -> Trainer:
     generation = episodes = prompts = None
     if rank0:  # generation, rewards and prompts live on rank 0
         generation = RolloutService(cfg.inference, server_wait_s=cfg.weight_sync.server_wait_s,
-                                    capture_routes=cfg.actor.model.captures_server_routes)
+                                    capture_routes=cfg.actor.model.captures_server_routes, lora=weight_sync.lora)
         episodes = EpisodeStack.build(cfg.model_path, cfg.workflow, cfg.reward, policy_engine=generation.pool)
         prompts = build_prompt_source(cfg.data, episodes.tokenizer)
         check_prompt_source(cfg.reward, prompts, cfg.data.allow_empty_test_output)  # a code reward's tests

@@ -122,7 +122,9 @@ class Trainer:
             for name, n in cut_logs_past(out, self.start_step).items():
                 print(f"trainer: {n} record(s) of {name} past checkpoint {self.start_step} moved to "
                       f"{name}.superseded", file=sys.stderr, flush=True)
-        if self.start_step > 0:  # the servers started from model_path: bring them to the resumed weights
+        # The servers started from model_path: bring them to the resumed weights; adapter-only LoRA
+        # sync: load the first adapter (SGLang refuses requests naming an adapter it does not hold).
+        if self.start_step > 0 or self.weight_sync.lora is not None:
             self.sync_weights(version=self.start_step)
         self._catch_stop_signals()
         if self.generation is not None:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["WeightSyncConfig"]
+from areal_mega.inference.server import ServedLora
+
+__all__ = ["ADAPTER", "WeightSyncConfig"]
 
 MiB = 1 << 20
+
+ADAPTER = "policy"
+"""The name the servers hold the current LoRA adapter under (requests send it as ``lora_path``)."""
 
 
 @dataclass
@@ -46,9 +51,41 @@ class WeightSyncConfig:
     """Timeout of one HTTP call to a server (a bucket update includes its broadcast)."""
     group_timeout_s: float = 300.0
     """Timeout of the learner<->server group rendezvous."""
+    lora: Literal["auto", "merged", "adapter"] = "auto"
+    """How a LoRA actor (actor.lora.rank > 0) reaches the servers (docs/lora.md, "Weight sync").
+    "adapter": only the adapters, loaded in memory under one name that every generate request
+    names (SGLang >= 0.5.23; the servers areal_mega starts get ``--enable-lora ...``; servers at
+    ``inference.addresses`` must have been started with it: checked at the first load, before any
+    rollout). "merged": W + scaling * B A as full weights over ``mode``'s transport (any server).
+    "auto": adapter, except with ``inference.server.quantization`` fp8 (no adapters on a quantized
+    base) or ``inference.client.pause_mode`` other than abort (SGLang keeps a request held across
+    the adapter swap on the old adapter): merged; "adapter" there is refused. Ignored without LoRA."""
     server_wait_s: float = 600.0
     """When no inference server is live at a sync (all down or restarting), how long to wait
     for one to come back before the run fails. Covers a pool restart of a dead server."""
+
+    def served_lora(self, lora: Any, quantization: str = "none", pause_mode: str = "abort") -> ServedLora | None:
+        """The one choice of ``lora`` for an actor with ``lora`` (its LoraConfig): what the servers
+        serve when only the adapters travel (weight_sync/lora_sync.py), None when full or merged
+        weights do (no LoRA, or merged). Pure: the trainer's weight sync and the launcher's server
+        command both ask it."""
+        if lora is None or not lora.enabled or self.lora == "merged":
+            return None
+        if quantization != "none":
+            if self.lora == "adapter":
+                raise ValueError(f"weight_sync.lora: adapter cannot serve adapters on an {quantization} base "
+                                 f"(inference.server.quantization); set weight_sync.lora: merged")
+            return None
+        # SGLang binds a request to the adapter loaded when it arrived: one held across the swap
+        # (retract / in_place) continues on the unloaded adapter, i.e. the base (measured, docs/lora.md);
+        # abort returns it and the client resubmits it under the new adapter.
+        if pause_mode != "abort":
+            if self.lora == "adapter":
+                raise ValueError(f"weight_sync.lora: adapter needs inference.client.pause_mode: abort (requests held "
+                                 f"across an adapter swap keep the old adapter), got {pause_mode!r}; or set "
+                                 f"weight_sync.lora: merged")
+            return None
+        return ServedLora(ADAPTER, lora.rank, tuple(lora.target_modules))
 
     @property
     def bucket_bytes(self) -> int:
@@ -65,5 +102,7 @@ class WeightSyncConfig:
             raise ValueError(f"master_port_base: must be in [0, 65535], got {self.master_port_base}")
         if self.http_timeout_s <= 0 or self.group_timeout_s <= 0:
             raise ValueError("http_timeout_s / group_timeout_s: must be > 0")
+        if self.lora not in ("auto", "merged", "adapter"):
+            raise ValueError(f"lora: {self.lora!r} is not one of auto, merged, adapter")
         if self.server_wait_s < 0:
             raise ValueError(f"server_wait_s: must be >= 0, got {self.server_wait_s}")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +58,7 @@ from areal_mega.weight_sync.planner import (
     plan_weight_sync,
 )
 from areal_mega.inference import sglang_api as api
+from areal_mega.inference.server import ServedLora
 from areal_mega.inference.sglang_api import SGLangClient
 from areal_mega.utils.distributed import resolve_backend
 from areal_mega.utils.procs import free_port, host_address
@@ -163,6 +165,10 @@ class WeightSync(ABC):
     """What the trainer holds: pushes the learner's weights into a set of SGLang servers. Every
     method is collective over all learner ranks (the same arguments on every rank). The servers
     are paused (or not) by the caller."""
+
+    lora: ServedLora | None = None
+    """What the servers must serve besides the model (adapter-only LoRA sync: launch them with it,
+    name it in every request, sync once before the first rollout); None: nothing."""
 
     @property
     @abstractmethod
@@ -588,6 +594,7 @@ def megatron_weight_sync(
     pause_mode: str = "retract",
     api_key: str | None = None,
     quantization: str = "none",
+    model: Any = None,
 ) -> WeightSync:
     """The transport ``cfg.mode`` names, for a megatron model built with ``adapter`` (areal_mega.models).
 
@@ -600,6 +607,10 @@ def megatron_weight_sync(
     (inference.server.quantization). ``fp8``: the stage sender quantizes each gathered linear weight
     (weight_sync/fp8.py) and sends fp8 + ``weight_scale_inv`` in place of the bf16 tensor (broadcast
     only; another mode, or a family without the quantized layout, is refused in one line).
+    ``model``: the MegatronModel of ``chunks``; when it carries LoRA adapters, ``cfg.lora`` is
+    chosen here once (``lora_sync.served_lora``) and logged in one line: adapter-only
+    (:class:`LoraAdapterSync`; the servers must serve ``served_lora``'s adapter) or the merged
+    weights over ``cfg.mode``'s transport.
     """
     from areal_mega.megatron.model import expert_export
     from areal_mega.models import get_adapter
@@ -614,8 +625,19 @@ def megatron_weight_sync(
         if cfg.mode != "broadcast":
             raise ValueError(f"inference.server.quantization: fp8 is sent by weight_sync.mode broadcast only, not "
                              f"{cfg.mode!r} (its quantized shards are not implemented); use mode: broadcast")
-    from areal_mega.megatron.lora import sync_chunks
+    from areal_mega.megatron.lora import has_lora, sync_chunks
 
+    if has_lora(chunks):
+        from areal_mega.weight_sync.lora_sync import LoraAdapterSync
+
+        if model is None or model.lora is None:
+            raise ValueError("megatron_weight_sync: chunks carry LoRA adapters: pass their model")
+        if cfg.served_lora(model.lora, quantization, pause_mode) is not None:
+            if groups.rank == 0:
+                print(f"weight sync: LoRA adapter-only (weight_sync.lora {cfg.lora}: rank {model.lora.rank} adapters "
+                      f"loaded into the servers in memory; weight_sync.mode {cfg.mode} unused)",
+                      file=sys.stderr, flush=True)
+            return LoraAdapterSync(model, servers=servers, api_key=api_key)
     chunks = sync_chunks(chunks)  # LoRA: the merged-weight fallback (W + scaling * B A), logged once
     layout: ParallelLayout = groups.layout
     dtype = dtype_name(dtype or adapter.arch.dtype)
