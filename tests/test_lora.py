@@ -156,6 +156,29 @@ def test_lora_checkpoint_exports_peft_dir_and_merged_hf(layouts):
     assert off > 100 * tol, f"the base alone is within {off} of the LoRA logits"
 
 
+def test_lora_init_same_on_every_rank_and_layout():
+    """apply_lora's A init (_init_a) is a function of (init_seed, HF name) only: the same whatever
+    each rank's global RNG holds (DP replicas that started apart diverged after the first update:
+    server vs learner log-probs 0.40-0.64 off at DP2, tests/test_lora_sync.py), and a row-parallel A
+    split over TP2 is the TP1 draw sliced (fan-in = the full input, as PEFT). Exact: same draws."""
+    from types import SimpleNamespace
+
+    from areal_mega.megatron.lora import _init_a
+
+    def draw(kind, cols, tp_rank=0, tp=1, seed=0, rng=0):
+        torch.manual_seed(rng)  # a different global RNG state per call: must not matter
+        ad = SimpleNamespace(kind=kind, A={"o_proj": torch.nn.Parameter(torch.empty(4, cols))})
+        _init_a(ad, "model.layers.3.self_attn.o_proj", seed, tp_rank, tp)
+        return ad.A["o_proj"].detach()
+
+    full = draw("row", 16, rng=1)
+    assert torch.equal(full, draw("row", 16, rng=2))
+    assert torch.equal(torch.cat([draw("row", 8, 0, 2, rng=3), draw("row", 8, 1, 2, rng=4)], dim=1), full)
+    assert torch.equal(draw("column", 16, rng=5), full)  # column A: replicated, the whole draw
+    assert not torch.equal(draw("row", 16, seed=1), full)  # control: another init_seed, other adapters
+    assert float(full.abs().max()) <= 16 ** -0.5  # kaiming-uniform(a=sqrt 5) bound at the full fan-in 16
+
+
 def test_lora_refusals():
     from types import SimpleNamespace
 

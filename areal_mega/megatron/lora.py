@@ -18,6 +18,7 @@ base parameters keep their names (HF load, export, checkpoints unchanged).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import zlib
 from typing import Iterator
 
 import torch
@@ -52,6 +53,9 @@ class LoraConfig:
     """HF/PEFT projection names that get adapters: any of q_proj, k_proj, v_proj, o_proj,
     gate_proj, up_proj, down_proj (megatron's fused qkv / fc1 hold per-projection adapters), and on
     MoE models experts.gate_up_proj, experts.down_proj (one adapter per routed expert)."""
+    init_seed: int = 0
+    """Seed of the adapters' A init (PEFT's kaiming-uniform; B starts at 0): each A is drawn whole
+    from this seed and its HF module name, so every rank and every layout starts from the same adapters."""
 
     @property
     def enabled(self) -> bool:
@@ -106,14 +110,13 @@ class LoraAdapter(nn.Module):
             if p not in targets:
                 continue
             if kind == "column":  # A replicated (grad summed over TP by SP rule / copy region), B sharded
-                a = nn.Parameter(torch.empty(r, in_features, dtype=dtype))
+                a = nn.Parameter(torch.empty(r, in_features, dtype=dtype))  # A: apply_lora's _init_a; B = 0
                 if sp:
                     a.sequence_parallel = True  # finalize_model_grads sums it over TP
                 b = _tp_attrs(nn.Parameter(torch.zeros(rows, r, dtype=dtype)), 0)
             else:  # row: A sharded along W's input, B replicated
                 a = _tp_attrs(nn.Parameter(torch.empty(r, in_features, dtype=dtype)), 1)
                 b = nn.Parameter(torch.zeros(rows, r, dtype=dtype))
-            nn.init.kaiming_uniform_(a, a=5 ** 0.5)  # PEFT's default init (B = 0: starts at the base)
             self.A[p], self.B[p] = a, b
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,7 +173,6 @@ class ExpertLoraAdapter(LoraAdapter):
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
         a = nn.Parameter(torch.empty(cfg.rank, in_features, dtype=dtype))
         b = nn.Parameter(torch.zeros(out_features, cfg.rank, dtype=dtype))
-        nn.init.kaiming_uniform_(a, a=5 ** 0.5)
         for t in (a, b):
             t.allreduce = False  # megatron's expert-parameter mark (DDP: expert-data-parallel buffers)
         self.A = nn.ParameterDict({proj: a})
@@ -262,6 +264,19 @@ def _shard_adapters_in_checkpoint(mod: nn.Module, kind: str) -> None:
     mod.sharded_state_dict = sharded_state_dict
 
 
+def _init_a(adapter: LoraAdapter, hf_name: str, seed: int, tp_rank: int, tp: int) -> None:
+    """PEFT's kaiming-uniform A, drawn whole (fan-in = the full input) from a generator keyed by
+    (seed, HF name, projection) and sliced to this rank's TP shard: the global RNG differs per rank,
+    and DP replicas or TP copies of an A that started apart never agree again."""
+    for p, a in adapter.A.items():
+        shard = adapter.kind == "row"  # row: A split along W's input, contiguous per TP rank
+        full = torch.empty(a.shape[0], a.shape[1] * (tp if shard else 1))
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{hf_name}:{p}".encode()))
+        nn.init.kaiming_uniform_(full, a=5 ** 0.5, generator=g)
+        with torch.no_grad():
+            a.copy_(full.narrow(1, tp_rank * a.shape[1], a.shape[1]) if shard else full)
+
+
 def apply_lora(model, cfg: LoraConfig) -> int:
     """Freeze ``model`` (a MegatronModel) and attach adapters to the targeted linears; returns the
     number of local adapter parameters. Raises if a target module is in no layer of the model."""
@@ -290,15 +305,17 @@ def apply_lora(model, cfg: LoraConfig) -> int:
             rows = [w.shape[0]]
             fused = "none"
         mod.lora = LoraAdapter(kind, projs, cfg.target_modules, rows, w.shape[1], cfg, tp, sp, fused, a, w.dtype).to(w.device)
+        _init_a(mod.lora, hf[0], cfg.init_seed, model.groups.coords.tp, tp)
         mod.register_forward_hook(_hook)
         _shard_adapters_in_checkpoint(mod, kind)
         n += sum(p.numel() for p in mod.lora.parameters())
-    for _, name, mod, target, _, _, _ in expert_linears(model):
+    for _, name, mod, target, hf, expert, _ in expert_linears(model):
         if target not in cfg.target_modules:
             continue
         found.add(target)
         w = mod.weight
         mod.lora = ExpertLoraAdapter(target.split(".")[1], w.shape[0], w.shape[1], cfg, w.dtype).to(w.device)
+        _init_a(mod.lora, f"{hf}.experts.{expert}", cfg.init_seed, 0, 1)
         mod.register_forward_hook(_hook)
         n += sum(p.numel() for p in mod.lora.parameters())
     model.lora = cfg  # checkpoints record it; PEFT export writes it
