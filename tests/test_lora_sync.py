@@ -40,6 +40,11 @@ def test_weight_sync_lora_choice_launch_args_and_refusals():
     assert WeightSyncConfig().served_lora(lora, "none", "retract") is None
     with pytest.raises(ValueError, match=r"^weight_sync\.lora: adapter needs inference\.client\.pause_mode: abort"):
         WeightSyncConfig(lora="adapter").served_lora(lora, "none", "in_place")
+    # MoE expert adapters: merged (SGLang's MoE LoRA unverified); asking for adapter is refused
+    moe = LoraConfig(rank=16, alpha=32, target_modules=["q_proj", "experts.gate_up_proj"])
+    assert WeightSyncConfig().served_lora(moe) is None
+    with pytest.raises(ValueError, match=r"^weight_sync\.lora: adapter does not serve MoE expert adapters"):
+        WeightSyncConfig(lora="adapter").served_lora(moe)
     with pytest.raises(ValueError, match="lora: 'both' is not one of auto, merged, adapter"):
         WeightSyncConfig(lora="both").validate()
 

@@ -59,7 +59,9 @@ class WeightSyncConfig:
     rollout). "merged": W + scaling * B A as full weights over ``mode``'s transport (any server).
     "auto": adapter, except with ``inference.server.quantization`` fp8 (no adapters on a quantized
     base) or ``inference.client.pause_mode`` other than abort (SGLang keeps a request held across
-    the adapter swap on the old adapter): merged; "adapter" there is refused. Ignored without LoRA."""
+    the adapter swap on the old adapter) or with MoE expert adapters (SGLang's MoE LoRA path is
+    GPU-only and unchecked against PEFT's fused-expert adapters): merged; "adapter" there is
+    refused. Ignored without LoRA."""
     server_wait_s: float = 600.0
     """When no inference server is live at a sync (all down or restarting), how long to wait
     for one to come back before the run fails. Covers a pool restart of a dead server."""
@@ -75,6 +77,12 @@ class WeightSyncConfig:
             if self.lora == "adapter":
                 raise ValueError(f"weight_sync.lora: adapter cannot serve adapters on an {quantization} base "
                                  f"(inference.server.quantization); set weight_sync.lora: merged")
+            return None
+        if lora.expert_targets:
+            if self.lora == "adapter":
+                raise ValueError(f"weight_sync.lora: adapter does not serve MoE expert adapters "
+                                 f"({lora.expert_targets} in actor.lora.target_modules: SGLang's MoE LoRA is "
+                                 f"unverified here); set weight_sync.lora: merged")
             return None
         # SGLang binds a request to the adapter loaded when it arrived: one held across the swap
         # (retract / in_place) continues on the unloaded adapter, i.e. the base (measured, docs/lora.md);
