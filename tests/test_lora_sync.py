@@ -103,7 +103,8 @@ def test_lora_adapter_sync_in_the_trainer(tmp_path):
     Each sync moves the adapters only (weight_sync/bytes = their fp32 size). Control: the learner
     really moved off the base (a high LR on a reward that always has a signal): the base model's
     log-probs -- what a server serving without the adapter would give -- are far off the trained
-    policy's (the run's merged HF export) on the task's prompts. Two learner ranks (DP2): before
+    policy's (the run's merged HF export) on the task's prompts. Two learner ranks (DP2, the
+    distributed optimizer: the adapters' Adam state sharded over DP): before
     apply_lora drew A from (init_seed, HF name) the DP replicas started from different adapters and
     diverged after the first update (mismatch 0.40 / 0.64 at steps 2-3 against this bound)."""
     import json
@@ -122,7 +123,7 @@ def test_lora_adapter_sync_in_the_trainer(tmp_path):
                  "trainer.eval_at_start=false", "trainer.eval_at_end=false", "trainer.export_hf_at_end=true",
                  "parallel.tensor_parallel=1", "launch.learner.nproc_per_node=2", "rollout.batch_size=4", "workflow.group_size=4", "rollout.max_staleness=0",
                  "reward.options.function=tests.support.rewards:digit_fraction", "inference.client.pause_mode=abort", "actor.optimizer.lr=1.0e-2",
-                 "actor.model.layer_spec=local", f"actor.lora.rank={rank}", f"actor.lora.alpha={2 * rank}"],
+                 "actor.model.layer_spec=local", "actor.optimizer.use_distributed_optimizer=true", f"actor.lora.rank={rank}", f"actor.lora.alpha={2 * rank}"],
                 timeout_s=1500)
     launch_log = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "launch").rglob("*.log"))
     assert "weight sync: LoRA adapter-only (weight_sync.lora auto" in launch_log
