@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.megatron.engine import MegatronEngineConfig, MegatronTrainEngine, OptimizerConfig
+from areal_mega.megatron.lora import LoraConfig
 from areal_mega.megatron.model import MegatronModelConfig, forward_logits
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.models import load_hf_config
@@ -49,10 +50,12 @@ CASES = (
     ("qwen2_plain", "qwen2", False, 1),
     ("llama_plain", "llama", False, 1),
     ("qwen2_distopt_to_tp2", "qwen2", True, 2),
+    ("qwen2_distopt_lora", "qwen2", True, 1),  # LoRA r4: frozen base, adapters + their Adam state restored
 )
 
 
-def build(hf_dir: str, distributed_optimizer: bool, load_weights: bool, tp: int = 1) -> MegatronTrainEngine:
+def build(hf_dir: str, distributed_optimizer: bool, load_weights: bool, tp: int = 1,
+          lora: LoraConfig | None = None) -> MegatronTrainEngine:
     layout = ParallelLayout.build(ParallelConfig(tensor_parallel=tp, pipeline_parallel=1), dist.get_world_size())
     groups = init_model_parallel(layout, backend="gloo", seed=1234)
     cfg = MegatronEngineConfig(
@@ -63,6 +66,7 @@ def build(hf_dir: str, distributed_optimizer: bool, load_weights: bool, tp: int 
             use_distributed_optimizer=distributed_optimizer,
         ),
         max_tokens_per_microbatch=64,
+        lora=lora or LoraConfig(),
     )
     return MegatronTrainEngine.create(cfg, load_hf_config(hf_dir), groups, hf_dir if load_weights else None)
 
@@ -80,7 +84,8 @@ def main() -> None:
         if rank == 0 and not os.path.isdir(hf_dir):
             save_tiny_model(hf_dir, arch, num_hidden_layers=2, dtype="bfloat16")  # HF init, unscaled
         dist.barrier()
-        engine = build(hf_dir, distopt, load_weights=True)
+        lora = LoraConfig(rank=4, alpha=8) if name.endswith("_lora") else None
+        engine = build(hf_dir, distopt, load_weights=True, lora=lora)
         assert engine.model.chunks[0].decoder.final_layernorm.weight.dtype == torch.float32  # mixed model
         before = engine.forward_logprobs(batch, temperature=TEMPERATURE)
         step1 = engine.train_batch(batch, loss_fn, temperature=TEMPERATURE)
@@ -94,7 +99,7 @@ def main() -> None:
         ref["step3"] = engine.train_batch(batch, loss_fn, temperature=TEMPERATURE)
         destroy_model_parallel()
 
-        resumed = build(hf_dir, distopt, load_weights=False, tp=resume_tp)
+        resumed = build(hf_dir, distopt, load_weights=False, tp=resume_tp, lora=lora)
         resumed.load(ckpt)
         got = {"version": resumed.get_version(), "step2": resumed.train_batch(batch, loss_fn, temperature=TEMPERATURE)}
         got["after2"] = resumed.forward_logprobs(batch, temperature=TEMPERATURE).tolist()
