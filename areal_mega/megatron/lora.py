@@ -17,8 +17,8 @@ base parameters keep their names (HF load, export, checkpoints unchanged).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import zlib
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
