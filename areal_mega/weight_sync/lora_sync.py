@@ -19,7 +19,7 @@ from areal_mega.inference import sglang_api as api
 from areal_mega.inference.server import ServedLora
 from areal_mega.inference.sglang_api import SGLangClient, SGLangError
 from areal_mega.weight_sync.config import ADAPTER
-from areal_mega.weight_sync.sync import SyncStats, WeightSync
+from areal_mega.weight_sync.base import SyncStats, WeightSync
 from areal_mega.weight_sync.transport import WeightSyncError
 
 __all__ = ["ADAPTER", "LoraAdapterSync"]

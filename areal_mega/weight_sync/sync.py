@@ -37,9 +37,9 @@ import json
 import os
 import sys
 import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.parallel import ParallelLayout
+from areal_mega.weight_sync.base import SyncStats, WeightSync
 from areal_mega.weight_sync.config import WeightSyncConfig
 from areal_mega.weight_sync.planner import (
     PlanMismatchError,
@@ -58,7 +59,6 @@ from areal_mega.weight_sync.planner import (
     plan_weight_sync,
 )
 from areal_mega.inference import sglang_api as api
-from areal_mega.inference.server import ServedLora
 from areal_mega.inference.sglang_api import SGLangClient
 from areal_mega.utils.distributed import resolve_backend
 from areal_mega.utils.procs import free_port, host_address
@@ -111,23 +111,6 @@ class LearnerSide:
     """The adapter and local tensors the reshard transport plans and sends from."""
 
 
-@dataclass
-class SyncStats:
-    version: int
-    bytes: int
-    seconds: float
-    num_buckets: int
-    phase_s: dict[str, float] = field(default_factory=dict)
-    mode: str = "broadcast"
-    """The mode that ran (reshard falls back to broadcast for servers without the receiver)."""
-    bytes_per_engine_rank: dict[str, int] = field(default_factory=dict)
-    """"<server url>/<tp rank>" -> bytes that rank received."""
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
 def server_expected_specs(server: SGLangClient, expected_fn: ExpectedFn) -> tuple[dict[str, TensorSpec], str]:
     """What ``server`` expects, from its model's config.json (model_path must be readable here:
     same host or shared filesystem) and its serving dtype. Returns (specs by name, description)."""
@@ -159,33 +142,6 @@ def _error(fn: Callable[[], Any]) -> str | None:
     except Exception as e:  # noqa: BLE001 - shared with every rank by the caller
         return f"{type(e).__name__}: {e}"
     return None
-
-
-class WeightSync(ABC):
-    """What the trainer holds: pushes the learner's weights into a set of SGLang servers. Every
-    method is collective over all learner ranks (the same arguments on every rank). The servers
-    are paused (or not) by the caller."""
-
-    lora: ServedLora | None = None
-    """What the servers must serve besides the model (adapter-only LoRA sync: launch them with it,
-    name it in every request, sync once before the first rollout); None: nothing."""
-
-    @property
-    @abstractmethod
-    def server_urls(self) -> list[str]:
-        """The current targets."""
-
-    @abstractmethod
-    def set_targets(self, urls: Sequence[str]) -> None:
-        """Push to the servers at ``urls`` from now on."""
-
-    @abstractmethod
-    def sync(self, version: int) -> SyncStats:
-        """Push the current weights as policy ``version``."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Destroy this rank's learner<->server groups; the next ``sync`` connects afresh."""
 
 
 class TransportBase(WeightSync):
