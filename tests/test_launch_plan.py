@@ -1253,3 +1253,7 @@ def test_plan_gpt_oss_120b_fits_80gb():
     assert lm.settings.layer_spec == "local" and lm.settings.attention == "mask"
     assert round(lm.total / GIB, 1) == 55.2 and round(plan.engine_memory.total / GIB, 1) == 35.8
     assert round(total_params(get_adapter(raw["launch"]["model_config"]).arch) / 1e9, 1) == 116.8
+    # what start-up refuses, the dry run refuses (build_model's check_sinks_and_biases)
+    cfg, raw, rest = load_launch_config(CONFIG_GPT_OSS, ["parallel.expert_tensor_parallel=2"])
+    with pytest.raises(ValueError, match=r"^parallel\.expert_tensor_parallel: 2 is not supported for gpt_oss"):
+        build_plan(cfg, alloc(16, 8), raw=raw, config_path=CONFIG_GPT_OSS, overrides=rest, python="PY")

@@ -451,25 +451,28 @@ def model_adapter(hf_config: Any, cfg: MegatronModelConfig) -> Any:
     return resolve("model", cfg.family)(hf if isinstance(hf, dict) else hf.to_dict())
 
 
-def build_model(
-    hf_config: Any, groups: ModelParallelGroups, cfg: MegatronModelConfig | None = None, *, adapter: ModelAdapter | None = None
-) -> MegatronModel:
-    """Instantiate this rank's GPTModel chunks for ``hf_config`` (dict / transformers config /
-    model dir) under ``groups.layout``. Weights are randomly initialised; see load_hf_weights.
-    ``adapter`` overrides the registry lookup (tests inject deliberately broken mappings)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_decoder_block_spec,
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
+def check_sinks_and_biases(arch: ModelArch, cfg: MegatronModelConfig, lay) -> None:
+    """Refuse, naming the key, what gpt-oss's blocks cannot run: biased experts at expert-TP > 1
+    (megatron-core 0.16.1 asserts it, transformer_config.py) and the TE spec (the sinks and the
+    packed sliding window live in the local spec's CoreAttention)."""
+    if arch.is_moe and arch.linear_bias and lay.etp != 1:
+        raise ValueError(f"parallel.expert_tensor_parallel: {lay.etp} is not supported for {arch.model_type} (its "
+                         "experts have biases, which megatron-core 0.16.1 allows only at expert_tensor_parallel 1)")
+    if (arch.attention_sinks or arch.sliding_window is not None) and cfg.layer_spec == "te":
+        raise ValueError(f"actor.model.layer_spec: te is not supported for {arch.model_type} (its sinks and "
+                         "packed sliding window run in the local spec's CoreAttention; use auto or local)")
 
-    cpu_compat.apply()  # idempotent; per thread (see cpu_compat), so call it wherever megatron runs
-    cfg = cfg or MegatronModelConfig()
-    cfg.validate()
-    adapter = adapter or model_adapter(hf_config, cfg)
-    arch = adapter.arch
-    lay = groups.layout
+
+def local_spec_only(arch: ModelArch) -> bool:
+    """Whether the family's blocks exist only in the local spec, whatever ``layer_spec`` says:
+    gated DeltaNet (Qwen3.5), sinks / sliding window (gpt-oss), DeepSeek sparse attention. The
+    learner builds it so and the memory model prices it so (simulator/memory.py)."""
+    return arch.linear is not None or arch.attention_sinks or arch.sliding_window is not None or arch.dsa is not None
+
+
+def _check_model(arch: ModelArch, cfg: MegatronModelConfig, lay) -> Literal["local", "te"]:
+    """Every start-up refusal of ``arch`` under ``cfg`` and ``lay`` (one line naming the key), the
+    compat entries the family needs, and the layer spec it builds on."""
     lay.check_model(arch.num_layers, arch.num_heads, arch.num_kv_heads)
     if arch.is_moe:
         lay.check_experts(arch.num_experts, arch.moe_ffn_hidden_size)
@@ -480,47 +483,43 @@ def build_model(
         if cfg.moe_aux_loss_coef > 0 or cfg.moe_routing_replay != "off":
             key = "moe_aux_loss_coef" if cfg.moe_aux_loss_coef > 0 else "moe_routing_replay"
             raise ValueError(f"actor.model.{key}: set, but it {dense}")
-    hybrid = arch.linear is not None
     check_linear_attention(arch, cfg, lay)
     check_sparse_attention(arch, cfg, lay)
+    check_sinks_and_biases(arch, cfg, lay)
+    spec_name = "local" if local_spec_only(arch) else resolve_layer_spec(cfg.layer_spec)
+    mla = arch.mla is not None
+    if spec_name == "te" and mla and arch.rms_norm_eps != LatentRMSNorm.EPS:
+        raise ValueError(f"actor.model.layer_spec: te with MLA and rms_norm_eps {arch.rms_norm_eps} is not "
+                         "supported (TE fuses the latent norms at rms_norm_eps; HF's are at 1e-6); use local")
+    check_context_parallel(lay, spec_name, cp_comm_type=cfg.cp_comm_type, vpp=lay.vpp, mla=mla)
     if arch.dsa is not None:
         compat.identity_rotate_activation()  # compat entry 17
-    if hybrid:
+    if arch.linear is not None:
         compat.enable_torch_gated_delta_net()  # compat entry 13
-    oss = arch.attention_sinks or arch.sliding_window is not None
-    if arch.is_moe and arch.linear_bias and lay.etp != 1:  # megatron 0.16.1 asserts it (transformer_config.py)
-        raise ValueError(f"parallel.expert_tensor_parallel: {lay.etp} is not supported for {arch.model_type} (its "
-                         "experts have biases, which megatron-core 0.16.1 allows only at expert_tensor_parallel 1)")
-    if oss and cfg.layer_spec == "te":
-        raise ValueError(f"actor.model.layer_spec: te is not supported for {arch.model_type} (its sinks and "
-                         "packed sliding window run in the local spec's CoreAttention; use auto or local)")
-    spec_name = "local" if hybrid or oss or arch.dsa is not None else resolve_layer_spec(cfg.layer_spec)
-    check_context_parallel(lay, spec_name, cp_comm_type=cfg.cp_comm_type, vpp=lay.vpp, mla=arch.mla is not None)
-    dtype = cfg.dtype or arch.dtype
-    tcfg = transformer_config(arch, groups, cfg, dtype, spec_name)
-    # MoE experts: TE spec = TEGroupedMLP (grouped GEMM, GPU); local spec = SequentialMLP (one
-    # megatron MLP per local expert; exact on CPU). The adapter names the weights of each.
-    moe = dict(num_experts=arch.num_experts, moe_grouped_gemm=spec_name == "te") if arch.is_moe else {}
     if arch.is_moe:
         compat.define_missing_te_gemm()  # compat entry 10
     if arch.is_moe and arch.linear_bias:
         compat.fix_expert_bias_inplace()  # compat entry 16
-    if arch.mla is not None and lay.tp > 1 and not tcfg.sequence_parallel:
-        # compat entry 12: finalize_model_grads sums "q_layernorm" grads over TP, which MLA's
-        # (replicated, already complete) q latent norm must not get; under SP the sum is right.
-        raise ValueError(f"actor.model.sequence_parallel: false with multi-latent attention at tensor_parallel "
-                         f"{lay.tp} > 1 is not supported (megatron 0.16.1 would sum the q-latent norm's gradient "
-                         "over TP); use sequence_parallel: auto")
-    qk_ln = arch.qk_layernorm or arch.mla is not None
-    mla = arch.mla is not None
     if mla:
         compat.fix_mla_have_te()  # compat entry 11
+    return spec_name
+
+
+def _layer_specs(arch: ModelArch, spec_name: str) -> tuple[list[Any], Any]:
+    """(one layer spec per global layer, the MoE (or only) layer spec): dense-MLP layers
+    (first_k_dense_replace, mlp_only_layers) get their own. MoE experts: TE spec = TEGroupedMLP
+    (grouped GEMM, GPU); local spec = SequentialMLP (one megatron MLP per local expert; exact on
+    CPU). The adapter names the weights of each."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    mla = arch.mla is not None
+    qk_ln = arch.qk_layernorm or mla
 
     def spec_for(experts: dict):
         if spec_name == "te":
-            if mla and arch.rms_norm_eps != LatentRMSNorm.EPS:
-                raise ValueError(f"actor.model.layer_spec: te with MLA and rms_norm_eps {arch.rms_norm_eps} is not "
-                                 "supported (TE fuses the latent norms at rms_norm_eps; HF's are at 1e-6); use local")
             return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_ln, multi_latent_attention=mla, **experts)
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_ln, multi_latent_attention=mla,
                                         **experts)
@@ -536,10 +535,37 @@ def build_model(
             spec.submodules.self_attention.submodules.core_attention = dsa_core_attention_spec()
         return spec
 
-    # One spec per global layer: dense-MLP layers (first_k_dense_replace, mlp_only_layers) and MoE ones.
+    moe = dict(num_experts=arch.num_experts, moe_grouped_gemm=spec_name == "te") if arch.is_moe else {}
     moe_spec, dense_spec = spec_for(moe), (spec_for({}) if arch.dense_layers else None)
-    layer_specs = [dense_spec if i in arch.dense_layers else moe_spec for i in range(arch.num_layers)]
-    layer_spec = moe_spec
+    return [dense_spec if i in arch.dense_layers else moe_spec for i in range(arch.num_layers)], moe_spec
+
+
+def build_model(
+    hf_config: Any, groups: ModelParallelGroups, cfg: MegatronModelConfig | None = None, *, adapter: ModelAdapter | None = None
+) -> MegatronModel:
+    """Instantiate this rank's GPTModel chunks for ``hf_config`` (dict / transformers config /
+    model dir) under ``groups.layout``. Weights are randomly initialised; see load_hf_weights.
+    ``adapter`` overrides the registry lookup (tests inject deliberately broken mappings)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    cpu_compat.apply()  # idempotent; per thread (see cpu_compat), so call it wherever megatron runs
+    cfg = cfg or MegatronModelConfig()
+    cfg.validate()
+    adapter = adapter or model_adapter(hf_config, cfg)
+    arch = adapter.arch
+    lay = groups.layout
+    spec_name = _check_model(arch, cfg, lay)
+    dtype = cfg.dtype or arch.dtype
+    tcfg = transformer_config(arch, groups, cfg, dtype, spec_name)
+    if arch.mla is not None and lay.tp > 1 and not tcfg.sequence_parallel:
+        # compat entry 12: finalize_model_grads sums "q_layernorm" grads over TP, which MLA's
+        # (replicated, already complete) q latent norm must not get; under SP the sum is right.
+        raise ValueError(f"actor.model.sequence_parallel: false with multi-latent attention at tensor_parallel "
+                         f"{lay.tp} > 1 is not supported (megatron 0.16.1 would sum the q-latent norm's gradient "
+                         "over TP); use sequence_parallel: auto")
+    hybrid = arch.linear is not None
+    layer_specs, layer_spec = _layer_specs(arch, spec_name)
     vocab = padded_vocab_size(arch.vocab_size, lay.tp, cfg.make_vocab_size_divisible_by)
     vpp = lay.vpp or 1
     pp_rank = groups.coords.pp
@@ -547,23 +573,23 @@ def build_model(
         from areal_mega.megatron.linear_attention import qwen3_5_block_spec
     chunks = []
     for c in range(vpp):
-        pre = pp_rank == 0 and c == 0
-        post = pp_rank == lay.pp - 1 and c == vpp - 1
+        vp_stage = c if lay.vpp else None
+        if hybrid:
+            block = qwen3_5_block_spec(arch.linear.layer_types, tcfg, vp_stage, pp_rank,
+                                       num_experts=arch.num_experts, dense_layers=arch.dense_layers)
+        elif spec_name == "local":
+            block = compat.block_spec_with_sp_final_norm(layer_specs, tcfg, vp_stage, pp_rank)
+        elif arch.dense_layers:  # TE: megatron's own per-layer specs from moe_layer_freq (dense / MoE layers)
+            block = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=True, vp_stage=vp_stage, pp_rank=pp_rank)
+        else:
+            block = layer_spec
         m = GPTModel(
             config=tcfg,
-            transformer_layer_spec=(
-                qwen3_5_block_spec(arch.linear.layer_types, tcfg, c if lay.vpp else None, pp_rank,
-                                   num_experts=arch.num_experts, dense_layers=arch.dense_layers) if hybrid else
-                compat.block_spec_with_sp_final_norm(layer_specs, tcfg, c if lay.vpp else None, pp_rank)
-                if spec_name == "local" else
-                # TE: megatron's own per-layer specs from moe_layer_freq (dense / MoE layers)
-                get_gpt_decoder_block_spec(tcfg, use_transformer_engine=True, vp_stage=c if lay.vpp else None,
-                                           pp_rank=pp_rank) if arch.dense_layers else layer_spec
-            ),
+            transformer_layer_spec=block,
             vocab_size=vocab,
             max_sequence_length=arch.max_position_embeddings,
-            pre_process=pre,
-            post_process=post,
+            pre_process=pp_rank == 0 and c == 0,
+            post_process=pp_rank == lay.pp - 1 and c == vpp - 1,
             parallel_output=True,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="yarn" if arch.yarn is not None and arch.mla is None else "rope",
@@ -572,7 +598,7 @@ def build_model(
             rope_scaling_factor=arch.rope_scaling_factor or 8.0,
             rotary_percent=arch.rotary_percent,
             pg_collection=groups.pg_collection,
-            vp_stage=c if lay.vpp else None,
+            vp_stage=vp_stage,
         )
         if torch.cuda.is_available():
             m = m.cuda(torch.cuda.current_device())

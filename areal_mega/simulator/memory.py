@@ -238,19 +238,23 @@ def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayo
     sections -- ``actor``, ``critic``, ``algorithm`` -- resolved as the trainer resolves them
     (layer_spec "auto" = te on GPU nodes, local on CPU; sequence_parallel at the layout's TP)."""
     from areal_mega.megatron.model import (  # torch: when priced
-        check_context_parallel, check_linear_attention, check_sparse_attention,
+        check_context_parallel, check_linear_attention, check_sinks_and_biases, check_sparse_attention,
+        local_spec_only,
     )
+
+    def as_built(x: LearnerSettings) -> LearnerSettings:
+        """``x`` as build_model builds it: the local-spec-only families on the local spec and the mask
+        path (gpt-oss's CoreAttention, PackedDSAttention scoring all T keys); no SP in DeltaNet."""
+        if not local_spec_only(m):
+            return x
+        x = dataclasses.replace(x, layer_spec="local", attention="mask")
+        return dataclasses.replace(x, sequence_parallel=False) if m.linear is not None else x
 
     res = exp.launch.learner.reserved_gib
     s = settings_from_engine_config(exp.actor, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res, vpp=layout.vpp)
-    check_linear_attention(m, exp.actor.model, layout)
-    hybrid = dict(layer_spec="local", sequence_parallel=False, attention="mask")  # as build_model builds it
-    if m.linear is not None:
-        s = dataclasses.replace(s, **hybrid)
-    check_sparse_attention(m, exp.actor.model, layout)
-    # gpt-oss: build_model's local spec, CoreAttention's mask; DSA: local spec, PackedDSAttention scores all T keys
-    if m.attention_sinks or m.sliding_window is not None or m.dsa is not None:
-        s = dataclasses.replace(s, layer_spec="local", attention="mask")
+    for check in (check_linear_attention, check_sparse_attention, check_sinks_and_biases):
+        check(m, exp.actor.model, layout)
+    s = as_built(s)
     from areal_mega.megatron.engine import check_attention
     from areal_mega.megatron.lora import check_lora  # the trainer's own refusals, at the dry run too
 
@@ -261,12 +265,8 @@ def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayo
                            vpp=layout.vpp)
     critic = None
     if exp.algorithm.needs_critic:
-        critic = settings_from_engine_config(exp.critic, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res,
-                                             vpp=layout.vpp)
-        if m.linear is not None:
-            critic = dataclasses.replace(critic, **hybrid)
-        if m.dsa is not None:
-            critic = dataclasses.replace(critic, layer_spec="local", attention="mask")
+        critic = as_built(settings_from_engine_config(exp.critic, m.dtype, layout.tp, on_gpu=on_gpu,
+                                                      reserved_gib=res, vpp=layout.vpp))
     return s, critic, exp.algorithm.needs_reference
 
 
