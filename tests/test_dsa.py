@@ -324,7 +324,7 @@ def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
     """SGLang cannot serve DSA on CPU (docs/engine.md: its Indexer has no CPU path), so the sync is
     checked against SGLang's own loader: the stream the learner's export sends at TP2 goes through
     SGLang 0.5.23's DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM ``load_weights`` in-process
-    (tests/support/sglang_dsa_load.py); every parameter is written and equals the checkpoint mapped
+    (tests/support/sglang_load.py); every parameter is written and equals the checkpoint mapped
     by SGLang's rules, bit for bit (the indexer's by its HF names: no permutation on SGLang's side).
     Control: a stream without one layer's indexer wk leaves SGLang's parameter unwritten (NaN)."""
     from areal_mega.megatron.model import HFCheckpointReader
@@ -339,7 +339,7 @@ def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
     torch.save([(n, t) for n, t in torch.load(work / "deepseek_v32_sync_tp2.pt") if n != drop], tmp_path / "dropped.pt")
     jobs.append({"label": "dropped", "config": jobs[0]["config"], "stream": str(tmp_path / "dropped.pt")})
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    run_checked([SGLANG_PYTHON, "tests/support/sglang_dsa_load.py", "--jobs", str(tmp_path / "jobs.json"),
+    run_checked([SGLANG_PYTHON, "tests/support/sglang_load.py", "--jobs", str(tmp_path / "jobs.json"),
                  "--out", str(tmp_path / "out.pt")], timeout_s=600, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
     res = torch.load(tmp_path / "out.pt")
     for name in MODELS:

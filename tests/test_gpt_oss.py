@@ -274,7 +274,7 @@ def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
     """SGLang cannot serve gpt-oss on CPU (its torch_native backend takes no sinks: checked here on
     its signatures), so the sync is checked against SGLang's own loader: the stream the learner's
     export sends at TP2, stacked (stack_hf), goes through SGLang 0.5.23's GptOssForCausalLM
-    ``load_weights`` in-process (tests/support/sglang_gpt_oss_load.py) and must leave every
+    ``load_weights`` in-process (tests/support/sglang_load.py) and must leave every
     parameter bit-identical to what the same loader makes of the HF checkpoint, none unwritten.
     Controls: a stream missing one stacked tensor leaves its parameter NaN; one expert's gate_up
     columns reversed make the fused w13 differ."""
@@ -291,11 +291,12 @@ def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
     torch.save([(n, t) for n, t in stream if n != drop], tmp_path / "dropped.pt")
     torch.save([(n, torch.cat([t[:2], t[2:3].flip(-1), t[3:]]) if n == flip else t) for n, t in stream],
                tmp_path / "flipped.pt")
-    jobs = {"sync": str(work / "sync_tp2.pt"), "dropped": str(tmp_path / "dropped.pt"),
-            "flipped": str(tmp_path / "flipped.pt")}
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    run_checked([SGLANG_PYTHON, "tests/support/sglang_gpt_oss_load.py", "--config", str(work / "model" / "config.json"),
-                 "--ckpt", str(work / "model"), "--jobs", str(tmp_path / "jobs.json"), "--out", str(tmp_path / "out.pt")],
+    streams = {"checkpoint": str(work / "model" / "model.safetensors"), "sync": str(work / "sync_tp2.pt"),
+               "dropped": str(tmp_path / "dropped.pt"), "flipped": str(tmp_path / "flipped.pt")}
+    config = str(work / "model" / "config.json")
+    (tmp_path / "jobs.json").write_text(json.dumps([{"label": k, "config": config, "stream": v} for k, v in streams.items()]))
+    run_checked([SGLANG_PYTHON, "tests/support/sglang_load.py", "--jobs", str(tmp_path / "jobs.json"),
+                 "--out", str(tmp_path / "out.pt"), "--probe-sinks"],
                 timeout_s=600, env=child_env(PYTHONWARNINGS="ignore", MASTER_PORT=str(_free_port())), merge_stderr=True)
     res = torch.load(tmp_path / "out.pt")
     assert res["torch_native_takes_sinks"] == [False, False]  # the serving blocker (docs/engine.md "gpt-oss")
