@@ -250,11 +250,11 @@ def test_conversion_tools_roundtrip_bit_exact(layouts):
     from areal_mega.megatron.model import HFCheckpointReader
 
     work, _, _ = layouts
-    a, b = HFCheckpointReader(work / "model"), HFCheckpointReader(work / "hf")
+    a, b = HFCheckpointReader(work / "model"), HFCheckpointReader(work / "model_hf")
     assert sorted(a.names()) == sorted(b.names())
     bad = [n for n in a.names() if not torch.equal(a.read(n), b.read(n))]
     assert not bad, f"not bit-exact: {bad[:5]}"
-    assert json.loads((work / "hf" / "config.json").read_text())["model_type"] == "gpt_oss"
+    assert json.loads((work / "model_hf" / "config.json").read_text())["model_type"] == "gpt_oss"
 
 
 def test_memory_model_counts_transformers_params():

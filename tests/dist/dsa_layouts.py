@@ -17,12 +17,8 @@ layout of LAYOUTS (tp, pp, ep; dp fills the rest), records on rank 0 into R.pt:
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]
 """(tp, pp, ep): TP1 x DP2, TP2 (sequence parallel "auto"), PP2, EP2."""
@@ -62,20 +58,13 @@ def control_adapter(hf_dir, how: str):
 
 def main() -> None:
     from areal_mega.megatron.model import (
-        HFCheckpointReader, MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights,
+        HFCheckpointReader, MegatronModelConfig, build_model, forward_logits, load_hf_weights,
     )
     from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
     from areal_mega.parallel import ParallelConfig, ParallelLayout
-    from tests.support.dist import gather, last_stage_value
+    from tests.support.dist import convert_round_trip, export_check, finish, gather, last_stage_value, start_layouts_run
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work-dir", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    work = Path(args.work_dir)
-    dist.init_process_group("gloo")
-    ws = dist.get_world_size()
-    ref = torch.load(work / "ref.pt")
+    work, out, ws, ref = start_layouts_run()
     res: dict = {"logits": {}, "export": {}, "negative": {}}
     for name, r in ref.items():
         hf_dir = work / name
@@ -89,19 +78,9 @@ def main() -> None:
             model = build_model(hf_dir, groups, MegatronModelConfig())
             load_hf_weights(model, hf_dir)
             res["logits"][name][key] = last_stage_value(forward_logits(model, ids, cu))
-            c = groups.coords
-            row = None
-            if lay.exports(groups.rank):
-                same, diff, names, stream = 0, 0, [], []
-                for n, t in export_hf_weights(model):
-                    names.append(n)
-                    if t is None:  # EP: only the stage's sender holds every expert
-                        continue
-                    stream.append((n, t))
-                    same, diff = (same + 1, diff) if torch.equal(t, hf_file.read(n)) else (same, diff + 1)
-                row = (c.pp, c.tp == 0 and c.dp == 0 and c.ep == 0, same, diff, names)
-                if (tp, pp, ep) == (2, 1, 1) and groups.rank == 0:  # what a broadcast sync sends, gathered over TP2
-                    torch.save(stream, work / f"{name}_sync_tp2.pt")
+            row, stream = export_check(model, groups, hf_file)
+            if (tp, pp, ep) == (2, 1, 1) and groups.rank == 0:  # what a broadcast sync sends, gathered over TP2
+                torch.save(stream, work / f"{name}_sync_tp2.pt")
             res["export"][name][key] = gather(row)
             for control, (m, lay_key, how) in NEGATIVE.items():
                 if m == name and lay_key == (tp, pp, ep):
@@ -109,19 +88,9 @@ def main() -> None:
                     load_hf_weights(neg, hf_dir)
                     res["negative"][control] = (name, last_stage_value(forward_logits(neg, ids, cu)))
             destroy_model_parallel(groups)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import convert_hf_to_mcore
-    import convert_mcore_to_hf
-
     for name, (first, second) in ROUNDTRIP.items():
-        assert convert_hf_to_mcore.main(["--hf-dir", str(work / name), "--out", str(work / f"{name}_ckpt"),
-                                         *first]) == 0
-        assert convert_mcore_to_hf.main(["--ckpt", str(work / f"{name}_ckpt"), "--out", str(work / f"{name}_hf"),
-                                         *second]) == 0
-    if dist.get_rank() == 0:
-        torch.save(res, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+        convert_round_trip(work / name, work / name, first, second)
+    finish(res, out)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ records on rank 0 into R.pt:
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 
@@ -33,7 +31,7 @@ from areal_mega.megatron.model import (
     load_hf_weights,
 )
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
-from tests.support.dist import finish, gather, last_stage_value, start_layouts_run
+from tests.support.dist import convert_round_trip, finish, gather, last_stage_value, start_layouts_run
 from areal_mega.models import get_adapter, load_hf_config
 from areal_mega.parallel import ParallelConfig, ParallelLayout
 
@@ -119,15 +117,8 @@ def main() -> None:
                     res["negative"][control] = (name, last_stage_value(forward_logits(neg, ids, cu)))
             destroy_model_parallel(groups)
     # HF -> megatron (EP2 x PP2) -> HF (EP2 x TP2) through the conversion tools' own main().
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import convert_hf_to_mcore
-    import convert_mcore_to_hf
-
     for name in [n for n in ROUNDTRIP if n in ref]:  # the models of this run
-        convert_hf_to_mcore.main(["--hf-dir", str(work / name), "--out", str(work / f"{name}_ckpt"), "--ep", "2",
-                                  "--pp", "2"])
-        convert_mcore_to_hf.main(["--ckpt", str(work / f"{name}_ckpt"), "--out", str(work / f"{name}_hf"), "--ep", "2",
-                                  "--tp", "2"])
+        convert_round_trip(work / name, work / name, ["--ep", "2", "--pp", "2"], ["--ep", "2", "--tp", "2"])
     finish(res, out)
 
 

@@ -9,19 +9,17 @@ on rank 0 into R.pt:
   slice, #differing, names) from ModelAdapter.export_hf -- the weight-sync code path; at TP2 the
   sender's stream stacked as the checkpoint (W/sync_tp2.pt);
 * negative[control]: logits with one block dropped at load (NEGATIVE);
-* W/ckpt, W/hf: HF -> megatron (EP2) -> HF (TP2, ETP1) by the conversion tools' main().
+* W/model_ckpt, W/model_hf: HF -> megatron (EP2) -> HF (TP2, ETP1) by the conversion tools' main().
 
 ``__main__`` guard: dist_checkpointing.save re-imports it.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.dist.qwen3_5_layouts import altered, key_of  # noqa: E402
@@ -43,21 +41,14 @@ NEGATIVE = {
 
 def main() -> None:
     from areal_mega.megatron.model import (
-        HFCheckpointReader, MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights,
+        HFCheckpointReader, MegatronModelConfig, build_model, forward_logits, load_hf_weights,
     )
     from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
     from areal_mega.models import get_adapter, load_hf_config
     from areal_mega.parallel import ParallelConfig, ParallelLayout
-    from tests.support.dist import gather, last_stage_value
+    from tests.support.dist import convert_round_trip, export_check, finish, gather, last_stage_value, start_layouts_run
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work-dir", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    work = Path(args.work_dir)
-    dist.init_process_group("gloo")
-    ws = dist.get_world_size()
-    r = torch.load(work / "ref.pt")
+    work, out, ws, r = start_layouts_run()
     hf_dir = work / "model"
     ids, cu = r["input_ids"], r["cu_seqlens"]
     adapter = get_adapter(hf_dir)
@@ -72,19 +63,9 @@ def main() -> None:
         model = build_model(hf_dir, groups, MegatronModelConfig())
         load_hf_weights(model, hf_dir)
         res["logits"][key] = last_stage_value(forward_logits(model, ids, cu))
-        c = groups.coords
-        row = None
-        if lay.exports(groups.rank):
-            same, diff, names, stream = 0, 0, [], []
-            for n, t in export_hf_weights(model):
-                names.append(n)
-                if t is None:  # EP: only the stage's sender holds every expert
-                    continue
-                stream.append((n, t))
-                same, diff = (same + 1, diff) if torch.equal(t, hf_file.read(n)) else (same, diff + 1)
-            row = (c.pp, c.tp == 0 and c.dp == 0 and c.ep == 0, same, diff, names)
-            if (tp, pp) == (2, 1) and groups.rank == 0:  # what a broadcast sync sends, stacked as SGLang loads it
-                torch.save(list(adapter.stack_hf(stream)), work / "sync_tp2.pt")
+        row, stream = export_check(model, groups, hf_file)
+        if (tp, pp) == (2, 1) and groups.rank == 0:  # what a broadcast sync sends, stacked as SGLang loads it
+            torch.save(list(adapter.stack_hf(stream)), work / "sync_tp2.pt")
         res["export"][key] = gather(row)
         for control, (lay_key, suffix, how) in NEGATIVE.items():
             if lay_key == (tp, pp, ep):
@@ -104,17 +85,8 @@ def main() -> None:
                 res["negative"][control] = last_stage_value(forward_logits(neg, ids, cu))
         destroy_model_parallel(groups)
     # HF -> megatron (EP2) -> HF (TP2) through the conversion tools' own main().
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import convert_hf_to_mcore
-    import convert_mcore_to_hf
-
-    assert convert_hf_to_mcore.main(["--hf-dir", str(hf_dir), "--out", str(work / "ckpt"), "--ep", "2"]) == 0
-    assert convert_mcore_to_hf.main(["--ckpt", str(work / "ckpt"), "--out", str(work / "hf"), "--tp", "2",
-                                     "--etp", "1"]) == 0
-    if dist.get_rank() == 0:
-        torch.save(res, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    convert_round_trip(hf_dir, work / "model", ["--ep", "2"], ["--tp", "2", "--etp", "1"])  # -> model_ckpt, model_hf
+    finish(res, out)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,6 @@ the rest), re-initialising megatron's parallel state each time, records on rank 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -39,7 +37,7 @@ from areal_mega.megatron.model import (
     load_hf_weights,
 )
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
-from tests.support.dist import finish, gather, last_stage_value, start_layouts_run
+from tests.support.dist import convert_round_trip, finish, gather, last_stage_value, start_layouts_run
 from areal_mega.models import load_hf_config
 from areal_mega.models.qwen3 import Qwen3Adapter, Qwen3MoeAdapter
 from areal_mega.parallel import ParallelConfig, ParallelLayout
@@ -279,13 +277,7 @@ def main() -> None:
                 res["replay"] = routing_replay_checks(hf_dir, groups, ids, cu)
             destroy_model_parallel(groups)
     # HF -> megatron (EP2 x PP2) -> HF (EP2 x TP2) through the conversion tools' own main().
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import convert_hf_to_mcore
-    import convert_mcore_to_hf
-
-    src = work / "qwen3_moe"
-    convert_hf_to_mcore.main(["--hf-dir", str(src), "--out", str(work / "tool_ckpt"), "--ep", "2", "--pp", "2"])
-    convert_mcore_to_hf.main(["--ckpt", str(work / "tool_ckpt"), "--out", str(work / "tool_hf"), "--ep", "2", "--tp", "2"])
+    convert_round_trip(work / "qwen3_moe", work / "tool", ["--ep", "2", "--pp", "2"], ["--ep", "2", "--tp", "2"])
     finish(res, out)
 
 

@@ -22,8 +22,6 @@ on rank 0 into R.pt:
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 
@@ -117,12 +115,12 @@ def altered(adapter_cls, suffix: str, how: str):
 
 def main() -> None:
     from areal_mega.megatron.model import (
-        HFCheckpointReader, MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights,
+        HFCheckpointReader, MegatronModelConfig, build_model, forward_logits, load_hf_weights,
     )
     from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
     from areal_mega.models import get_adapter, load_hf_config
     from areal_mega.parallel import ParallelConfig, ParallelLayout
-    from tests.support.dist import finish, gather, last_stage_value, start_layouts_run
+    from tests.support.dist import convert_round_trip, export_check, finish, gather, last_stage_value, start_layouts_run
 
     work, out, ws, ref = start_layouts_run()
     res: dict = {"logits": {}, "export": {}, "negative": {}, "grad": None}
@@ -138,21 +136,11 @@ def main() -> None:
             model = build_model(hf_dir, groups, MegatronModelConfig())
             load_hf_weights(model, hf_dir)
             res["logits"][name][key] = last_stage_value(forward_logits(model, ids, cu))
-            c = groups.coords
             if name == "text" and (tp, pp, ep) == (2, 1, 1):  # compat entry 14, every TP rank's view
                 res["grad"] = gather(out_norm_grads(model, ids, cu))
-            row = None
-            if lay.exports(groups.rank):
-                same, diff, names, stream = 0, 0, [], []
-                for n, t in export_hf_weights(model):
-                    names.append(n)
-                    if t is None:  # EP: only the stage's sender holds every expert
-                        continue
-                    stream.append((n, t))
-                    same, diff = (same + 1, diff) if torch.equal(t, hf_file.read(n)) else (same, diff + 1)
-                row = (c.pp, c.tp == 0 and c.dp == 0 and c.ep == 0, same, diff, names)  # (.., the stage's sender, ..)
-                if (tp, pp) == (2, 1) and groups.rank == 0:  # what a broadcast sync sends, gathered over TP2
-                    torch.save(stream, work / f"{name}_sync_tp2.pt")
+            row, stream = export_check(model, groups, hf_file)
+            if (tp, pp) == (2, 1) and groups.rank == 0:  # what a broadcast sync sends, gathered over TP2
+                torch.save(stream, work / f"{name}_sync_tp2.pt")
             res["export"][name][key] = gather(row)
             for control, (m, lay_key, suffix, how) in NEGATIVE.items():
                 if m == name and lay_key in ((tp, pp), (tp, pp, ep)):
@@ -162,16 +150,9 @@ def main() -> None:
                     res["negative"][control] = (name, last_stage_value(forward_logits(neg, ids, cu)))
             destroy_model_parallel(groups)
     # HF -> megatron (PP2) -> HF (TP2) through the conversion tools' own main().
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import convert_hf_to_mcore
-    import convert_mcore_to_hf
-
     for name in ROUNDTRIP:  # the MoE model: HF -> EP2 -> PP2 (no TP for it; its experts change hands)
         first, second = (["--ep", "2"], ["--pp", "2"]) if name.startswith("moe") else (["--pp", "2"], ["--tp", "2"])
-        assert convert_hf_to_mcore.main(["--hf-dir", str(work / name), "--out", str(work / f"{name}_ckpt"),
-                                         *first]) == 0
-        assert convert_mcore_to_hf.main(["--ckpt", str(work / f"{name}_ckpt"), "--out", str(work / f"{name}_hf"),
-                                         *second]) == 0
+        convert_round_trip(work / name, work / name, first, second)
     finish(res, out)
 
 

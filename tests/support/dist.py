@@ -46,6 +46,40 @@ def start_layouts_run() -> tuple[Path, str, int, dict]:
     return work, args.out, dist.get_world_size(), torch.load(work / "ref.pt")
 
 
+def export_check(model, groups, hf_file) -> tuple[tuple | None, list]:
+    """This rank's check of the weight-sync export (``export_hf_weights``, what every transport
+    sends) against the HF checkpoint ``hf_file`` (an HFCheckpointReader or an adapter's view of it):
+    (row, stream). On an exporting rank row = (pp rank, is the stage's sender, #tensors bit-identical
+    to the file, #differing, names in export order) and stream = the (name, tensor) pairs it sent;
+    elsewhere (None, [])."""
+    from areal_mega.megatron.model import export_hf_weights
+
+    if not groups.layout.exports(groups.rank):
+        return None, []
+    c = groups.coords
+    same, diff, names, stream = 0, 0, [], []
+    for n, t in export_hf_weights(model):
+        names.append(n)
+        if t is None:  # EP: only the stage's sender holds every expert
+            continue
+        stream.append((n, t))
+        same, diff = (same + 1, diff) if torch.equal(t, hf_file.read(n)) else (same, diff + 1)
+    return (c.pp, c.tp == 0 and c.dp == 0 and c.ep == 0, same, diff, names), stream
+
+
+def convert_round_trip(hf_dir: Path, out: Path, to_mcore: list[str], to_hf: list[str]) -> None:
+    """HF ``hf_dir`` -> megatron checkpoint ``<out>_ckpt`` (layout flags ``to_mcore``) -> HF
+    ``<out>_hf`` (flags ``to_hf``) through the conversion tools' own main(), on every rank."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import convert_hf_to_mcore
+    import convert_mcore_to_hf
+
+    assert convert_hf_to_mcore.main(["--hf-dir", str(hf_dir), "--out", f"{out}_ckpt", *to_mcore]) == 0
+    assert convert_mcore_to_hf.main(["--ckpt", f"{out}_ckpt", "--out", f"{out}_hf", *to_hf]) == 0
+
+
 def finish(results: dict, out: str) -> None:
     """Rank 0 writes ``results`` to ``out`` (a torch file if it ends in .pt, else JSON); then every
     rank leaves the process group (the barrier keeps a rank from tearing gloo down while rank 0
