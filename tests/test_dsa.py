@@ -52,12 +52,9 @@ def tiny(name: str):
 
 def packed_reference(m, seed: int = 3) -> dict:
     """HF logits of LENS random sequences, each run alone."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (sum(LENS),), generator=g)
-    cu = torch.tensor([0] + torch.tensor(LENS).cumsum(0).tolist())
-    with torch.no_grad():
-        logits = torch.cat([m(input_ids=ids[cu[i]: cu[i + 1]][None]).logits[0] for i in range(len(LENS))])
-    return {"input_ids": ids, "cu_seqlens": cu, "logits": logits.float()}
+    from tests.support.models import packed_hf_logits
+
+    return packed_hf_logits(m, LENS, VOCAB, seed)
 
 
 def logprob_tol(ref_logits: torch.Tensor) -> float:
@@ -74,16 +71,9 @@ def logprob_tol(ref_logits: torch.Tensor) -> float:
 @pytest.fixture(scope="module", autouse=True)
 def _world_released():
     """This module's megatron world of one is torn down after it (later modules expect none)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from tests.support.dist import megatron_world_released
 
-    had_group = dist.is_initialized()
-    yield
-    if not had_group:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    yield from megatron_world_released()
 
 
 def _world_of_one():

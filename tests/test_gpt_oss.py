@@ -45,12 +45,9 @@ def tiny(seed: int = 0):
 
 
 def packed_reference(m, seed: int = 3) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 300, (sum(LENS),), generator=g)
-    cu = torch.tensor([0] + torch.tensor(LENS).cumsum(0).tolist())
-    with torch.no_grad():
-        logits = torch.cat([m(input_ids=ids[cu[i]: cu[i + 1]][None]).logits[0] for i in range(len(LENS))])
-    return {"input_ids": ids, "cu_seqlens": cu, "logits": logits.float()}
+    from tests.support.models import packed_hf_logits
+
+    return packed_hf_logits(m, LENS, 300, seed)
 
 
 def logprob_tol(ref_logits: torch.Tensor) -> float:
@@ -86,16 +83,9 @@ def clamp_binds(m, ids) -> float:
 def _world_released():
     """The megatron world of one set up here is torn down after the module (test_workflow expects
     no default process group in the pytest process)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from tests.support.dist import megatron_world_released
 
-    had_group = dist.is_initialized()
-    yield
-    if not had_group:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    yield from megatron_world_released()
 
 
 def test_adapter_refuses_what_it_cannot_run():

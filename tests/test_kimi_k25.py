@@ -84,12 +84,9 @@ def save_released(m, path: Path) -> Path:
 
 
 def packed_reference(m) -> dict:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (sum(LENS),), generator=g)
-    cu = torch.tensor([0] + list(torch.tensor(LENS).cumsum(0)))
-    with torch.no_grad():
-        logits = torch.cat([m(input_ids=ids[cu[i]: cu[i + 1]][None]).logits[0] for i in range(len(LENS))])
-    return {"input_ids": ids, "cu_seqlens": cu, "logits": logits.float()}
+    from tests.support.models import packed_hf_logits
+
+    return packed_hf_logits(m, LENS, VOCAB, 0)
 
 
 def logits_tol(ref: torch.Tensor) -> float:
@@ -159,16 +156,9 @@ def test_adapter_names_the_language_model_of_the_released_layout(tmp_path):
 def _world_released():
     """The megatron world of one set up here is torn down after this module (later modules expect
     no default process group in the pytest process)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from tests.support.dist import megatron_world_released
 
-    had_group = dist.is_initialized()
-    yield
-    if not had_group:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    yield from megatron_world_released()
 
 
 def test_tp1_logprobs_match_hf_from_the_released_layout(tmp_path):

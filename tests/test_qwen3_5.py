@@ -77,16 +77,9 @@ def _megatron_world_of_one() -> None:
 def _world_released():
     """What this module's megatron world of one sets up is torn down after it: later modules
     (test_workflow) expect no default process group in the pytest process."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from tests.support.dist import megatron_world_released
 
-    had_group = dist.is_initialized()
-    yield
-    if not had_group:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    yield from megatron_world_released()
 
 
 @pytest.fixture(scope="module")
@@ -324,12 +317,9 @@ def _tiny(kind: str = "text", seed: int = 0):
 
 
 def _packed_reference(m, seed: int = 3) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 300, (sum(LENS),), generator=g)
-    cu = torch.tensor([0] + torch.tensor(LENS).cumsum(0).tolist())
-    with torch.no_grad():
-        logits = torch.cat([m(input_ids=ids[cu[i]: cu[i + 1]][None]).logits[0] for i in range(len(LENS))])
-    return {"input_ids": ids, "cu_seqlens": cu, "logits": logits.float()}
+    from tests.support.models import packed_hf_logits
+
+    return packed_hf_logits(m, LENS, 300, seed)
 
 
 def logprob_tol(ref_logits: torch.Tensor) -> float:

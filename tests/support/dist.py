@@ -123,3 +123,18 @@ def servers_paused(servers, mode: str = "retract"):
         if dist.get_rank() == 0:
             for s in servers:
                 s.send(api.continue_generation())
+
+
+def megatron_world_released():
+    """Body of a module-scoped fixture (``yield from megatron_world_released()``): a test module
+    that sets up megatron's world of one in the pytest process tears it down after its tests
+    (later modules expect no default process group), unless one existed before it."""
+    from megatron.core import parallel_state as ps
+
+    had_group = dist.is_initialized()
+    yield
+    if not had_group:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()

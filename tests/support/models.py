@@ -96,3 +96,15 @@ def packed_logprobs(logits, ids, cu):
         out.append(lp[s: e - 1].gather(-1, ids[s + 1: e, None])[:, 0])
     return torch.cat(out)
 
+
+def packed_hf_logits(m, lens: list[int], vocab: int, seed: int) -> dict:
+    """The reference of a packed-row exactness test: random ids for sequences of ``lens`` (one
+    row), HF model ``m``'s logits of each sequence run ALONE, concatenated in packing order."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (sum(lens),), generator=g)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    with torch.no_grad():
+        logits = torch.cat([m(input_ids=ids[cu[i]: cu[i + 1]][None]).logits[0] for i in range(len(lens))])
+    return {"input_ids": ids, "cu_seqlens": cu, "logits": logits.float()}
