@@ -14,7 +14,6 @@ carry global layer indices, so each stage loads its own layers' adapters). Rank 
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 import torch.distributed as dist
@@ -24,19 +23,14 @@ from areal_mega.megatron.lora import LoraConfig, adapter_params, apply_lora, gat
 from areal_mega.megatron.model import MegatronModelConfig, export_hf_weights, build_model, forward_logits, load_hf_weights, packed_causal_mask
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.parallel import ParallelConfig, ParallelLayout
-from tests.support.dist import last_stage_value
+from tests.support.dist import finish, last_stage_value, start_layouts_run
 
 LAYOUTS = [("tp1", 1, 1, False), ("tp2", 2, 1, False), ("tp2sp", 2, 1, True), ("pp2", 1, 2, False)]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work-dir", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    ref = torch.load(f"{args.work_dir}/ref.pt")
-    hf_dir = f"{args.work_dir}/hf"
+    work, res_path, _, ref = start_layouts_run()
+    hf_dir = f"{work}/hf"
     ids, cu, R = ref["input_ids"], ref["cu_seqlens"], ref["R"]
     lcfg = LoraConfig(**ref["lora"])
     res: dict = {"logits": {}, "base": {}, "grads": {}, "merged": {}}
@@ -81,12 +75,12 @@ def main() -> None:
             load_peft_state(eng.model, ref["adapters"])
             eng.optimizer.zero_grad()
             eng.optimizer.step()  # zero gradients: Adam state exists, the adapters do not move
-            eng.save(f"{args.work_dir}/ckpt")  # TP2 -> loaded at TP2 + SP below
+            eng.save(f"{work}/ckpt")  # TP2 -> loaded at TP2 + SP below
         if key == "tp2sp":
             ecfg = MegatronEngineConfig(model=MegatronModelConfig(layer_spec="local", sequence_parallel=True),
                                         optimizer=OptimizerConfig(use_distributed_optimizer=False), lora=lcfg)
             eng = MegatronTrainEngine.create(ecfg, hf_dir, groups, hf_weights_dir=hf_dir)
-            eng.load(f"{args.work_dir}/ckpt")
+            eng.load(f"{work}/ckpt")
             back = gather_peft_state(eng.model)
             res["ckpt"] = {k: torch.equal(v, ref["adapters"][k]) for k, v in back.items()} if dist.get_rank() == 0 else None
         destroy_model_parallel()
@@ -94,12 +88,9 @@ def main() -> None:
     # as a PEFT adapter directory (loaded at PP2: every stage's adapters reach rank 0)
     from areal_mega.megatron.hf_export import export_checkpoint
 
-    export_checkpoint(f"{args.work_dir}/ckpt", f"{args.work_dir}/merged_hf", tp=2)
-    export_checkpoint(f"{args.work_dir}/ckpt", f"{args.work_dir}/peft", pp=2, peft=True)
-    if dist.get_rank() == 0:
-        torch.save(res, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    export_checkpoint(f"{work}/ckpt", f"{work}/merged_hf", tp=2)
+    export_checkpoint(f"{work}/ckpt", f"{work}/peft", pp=2, peft=True)
+    finish(res, res_path)
 
 
 if __name__ == "__main__":

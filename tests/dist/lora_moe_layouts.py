@@ -10,7 +10,6 @@ group, which here run ep etp / tp copies of the batch; megatron's DDP divides th
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 import torch.distributed as dist
@@ -20,19 +19,14 @@ from areal_mega.megatron.lora import LoraConfig, expert_adapter_params, apply_lo
 from areal_mega.megatron.model import MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights, packed_causal_mask
 from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel
 from areal_mega.parallel import ParallelConfig, ParallelLayout
-from tests.support.dist import last_stage_value
+from tests.support.dist import finish, last_stage_value, start_layouts_run
 
 LAYOUTS = [("ep2", 1, 2), ("tp1", 1, 1), ("tp2ep2", 2, 2)]  # the engine checkpoint saved at EP2 is loaded at TP1 (dp 2)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work-dir", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    ref = torch.load(f"{args.work_dir}/ref.pt")
-    hf_dir = f"{args.work_dir}/hf"
+    work, res_path, _, ref = start_layouts_run()
+    hf_dir = f"{work}/hf"
     ids, cu, R = ref["input_ids"], ref["cu_seqlens"], ref["R"]
     lcfg = LoraConfig(**ref["lora"])
     res: dict = {"logits": {}, "base": {}, "grads": {}, "merged": {}, "peft": {}}
@@ -79,9 +73,9 @@ def main() -> None:
             load_peft_state(eng.model, ref["adapters"])
             eng.optimizer.zero_grad()
             eng.optimizer.step()  # zero gradients: Adam state exists, the adapters do not move
-            eng.save(f"{args.work_dir}/ckpt")
+            eng.save(f"{work}/ckpt")
         else:
-            eng.load(f"{args.work_dir}/ckpt")
+            eng.load(f"{work}/ckpt")
             back = gather_peft_state(eng.model)
             res["ckpt"] = {k: torch.equal(v, ref["adapters"][k]) for k, v in back.items()} if dist.get_rank() == 0 else None
         destroy_model_parallel()
@@ -89,12 +83,9 @@ def main() -> None:
     # and as merged HF weights (loaded at TP1)
     from areal_mega.megatron.hf_export import export_checkpoint
 
-    export_checkpoint(f"{args.work_dir}/ckpt", f"{args.work_dir}/peft", ep=2, peft=True)
-    export_checkpoint(f"{args.work_dir}/ckpt", f"{args.work_dir}/merged_hf")
-    if dist.get_rank() == 0:
-        torch.save(res, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    export_checkpoint(f"{work}/ckpt", f"{work}/peft", ep=2, peft=True)
+    export_checkpoint(f"{work}/ckpt", f"{work}/merged_hf")
+    finish(res, res_path)
 
 
 if __name__ == "__main__":
