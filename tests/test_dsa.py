@@ -21,6 +21,8 @@ import json
 import pytest
 import torch
 
+from tests.support.dist import megatron_world_of_one
+
 LENS = [7, 13, 4, 10]  # > TOPK except one: sparsity selects in three of four sequences
 TOPK = 5
 VOCAB = 300
@@ -76,23 +78,6 @@ def _world_released():
     yield from megatron_world_released()
 
 
-def _world_of_one():
-    """This process's gloo world of one with megatron's TP1 groups (any earlier test's torn down)."""
-    from megatron.core import parallel_state as ps
-
-    from areal_mega.megatron import cpu_compat
-    from areal_mega.megatron.parallel_state import init_model_parallel, init_process_group_for_script
-    from areal_mega.parallel import ParallelLayout
-
-    cpu_compat.apply()
-    init_process_group_for_script()
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    if ps._GLOBAL_MEMORY_BUFFER is not None:  # set alone by an earlier test (test_core_attention)
-        ps.destroy_global_memory_buffer()
-    return init_model_parallel(ParallelLayout(world_size=1), backend="gloo")
-
-
 def test_v32_train_step_keeps_the_indexer_frozen(tmp_path):
     """One engine train step (PPO-like loss, packed rows longer than index_topk): the indexer's
     weights are unchanged and out of the optimizer (no grad buffer), every other weight moves."""
@@ -102,7 +87,7 @@ def test_v32_train_step_keeps_the_indexer_frozen(tmp_path):
     from tests.dist.engine_checks import engine_cfg, make_batch, make_loss_fn  # the engine tests' batch and loss
 
     tiny("deepseek_v32").save_pretrained(tmp_path)
-    groups = _world_of_one()
+    groups = megatron_world_of_one()
     try:
         from areal_mega.models import load_hf_config
 
@@ -143,7 +128,7 @@ def test_v32_tp1_logprobs_match_hf_sparse_and_controls(tmp_path):
     hf.save_pretrained(tmp_path)
     ref = packed_reference(hf)
     ids, cu = ref["input_ids"], ref["cu_seqlens"]
-    groups = _world_of_one()
+    groups = megatron_world_of_one()
     try:
         with pytest.raises(ValueError, match="^actor.model.layer_spec: te is not supported for deepseek_v32"):
             build_model(tmp_path, groups, MegatronModelConfig(layer_spec="te"))
@@ -195,7 +180,7 @@ LAYOUT = pytest.mark.families_serve
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     """tests/dist/dsa_layouts.py (2 gloo ranks) over V3.2 and GLM-5."""
-    from tests.support.launch import child_env, run_checked, torchrun_cmd
+    from tests.support.dist import run_layouts_script
 
     work = tmp_path_factory.mktemp("dsa_layouts")
     ref = {}
@@ -204,9 +189,7 @@ def layouts(tmp_path_factory):
         m.save_pretrained(work / name)
         ref[name] = packed_reference(m)
     torch.save(ref, work / "ref.pt")
-    run_checked(torchrun_cmd(2, "tests/dist/dsa_layouts.py", "--work-dir", work, "--out", work / "results.pt"),
-                timeout_s=1500, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
-    return work, ref, torch.load(work / "results.pt")
+    return work, ref, run_layouts_script("tests/dist/dsa_layouts.py", work, timeout_s=1500)
 
 
 @LAYOUT

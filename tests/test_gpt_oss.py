@@ -108,14 +108,11 @@ def test_tiny_model_logprobs_match_hf_packed(tmp_path):
     """TP1 through the registry: packed log-probs = HF per sequence within the fp32 bound; the
     parameter count equals transformers'; export_hf (weight sync's path) stacked back = the HF
     file bit for bit; controls far off: sinks dropped, window off, clamp off."""
-    from megatron.core import parallel_state as ps
 
-    from areal_mega.megatron import cpu_compat
     from areal_mega.megatron.model import (
         HFCheckpointReader, MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights,
     )
-    from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel, init_process_group_for_script
-    from areal_mega.parallel import ParallelLayout
+    from areal_mega.megatron.parallel_state import destroy_model_parallel
     from tests.support.models import packed_logprobs
 
     hf = tiny()
@@ -123,13 +120,9 @@ def test_tiny_model_logprobs_match_hf_packed(tmp_path):
     ref = packed_reference(hf)
     ids, cu = ref["input_ids"], ref["cu_seqlens"]
     assert clamp_binds(hf, ids[cu[2]:]) > 0.01  # the clamp is exercised
-    cpu_compat.apply()
-    init_process_group_for_script()
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    if ps._GLOBAL_MEMORY_BUFFER is not None:  # set alone by an earlier test (test_core_attention)
-        ps.destroy_global_memory_buffer()
-    groups = init_model_parallel(ParallelLayout(world_size=1), backend="gloo")
+    from tests.support.dist import megatron_world_of_one
+
+    groups = megatron_world_of_one()
     try:
         with pytest.raises(ValueError, match="^actor.model.layer_spec: te is not supported for gpt_oss"):
             build_model(tmp_path, groups, MegatronModelConfig(layer_spec="te"))
@@ -178,16 +171,14 @@ def test_tiny_model_logprobs_match_hf_packed(tmp_path):
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     """tests/dist/gpt_oss_layouts.py (2 gloo ranks) over the tiny model."""
-    from tests.support.launch import child_env, run_checked, torchrun_cmd
+    from tests.support.dist import run_layouts_script
 
     work = tmp_path_factory.mktemp("gpt_oss_layouts")
     m = tiny()
     m.save_pretrained(work / "model")
     ref = packed_reference(m)
     torch.save(ref, work / "ref.pt")
-    run_checked(torchrun_cmd(2, "tests/dist/gpt_oss_layouts.py", "--work-dir", work, "--out", work / "results.pt"),
-                timeout_s=1200, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
-    return work, ref, torch.load(work / "results.pt")
+    return work, ref, run_layouts_script("tests/dist/gpt_oss_layouts.py", work, timeout_s=1200)
 
 
 @LAYER
@@ -342,12 +333,9 @@ def test_gradients_of_sinks_and_biases_match_hf(tmp_path):
     every layer's sinks, router bias and expert gate_up / down biases, within the fp32 bound of
     a forward + backward over K = tokens x 64 terms relative to the largest gradient entry.
     Control: the same gradient with the window off is far off."""
-    from megatron.core import parallel_state as ps
 
-    from areal_mega.megatron import cpu_compat
     from areal_mega.megatron.model import MegatronModelConfig, build_model, load_hf_weights
-    from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel, init_process_group_for_script
-    from areal_mega.parallel import ParallelLayout
+    from areal_mega.megatron.parallel_state import destroy_model_parallel
     from tests.dist.qwen3_5_layouts import packed_logprob_sum
     from tests.support.numerics import fp32_tol, transformer_reductions
 
@@ -366,13 +354,9 @@ def test_gradients_of_sinks_and_biases_match_hf(tmp_path):
         want[f"{i}.router_bias"] = layer.mlp.router.bias.grad
         want[f"{i}.fc1_bias"] = torch.cat([ex.gate_up_proj_bias.grad[:, 0::2], ex.gate_up_proj_bias.grad[:, 1::2]], 1)
         want[f"{i}.fc2_bias"] = ex.down_proj_bias.grad
-    cpu_compat.apply()
-    init_process_group_for_script()
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    if ps._GLOBAL_MEMORY_BUFFER is not None:
-        ps.destroy_global_memory_buffer()
-    groups = init_model_parallel(ParallelLayout(world_size=1), backend="gloo")
+    from tests.support.dist import megatron_world_of_one
+
+    groups = megatron_world_of_one()
     try:
         model = build_model(tmp_path, groups, MegatronModelConfig())
         load_hf_weights(model, tmp_path)

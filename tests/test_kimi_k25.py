@@ -166,28 +166,21 @@ def test_tp1_logprobs_match_hf_from_the_released_layout(tmp_path):
     on the released layout: four sequences packed in one row vs each alone in HF, fp32 log-probs;
     parameters = transformers' language model; export bit-exact and complete; control: layer 1's
     kv_b_proj read as zeros (one MLA block dropped) -> far off."""
-    from megatron.core import parallel_state as ps
 
-    from areal_mega.megatron import cpu_compat
     from areal_mega.megatron.model import (
         HFCheckpointReader, MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights,
     )
-    from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel, init_process_group_for_script
+    from areal_mega.megatron.parallel_state import destroy_model_parallel
     from areal_mega.models import get_adapter, load_hf_config
-    from areal_mega.parallel import ParallelLayout
     from tests.dist.family_layouts import dropping
     from tests.support.models import packed_logprobs
 
     m = tiny_kimi()
     d = save_released(m, tmp_path / "kimi")
     ref = packed_reference(m)
-    cpu_compat.apply()
-    init_process_group_for_script()
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    if ps._GLOBAL_MEMORY_BUFFER is not None:  # set alone by an earlier test (test_core_attention)
-        ps.destroy_global_memory_buffer()
-    groups = init_model_parallel(ParallelLayout(world_size=1), backend="gloo")
+    from tests.support.dist import megatron_world_of_one
+
+    groups = megatron_world_of_one()
     try:
         model = build_model(d, groups, MegatronModelConfig(layer_spec="local"))
         load_hf_weights(model, d)

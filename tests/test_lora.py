@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from areal_mega.megatron.lora import TARGETS, LoraConfig
+from tests.support.dist import run_layouts_script
 from tests.support.launch import child_env, run_checked, torchrun_cmd
 from tests.support.numerics import fp32_tol, transformer_reductions
 
@@ -64,9 +65,7 @@ def _peft_reference(work):
 def layouts(tmp_path_factory):
     work = tmp_path_factory.mktemp("lora")
     ref = _peft_reference(work)
-    run_checked(torchrun_cmd(2, "tests/dist/lora_layouts.py", "--work-dir", work, "--out", work / "res.pt"),
-                timeout_s=400, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
-    res = torch.load(work / "res.pt")
+    res = run_layouts_script("tests/dist/lora_layouts.py", work, timeout_s=400)
     res["work"] = str(work)
     return ref, res
 
@@ -362,9 +361,7 @@ def moe_layouts(tmp_path_factory):
     grads = {n.replace(".default", ""): p.grad.clone() for n, p in pm.named_parameters() if "lora_" in n}
     merged = {k: v.detach().clone() for k, v in pm.merge_and_unload().state_dict().items()}
     torch.save(dict(input_ids=ids, cu_seqlens=cu, R=R, lora=MOE_LORA, adapters=adapters), work / "ref.pt")
-    run_checked(torchrun_cmd(2, "tests/dist/lora_moe_layouts.py", "--work-dir", work, "--out", work / "res.pt"),
-                timeout_s=400, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
-    res = torch.load(work / "res.pt")
+    res = run_layouts_script("tests/dist/lora_moe_layouts.py", work, timeout_s=400)
     res["work"] = str(work)
     return dict(logits=logits.detach(), grads=grads, merged=merged, adapters=adapters, input_ids=ids, cu_seqlens=cu), res
 

@@ -337,26 +337,19 @@ def test_whole_text_model_logprobs_match_hf_packed(tmp_path):
     TP1): Qwen3_5ForCausalLM (3 DeltaNet + 1 gated attention layers) with three sequences packed
     in one row vs each alone in HF, fp32 log-probs; parameter counts equal transformers'; the
     export (weight sync's path) bit-exact; control: one DeltaNet layer's A_log / dt_bias swapped."""
-    from megatron.core import parallel_state as ps
 
-    from areal_mega.megatron import cpu_compat
     from areal_mega.megatron.model import (
         HFCheckpointReader, MegatronModelConfig, build_model, export_hf_weights, forward_logits, load_hf_weights,
     )
-    from areal_mega.megatron.parallel_state import destroy_model_parallel, init_model_parallel, init_process_group_for_script
-    from areal_mega.parallel import ParallelLayout
+    from areal_mega.megatron.parallel_state import destroy_model_parallel
     from tests.support.models import packed_logprobs
 
     hf = _tiny("text")
     hf.save_pretrained(tmp_path)
     ref = _packed_reference(hf)
-    cpu_compat.apply()
-    init_process_group_for_script()
-    if ps.model_parallel_is_initialized():  # the layer tests' bare world of one
-        ps.destroy_model_parallel()
-    if ps._GLOBAL_MEMORY_BUFFER is not None:  # set alone by an earlier test (test_core_attention)
-        ps.destroy_global_memory_buffer()
-    groups = init_model_parallel(ParallelLayout(world_size=1), backend="gloo")
+    from tests.support.dist import megatron_world_of_one
+
+    groups = megatron_world_of_one()
     try:
         with pytest.raises(ValueError, match="^actor.model.layer_spec: te is not supported for qwen3_5_text"):
             build_model(tmp_path, groups, MegatronModelConfig(layer_spec="te"))
@@ -392,7 +385,7 @@ def test_whole_text_model_logprobs_match_hf_packed(tmp_path):
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     """tests/dist/qwen3_5_layouts.py (2 gloo ranks) over the text model and the VL checkpoint."""
-    from tests.support.launch import child_env, run_checked, torchrun_cmd
+    from tests.support.dist import run_layouts_script
 
     work = tmp_path_factory.mktemp("qwen3_5_layouts")
     ref = {}
@@ -401,9 +394,7 @@ def layouts(tmp_path_factory):
         m.save_pretrained(work / kind)
         ref[kind] = _packed_reference(m)
     torch.save(ref, work / "ref.pt")
-    run_checked(torchrun_cmd(2, "tests/dist/qwen3_5_layouts.py", "--work-dir", work, "--out", work / "results.pt"),
-                timeout_s=1200, env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
-    return work, ref, torch.load(work / "results.pt")
+    return work, ref, run_layouts_script("tests/dist/qwen3_5_layouts.py", work, timeout_s=1200)
 
 
 @LAYER

@@ -138,3 +138,31 @@ def megatron_world_released():
             ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def megatron_world_of_one():
+    """This pytest process's gloo world of one with megatron's TP1 groups (whatever an earlier test
+    left torn down first); pair it with a module fixture running megatron_world_released."""
+    from megatron.core import parallel_state as ps
+
+    from areal_mega.megatron import cpu_compat
+    from areal_mega.megatron.parallel_state import init_model_parallel, init_process_group_for_script
+    from areal_mega.parallel import ParallelLayout
+
+    cpu_compat.apply()
+    init_process_group_for_script()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if ps._GLOBAL_MEMORY_BUFFER is not None:  # set alone by an earlier test (test_core_attention)
+        ps.destroy_global_memory_buffer()
+    return init_model_parallel(ParallelLayout(world_size=1), backend="gloo")
+
+
+def run_layouts_script(script: str, work: Path, timeout_s: int) -> dict:
+    """``script`` (a tests/dist/*_layouts.py) on 2 gloo ranks over ``work`` (its W/ref.pt written by
+    the caller); the results its rank 0 wrote."""
+    from tests.support.launch import child_env, run_checked, torchrun_cmd
+
+    run_checked(torchrun_cmd(2, script, "--work-dir", work, "--out", work / "results.pt"), timeout_s=timeout_s,
+                env=child_env(PYTHONWARNINGS="ignore"), merge_stderr=True)
+    return torch.load(work / "results.pt")
