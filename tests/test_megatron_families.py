@@ -149,16 +149,12 @@ def test_negative_controls_fail(fam):
 
 
 def test_conversion_tools_roundtrip_bit_exact(fam):
-    from safetensors.torch import load_file
-
     from tests.dist.family_layouts import ROUNDTRIP
+    from tests.support.models import hf_dir_tensors
 
     work, ref, _ = fam
     for name in [n for n in ROUNDTRIP if n in ref]:
-        a = load_file(work / name / "model.safetensors")
-        b = {}
-        for f in sorted((work / f"{name}_hf").glob("*.safetensors")):
-            b.update(load_file(f))
+        a, b = hf_dir_tensors(work / name), hf_dir_tensors(work / f"{name}_hf")
         assert sorted(a) == sorted(b), name
         bad = [k for k in a if not torch.equal(a[k], b[k])]
         assert not bad, f"{name} not bit-exact: {bad[:5]}"

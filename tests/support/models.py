@@ -108,3 +108,15 @@ def packed_hf_logits(m, lens: list[int], vocab: int, seed: int) -> dict:
     with torch.no_grad():
         logits = torch.cat([m(input_ids=ids[cu[i]: cu[i + 1]][None]).logits[0] for i in range(len(lens))])
     return {"input_ids": ids, "cu_seqlens": cu, "logits": logits.float()}
+
+
+def hf_dir_tensors(d) -> dict:
+    """Every tensor of the HF checkpoint directory ``d`` (all its safetensors shards), by name."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(d).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
