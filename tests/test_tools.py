@@ -270,7 +270,7 @@ def test_bench_staleness_summarises_saved_cells(tmp_path, capsys):
             assert cfg.rollout.max_staleness == eta and cfg.trainer.study_delay == eta
     work = tmp_path / "study"
     for eta, seed, acc in [(0, 1, 0.5), (0, 2, 0.7), (4, 1, 0.2), (4, 2, 0.4)]:
-        cell = work / f"eta{eta}-naive-seed{seed}"
+        cell = work / f"eta{eta}-naive-seed{seed}-steps8"
         cell.mkdir(parents=True)
         (cell / "summary.json").write_text(json.dumps({"eta": eta, "method": "naive", "seed": seed, "accuracy": acc,
                                                        "step_s": [1.0, 2.0], "ess": [1.0, 0.9]}))

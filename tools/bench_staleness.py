@@ -57,7 +57,7 @@ def curves(metrics: Path) -> dict[str, list[float]]:
 def run_cell(w: Path, model, eta: int, method: str, seed: int, steps: int, py: str, sg: str, env,
              extra: list[str]) -> dict:
     """One cell, or its saved summary; ``model()`` gives the model directory (built on first use)."""
-    cell = w / f"eta{eta}-{method}-seed{seed}"
+    cell = w / f"eta{eta}-{method}-seed{seed}-steps{steps}"  # a cell of another length is another cell
     done = cell / "summary.json"
     if done.is_file():
         return json.loads(done.read_text())
