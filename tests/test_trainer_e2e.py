@@ -29,7 +29,11 @@ from tests.support.numerics import fp32_tol, transformer_reductions
 pytestmark = [pytest.mark.slow, needs_sglang, pytest.mark.timeout(1500)]
 
 MAX_STALENESS = 1
-MIN_GAIN = 0.5  # absolute held-out accuracy over 30 prompts (measured: 0.0 -> 0.70 at step 8 -> 0.93 at step 16)
+# Absolute held-out accuracy over 30 prompts after 16 steps. The jump comes at a step that varies
+# between machines and runs (the async overlap differs): measured 0.0 -> 0.93, 0.80, 0.87, 0.73 on
+# the 2-core AMX host and 0.47 on a CI host (0.43 at step 8). A broken loop stays at 0 (a gain of
+# 0.3 is 9 of 30 prompts right that were all wrong before).
+MIN_GAIN = 0.3
 RL_STEPS = 16
 PPO_MIN_GAIN = 0.4  # best held-out accuracy after RL (measured: 0.0 -> 0.70 at step 10 -> 0.77 at step 30)
 # Async PPO on this tiny task can peak and then partly fall back within 16 steps (measured once
