@@ -400,7 +400,8 @@ def layouts(tmp_path_factory):
 @LAYER
 def test_layouts_logprobs_match_hf(layouts):
     """TP1 (x DP2), TP2, PP2 for qwen3_5_text and the qwen3_5 VL checkpoint; TP1 (x DP2), PP2, EP2
-    for qwen3_5_moe_text and qwen3_next; vs HF per sequence."""
+    for qwen3_5_moe_text and qwen3_next; TP2 with sequence parallelism for the text model and both
+    MoE models; vs HF per sequence."""
     from tests.dist.qwen3_5_layouts import key_of, layouts_of
     from tests.support.models import packed_logprobs
 
@@ -658,6 +659,36 @@ def test_tp2_out_norm_gradient_matches_hf(layouts):
         err, bad = (fixed - want).abs().max().item(), (unfixed - want).abs().max().item()
         print(f"out_norm grad at TP2: max|mc-hf|={err:.2e} bound={tol:.2e} control (no entry 14)={bad:.2e}")
         assert err <= tol and bad > 100 * tol
+
+
+@LAYER
+def test_tp2_sp_norm_gradients_match_hf(layouts):
+    """Sequence parallelism at TP2: the DeltaNet out_norm (full row, this rank's heads), a
+    zero-centred input norm (this rank's tokens) and the final norm -- their gradients of the packed
+    log-prob sum, after finalize_model_grads sums the sequence-parallel params over TP, equal HF's
+    on every rank; before that sum (each rank's part: the control) far off."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.dist.qwen3_5_layouts import SP_GRAD_PARAMS
+
+    work, ref, res = layouts
+    r = ref["text"]
+    hf = AutoModelForCausalLM.from_pretrained(work / "text", dtype=torch.float32, attn_implementation="eager")
+    ids, cu = r["input_ids"], r["cu_seqlens"]
+    total = 0.0
+    for i in range(len(cu) - 1):
+        x = ids[cu[i]: cu[i + 1]]
+        lp = torch.log_softmax(hf(x[None]).logits[0].float(), -1)
+        total = total + lp[:-1].gather(-1, x[1:, None]).sum()
+    total.backward()
+    hf_p = dict(hf.named_parameters())
+    for rank_grads in res["sp_grad"]:
+        for (mc_name, hf_name), (fixed, partial) in zip(SP_GRAD_PARAMS.items(), rank_grads):
+            want = hf_p[hf_name].grad
+            tol = 1e-4 * want.abs().max().item()  # as test_tp2_out_norm_gradient_matches_hf derives it
+            err, bad = (fixed - want).abs().max().item(), (partial - want).abs().max().item()
+            print(f"{mc_name} grad at TP2+SP: max|mc-hf|={err:.2e} bound={tol:.2e} control (no TP sum)={bad:.2e}")
+            assert err <= tol and bad > 100 * tol, mc_name
 
 
 def test_memory_model_counts_the_hybrid_params():
