@@ -662,33 +662,37 @@ def test_tp2_out_norm_gradient_matches_hf(layouts):
 
 
 @LAYER
-def test_tp2_sp_norm_gradients_match_hf(layouts):
-    """Sequence parallelism at TP2: the DeltaNet out_norm (full row, this rank's heads), a
-    zero-centred input norm (this rank's tokens) and the final norm -- their gradients of the packed
-    log-prob sum, after finalize_model_grads sums the sequence-parallel params over TP, equal HF's
-    on every rank; before that sum (each rank's part: the control) far off."""
+def test_tp2_sp_gradients_match_hf(layouts):
+    """Sequence parallelism at TP2: gradients of the packed log-prob sum, after finalize_model_grads
+    sums the sequence-parallel params over TP, equal HF's on every rank -- the text model's DeltaNet
+    out_norm (full row, this rank's heads), a zero-centred input norm (this rank's tokens) and the
+    final norm; the MoE model's router and shared-expert gate (megatron's) and out_norm. Before that
+    sum (each rank's part: the control) far off."""
     from transformers import AutoModelForCausalLM
 
     from tests.dist.qwen3_5_layouts import SP_GRAD_PARAMS
 
     work, ref, res = layouts
-    r = ref["text"]
-    hf = AutoModelForCausalLM.from_pretrained(work / "text", dtype=torch.float32, attn_implementation="eager")
-    ids, cu = r["input_ids"], r["cu_seqlens"]
-    total = 0.0
-    for i in range(len(cu) - 1):
-        x = ids[cu[i]: cu[i + 1]]
-        lp = torch.log_softmax(hf(x[None]).logits[0].float(), -1)
-        total = total + lp[:-1].gather(-1, x[1:, None]).sum()
-    total.backward()
-    hf_p = dict(hf.named_parameters())
-    for rank_grads in res["sp_grad"]:
-        for (mc_name, hf_name), (fixed, partial) in zip(SP_GRAD_PARAMS.items(), rank_grads):
-            want = hf_p[hf_name].grad
-            tol = 1e-4 * want.abs().max().item()  # as test_tp2_out_norm_gradient_matches_hf derives it
-            err, bad = (fixed - want).abs().max().item(), (partial - want).abs().max().item()
-            print(f"{mc_name} grad at TP2+SP: max|mc-hf|={err:.2e} bound={tol:.2e} control (no TP sum)={bad:.2e}")
-            assert err <= tol and bad > 100 * tol, mc_name
+    assert set(res["sp_grad"]) == set(SP_GRAD_PARAMS)
+    for name, params in SP_GRAD_PARAMS.items():
+        r = ref[name]
+        hf = AutoModelForCausalLM.from_pretrained(work / name, dtype=torch.float32, attn_implementation="eager")
+        ids, cu = r["input_ids"], r["cu_seqlens"]
+        total = 0.0
+        for i in range(len(cu) - 1):
+            x = ids[cu[i]: cu[i + 1]]
+            lp = torch.log_softmax(hf(x[None]).logits[0].float(), -1)
+            total = total + lp[:-1].gather(-1, x[1:, None]).sum()
+        total.backward()
+        hf_p = dict(hf.named_parameters())
+        for rank_grads in res["sp_grad"][name]:
+            for (mc_name, hf_name), (fixed, partial) in zip(params.items(), rank_grads):
+                want = hf_p[hf_name].grad
+                tol = 1e-4 * want.abs().max().item()  # as test_tp2_out_norm_gradient_matches_hf derives it
+                err, bad = (fixed - want).abs().max().item(), (partial - want).abs().max().item()
+                print(f"{name} {mc_name} grad at TP2+SP: max|mc-hf|={err:.2e} bound={tol:.2e} "
+                      f"control (no TP sum)={bad:.2e}")
+                assert err <= tol and bad > 100 * tol, (name, mc_name)
 
 
 def test_memory_model_counts_the_hybrid_params():

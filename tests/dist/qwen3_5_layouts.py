@@ -14,8 +14,9 @@ on rank 0 into R.pt:
 * negative[control]: logits with one block dropped or mis-mapped at load (NEGATIVE);
 * grad: per TP2 rank, GRAD_PARAM's gradient of the packed log-prob sum, with and without compat
   entry 14;
-* sp_grad: per TP2+SP rank, SP_GRAD_PARAMS' gradients of that sum after finalize_model_grads' TP
-  sum of the sequence-parallel params, and before it (control: each rank's part);
+* sp_grad[model]: per TP2+SP rank, SP_GRAD_PARAMS[model]'s gradients of that sum after
+  finalize_model_grads' TP sum of the sequence-parallel params, and before it (control: each
+  rank's part);
 * W/<model>_ckpt, W/<model>_hf: HF -> megatron (PP2; MoE: EP2) -> HF (TP2; MoE: PP2) by the conversion
   tools' main().
 
@@ -68,10 +69,17 @@ def key_of(tp, pp, ep=1, sp=False) -> str:
 
 GRAD_PARAM = "decoder.layers.0.self_attention.out_norm.weight"
 """The gradient compared with HF's at TP2 (compat entry 14): DeltaNet out_norm, shared by the heads."""
-SP_GRAD_PARAMS = {  # megatron name -> HF name: the norms whose grads finalize_model_grads sums over TP under SP
-    GRAD_PARAM: "model.layers.0.linear_attn.norm.weight",  # full row, this rank's heads
-    "decoder.layers.0.input_layernorm.weight": "model.layers.0.input_layernorm.weight",  # this rank's tokens
-    "decoder.final_layernorm.weight": "model.norm.weight",
+SP_GRAD_PARAMS = {  # model -> {megatron name: HF name}: params whose grads finalize_model_grads sums over TP under SP
+    "text": {
+        GRAD_PARAM: "model.layers.0.linear_attn.norm.weight",  # full row, this rank's heads
+        "decoder.layers.0.input_layernorm.weight": "model.layers.0.input_layernorm.weight",  # this rank's tokens
+        "decoder.final_layernorm.weight": "model.norm.weight",
+    },
+    "moe": {  # megatron's own SP-marked MoE params (this rank's tokens)
+        "decoder.layers.1.mlp.router.weight": "model.layers.1.mlp.gate.weight",
+        "decoder.layers.1.mlp.shared_experts.gate_weight": "model.layers.1.mlp.shared_expert_gate.weight",
+        GRAD_PARAM: "model.layers.0.linear_attn.norm.weight",
+    },
 }
 
 
@@ -112,8 +120,8 @@ def out_norm_grads(model, ids, cu) -> tuple[torch.Tensor, torch.Tensor]:
     return out[0], out[1]
 
 
-def sp_grads(model, ids, cu) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per SP_GRAD_PARAMS entry: (its gradient after megatron's finalize_model_grads TP sum of the
+def sp_grads(model, ids, cu, names) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per ``names`` entry: (its gradient after megatron's finalize_model_grads TP sum of the
     sequence-parallel / q-k norm params, the same before it)."""
     from types import SimpleNamespace
 
@@ -122,7 +130,7 @@ def sp_grads(model, ids, cu) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from areal_mega.models.base import named_tensors
 
     chunk = model.chunks[0]
-    ps = [named_tensors(chunk)[n] for n in SP_GRAD_PARAMS]
+    ps = [named_tensors(chunk)[n] for n in names]
     for p in chunk.parameters():
         p.grad = None
     packed_logprob_sum(model, ids, cu).backward()
@@ -160,7 +168,7 @@ def main() -> None:
     from tests.support.dist import convert_round_trip, export_check, finish, gather, last_stage_value, start_layouts_run
 
     work, out, ws, ref = start_layouts_run()
-    res: dict = {"logits": {}, "export": {}, "negative": {}, "grad": None, "sp_grad": None}
+    res: dict = {"logits": {}, "export": {}, "negative": {}, "grad": None, "sp_grad": {}}
     for name, r in ref.items():
         hf_dir = work / name
         ids, cu = r["input_ids"], r["cu_seqlens"]
@@ -175,9 +183,10 @@ def main() -> None:
             assert model.chunks[0].config.sequence_parallel == sp
             load_hf_weights(model, hf_dir)
             res["logits"][name][key] = last_stage_value(forward_logits(model, ids, cu))
-            if name == "text" and (tp, pp, ep) == (2, 1, 1):  # every TP rank's view
-                # without SP: compat entry 14; with SP: finalize_model_grads' sum of the SP params
-                res["sp_grad" if sp else "grad"] = gather(sp_grads(model, ids, cu) if sp else out_norm_grads(model, ids, cu))
+            if name == "text" and (tp, pp, ep, sp) == (2, 1, 1, False):  # compat entry 14, every TP rank's view
+                res["grad"] = gather(out_norm_grads(model, ids, cu))
+            if name in SP_GRAD_PARAMS and sp:  # finalize_model_grads' TP sum of the SP params, every rank
+                res["sp_grad"][name] = gather(sp_grads(model, ids, cu, SP_GRAD_PARAMS[name]))
             row, stream = export_check(model, groups, hf_file)
             if (tp, pp, sp) == (2, 1, False) and groups.rank == 0:  # what a broadcast sync sends, gathered over TP2
                 torch.save(stream, work / f"{name}_sync_tp2.pt")
