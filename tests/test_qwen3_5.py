@@ -695,6 +695,37 @@ def test_tp2_sp_gradients_match_hf(layouts):
                 assert err <= tol and bad > 100 * tol, (name, mc_name)
 
 
+@LAYER
+def test_engine_step_tp2_sp_equals_tp1(layouts):
+    """The dense and the MoE hybrid through MegatronTrainEngine (tests/dist/engine_sp.py's PPO-like
+    loss, Adam, distributed optimizer, clip; 7 packed sequences, odd micro-batches SP pads): TP2 +
+    SP (really on) gives TP1 x DP2's log-probs before and after one train_batch, and its grad norm;
+    control: the step's own effect on the log-probs is well above the bound."""
+    from tests.dist.qwen3_5_layouts import ENGINE_MODELS
+    from tests.support.numerics import fp32_tol, transformer_reductions
+    from tests.test_engine_sp import after_tol
+
+    _, _, res = layouts
+    for name in ENGINE_MODELS:
+        ref, got = res["engine"][name]["tp1"], res["engine"][name]["tp2sp"]
+        assert got["sp"] and not ref["sp"]
+        with torch.device("meta"):
+            n = sum(p.numel() for p in _tiny({"text": "text", "moe": "moe"}[name]).parameters())
+        # fp32, 4 layers' reductions, the longest the softmax normaliser over the 300-token vocab
+        tol = fp32_tol(300, float(ref["before"].abs().max()), ops=transformer_reductions(4))
+        grad_rel = fp32_tol(300, 1.0, ops=transformer_reductions(4, backward=True))  # the chain twice: 1.5e-5
+        after = after_tol(ref["after"], ref["before"], ref["stats"], tol=tol, num_params=n)
+        d0 = (got["before"] - ref["before"]).abs().max().item()
+        d1 = (got["after"] - ref["after"]).abs().max().item()
+        step = (ref["after"] - ref["before"]).abs().max().item()
+        gn = abs(got["stats"]["grad_norm"] / ref["stats"]["grad_norm"] - 1)
+        print(f"{name} engine TP2+SP vs TP1: log-probs {d0:.2e} (bound {tol:.2e}), after the step {d1:.2e} "
+              f"(bound {after:.2e}), grad norm rel {gn:.1e} (bound {grad_rel:.1e}); control (step effect) {step:.2f}")
+        # the after-step bound is loose (Adam's eps-relative term, tests/support/numerics.adam_step_rel):
+        # the step's effect is ~60x it here, ~1e5x the measured difference
+        assert d0 <= tol and d1 <= after and gn <= grad_rel and step > 10 * after
+
+
 def test_memory_model_counts_the_hybrid_params():
     """simulator/memory.py's parameter count of a hybrid (dense and MoE) equals transformers'
     (the count tools/check_memory_model.py's q35_* rows show equal to the engine's tensors)."""

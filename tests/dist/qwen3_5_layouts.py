@@ -17,6 +17,9 @@ on rank 0 into R.pt:
 * sp_grad[model]: per TP2+SP rank, SP_GRAD_PARAMS[model]'s gradients of that sum after
   finalize_model_grads' TP sum of the sequence-parallel params, and before it (control: each
   rank's part);
+* engine[model][key]: through MegatronTrainEngine (tests/dist/engine_sp.py's config, batch and
+  PPO-like loss: 7 packed sequences, odd micro-batches that SP pads) at TP1 x DP2 and TP2 + SP:
+  log-probs, one train_batch's stats, log-probs after it (ENGINE_MODELS);
 * W/<model>_ckpt, W/<model>_hf: HF -> megatron (PP2; MoE: EP2) -> HF (TP2; MoE: PP2) by the conversion
   tools' main().
 
@@ -140,6 +143,32 @@ def sp_grads(model, ids, cu, names) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(p.grad.detach().clone(), r) for p, r in zip(ps, raw)]
 
 
+ENGINE_MODELS = ("text", "moe")
+"""The models stepped through the engine at TP1 x DP2 and TP2 + SP (the dense and the MoE hybrid)."""
+
+
+def engine_steps(work) -> dict:
+    """ENGINE_MODELS through MegatronTrainEngine at TP1 (dp 2) and TP2 + SP ("auto"): forward,
+    one train_batch, forward again (the optimizer: Adam, distributed, clipped)."""
+    from areal_mega.megatron.engine import MegatronTrainEngine
+    from areal_mega.megatron.parallel_state import destroy_model_parallel
+    from areal_mega.models import load_hf_config
+    from tests.dist.engine_sp import TEMPERATURE, engine_cfg, groups_for, make_batch, make_loss_fn
+
+    batch, out = make_batch(), {}
+    for name in ENGINE_MODELS:
+        out[name] = {}
+        for key, tp, sp in (("tp1", 1, False), ("tp2sp", 2, "auto")):
+            d = str(work / name)
+            eng = MegatronTrainEngine.create(engine_cfg(sp), load_hf_config(d), groups_for(tp, 1), d)
+            before = eng.forward(batch, temperature=TEMPERATURE)["logprobs"]
+            stats = eng.train_batch(batch, make_loss_fn(batch), temperature=TEMPERATURE)
+            after = eng.forward_logprobs(batch, temperature=TEMPERATURE)
+            out[name][key] = dict(sp=bool(eng.model.config.sequence_parallel), before=before, after=after, stats=stats)
+            destroy_model_parallel()
+    return out
+
+
 def altered(adapter_cls, suffix: str, how: str):
     """A subclass of ``adapter_cls`` whose load alters the HF tensors ending in ``suffix``."""
 
@@ -205,6 +234,7 @@ def main() -> None:
                     finally:
                         linear_attention.segment_starts = segment_starts
             destroy_model_parallel(groups)
+    res["engine"] = engine_steps(work)
     # HF -> megatron (PP2) -> HF (TP2) through the conversion tools' own main().
     for name in ROUNDTRIP:  # the MoE model: HF -> EP2 -> PP2 (its experts change hands)
         first, second = (["--ep", "2"], ["--pp", "2"]) if name.startswith("moe") else (["--pp", "2"], ["--tp", "2"])
