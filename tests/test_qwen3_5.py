@@ -4,10 +4,12 @@
   gated attention): outputs equal HF's, packed rows reset the recurrent state at every sequence
   boundary (PackedGatedDeltaNet: megatron's GDN refuses packed_seq_params, pinned here).
 * Through the model registry (build_model / load_hf_weights / export_hf_weights): the text model
-  at TP1 in this process (make test's row); TP1 x DP2, TP2, PP2 (dense, VL) and EP2 (MoE, Qwen3-Next)
-  in one 2-rank launch (tests/dist/qwen3_5_layouts.py) with negative controls, export bit-exact,
-  the conversion tools' round trip, compat entry 14 (out_norm gradient at TP2 = HF's), and the
-  sync stream loaded by SGLang's own model classes (no server: SGLang cannot serve it on CPU).
+  at TP1 in this process (make test's row); TP1 x DP2, TP2, PP2 (dense, VL), EP2 (MoE, Qwen3-Next)
+  and TP2 with sequence parallelism (text, MoE, Qwen3-Next) in one 2-rank launch
+  (tests/dist/qwen3_5_layouts.py) with negative controls, export bit-exact, the conversion tools'
+  round trip, compat entry 14 (out_norm gradient at TP2 = HF's), the TP2 + SP gradients of the
+  SP-marked params = HF's, one engine step at TP2 + SP = TP1's, and the sync stream loaded by
+  SGLang's own model classes (no server: SGLang cannot serve it on CPU).
 * Pure: the adapters' TP pieces agree, the VL adapters name the language model only, the memory
   model counts the parameters transformers does. Numbers: docs/engine.md "Qwen3.5".
 """
