@@ -4,10 +4,12 @@
   gated attention): outputs equal HF's, packed rows reset the recurrent state at every sequence
   boundary (PackedGatedDeltaNet: megatron's GDN refuses packed_seq_params, pinned here).
 * Through the model registry (build_model / load_hf_weights / export_hf_weights): the text model
-  at TP1 in this process (make test's row); TP1 x DP2, TP2, PP2 (dense, VL) and EP2 (MoE, Qwen3-Next)
-  in one 2-rank launch (tests/dist/qwen3_5_layouts.py) with negative controls, export bit-exact,
-  the conversion tools' round trip, compat entry 14 (out_norm gradient at TP2 = HF's), and the
-  sync stream loaded by SGLang's own model classes (no server: SGLang cannot serve it on CPU).
+  at TP1 in this process (make test's row); TP1 x DP2, TP2, PP2 (dense, VL), EP2 (MoE, Qwen3-Next)
+  and TP2 with sequence parallelism (text, MoE, Qwen3-Next) in one 2-rank launch
+  (tests/dist/qwen3_5_layouts.py) with negative controls, export bit-exact, the conversion tools'
+  round trip, compat entry 14 (out_norm gradient at TP2 = HF's), the TP2 + SP gradients of the
+  SP-marked params = HF's, one engine step at TP2 + SP = TP1's, and the sync stream loaded by
+  SGLang's own model classes (no server: SGLang cannot serve it on CPU).
 * Pure: the adapters' TP pieces agree, the VL adapters name the language model only, the memory
   model counts the parameters transformers does. Numbers: docs/engine.md "Qwen3.5".
 """
@@ -400,7 +402,8 @@ def layouts(tmp_path_factory):
 @LAYER
 def test_layouts_logprobs_match_hf(layouts):
     """TP1 (x DP2), TP2, PP2 for qwen3_5_text and the qwen3_5 VL checkpoint; TP1 (x DP2), PP2, EP2
-    for qwen3_5_moe_text and qwen3_next; vs HF per sequence."""
+    for qwen3_5_moe_text and qwen3_next; TP2 with sequence parallelism for the text model and both
+    MoE models; vs HF per sequence."""
     from tests.dist.qwen3_5_layouts import key_of, layouts_of
     from tests.support.models import packed_logprobs
 
@@ -658,6 +661,71 @@ def test_tp2_out_norm_gradient_matches_hf(layouts):
         err, bad = (fixed - want).abs().max().item(), (unfixed - want).abs().max().item()
         print(f"out_norm grad at TP2: max|mc-hf|={err:.2e} bound={tol:.2e} control (no entry 14)={bad:.2e}")
         assert err <= tol and bad > 100 * tol
+
+
+@LAYER
+def test_tp2_sp_gradients_match_hf(layouts):
+    """Sequence parallelism at TP2: gradients of the packed log-prob sum, after finalize_model_grads
+    sums the sequence-parallel params over TP, equal HF's on every rank -- the text model's DeltaNet
+    out_norm (full row, this rank's heads), a zero-centred input norm (this rank's tokens) and the
+    final norm; the MoE model's router and shared-expert gate (megatron's) and out_norm. Before that
+    sum (each rank's part: the control) far off."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.dist.qwen3_5_layouts import SP_GRAD_PARAMS
+
+    work, ref, res = layouts
+    assert set(res["sp_grad"]) == set(SP_GRAD_PARAMS)
+    for name, params in SP_GRAD_PARAMS.items():
+        r = ref[name]
+        hf = AutoModelForCausalLM.from_pretrained(work / name, dtype=torch.float32, attn_implementation="eager")
+        ids, cu = r["input_ids"], r["cu_seqlens"]
+        total = 0.0
+        for i in range(len(cu) - 1):
+            x = ids[cu[i]: cu[i + 1]]
+            lp = torch.log_softmax(hf(x[None]).logits[0].float(), -1)
+            total = total + lp[:-1].gather(-1, x[1:, None]).sum()
+        total.backward()
+        hf_p = dict(hf.named_parameters())
+        for rank_grads in res["sp_grad"][name]:
+            for (mc_name, hf_name), (fixed, partial) in zip(params.items(), rank_grads):
+                want = hf_p[hf_name].grad
+                tol = 1e-4 * want.abs().max().item()  # as test_tp2_out_norm_gradient_matches_hf derives it
+                err, bad = (fixed - want).abs().max().item(), (partial - want).abs().max().item()
+                print(f"{name} {mc_name} grad at TP2+SP: max|mc-hf|={err:.2e} bound={tol:.2e} "
+                      f"control (no TP sum)={bad:.2e}")
+                assert err <= tol and bad > 100 * tol, (name, mc_name)
+
+
+@LAYER
+def test_engine_step_tp2_sp_equals_tp1(layouts):
+    """The dense and the MoE hybrid through MegatronTrainEngine (tests/dist/engine_sp.py's PPO-like
+    loss, Adam, distributed optimizer, clip; 7 packed sequences, odd micro-batches SP pads): TP2 +
+    SP (really on) gives TP1 x DP2's log-probs before and after one train_batch, and its grad norm;
+    control: the step's own effect on the log-probs is well above the bound."""
+    from tests.dist.qwen3_5_layouts import ENGINE_MODELS
+    from tests.support.numerics import fp32_tol, transformer_reductions
+    from tests.test_engine_sp import after_tol
+
+    _, _, res = layouts
+    for name in ENGINE_MODELS:
+        ref, got = res["engine"][name]["tp1"], res["engine"][name]["tp2sp"]
+        assert got["sp"] and not ref["sp"]
+        with torch.device("meta"):
+            n = sum(p.numel() for p in _tiny({"text": "text", "moe": "moe"}[name]).parameters())
+        # fp32, 4 layers' reductions, the longest the softmax normaliser over the 300-token vocab
+        tol = fp32_tol(300, float(ref["before"].abs().max()), ops=transformer_reductions(4))
+        grad_rel = fp32_tol(300, 1.0, ops=transformer_reductions(4, backward=True))  # the chain twice: 1.5e-5
+        after = after_tol(ref["after"], ref["before"], ref["stats"], tol=tol, num_params=n)
+        d0 = (got["before"] - ref["before"]).abs().max().item()
+        d1 = (got["after"] - ref["after"]).abs().max().item()
+        step = (ref["after"] - ref["before"]).abs().max().item()
+        gn = abs(got["stats"]["grad_norm"] / ref["stats"]["grad_norm"] - 1)
+        print(f"{name} engine TP2+SP vs TP1: log-probs {d0:.2e} (bound {tol:.2e}), after the step {d1:.2e} "
+              f"(bound {after:.2e}), grad norm rel {gn:.1e} (bound {grad_rel:.1e}); control (step effect) {step:.2f}")
+        # the after-step bound is loose (Adam's eps-relative term, tests/support/numerics.adam_step_rel):
+        # the step's effect is ~60x it here, ~1e5x the measured difference
+        assert d0 <= tol and d1 <= after and gn <= grad_rel and step > 10 * after
 
 
 def test_memory_model_counts_the_hybrid_params():

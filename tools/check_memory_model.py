@@ -167,9 +167,10 @@ QWEN35 = dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden
               linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
               max_position_embeddings=1024)
 """Tiny bf16 Qwen3.5 text model: 3 gated DeltaNet layers + 1 gated attention layer."""
-QWEN35_CONFIGS = [  # name, tp, pp, sequence_parallel, recompute, method, num_layers (SP is refused for it)
+QWEN35_CONFIGS = [  # name, tp, pp, sequence_parallel, recompute, method, num_layers
     ("q35_tp1", 1, 1, False, "none", "uniform", 1),
     ("q35_tp2", 2, 1, False, "none", "uniform", 1),
+    ("q35_tp2_spon", 2, 1, True, "none", "uniform", 1),
     ("q35_pp2", 1, 2, False, "none", "uniform", 1),
     ("q35_tp1_full", 1, 1, False, "full", "uniform", 1),
 ]

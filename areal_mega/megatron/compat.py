@@ -112,8 +112,9 @@ ENTRIES: dict[int, Entry] = {
     ),
     9: Entry(
         "sequence parallelism with the local spec: WrappedTorchNorm asserts 'sequence parallel not "
-        "supported by torch LayerNorm' (SequenceParallelRMSNorm swapped into the local layer spec "
-        "and the final norm; marked sequence_parallel so finalize_model_grads sums its grads over TP)",
+        "supported by torch LayerNorm' (SequenceParallelRMSNorm swapped into the local layer spec, "
+        "the final norm and gated DeltaNet's out_norm; marked sequence_parallel so "
+        "finalize_model_grads sums its grads over TP)",
         ">=0.16.1",
         "tests/test_engine_sp.py::test_sp_forward_and_step_equal_sp_off_and_hf",
     ),
@@ -149,7 +150,7 @@ ENTRIES: dict[int, Entry] = {
         "tests/test_qwen3_5.py::test_whole_text_model_logprobs_match_hf_packed",
     ),
     14: Entry(
-        "gated DeltaNet at TP > 1: out_norm (one weight shared by all value heads, replicated) gets "
+        "gated DeltaNet at TP > 1 without SP: out_norm (one weight shared by all value heads, replicated) gets "
         "only its rank's heads' gradient, and finalize_model_grads sums it over TP only under "
         "sequence parallelism -> a wrong gradient and TP copies that drift apart after a step "
         "(PackedGatedDeltaNet applies the weight through copy_to_tensor_model_parallel_region)",

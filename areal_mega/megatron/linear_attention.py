@@ -5,12 +5,17 @@ The learner packs several sequences into one row with a block-diagonal causal ma
 0.16.1's GatedDeltaNet ignores ``attention_mask`` and refuses ``packed_seq_params``, so its conv
 window and recurrent state would run across sequence boundaries. :class:`PackedGatedDeltaNet` reads
 the boundaries off the mask (token i starts a sequence iff it may not see token i-1) and runs the
-layer once per sequence, so every sequence starts from a zero conv/recurrent state. Trailing
-one-token "sequences" (padding attends only to itself) are merged: they follow every real token,
-so merging them changes nothing that is read. Cost: one layer call per packed sequence.
+conv and the recurrence once per sequence, so every sequence starts from a zero conv/recurrent
+state; in_proj and out_proj run once over the row. Trailing one-token "sequences" (padding attends
+only to itself) are merged: they follow every real token, so merging them changes nothing that is
+read. Under sequence parallelism the layer's input and output are the rank's sequence shard
+[s/tp, b, h]: megatron's column-parallel in_proj all-gathers the row, the per-sequence part sees the
+whole row (the mask is full length), the row-parallel out_proj reduce-scatters it back.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
@@ -30,14 +35,24 @@ def segment_starts(attention_mask: torch.Tensor | None, seq_len: int) -> list[in
     return starts[: j + 1]
 
 
+class _Projected(torch.nn.Module):
+    """Stands in for in_proj / out_proj while megatron's forward runs on one sequence of a row
+    that PackedGatedDeltaNet projects as a whole: returns (input, no bias)."""
+
+    def forward(self, x):
+        return x, None
+
+
 class PackedGatedDeltaNet(GatedDeltaNet):
-    """megatron-core's GatedDeltaNet with its state reset at every packed-sequence boundary, and
-    (compat entry 14) its out_norm's gradient summed over TP."""
+    """megatron-core's GatedDeltaNet with its state reset at every packed-sequence boundary, under
+    sequence parallelism too, and (compat entry 14) its out_norm's gradient summed over TP."""
 
     def _apply_gated_norm(self, x, gate):
         from areal_mega.megatron import compat
 
-        if self.tp_size == 1 or not compat.applies(14):
+        # under SP out_norm's weight is marked sequence_parallel (compat.SequenceParallelRMSNorm):
+        # finalize_model_grads sums its gradient over TP itself
+        if self.tp_size == 1 or self.config.sequence_parallel or not compat.applies(14):
             return super()._apply_gated_norm(x, gate)
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
@@ -49,16 +64,27 @@ class PackedGatedDeltaNet(GatedDeltaNet):
         y = y * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())
         return y.to(x.dtype)
 
+    @contextlib.contextmanager
+    def _per_sequence(self):
+        """megatron's forward without its projections, on one sequence of the projected full row."""
+        saved = self.in_proj, self.out_proj, self.sp_size
+        self.in_proj, self.out_proj, self.sp_size = _Projected(), _Projected(), 1
+        try:
+            yield
+        finally:
+            self.in_proj, self.out_proj, self.sp_size = saved
+
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
-        if self.sp_size != 1:
-            raise ValueError("sequence_parallel: not supported with gated DeltaNet layers (set it false)")
-        starts = segment_starts(attention_mask, hidden_states.shape[0])
+        seq_len = hidden_states.shape[0] * self.sp_size  # under SP the input is this rank's shard
+        starts = segment_starts(attention_mask, seq_len)
         if len(starts) == 1:
             return super().forward(hidden_states, None, *args, **kwargs)
-        ends = starts[1:] + [hidden_states.shape[0]]
-        outs = [super(PackedGatedDeltaNet, self).forward(hidden_states[s:e], None, *args, **kwargs)[0]
-                for s, e in zip(starts, ends)]
-        return torch.cat(outs, dim=0), None
+        qkvzba, _ = self.in_proj(hidden_states)  # [s, b, in_proj / tp]: under SP all-gathered first
+        ends = starts[1:] + [seq_len]
+        with self._per_sequence():
+            outs = [super(PackedGatedDeltaNet, self).forward(qkvzba[s:e], None, *args, **kwargs)[0]
+                    for s, e in zip(starts, ends)]
+        return self.out_proj(torch.cat(outs, dim=0))  # under SP reduce-scattered to the shard
 
 
 class ZeroCenteredRMSNorm(torch.nn.Module):
@@ -70,6 +96,8 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        # under SP each TP rank normalises its sequence shard: finalize_model_grads sums the grads
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.float()
@@ -91,7 +119,12 @@ def qwen3_5_block_spec(layer_types, tcfg=None, vp_stage: int | None = None, pp_r
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+    from areal_mega.megatron import compat
+
     b = LocalSpecProvider()
+    # GDN's gated out_norm: megatron's WrappedTorchNorm asserts no SP; the same torch RMSNorm marked
+    # sequence_parallel (compat entry 9)
+    out_norm = compat.SequenceParallelRMSNorm if compat.applies(9) else b.layer_norm(rms_norm=True)
     specs = []
     for i, t in enumerate(layer_types):
         if t not in ("linear_attention", "full_attention"):
@@ -103,7 +136,7 @@ def qwen3_5_block_spec(layer_types, tcfg=None, vp_stage: int | None = None, pp_r
         attn = s.submodules.self_attention
         if t == "linear_attention":
             s.submodules.self_attention = ModuleSpec(module=PackedGatedDeltaNet, submodules=GatedDeltaNetSubmodules(
-                in_proj=b.column_parallel_linear(), out_norm=b.layer_norm(rms_norm=True), out_proj=b.row_parallel_linear()))
+                in_proj=b.column_parallel_linear(), out_norm=out_norm, out_proj=b.row_parallel_linear()))
         else:
             attn.submodules.q_layernorm = attn.submodules.k_layernorm = ZeroCenteredRMSNorm
         specs.append(s)

@@ -221,7 +221,7 @@ def transformer_config(arch: ModelArch, groups: ModelParallelGroups, cfg: Megatr
         virtual_pipeline_model_parallel_size=lay.vpp,
         context_parallel_size=lay.cp,
         cp_comm_type=cfg.cp_comm_type_for(spec_name) if lay.cp > 1 else None,
-        sequence_parallel=cfg.sequence_parallel_for(lay.tp) and arch.linear is None,  # GDN: refused in build_model
+        sequence_parallel=cfg.sequence_parallel_for(lay.tp),
         params_dtype=dt,
         pipeline_dtype=dt,
         bf16=dt == torch.bfloat16,
@@ -400,21 +400,16 @@ def check_context_parallel(layout, spec_name: str, attention: str | None = None,
 
 def check_linear_attention(arch: ModelArch, cfg: MegatronModelConfig, lay) -> None:
     """Refuse, naming the key, what a hybrid (gated DeltaNet) model cannot run: its block is built
-    on the local spec (megatron/linear_attention.py), PackedGatedDeltaNet has no sequence
-    parallelism ("auto" resolves to off for it) and megatron-core 0.16.1's GDN no context parallelism."""
+    on the local spec (megatron/linear_attention.py) and megatron-core 0.16.1's GDN has no context
+    parallelism."""
     if arch.linear is None:
         return
-    if cfg.layer_spec == "te" or (cfg.sequence_parallel is True and lay.tp > 1):
-        key, val = ("layer_spec", "te") if cfg.layer_spec == "te" else ("sequence_parallel", "true")
-        raise ValueError(f"actor.model.{key}: {val} is not supported for {arch.model_type} "
-                         "(gated DeltaNet layers run on the local spec without sequence parallelism)")
+    if cfg.layer_spec == "te":
+        raise ValueError(f"actor.model.layer_spec: te is not supported for {arch.model_type} "
+                         "(gated DeltaNet layers run on the local spec)")
     if lay.cp > 1:
         raise ValueError(f"parallel.context_parallel: {lay.cp} > 1 is not supported for {arch.model_type} "
                          "(megatron-core 0.16.1's GatedDeltaNet has no context parallelism)")
-    if arch.is_moe and lay.tp > 1:
-        raise ValueError(f"parallel.tensor_parallel: {lay.tp} > 1 is not supported for {arch.model_type} (megatron's "
-                         "MoE layer needs sequence parallelism at TP > 1, which its gated DeltaNet layers lack here); "
-                         "shard the experts with parallel.expert_parallel")
 
 
 class LatentRMSNorm(compat.SequenceParallelRMSNorm):

@@ -244,11 +244,10 @@ def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayo
 
     def as_built(x: LearnerSettings) -> LearnerSettings:
         """``x`` as build_model builds it: the local-spec-only families on the local spec and the mask
-        path (gpt-oss's CoreAttention, PackedDSAttention scoring all T keys); no SP in DeltaNet."""
+        path (gpt-oss's CoreAttention, PackedDSAttention scoring all T keys)."""
         if not local_spec_only(m):
             return x
-        x = dataclasses.replace(x, layer_spec="local", attention="mask")
-        return dataclasses.replace(x, sequence_parallel=False) if m.linear is not None else x
+        return dataclasses.replace(x, layer_spec="local", attention="mask")
 
     res = exp.launch.learner.reserved_gib
     s = settings_from_engine_config(exp.actor, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res, vpp=layout.vpp)
