@@ -72,6 +72,11 @@ def test_cispo_keeps_every_gradient_with_clipped_weight():
     for t in (1, 2, 4, 5, 6):  # d/dlogp_t = -sg(r^_t) A_t / 5 tokens, the clipped token included
         close(cur.grad[t], -float(r[t]) * float(ADV[t]) / 5)
     close(st["clip_frac"], 1 / 5)
+    raw = [math.exp(float(d[t])) for t in (1, 2, 4, 5, 6)]  # the ratio's ESS uses the unclipped ratio
+    close(st["ratio/ess"], sum(raw) ** 2 / (5 * sum(x * x for x in raw)))
+    assert float(st["ratio/ess"]) < 0.75  # e^2 dominates; on-policy (d = 0) it is 1:
+    _, on = CISPOLoss(cfg, total_tokens=5, total_seqs=2)(OLD.clone(), None, mb)
+    close(on["ratio/ess"], 1.0)
     # Negative control: PPO zeroes the clipped token's gradient (A > 0, r > 1 + eps).
     cur2 = (OLD + d).requires_grad_(True)
     ppo, _ = PPOActorLoss(AlgorithmConfig(decoupled=False), total_tokens=5, total_seqs=2)(cur2, None, mb)

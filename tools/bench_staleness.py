@@ -50,7 +50,10 @@ def curves(metrics: Path) -> dict[str, list[float]]:
     rows = [r for r in rows if "version" in r]
     get = lambda k: [r.get(k, float("nan")) for r in rows]  # noqa: E731
     stale = [r.get("rollout/token_staleness", {}) for r in rows]
-    return {"reward": get("rollout/reward_mean"), "ess": get("train/importance_weight/ess"),
+    # decoupled methods: ESS of pi_prox / pi_behav; naive PPO (no pi_prox): of its ratio pi_theta /
+    # pi_behav at the step's first update, the same quantity
+    ess = [r.get("train/importance_weight/ess", r.get("train/ratio/ess", float("nan"))) for r in rows]
+    return {"reward": get("rollout/reward_mean"), "ess": ess,
             "step_s": get("perf/step_s"), "staleness": stale}
 
 

@@ -221,13 +221,20 @@ def behaviour_weight(
         stats["importance_weight/min"] = w[kept].min() if kept.any() else torch.zeros(())
         stats["importance_weight/capped_frac"] = _masked_mean(touched.float(), fmask)
         r = raw[mask].double()
-        stats["importance_weight/ess"] = (r.sum() ** 2 / (r.numel() * (r * r).sum()).clamp(min=1e-300)).float() \
-            if r.numel() else torch.ones(())
+        stats["importance_weight/ess"] = _ess(r)
         if r.numel():
             q = torch.quantile(r, torch.tensor([0.01, 0.5, 0.99], dtype=r.dtype)).float()
             stats.update({"importance_weight/p01": q[0], "importance_weight/p50": q[1], "importance_weight/p99": q[2]})
         stats["behav_kl"] = _masked_mean(token_log_w, fmask)
     return w, dropped, stats
+
+
+def _ess(r: torch.Tensor) -> torch.Tensor:
+    """Normalised effective sample size (sum r)^2 / (n sum r^2) of weights r [n]: 1 when all are
+    equal, -> 1/n as one dominates."""
+    if not r.numel():
+        return torch.ones(())
+    return (r.sum() ** 2 / (r.numel() * (r * r).sum()).clamp(min=1e-300)).float()
 
 
 def ppo_surrogate(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None, *,
@@ -372,6 +379,9 @@ def ppo_policy_loss(
         stats["approx_kl"] = _masked_mean(-log_ratio.detach(), fmask)
         stats["ratio/mean"] = _masked_mean(ratio, fmask)
         stats["ratio/max"] = ratio[mask].max() if mask.any() else torch.zeros(())
+        # without decoupling, at the first update this is the ESS of pi_theta / pi_behav: the
+        # staleness study's ESS for naive PPO (docs/staleness.md)
+        stats["ratio/ess"] = _ess(ratio[mask].double())
         stats["ratio/clamped_frac"] = _masked_mean((raw_log_ratio.detach().abs() > LOG_RATIO_CLAMP).float(), fmask)
         stats["n_tokens"] = fmask.sum()
     return loss, stats
