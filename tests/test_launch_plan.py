@@ -443,12 +443,14 @@ def test_estimator_matches_what_the_engine_holds(tmp_path):
     assert {"tp1", "tp2_spoff", "tp2_spon", "tp2_spon_selective", "tp2_spon_full_block2", "pp2/stage0",
             "cp2", "cp2_selective"} <= set(by)
     assert {"ds_ep2", "ds_tp2_spon", "ds_pp2/stage0", "ds_pp2/stage1"} <= set(by)  # the DeepSeek-V3 rows
-    assert {"q35_tp1", "q35_tp2", "q35_tp2_spon", "q35_pp2/stage0", "q35_pp2/stage1", "q35_tp1_full"} <= set(by)  # Qwen3.5 (GDN)
+    assert {"q35_tp1", "q35_tp2", "q35_tp2_spon", "q35_pp2/stage0", "q35_pp2/stage1",
+            "q35_tp1_full"} <= set(by)  # Qwen3.5 (GDN)
     assert all(by[k]["state_exact"] for k in by)
     acts = lambda k: by[k]["measured_bytes"]["activations"]  # noqa: E731
     # SP, recompute and CP measurably shrink what is saved, in the ratio the estimator predicts
     # (CP2: half the tokens per rank, but K/V gathered and scores over the whole row)
-    for a, b in (("q35_tp1_full", "q35_tp1"), ("q35_tp2_spon", "q35_tp2"), ("tp2_spon", "tp2_spoff"), ("tp2_spon_selective", "tp2_spon"), ("tp2_spon_full_uniform2", "tp2_spon"),
+    for a, b in (("q35_tp1_full", "q35_tp1"), ("q35_tp2_spon", "q35_tp2"), ("tp2_spon", "tp2_spoff"),
+                 ("tp2_spon_selective", "tp2_spon"), ("tp2_spon_full_uniform2", "tp2_spon"),
                  ("cp2", "tp1"), ("cp2_selective", "tp1_selective")):
         measured = acts(a) / acts(b)
         predicted = by[a]["predicted_bytes"]["activations"] / by[b]["predicted_bytes"]["activations"]
@@ -1077,8 +1079,8 @@ CONFIG_QWEN35 = "configs/grpo_qwen3_5_27b.yaml"
 def test_plan_qwen3_5_27b_fits_80gb():
     """Qwen3.5-27B (configs/grpo_qwen3_5_27b.yaml, the VL checkpoint's config, on 8 nodes x 8 GPUs):
     TP4 x PP4 x DP2 on 4 learner nodes fits 80 GB, priced as build_model builds it (local spec,
-    sequence parallelism on at "auto"; 49.2 GiB without it); the parameters by hand (48 gated DeltaNet + 16 gated-attention layers: 26.9B, the
-    language model of the 27.8B checkpoint); 8 SGLang TP4 servers fit with KV on the 16
+    sequence parallelism on at "auto"; 49.2 GiB without it); the parameters by hand (48 gated
+    DeltaNet + 16 gated-attention layers: 26.9B, the language model of the 27.8B checkpoint); 8 SGLang TP4 servers fit with KV on the 16
     full-attention layers only."""
     cfg, raw, rest = load_launch_config(CONFIG_QWEN35, [])
     plan = build_plan(cfg, alloc(8, 8), raw=raw, config_path=CONFIG_QWEN35, overrides=rest, python="PY")
