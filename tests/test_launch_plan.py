@@ -1080,8 +1080,8 @@ def test_plan_qwen3_5_27b_fits_80gb():
     """Qwen3.5-27B (configs/grpo_qwen3_5_27b.yaml, the VL checkpoint's config, on 8 nodes x 8 GPUs):
     TP4 x PP4 x DP2 on 4 learner nodes fits 80 GB, priced as build_model builds it (local spec,
     sequence parallelism on at "auto"; 49.2 GiB without it); the parameters by hand (48 gated
-    DeltaNet + 16 gated-attention layers: 26.9B, the language model of the 27.8B checkpoint); 8 SGLang TP4 servers fit with KV on the 16
-    full-attention layers only."""
+    DeltaNet + 16 gated-attention layers: 26.9B, the language model of the 27.8B checkpoint); 8
+    SGLang TP4 servers fit with KV on the 16 full-attention layers only."""
     cfg, raw, rest = load_launch_config(CONFIG_QWEN35, [])
     plan = build_plan(cfg, alloc(8, 8), raw=raw, config_path=CONFIG_QWEN35, overrides=rest, python="PY")
     assert str(plan.layout) == "dp=2 pp=4 cp=1 tp=4 (world_size=32)"
