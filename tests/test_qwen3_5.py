@@ -109,8 +109,6 @@ def layers():
         linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
         linear_num_key_heads=2, linear_num_value_heads=4)
     b = LocalSpecProvider()
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
     sub = GatedDeltaNetSubmodules(in_proj=b.column_parallel_linear(), out_norm=b.layer_norm(rms_norm=True),
                                   out_proj=b.row_parallel_linear())
     mc = GatedDeltaNet(tcfg, sub, layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups()).eval()
@@ -636,16 +634,12 @@ def test_sync_stream_loads_into_sglangs_own_model(layouts, tmp_path):
     assert not torch.equal(res["flipped"][fused], res["text"][fused])
 
 
-@LAYER
-def test_tp2_out_norm_gradient_matches_hf(layouts):
-    """Compat entry 14: at TP2 the DeltaNet out_norm's gradient (of the packed log-prob sum) equals
-    HF's on every TP rank; without the entry (megatron's own _apply_gated_norm) each rank holds only
-    its heads' part -- far off (control)."""
+def _hf_after_packed_backward(path, r):
+    """The HF model at ``path`` after backward of the summed log-probs of ``r``'s packed sequences,
+    each run alone (the gradient the learner's packed row must equal)."""
     from transformers import AutoModelForCausalLM
 
-    work, ref, res = layouts
-    r = ref["text"]
-    hf = AutoModelForCausalLM.from_pretrained(work / "text", dtype=torch.float32, attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     ids, cu = r["input_ids"], r["cu_seqlens"]
     total = 0.0
     for i in range(len(cu) - 1):
@@ -653,6 +647,16 @@ def test_tp2_out_norm_gradient_matches_hf(layouts):
         lp = torch.log_softmax(hf(x[None]).logits[0].float(), -1)
         total = total + lp[:-1].gather(-1, x[1:, None]).sum()
     total.backward()
+    return hf
+
+
+@LAYER
+def test_tp2_out_norm_gradient_matches_hf(layouts):
+    """Compat entry 14: at TP2 the DeltaNet out_norm's gradient (of the packed log-prob sum) equals
+    HF's on every TP rank; without the entry (megatron's own _apply_gated_norm) each rank holds only
+    its heads' part -- far off (control)."""
+    work, ref, res = layouts
+    hf = _hf_after_packed_backward(work / "text", ref["text"])
     want = hf.model.layers[0].linear_attn.norm.weight.grad
     # fp32; a sum of ~60 log-probs' gradients, each through 4 layers of <= 128-term reductions:
     # 1e-4 relative to the largest entry is ~100x fp32_tol(128, |grad|, ops 14) and far below the control
@@ -670,23 +674,12 @@ def test_tp2_sp_gradients_match_hf(layouts):
     out_norm (full row, this rank's heads), a zero-centred input norm (this rank's tokens) and the
     final norm; the MoE model's router and shared-expert gate (megatron's) and out_norm. Before that
     sum (each rank's part: the control) far off."""
-    from transformers import AutoModelForCausalLM
-
     from tests.dist.qwen3_5_layouts import SP_GRAD_PARAMS
 
     work, ref, res = layouts
     assert set(res["sp_grad"]) == set(SP_GRAD_PARAMS)
     for name, params in SP_GRAD_PARAMS.items():
-        r = ref[name]
-        hf = AutoModelForCausalLM.from_pretrained(work / name, dtype=torch.float32, attn_implementation="eager")
-        ids, cu = r["input_ids"], r["cu_seqlens"]
-        total = 0.0
-        for i in range(len(cu) - 1):
-            x = ids[cu[i]: cu[i + 1]]
-            lp = torch.log_softmax(hf(x[None]).logits[0].float(), -1)
-            total = total + lp[:-1].gather(-1, x[1:, None]).sum()
-        total.backward()
-        hf_p = dict(hf.named_parameters())
+        hf_p = dict(_hf_after_packed_backward(work / name, ref[name]).named_parameters())
         for rank_grads in res["sp_grad"][name]:
             for (mc_name, hf_name), (fixed, partial) in zip(params.items(), rank_grads):
                 want = hf_p[hf_name].grad
