@@ -282,3 +282,8 @@ def test_bench_staleness_summarises_saved_cells(tmp_path, capsys):
     assert got[(0, "naive")]["accuracy_mean"] == pytest.approx(0.6)
     assert got[(4, "naive")]["accuracy_se_over_seeds"] == pytest.approx(0.1)  # sqrt(0.02 / 1 / 2)
     assert (work / "staleness.png").stat().st_size > 0
+    # --saved-only: the same summary from what is saved, the absent cells named, none run
+    assert bench.main(["--sglang-python", "unused", "--etas", "0", "4", "6", "--methods", "naive", "--seeds", "1", "2",
+                       "--steps", "8", "--workdir", rel, "--saved-only", "--no-plot"]) == 0
+    out = _json_line(capsys.readouterr().out)
+    assert out["missing"] == ["eta6-naive-seed1", "eta6-naive-seed2"] and len(out["cells"]) == 4

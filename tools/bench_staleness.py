@@ -1,7 +1,7 @@
 """The staleness study (issue 41, docs/staleness.md): how each method holds up as the data ages.
 
     python tools/bench_staleness.py --sglang-python $S/bin/python [--etas 0 1 2 4 8 16]
-        [--methods naive decoupled m2po] [--seeds 1 2] [--steps 30] [--workdir runs/staleness] [key=value ...]
+        [--methods naive decoupled m2po] [--seeds 1 2] [--steps 30] [--workdir runs/staleness] [--saved-only] [key=value ...]
 
 The `make example` task (SmolLM2-135M-Instruct, two-term arithmetic, async GRPO) trained once per
 cell eta x method x seed, every trained token exactly eta versions old (``trainer.study_delay``;
@@ -57,10 +57,14 @@ def curves(metrics: Path) -> dict[str, list[float]]:
             "step_s": get("perf/step_s"), "staleness": stale}
 
 
+def cell_dir(w: Path, eta: int, method: str, seed: int, steps: int) -> Path:
+    return w / f"eta{eta}-{method}-seed{seed}-steps{steps}"  # a cell of another length is another cell
+
+
 def run_cell(w: Path, model, eta: int, method: str, seed: int, steps: int, py: str, sg: str, env,
              extra: list[str]) -> dict:
     """One cell, or its saved summary; ``model()`` gives the model directory (built on first use)."""
-    cell = w / f"eta{eta}-{method}-seed{seed}-steps{steps}"  # a cell of another length is another cell
+    cell = cell_dir(w, eta, method, seed, steps)
     done = cell / "summary.json"
     if done.is_file():
         return json.loads(done.read_text())
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--workdir", default="runs/staleness")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--saved-only", action="store_true",
+                    help="summarise the grid's saved cells, run none (a study spread over several sittings)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of every cell's run (e.g. GPU settings)")
     args = ap.parse_args(argv)
     if any(e < 0 for e in args.etas) or args.steps <= max(args.etas):
@@ -135,11 +141,20 @@ def main(argv: list[str] | None = None) -> int:
             built.append(link_model(w, args.learner_python, env))
         return built[0]
 
-    cells = [run_cell(w, model, e, m, s, args.steps, args.learner_python, args.sglang_python, env, args.overrides)
-             for e in args.etas for m in args.methods for s in args.seeds]
+    grid = [(e, m, s) for e in args.etas for m in args.methods for s in args.seeds]
+    if args.saved_only:
+        saved = {g: cell_dir(w, *g, args.steps) / "summary.json" for g in grid}
+        cells = [json.loads(p.read_text()) for p in saved.values() if p.is_file()]
+        missing = [f"eta{e}-{m}-seed{s}" for (e, m, s), p in saved.items() if not p.is_file()]
+        if not cells:
+            ap.error(f"--saved-only: no saved cell of this grid under {w}")
+    else:
+        cells = [run_cell(w, model, *g, args.steps, args.learner_python, args.sglang_python, env, args.overrides)
+                 for g in grid]
+        missing = []
     summary = summarise(cells)
     result = {"study": "staleness", "model": "SmolLM2-135M-Instruct", "steps": args.steps, "summary": summary,
-              "cells": cells}
+              "missing": missing, "cells": cells}
     (w / "staleness.json").write_text(json.dumps(result, indent=1))
     if not args.no_plot:
         plot(summary, cells, w / "staleness.png")
