@@ -1107,6 +1107,47 @@ def test_plan_qwen3_5_27b_fits_80gb():
         build_plan(c2, alloc(8, 8), raw=raw2, config_path=CONFIG_QWEN35, overrides=rest2, python="PY")
 
 
+CONFIG_QWEN3_NEXT = "configs/grpo_qwen3_next_80b.yaml"
+
+
+def test_plan_qwen3_next_80b_fits_80gb():
+    """Qwen3-Next-80B-A3B (configs/grpo_qwen3_next_80b.yaml on 8 nodes x 8 GPUs): TP2 x PP4 x DP4
+    with EP8 on 4 learner nodes fits 80 GB, priced as build_model builds it (local spec, mask
+    attention, sequence parallelism on at "auto"); the parameters by hand (36 gated DeltaNet + 12
+    gated-attention layers, each with a router over 512 experts and a gated shared expert: 79.7B,
+    transformers' own count of Qwen3NextConfig() on the meta device); 8 SGLang TP4 servers fit with
+    KV on the 12 full-attention layers only."""
+    cfg, raw, rest = load_launch_config(CONFIG_QWEN3_NEXT, [])
+    plan = build_plan(cfg, alloc(8, 8), raw=raw, config_path=CONFIG_QWEN3_NEXT, overrides=rest, python="PY")
+    assert str(plan.layout) == "dp=4 pp=4 cp=1 tp=2 ep=8 etp=1 (world_size=32)"
+    assert len(plan.learner_nodes) == 4 and len(plan.engines) == 8 and plan.fits
+    h, v, e, f_e, f_s = 2048, 151936, 512, 512, 512
+    attn = h * 2 * 16 * 256 + 2 * h * 2 * 256 + 16 * 256 * h  # q with its gate, k, v, o
+    kd, vd, nv = 16 * 128, 32 * 128, 32
+    gdn = h * (2 * kd + 2 * vd + 2 * nv) + (2 * kd + vd) * 4 + 2 * nv + vd * h  # in_proj, conv1d, A_log, dt_bias, out_proj
+    router, shared, gate, experts = e * h, 3 * h * f_s, h, e * 3 * h * f_e  # per layer: every layer is MoE
+    m = get_adapter(raw["launch"]["model_config"]).arch
+    assert total_params(m) == 12 * (attn + 2 * h + 2 * 256) + 36 * (gdn + 2 * h + 128) \
+        + 48 * (router + shared + gate + experts) + 2 * v * h + h == 79_674_391_296
+    # stage 0: 9 DeltaNet + 3 attention layers and the embedding; dense weights over TP2, the
+    # router and shared-expert gate replicated, the experts over EP8
+    lm = plan.learner_memory
+    dense = (3 * attn + 9 * gdn + 12 * shared + v * h) // 2
+    replicated = 3 * (2 * h + 2 * 256) + 9 * (2 * h + 128) + 12 * (router + gate)
+    assert lm.stage == 0 and lm.params == dense + replicated + 12 * experts // 8 == 2_795_662_240
+    # Adam m, v + fp32 master: the experts' over expert-dp (dp * tp / ep = 1), the rest over dp (4);
+    # the DeltaNet out_norm is an fp32 weight (no master: 8 bytes)
+    st = stage_state(m, lm.settings, plan.layout, 0)
+    out_norm = 9 * 128
+    assert st.optimizer == 12 * 12 * experts // 8 + (12 * (dense + replicated - out_norm) + 8 * out_norm) / 4
+    assert lm.settings.layer_spec == "local" and lm.settings.attention == "mask" and lm.settings.sequence_parallel
+    assert round(lm.total / GIB, 1) == 66.7 and round(plan.engine_memory.total / GIB, 1) == 48.6
+    assert plan.engine_memory.kv_bytes_per_token == 2 * 12 * 1 * 256 * 2  # 12 layers, 1 KV head per GPU, bf16
+    with pytest.raises(ValueError, match="^parallel.context_parallel: 2 > 1 is not supported for qwen3_next"):
+        c2, raw2, rest2 = load_launch_config(CONFIG_QWEN3_NEXT, ["parallel.context_parallel=2"])
+        build_plan(c2, alloc(8, 8), raw=raw2, config_path=CONFIG_QWEN3_NEXT, overrides=rest2, python="PY")
+
+
 CONFIG_70B_LORA = "configs/grpo_llama70b_lora.yaml"
 
 
