@@ -24,8 +24,8 @@ from areal_mega.megatron.logprobs import vocab_parallel_logprobs
 from areal_mega.utils.stats import LAST, reduction
 from areal_mega.megatron.lora import LoraConfig, apply_lora, check_lora
 from areal_mega.megatron.model import (
-    MegatronModel, MegatronModelConfig, build_model, check_context_parallel, context_forward, load_hf_weights,
-    microbatch_shard, packed_causal_mask, row_lengths, run_schedule,
+    MegatronModel, MegatronModelConfig, build_model, check_context_parallel, check_moe_sequence_parallel, context_forward,
+    load_hf_weights, microbatch_shard, packed_causal_mask, row_lengths, run_schedule,
 )
 from areal_mega.megatron.context_parallel import gather_tokens
 from areal_mega.megatron.routing import BatchReplay, replay_metrics
@@ -273,6 +273,8 @@ class MegatronTrainEngine(TrainEngine):
             # checkpoint wrappers; the reference is built without it.
             model_cfg = dataclasses.replace(model_cfg, recompute="none")
         model = build_model(hf_config, groups, model_cfg)
+        if trainable:
+            check_moe_sequence_parallel(model.arch, model_cfg, groups.layout)
         if hf_weights_dir is not None:
             load_hf_weights(model, hf_weights_dir)
         if trainable and cfg.lora.enabled:

@@ -398,6 +398,16 @@ def check_context_parallel(layout, spec_name: str, attention: str | None = None,
                          "yet (MLA's RoPE under CP is untested); set parallel.context_parallel: 1")
 
 
+def check_moe_sequence_parallel(arch: ModelArch, cfg: MegatronModelConfig, lay) -> None:
+    """A trained MoE model at TP > 1 needs sequence parallelism: megatron-core 0.16.1's MoE layer
+    raises at the first training forward without it (moe_layer.py), so it is refused at start-up
+    and in the dry run instead."""
+    if arch.is_moe and lay.tp > 1 and not cfg.sequence_parallel_for(lay.tp):
+        raise ValueError(f"actor.model.sequence_parallel: false at parallel.tensor_parallel {lay.tp} is not supported "
+                         f"for {arch.model_type} in training (megatron-core's MoE layer needs it at TP > 1); "
+                         "set it auto or true")
+
+
 def check_linear_attention(arch: ModelArch, cfg: MegatronModelConfig, lay) -> None:
     """Refuse, naming the key, what a hybrid (gated DeltaNet) model cannot run: its block is built
     on the local spec (megatron/linear_attention.py) and megatron-core 0.16.1's GDN has no context

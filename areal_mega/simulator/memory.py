@@ -238,8 +238,8 @@ def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayo
     sections -- ``actor``, ``critic``, ``algorithm`` -- resolved as the trainer resolves them
     (layer_spec "auto" = te on GPU nodes, local on CPU; sequence_parallel at the layout's TP)."""
     from areal_mega.megatron.model import (  # torch: when priced
-        check_context_parallel, check_linear_attention, check_sinks_and_biases, check_sparse_attention,
-        local_spec_only,
+        check_context_parallel, check_linear_attention, check_moe_sequence_parallel, check_sinks_and_biases,
+        check_sparse_attention, local_spec_only,
     )
 
     def as_built(x: LearnerSettings) -> LearnerSettings:
@@ -251,7 +251,7 @@ def learner_settings(exp: "ExperimentConfig", m: ModelArch, layout: ParallelLayo
 
     res = exp.launch.learner.reserved_gib
     s = settings_from_engine_config(exp.actor, m.dtype, layout.tp, on_gpu=on_gpu, reserved_gib=res, vpp=layout.vpp)
-    for check in (check_linear_attention, check_sparse_attention, check_sinks_and_biases):
+    for check in (check_linear_attention, check_sparse_attention, check_sinks_and_biases, check_moe_sequence_parallel):
         check(m, exp.actor.model, layout)
     s = as_built(s)
     from areal_mega.megatron.engine import check_attention
