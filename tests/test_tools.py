@@ -273,6 +273,7 @@ def test_bench_staleness_summarises_saved_cells(tmp_path, capsys):
         cell = work / f"eta{eta}-naive-seed{seed}-steps8"
         cell.mkdir(parents=True)
         (cell / "summary.json").write_text(json.dumps({"eta": eta, "method": "naive", "seed": seed, "accuracy": acc,
+                                                       "accuracy_se": 0.01 + 0.01 * seed,
                                                        "step_s": [1.0, 2.0], "ess": [1.0, 0.9]}))
     rel = str(work.relative_to(REPO)) if work.is_relative_to(REPO) else str(work)
     assert bench.main(["--sglang-python", "unused", "--etas", "0", "4", "--methods", "naive", "--seeds", "1", "2",
@@ -281,6 +282,7 @@ def test_bench_staleness_summarises_saved_cells(tmp_path, capsys):
     got = {(s["eta"], s["method"]): s for s in out["summary"]}
     assert got[(0, "naive")]["accuracy_mean"] == pytest.approx(0.6)
     assert got[(4, "naive")]["accuracy_se_over_seeds"] == pytest.approx(0.1)  # sqrt(0.02 / 1 / 2)
+    assert got[(4, "naive")]["accuracy_se_eval"] == pytest.approx(math.sqrt(0.02 ** 2 + 0.03 ** 2) / 2)
     assert (work / "staleness.png").stat().st_size > 0
     # --saved-only: the same summary from what is saved, the absent cells named, none run
     assert bench.main(["--sglang-python", "unused", "--etas", "0", "4", "6", "--methods", "naive", "--seeds", "1", "2",

@@ -88,7 +88,11 @@ def summarise(cells: list[dict]) -> list[dict]:
         mean = sum(accs) / len(accs)
         se = math.sqrt(sum((a - mean) ** 2 for a in accs) / (len(accs) - 1) / len(accs)) if len(accs) > 1 else None
         step_s = [s for c in cells if (c["eta"], c["method"]) == key for s in c["step_s"]]
+        # the eval's own sampling error of that mean (200 items: ~3.4 points per cell)
+        binom = [c["accuracy_se"] for c in cells if (c["eta"], c["method"]) == key and "accuracy_se" in c]
+        se_eval = math.sqrt(sum(b * b for b in binom)) / len(binom) if binom else None
         out.append({"eta": key[0], "method": key[1], "accuracy_mean": mean, "accuracy_se_over_seeds": se,
+                    "accuracy_se_eval": se_eval,
                     "seeds": len(accs), "step_s_median": sorted(step_s)[len(step_s) // 2] if step_s else None})
     return out
 
@@ -103,13 +107,14 @@ def plot(summary: list[dict], cells: list[dict], path: Path) -> None:
     for m in sorted({s["method"] for s in summary}):
         rows = [s for s in summary if s["method"] == m]
         a.errorbar([r["eta"] for r in rows], [r["accuracy_mean"] for r in rows],
-                   yerr=[r["accuracy_se_over_seeds"] or 0 for r in rows],
+                   yerr=[r["accuracy_se_over_seeds"] or r["accuracy_se_eval"] or 0 for r in rows],
                    marker="o", capsize=3, label=m)
         for c in cells:
             if c["method"] == m and c["eta"] == max(r["eta"] for r in rows):
                 b.plot(c["ess"], label=f"{m} eta={c['eta']} seed={c['seed']}")
     a.set_xscale("symlog", base=2)
-    a.set(xlabel="staleness eta (versions)", ylabel="held-out accuracy (greedy)", title="accuracy vs staleness")
+    a.set(xlabel="staleness eta (versions)", ylabel="held-out accuracy (greedy)",
+          title="accuracy vs staleness (bars: SE over seeds, else the eval's)")
     b.set(xlabel="step", ylabel="ESS of importance weights", title="ESS at the largest eta")
     a.legend(), b.legend(fontsize=7)
     fig.tight_layout()
