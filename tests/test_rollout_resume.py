@@ -373,8 +373,11 @@ def test_a_snapshot_between_checkpoints_keeps_what_the_checkpoints_weights_sampl
     _assert_once_and_uninterrupted(trained, cfg.max_staleness)
     asked = {call_key(r["input_ids"], r["sampling_params"]["max_new_tokens"]) for r in run2}
     lost_calls = {call_key(p, MAX_NEW) for t in lost.trajectories for p, _ in t.info["calls"]}
-    if not from_snapshot:  # control: the lost batch's calls are generated again
-        assert lost_calls <= asked and counts.get("replayed_tokens", 0) == 0
+    if not from_snapshot:  # control: the lost batch is generated again
+        # its episodes' first calls (the prompts): later calls' inputs hold earlier answers, which
+        # a pause under load can split into other segments, so only the first is certain
+        firsts = {call_key(t.info["calls"][0][0], MAX_NEW) for t in lost.trajectories}
+        assert firsts <= asked and counts.get("replayed_tokens", 0) == 0
         return
     assert not lost_calls & asked  # answered from the snapshot, never generated again
     eps = snap["rollout"]["episodes"]
