@@ -27,17 +27,18 @@ RANK = ("import os, sys, time\n"
         "time.sleep(600)\n")
 
 # A command that leaves a detached daemon (double fork + setsid) and then keeps running (or exits).
-# The middle process exits once the daemon has written its pid, so the command never ends before
-# the daemon is known (a wrapper could otherwise kill it before it writes: a loaded machine).
+# The middle process exits once the daemon says (over a pipe) that its pid is written, so the
+# command never ends before the daemon is known (a wrapper could otherwise kill it first).
 DAEMON = ("import os, sys, time\n"
           "p = os.path.join(sys.argv[1], 'pid.daemon')\n"
+          "r, w = os.pipe()\n"
           "if os.fork() == 0:\n"
           "    os.setsid()\n"
           "    if os.fork() == 0:\n"
           "        open(p + '.tmp', 'w').write(str(os.getpid())); os.replace(p + '.tmp', p)\n"
+          "        os.write(w, b'1')\n"
           "        time.sleep(600)\n"
-          "    while not os.path.exists(p):\n"
-          "        time.sleep(0.01)\n"
+          "    os.read(r, 1)\n"
           "    os._exit(0)\n"
           "os.wait()\n"
           "if sys.argv[2] == 'stay':\n"
