@@ -275,6 +275,10 @@ def test_bench_staleness_summarises_saved_cells(tmp_path, capsys):
         (cell / "summary.json").write_text(json.dumps({"eta": eta, "method": "naive", "seed": seed, "accuracy": acc,
                                                        "accuracy_se": 0.01 + 0.01 * seed,
                                                        "step_s": [1.0, 2.0], "ess": [1.0, 0.9]}))
+    # one cell kept its metrics.jsonl: its summary gains the curves this tool added since it was saved
+    rows = [{"version": v, "perf/step_s": 3.0, "time/train_s": 2.0, "time/prox_logp_s": 0.25 * v} for v in (1, 2, 3)]
+    (work / "eta4-naive-seed1-steps8" / "grpo").mkdir()
+    (work / "eta4-naive-seed1-steps8" / "grpo" / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
     rel = str(work.relative_to(REPO)) if work.is_relative_to(REPO) else str(work)
     assert bench.main(["--sglang-python", "unused", "--etas", "0", "4", "--methods", "naive", "--seeds", "1", "2",
                        "--steps", "8", "--workdir", rel]) == 0
@@ -283,6 +287,10 @@ def test_bench_staleness_summarises_saved_cells(tmp_path, capsys):
     assert got[(0, "naive")]["accuracy_mean"] == pytest.approx(0.6)
     assert got[(4, "naive")]["accuracy_se_over_seeds"] == pytest.approx(0.1)  # sqrt(0.02 / 1 / 2)
     assert got[(4, "naive")]["accuracy_se_eval"] == pytest.approx(math.sqrt(0.02 ** 2 + 0.03 ** 2) / 2)
+    assert got[(4, "naive")]["prox_s_median"] == 0.5 and got[(4, "naive")]["train_s_median"] == 2.0
+    assert got[(0, "naive")]["prox_s_median"] is None  # no metrics kept: nothing invented
+    saved = json.loads((work / "eta4-naive-seed1-steps8" / "summary.json").read_text())
+    assert saved["prox_s"] == [0.25, 0.5, 0.75] and saved["accuracy"] == 0.2
     assert (work / "staleness.png").stat().st_size > 0
     # --saved-only: the same summary from what is saved, the absent cells named, none run
     assert bench.main(["--sglang-python", "unused", "--etas", "0", "4", "6", "--methods", "naive", "--seeds", "1", "2",

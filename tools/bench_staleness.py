@@ -53,8 +53,10 @@ def curves(metrics: Path) -> dict[str, list[float]]:
     # decoupled methods: ESS of pi_prox / pi_behav; naive PPO (no pi_prox): of its ratio pi_theta /
     # pi_behav at the step's first update, the same quantity
     ess = [r.get("train/importance_weight/ess", r.get("train/ratio/ess", float("nan"))) for r in rows]
-    return {"reward": get("rollout/reward_mean"), "ess": ess,
-            "step_s": get("perf/step_s"), "staleness": stale}
+    # step_s is the whole step (rollout wait included); train_s the learner's update; prox_s its
+    # extra forward for pi_prox (0 under A-3PO's interpolation and for naive PPO)
+    return {"reward": get("rollout/reward_mean"), "ess": ess, "step_s": get("perf/step_s"),
+            "train_s": get("time/train_s"), "prox_s": get("time/prox_logp_s"), "staleness": stale}
 
 
 def cell_dir(w: Path, eta: int, method: str, seed: int, steps: int) -> Path:
@@ -67,7 +69,7 @@ def run_cell(w: Path, model, eta: int, method: str, seed: int, steps: int, py: s
     cell = cell_dir(w, eta, method, seed, steps)
     done = cell / "summary.json"
     if done.is_file():
-        return json.loads(done.read_text())
+        return load_saved(cell)
     t0 = time.time()
     train(model(), cell / "grpo", learner_python=py, sglang_python=sg, env=env,
           overrides=[*cell_overrides(eta, method, seed, steps), *extra])
@@ -81,20 +83,39 @@ def run_cell(w: Path, model, eta: int, method: str, seed: int, steps: int, py: s
     return res
 
 
+def load_saved(cell: Path) -> dict:
+    """A saved cell's summary, its curves re-read from its metrics.jsonl where that was kept (so a
+    cell saved by an older version of this tool gains the curves added since)."""
+    res = json.loads((cell / "summary.json").read_text())
+    metrics = cell / "grpo" / "metrics.jsonl"
+    if metrics.is_file():
+        fresh = curves(metrics)
+        if fresh.keys() - res.keys():
+            res.update(fresh)
+            (cell / "summary.json").write_text(json.dumps(res))
+    return res
+
+
 def summarise(cells: list[dict]) -> list[dict]:
     out = []
     for key in sorted({(c["eta"], c["method"]) for c in cells}):
         accs = [c["accuracy"] for c in cells if (c["eta"], c["method"]) == key]
         mean = sum(accs) / len(accs)
         se = math.sqrt(sum((a - mean) ** 2 for a in accs) / (len(accs) - 1) / len(accs)) if len(accs) > 1 else None
-        step_s = [s for c in cells if (c["eta"], c["method"]) == key for s in c["step_s"]]
+        median = lambda k: _median([s for c in cells if (c["eta"], c["method"]) == key for s in c.get(k, [])])  # noqa: E731
         # the eval's own sampling error of that mean (200 items: ~3.4 points per cell)
         binom = [c["accuracy_se"] for c in cells if (c["eta"], c["method"]) == key and "accuracy_se" in c]
         se_eval = math.sqrt(sum(b * b for b in binom)) / len(binom) if binom else None
         out.append({"eta": key[0], "method": key[1], "accuracy_mean": mean, "accuracy_se_over_seeds": se,
                     "accuracy_se_eval": se_eval,
-                    "seeds": len(accs), "step_s_median": sorted(step_s)[len(step_s) // 2] if step_s else None})
+                    "seeds": len(accs), "step_s_median": median("step_s"), "train_s_median": median("train_s"),
+                    "prox_s_median": median("prox_s")})
     return out
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if not math.isnan(x))
+    return xs[len(xs) // 2] if xs else None
 
 
 def plot(summary: list[dict], cells: list[dict], path: Path) -> None:
@@ -149,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = [(e, m, s) for e in args.etas for m in args.methods for s in args.seeds]
     if args.saved_only:
         saved = {g: cell_dir(w, *g, args.steps) / "summary.json" for g in grid}
-        cells = [json.loads(p.read_text()) for p in saved.values() if p.is_file()]
+        cells = [load_saved(p.parent) for p in saved.values() if p.is_file()]
         missing = [f"eta{e}-{m}-seed{s}" for (e, m, s), p in saved.items() if not p.is_file()]
         if not cells:
             ap.error(f"--saved-only: no saved cell of this grid under {w}")
