@@ -136,7 +136,7 @@ def plot(summary: list[dict], cells: list[dict], path: Path) -> None:
     a.set_xscale("symlog", base=2)
     a.set(xlabel="staleness eta (versions)", ylabel="held-out accuracy (greedy)",
           title="accuracy vs staleness (bars: SE over seeds, else the eval's)")
-    b.set(xlabel="step", ylabel="ESS of importance weights", title="ESS at the largest eta")
+    b.set(xlabel="step", ylabel="ESS of importance weights", title="ESS at each method's largest eta")
     a.legend(), b.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
