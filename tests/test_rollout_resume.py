@@ -336,7 +336,7 @@ def test_a_snapshot_between_checkpoints_keeps_what_the_checkpoints_weights_sampl
         svc = RolloutService(f.config(), server_wait_s=0)
         try:
             svc.start(Turns(TURNS), Prompts(), cfg, keep_trained=True)
-            base = svc.checkpoint_state()  # the learner checkpoint (step 0): nothing generated yet
+            base = svc.checkpoint_state()  # the learner checkpoint (step 0): little or nothing generated yet
             lost = svc.next_batch()  # step 1 trains it, then the kill: not in the resumed timeline
             f.sync(svc, 1)
             for _ in range(100):  # snapshot until one holds a version-1 token of a version-0 episode

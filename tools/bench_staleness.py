@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -99,12 +100,13 @@ def load_saved(cell: Path) -> dict:
 def summarise(cells: list[dict]) -> list[dict]:
     out = []
     for key in sorted({(c["eta"], c["method"]) for c in cells}):
-        accs = [c["accuracy"] for c in cells if (c["eta"], c["method"]) == key]
+        group = [c for c in cells if (c["eta"], c["method"]) == key]
+        accs = [c["accuracy"] for c in group]
         mean = sum(accs) / len(accs)
         se = math.sqrt(sum((a - mean) ** 2 for a in accs) / (len(accs) - 1) / len(accs)) if len(accs) > 1 else None
-        median = lambda k: _median([s for c in cells if (c["eta"], c["method"]) == key for s in c.get(k, [])])  # noqa: E731
+        median = lambda k: _median([s for c in group for s in c.get(k, [])])  # noqa: E731
         # the eval's own sampling error of that mean (200 items: ~3.4 points per cell)
-        binom = [c["accuracy_se"] for c in cells if (c["eta"], c["method"]) == key and "accuracy_se" in c]
+        binom = [c["accuracy_se"] for c in group if "accuracy_se" in c]
         se_eval = math.sqrt(sum(b * b for b in binom)) / len(binom) if binom else None
         out.append({"eta": key[0], "method": key[1], "accuracy_mean": mean, "accuracy_se_over_seeds": se,
                     "accuracy_se_eval": se_eval,
@@ -114,8 +116,8 @@ def summarise(cells: list[dict]) -> list[dict]:
 
 
 def _median(xs: list[float]) -> float | None:
-    xs = sorted(x for x in xs if not math.isnan(x))
-    return xs[len(xs) // 2] if xs else None
+    xs = [x for x in xs if not math.isnan(x)]  # NaN: a step without that timer (naive PPO's prox)
+    return statistics.median_high(xs) if xs else None
 
 
 def plot(summary: list[dict], cells: list[dict], path: Path) -> None:
