@@ -168,13 +168,14 @@ def test_bad_settings_are_one_line(kw, key):
 
 
 class _Engine:
-    """A one-tensor 'model' whose weights are its version: what the servers get is visible."""
+    """A one-tensor 'model' whose weights are its version (+ 1/3, which bf16 cannot hold): what the
+    servers get is visible, and so is a rounding of the learner's own weights."""
 
     def __init__(self):
         self.w = torch.zeros(1)
 
-    def snapshot_weights(self):
-        return [self.w.clone()]
+    def snapshot_weights(self, dtype=None):
+        return [self.w.to(dtype or self.w.dtype, copy=True)]
 
     def restore_weights(self, weights):
         self.w.copy_(weights[0])
@@ -185,16 +186,26 @@ def test_study_delay_serves_the_weights_of_delay_versions_ago(delay):
     from areal_mega.trainer.config import TrainerLoopConfig
 
     eng, pushed = _Engine(), []
-    t = SimpleNamespace(cfg=SimpleNamespace(trainer=TrainerLoopConfig(study_delay=delay, study_opt_in=True)),
-                        actor=eng, _served=__import__("collections").deque([(0, eng.snapshot_weights())]))
-    t._push_weights = lambda version: pushed.append((version, float(eng.w[0])))
+    cfg = SimpleNamespace(trainer=TrainerLoopConfig(study_delay=delay, study_opt_in=True),
+                          inference=SimpleNamespace(server=SimpleNamespace(dtype="bfloat16")))
+    t = SimpleNamespace(cfg=cfg, actor=eng, _served=__import__("collections").deque())
+    weights = lambda v: torch.tensor([v + 1 / 3], dtype=torch.float32)  # noqa: E731
+    eng.w.copy_(weights(0))
+    t._served_dtype = lambda: Trainer._served_dtype(t)
+    Trainer.__post_init__(t)
+    # the wire casts to the servers' bf16: what a server holds
+    t._push_weights = lambda version: pushed.append((version, float(eng.w.to(torch.bfloat16)[0])))
+    bf16 = lambda v: float(weights(v).to(torch.bfloat16)[0])  # noqa: E731
+    assert all(bf16(v) != float(weights(v)[0]) for v in range(8))  # the control below can fail
     for v in range(1, 8):
-        eng.w.fill_(v)  # the update that made version v
+        eng.w.copy_(weights(v))  # the update that made version v
         Trainer.sync_weights(t, v)
-        assert float(eng.w[0]) == v  # the learner keeps training its own weights
+        # the learner keeps training its own weights, at full precision (not the bf16 history's)
+        assert torch.equal(eng.w, weights(v))
     served = max(0, 7 - delay)
-    assert pushed[-1] == (served, served)  # served version v - d, with version v - d's weights
-    assert pushed == [(max(0, v - delay), max(0, v - delay)) for v in range(1, 8)]
+    assert pushed[-1] == (served, bf16(served))  # served version v - d, with version v - d's weights
+    assert pushed == [(max(0, v - delay), bf16(max(0, v - delay))) for v in range(1, 8)]
+    assert all(w[0].dtype == torch.bfloat16 for _, w in t._served)  # the history at half of fp32's bytes
     assert len(t._served) <= delay + 1 or delay == 0
     with pytest.raises(RuntimeError, match="study_delay"):  # a gap (a resume): refused when delayed
         if delay:

@@ -59,8 +59,9 @@ class TrainEngine(ABC):
     def set_version(self, version: int) -> None:
         ...
 
-    def snapshot_weights(self) -> list[Any]:
-        """A CPU copy of this rank's weights (only ``trainer.study_delay`` asks for it)."""
+    def snapshot_weights(self, dtype: Any = None) -> list[Any]:
+        """A CPU copy of this rank's weights, cast to ``dtype`` if given (only ``trainer.study_delay``
+        asks for it)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no weight snapshots (trainer.study_delay)")
 
     def restore_weights(self, weights: list[Any]) -> None:

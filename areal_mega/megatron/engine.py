@@ -608,9 +608,11 @@ class MegatronTrainEngine(TrainEngine):
     def get_version(self) -> int:
         return self._version
 
-    def snapshot_weights(self) -> list[torch.Tensor]:
-        """A CPU copy of this rank's model weights (``trainer.study_delay`` keeps a few)."""
-        return [p.detach().to("cpu", copy=True) for m in self.model.chunks for p in m.parameters()]
+    def snapshot_weights(self, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """A CPU copy of this rank's model weights, in ``dtype`` if given (``trainer.study_delay``
+        keeps a few)."""
+        return [p.detach().to("cpu", dtype=dtype or p.dtype, copy=True)
+                for m in self.model.chunks for p in m.parameters()]
 
     def restore_weights(self, weights: list[torch.Tensor]) -> None:
         """Copy a ``snapshot_weights`` result back into this rank's model, in place."""
