@@ -6,7 +6,8 @@ own answers, so a server given the learner's newest weights (the delay ignored) 
 staleness 0 or 1 here (the negative control is the fast test's: test_offpolicy_losses.py).
 The same run uses A-3PO's interpolated proximal (``algorithm.proximal: interpolate``): the
 engine's micro-batches carry ``prox_alpha`` to the loss, whose behaviour weights are then
-recorded; with data 2 versions old they are not all 1."""
+recorded; with data 2 versions old they are not all 1. The server runs in bf16, so the delayed
+copies are the real engine's bf16 snapshots (the bits are checked in the fast test)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_every_trained_token_is_exactly_eta_versions_old(tmp_path):
                  "trainer.eval_at_start=false", "trainer.eval_at_end=false", "trainer.export_hf_at_end=false",
                  "parallel.tensor_parallel=1", "rollout.batch_size=4", "workflow.group_size=4",
                  f"rollout.max_staleness={ETA}", f"trainer.study_delay={ETA}", "trainer.study_opt_in=true",
-                 "algorithm.proximal=interpolate"],
+                 "algorithm.proximal=interpolate", "inference.server.dtype=bfloat16"],
                 timeout_s=900)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == list(range(1, STEPS + 1))

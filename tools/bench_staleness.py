@@ -102,8 +102,8 @@ def summarise(cells: list[dict]) -> list[dict]:
     for key in sorted({(c["eta"], c["method"]) for c in cells}):
         group = [c for c in cells if (c["eta"], c["method"]) == key]
         accs = [c["accuracy"] for c in group]
-        mean = sum(accs) / len(accs)
-        se = math.sqrt(sum((a - mean) ** 2 for a in accs) / (len(accs) - 1) / len(accs)) if len(accs) > 1 else None
+        mean = statistics.fmean(accs)
+        se = statistics.stdev(accs) / math.sqrt(len(accs)) if len(accs) > 1 else None
         median = lambda k: _median([s for c in group for s in c.get(k, [])])  # noqa: E731
         # the eval's own sampling error of that mean (200 items: ~3.4 points per cell)
         binom = [c["accuracy_se"] for c in group if "accuracy_se" in c]
