@@ -127,15 +127,15 @@ def plot(summary: list[dict], cells: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    seeds = sorted({c["seed"] for c in cells})  # one colour a method in both panels; seeds by line style
     for m in sorted({s["method"] for s in summary}):
         rows = [s for s in summary if s["method"] == m]
+        largest_eta = max(r["eta"] for r in rows)
         bars = a.errorbar([r["eta"] for r in rows], [r["accuracy_mean"] for r in rows],
                           yerr=[r["accuracy_se_over_seeds"] or r["accuracy_se_eval"] or 0 for r in rows],
                           marker="o", capsize=3, label=m)
-        # one colour a method in both panels; seeds told apart by the line style
-        seeds = sorted({c["seed"] for c in cells})
         for c in cells:
-            if c["method"] == m and c["eta"] == max(r["eta"] for r in rows):
+            if c["method"] == m and c["eta"] == largest_eta:
                 b.plot(c["ess"], color=bars.lines[0].get_color(), linestyle=["-", "--", ":", "-."][seeds.index(c["seed"]) % 4],
                        label=f"{m} eta={c['eta']} seed={c['seed']}")
     a.set_xscale("symlog", base=2)
