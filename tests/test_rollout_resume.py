@@ -300,6 +300,33 @@ def test_restore_drops_what_staleness_forbids_and_restarts_what_cannot_be_replay
     assert not c._resumed[0]["calls"] and c.resume_counts["restarted"] == 1
 
 
+def test_restore_cuts_each_call_so_a_groups_parallel_samples_keep_their_older_tokens():
+    """Resumed at version 0, one episode of two parallel samples saved in call order: A1 crossed
+    the sync (0, 0, 1, 1), B1 finished before it, B2 started before it and is in flight (0, 0),
+    A2 read A1's answer (1, 1). Each call is cut at its own first newer token: A1 keeps (0, 0) and
+    continues, B1 and B2 are kept whole, A2 is dropped; only the 4 newer tokens are cut. (CI,
+    2026-12-06: cutting the episode after A1 also dropped B2's version-0 tokens.)"""
+    import random
+
+    from areal_mega.rollout.controller import RolloutController
+    from tests.test_rl_rollout import FakeEngine, GroupWorkflow
+
+    def call(key: str, vers: list[int], finish: str | None) -> dict:
+        return {"key": key, "rid": key, "ids": list(range(len(vers))), "lps": [-1.0] * len(vers), "vers": vers,
+                "finish": finish}
+
+    calls = [call("A1", [0, 0, 1, 1], "length"), call("B1", [0, 0, 0], "stop"), call("B2", [0, 0], None),
+             call("A2", [1, 1], "stop")]
+    c = RolloutController(FakeEngine(random.Random(0)), GroupWorkflow(), [],
+                          RolloutConfig(batch_size=2, max_staleness=1, show_progress=False), version=0)
+    c.restore({"episodes": [{"uid": "u0", "seq": 0, "admit_version": 0, "pos": [0, 0], "data": {"id": 0},
+                             "attempt": 0, "calls": calls}]})
+    kept = c._resumed[0]["calls"]
+    assert [(k["key"], k["vers"], k["finish"]) for k in kept] == \
+        [("A1", [0, 0], None), ("B1", [0, 0, 0], "stop"), ("B2", [0, 0], None)]
+    assert c.resume_counts["cut_tokens"] == c.resume_counts["lost_tokens"] == 4
+
+
 def test_a_sample_json_cannot_hold_is_given_back_not_saved():
     """An episode whose sample holds something JSON cannot (here a set) is not saved whole: its
     prompt position is given back to the stream (generated again), the others are saved."""

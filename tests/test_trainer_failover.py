@@ -117,7 +117,10 @@ def test_server_killed_mid_run_is_restarted_resynced_and_run_completes(tmp_path:
     # It went out of rotation, and came back (only after a sync gave it the current weights).
     assert f"inference server 127.0.0.1:{victim_port} back in rotation" in text, text[-5000:]
     if num_servers == 2:
-        assert min(r["inference/servers_in_rotation"] for r in rows) == 1
+        # out of rotation while the survivor carried on: a row shows it, or (out and back inside
+        # one step, see above) only the pool's log does
+        assert f"inference server 127.0.0.1:{victim_port} marked down" in text, text[-5000:]
+        assert min(r["inference/servers_in_rotation"] for r in rows) >= 1
     else:
         # The next sync waited for the restarted server, or (no batch was ready) the learner's
         # batch wait pushed it the current weights; which one depends on when the kill landed

@@ -262,8 +262,8 @@ class RolloutController:
         """Before ``astart``: the episodes ``checkpoint_state`` saved run first, continued from
         their calls. What the resumed weights never sampled (a snapshot taken after the resumed
         checkpoint) goes: an episode admitted after the resumed version is dropped and its prompt
-        runs again (``dropped_newer``); a call is cut at its first token of a newer version, the
-        later calls dropped (``cut_tokens``: the replay goes live there). An episode admitted
+        runs again (``dropped_newer``); each call is cut at its first token of a newer version
+        (``cut_tokens``: the replay goes live there). An episode admitted
         before ``version - max_staleness`` (its tokens could not be trained within the bound) is
         dropped and its prompt runs again (``dropped_stale``); one of a workflow that is not
         ``replayable`` (or with MoE routes captured) restarts."""
@@ -584,16 +584,17 @@ class RolloutController:
 
 
 def _cut_calls(calls: list[dict[str, Any]], version: int) -> list[dict[str, Any]]:
-    """Saved calls up to their first token newer than ``version``: that call becomes one in
-    flight holding the tokens before it (continued on resume), the later calls are dropped."""
+    """Each saved call up to its first token newer than ``version``: it becomes a call in flight
+    holding the tokens before it (continued on resume); one whose first token is newer is dropped.
+    Per call, not per episode: an episode's parallel calls (a group's samples) keep their older
+    tokens when a sibling crossed the sync. A call that read a cut call's answer started after
+    that newer token, so (versions are stamped in time order) all its tokens are newer: dropped."""
     out = []
     for c in calls:
         j = next((i for i, v in enumerate(c["vers"]) if v > version), None)
         if j is None:
             out.append(c)
-            continue
-        if j:
+        elif j:
             out.append({**c, "ids": c["ids"][:j], "lps": c["lps"][:j], "vers": c["vers"][:j], "finish": None})
-        break
     return out
 
