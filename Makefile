@@ -81,7 +81,7 @@ test-slurm-nodes:
 	  AREAL_MEGA_SGLANG_PYTHON=$$S/bin/python $$L/bin/python -m pytest -q -rfE -s -m slurm_nodes $(PYTEST_ARGS)
 
 # Slow checks whose mechanism make test covers more cheaply (pytest -m heavy; ~14 min): the failover of
-# a lone server, a real SGLang server tree dying with its SIGKILLed parent, the async PPO (critic) and
+# a lone server and the broadcast-mode failover, a real SGLang server tree dying with its SIGKILLed parent, the async PPO (critic) and
 # PP2xVPP2 trainer runs (their engine-level exactness stays in make test), and the real trainer on the
 # 4-node Slurm cluster (make test keeps that sbatch script's placement and rank-death paths).
 test-heavy:

@@ -48,7 +48,9 @@ def _steps(path: Path) -> list[dict]:
 
 
 # [1]: a lone server killed (the run waits for its restart); kept out of make test for the CI budget
-@pytest.mark.parametrize("num_servers,mode", [(2, "broadcast"), (2, "reshard"),
+# make test keeps 2-reshard (the sync group rebuilt without the dead server and again with it);
+# 2-broadcast (the same pool failover, ~3 min) runs in make test-heavy
+@pytest.mark.parametrize("num_servers,mode", [pytest.param(2, "broadcast", marks=pytest.mark.heavy), (2, "reshard"),
                                               pytest.param(1, "broadcast", marks=pytest.mark.heavy)])
 def test_server_killed_mid_run_is_restarted_resynced_and_run_completes(tmp_path: Path, num_servers: int,
                                                                        mode: str) -> None:
