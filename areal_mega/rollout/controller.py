@@ -263,10 +263,10 @@ class RolloutController:
         their calls. What the resumed weights never sampled (a snapshot taken after the resumed
         checkpoint) goes: an episode admitted after the resumed version is dropped and its prompt
         runs again (``dropped_newer``); each call is cut at its first token of a newer version
-        (``cut_tokens``: the replay goes live there). An episode admitted
-        before ``version - max_staleness`` (its tokens could not be trained within the bound) is
-        dropped and its prompt runs again (``dropped_stale``); one of a workflow that is not
-        ``replayable`` (or with MoE routes captured) restarts."""
+        (``cut_tokens``: the replay goes live there). An episode admitted before ``version -
+        max_staleness`` (its tokens could not be trained within the bound) is dropped and its
+        prompt runs again (``dropped_stale``); one of a workflow that is not ``replayable`` (or
+        with MoE routes captured) restarts."""
         eps = (state or {}).get("episodes") or []
         version = self.staleness.version
         oldest_allowed = version - self.config.max_staleness
