@@ -186,7 +186,10 @@ class RolloutService(GenerationService):
 
     def stats(self) -> dict[str, float]:
         p = self.pool
+        # servers_marked_down counts every exit from the rotation since the start: one that is
+        # out and back inside a step never shows in servers_in_rotation, sampled at the step's end
         return {"inference/servers_in_rotation": float(len(p.healthy_servers())),
+                "inference/servers_marked_down": float(sum(h.num_failures for h in p.servers)),
                 "inference/failovers": float(p.num_failovers), "inference/interruptions": float(p.num_interruptions)}
 
     def evaluate(self, greedy: RolloutWorkflow, dataset: list[dict[str, Any]], spec: EvalSpec | None = None,
